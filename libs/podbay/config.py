@@ -1,0 +1,97 @@
+"""Configuration for every podbay process, read from ``PODBAY_*`` environment variables.
+
+One settings model serves all processes so that a variable means the same thing everywhere; each
+process reads the fields it needs. Every field is documented in README.md ("Configuration").
+Units are in the field names (``_ms``, ``_s``, ``_mib``, ``_gib``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings", "default_data_dir", "default_cache_dir"]
+
+
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/podbay`` (``~/.local/share/podbay``): node stores, server data, the dev config."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "podbay"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/podbay`` (``~/.cache/podbay``): template images and kernels, keyed by their inputs."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "podbay"
+
+
+class Settings(BaseSettings):
+    """All ``PODBAY_*`` settings. Field ``x_y`` is read from ``PODBAY_X_Y``."""
+
+    model_config = SettingsConfigDict(env_prefix="PODBAY_", extra="ignore")
+
+    # places
+    data_dir: Path = Field(default_factory=default_data_dir, description="Root of all server and node state.")
+    log_dir: Path | None = Field(None, description="Service logs; default DATA_DIR/logs.")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Build cache (templates, kernels).")
+
+    # servers
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    pg_dsn: str = Field("postgresql://podbay@127.0.0.1:5432/podbay", description="PostgreSQL DSN.")
+    s3_url: str = Field("http://127.0.0.1:8333", description="S3 endpoint.")
+    s3_bucket: str = Field("podbay", description="Bucket for snapshots.")
+    s3_region: str = Field("us-east-1")
+
+    # api
+    api_host: str = Field("127.0.0.1")
+    api_port: int = Field(8080)
+    api_url: str | None = Field(None, description="Client side: where the API answers.")
+    api_key: str | None = Field(None, description="Client side: bearer API key.")
+    create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
+    exec_timeout_s: float = Field(300.0, description="Default exec timeout when the request gives none.")
+    internal_token: str = Field("", description="Shared secret between the API and node data planes.")
+
+    # node agent
+    node_id: str = Field("node-1", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    node_host: str = Field("127.0.0.1", description="Address the node's data plane listens on.")
+    node_port: int = Field(8090, description="Data plane port.")
+    node_memory_mib: int = Field(0, description="Memory offered to sandboxes; 0 means 80% of host RAM.")
+    node_vcpus: int = Field(0, description="vCPUs offered; 0 means 4x host cores.")
+    node_store_size_gib: int = Field(40, description="Size of the loop-backed btrfs file when DATA_DIR is not btrfs.")
+    node_heartbeat_s: float = Field(2.0)
+    node_heartbeat_ttl_s: float = Field(10.0)
+    accel: Literal["auto", "kvm", "tcg"] = Field("auto", description="VMM acceleration.")
+    kvm_probe_timeout_s: float = Field(8.0)
+    boot_timeout_s: float = Field(90.0)
+    restore_timeout_s: float = Field(30.0)
+    restore_retries: int = Field(2)
+    qemu_binary: str = Field("qemu-system-x86_64")
+    sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
+    sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
+
+    # services' own HTTP (health + /metrics)
+    scheduler_port: int = Field(8091)
+    snapshotter_port: int = Field(8092)
+    warmpool_port: int = Field(8093)
+
+    log_level: str = Field("INFO")
+
+    @property
+    def logs(self) -> Path:
+        """The log directory (``log_dir`` or ``data_dir/logs``)."""
+        return self.log_dir or (self.data_dir / "logs")
+
+
+_settings: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    global _settings
+    if _settings is None:
+        _settings = Settings()
+    return _settings

@@ -1,0 +1,140 @@
+"""HTTP API bodies (``/v1``). The OpenAPI document in docs/openapi.json is generated from these.
+
+Sizes are bytes, durations carry their unit in the name. Every error body is
+``{"error": {"code", "message", "details"?}}`` (see ``podbay.errors``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "SandboxCreate",
+    "SandboxInfo",
+    "SandboxList",
+    "OperationInfo",
+    "ExecRequest",
+    "ExecResult",
+    "ExecEvent",
+    "FileInfo",
+    "FileList",
+    "ErrorBody",
+    "TemplateInfo",
+]
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxCreate(_In):
+    """``POST /v1/sandboxes``."""
+
+    template: str = Field(pattern=NAME_PATTERN, description="Template name, e.g. 'base'.")
+    memory_mib: int | None = Field(None, ge=128, le=16384, description="Must match the template's snapshot.")
+    vcpus: int | None = Field(None, ge=1, le=16)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class SandboxInfo(BaseModel):
+    id: str
+    template: str
+    state: str
+    desired_state: str
+    node_id: str | None = None
+    generation: int
+    memory_mib: int
+    vcpus: int
+    hostname: str
+    failure_reason: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime
+    updated_at: datetime
+    operation_id: str | None = Field(None, description="The operation that this call started, if any.")
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class OperationInfo(BaseModel):
+    """``GET /v1/operations/{id}``."""
+
+    id: str
+    kind: str
+    sandbox_id: str | None
+    state: Literal["pending", "running", "succeeded", "failed"]
+    error: dict[str, str] | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+
+class ExecRequest(_In):
+    """``POST /v1/sandboxes/{id}/exec`` (and ``/exec/stream``).
+
+    Give ``argv`` or ``shell`` (run by ``/bin/sh -c``), not both. ``stdin`` is UTF-8 text or, with
+    ``stdin_b64``, base64 bytes; at most 16 MiB.
+    """
+
+    argv: list[str] | None = Field(None, min_length=1, max_length=4096)
+    shell: str | None = Field(None, max_length=1 << 20)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = Field(None, description="User name or uid; default root.")
+    stdin: str | None = Field(None, max_length=16 << 20)
+    timeout_s: float | None = Field(None, gt=0, le=86400)
+
+
+class ExecResult(BaseModel):
+    stdout: str
+    stderr: str
+    exit_code: int = Field(description="The process's exit code; -N when killed by signal N.")
+    duration_ms: float
+    timed_out: bool = False
+
+
+class ExecEvent(BaseModel):
+    """One NDJSON line of ``/exec/stream``: ``stdout``/``stderr`` carry ``data``; ``exit`` ends the stream."""
+
+    type: Literal["start", "stdout", "stderr", "exit", "error"]
+    data: str | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    timed_out: bool | None = None
+    error: dict[str, str] | None = None
+
+
+class FileInfo(BaseModel):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileList(BaseModel):
+    entries: list[FileInfo]
+
+
+class TemplateInfo(BaseModel):
+    name: str
+    digest: str
+    memory_mib: int
+    vcpus: int
+    created_at: datetime
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: dict[str, object] | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,96 @@
+"""JetStream command and event payloads (DESIGN.md §4).
+
+Commands travel on the ``PODBAY_CMD`` work-queue stream with the operation id as ``Nats-Msg-Id``, so a
+duplicate publish is dropped by the server and a redelivery is recognised by the handler.
+Events travel on ``PODBAY_EVT``; each is written to the outbox in the transaction of its state change.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "PlaceSandbox",
+    "CreateSandboxCmd",
+    "DeleteSandboxCmd",
+    "NodeHeartbeat",
+    "Event",
+    "EventType",
+]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Msg):
+    memory_mib: int = Field(ge=64, le=65536)
+    vcpus: int = Field(ge=1, le=64)
+
+
+class PlaceSandbox(_Msg):
+    """``podbay.cmd.scheduler.place``: choose a node for a pending sandbox and hand it over."""
+
+    operation_id: str
+    sandbox_id: str
+    tenant_id: str
+    template: str
+    resources: Resources
+
+
+class CreateSandboxCmd(_Msg):
+    """``podbay.cmd.node.<node>.create``: restore the template snapshot as this sandbox."""
+
+    operation_id: str
+    sandbox_id: str
+    tenant_id: str
+    template: str
+    template_digest: str
+    generation: int = Field(ge=1)
+    resources: Resources
+    hostname: str
+
+
+class DeleteSandboxCmd(_Msg):
+    """``podbay.cmd.node.<node>.delete``: stop the VM and remove its files."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=0)
+
+
+class NodeHeartbeat(_Msg):
+    """Value of a node's key in the ``podbay_nodes`` KV bucket; refreshed every ``node_heartbeat_s``."""
+
+    node_id: str
+    dataplane_url: str
+    memory_mib: int
+    memory_used_mib: int
+    vcpus: int
+    vcpus_used: int
+    sandboxes: int
+    templates: list[str]
+    accel: str
+    schedulable: bool = True
+    at: datetime
+
+
+EventType = Literal["created", "started", "failed", "deleted", "reattached"]
+
+
+class Event(_Msg):
+    """A lifecycle event on ``podbay.evt.sandbox.<id>.<type>``; ``seq`` orders one sandbox's events."""
+
+    id: str
+    type: str
+    sandbox_id: str | None = None
+    node_id: str | None = None
+    tenant_id: str | None = None
+    generation: int | None = None
+    state: str | None = None
+    reason: str | None = None
+    at: datetime
+    data: dict[str, Any] = Field(default_factory=dict)

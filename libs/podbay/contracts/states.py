@@ -1,0 +1,60 @@
+"""Sandbox lifecycle: a closed set of states and commands, and one table of what is allowed where.
+
+Source: DESIGN.md §5. The states are metric labels, so the set stays small and closed.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from podbay.errors import InvalidState
+
+__all__ = ["SandboxState", "SandboxCommand", "ALLOWED", "TERMINAL", "check_allowed", "OperationState"]
+
+
+class SandboxState(StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUSPENDING = "suspending"
+    SUSPENDED = "suspended"
+    RESUMING = "resuming"
+    DELETING = "deleting"
+    DELETED = "deleted"
+    FAILED = "failed"
+
+
+class SandboxCommand(StrEnum):
+    CREATE = "create"
+    EXEC = "exec"
+    FILES = "files"
+    DELETE = "delete"
+
+
+class OperationState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+TERMINAL: frozenset[SandboxState] = frozenset({SandboxState.DELETED})
+
+S = SandboxState
+ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
+    SandboxCommand.CREATE: frozenset(),  # creation makes a new row; there is no prior state
+    SandboxCommand.EXEC: frozenset({S.RUNNING}),
+    SandboxCommand.FILES: frozenset({S.RUNNING}),
+    SandboxCommand.DELETE: frozenset(set(S) - {S.DELETED}),
+}
+
+
+def check_allowed(command: SandboxCommand, state: SandboxState | str) -> None:
+    """Raise ``InvalidState`` (HTTP 409, ``details.state``) unless ``command`` is allowed in ``state``."""
+    st = SandboxState(state)
+    if st not in ALLOWED[command]:
+        raise InvalidState(
+            f"cannot {command.value} a sandbox that is {st.value}",
+            details={"state": st.value, "command": command.value},
+        )

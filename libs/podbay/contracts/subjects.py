@@ -1,0 +1,50 @@
+"""JetStream names (DESIGN.md §4). Every subject string in podbay is built here."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CMD_STREAM",
+    "EVT_STREAM",
+    "NODES_KV",
+    "SCHEDULER_PLACE",
+    "SCHEDULER_CONSUMER",
+    "node_cmd",
+    "node_cmd_filter",
+    "node_consumer",
+    "sandbox_event",
+    "node_event",
+]
+
+CMD_STREAM = "PODBAY_CMD"
+"""Work-queue stream over ``podbay.cmd.>``: each command is delivered to one consumer and removed on ack."""
+
+EVT_STREAM = "PODBAY_EVT"
+"""Limits stream over ``podbay.evt.>``: lifecycle events, kept for subscribers."""
+
+NODES_KV = "podbay_nodes"
+"""KV bucket: key = node id, value = ``NodeHeartbeat`` JSON; the bucket TTL expires silent nodes."""
+
+SCHEDULER_PLACE = "podbay.cmd.scheduler.place"
+SCHEDULER_CONSUMER = "scheduler"
+
+
+def node_cmd(node_id: str, verb: str) -> str:
+    """``podbay.cmd.node.<node>.<verb>``: a command for one node agent."""
+    return f"podbay.cmd.node.{node_id}.{verb}"
+
+
+def node_cmd_filter(node_id: str) -> str:
+    return f"podbay.cmd.node.{node_id}.>"
+
+
+def node_consumer(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+def sandbox_event(sandbox_id: str, event_type: str) -> str:
+    """``podbay.evt.sandbox.<id>.<type>`` (types: created, started, failed, deleted, ...)."""
+    return f"podbay.evt.sandbox.{sandbox_id}.{event_type}"
+
+
+def node_event(node_id: str, event_type: str) -> str:
+    return f"podbay.evt.node.{node_id}.{event_type}"

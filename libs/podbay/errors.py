@@ -1,0 +1,139 @@
+"""The podbay exception tree, shared by services, SDK and CLI.
+
+    PodbayError                    (code, message, retryable, http_status)
+    ├── InvalidRequest        400  invalid_request
+    ├── Unauthorized          401  unauthorized
+    ├── NotFound              404  not_found  (also: another tenant's resource)
+    ├── Conflict              409  conflict
+    │   └── InvalidState      409  invalid_state (carries the current state)
+    ├── Unprocessable         422  validation_error
+    ├── Timeout               504  timeout         retryable
+    ├── Unavailable           503  unavailable     retryable
+    ├── StaleGeneration       409  stale_generation
+    └── GuestError            502  guest_error     (the guest answered badly or not at all)
+
+On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``.
+Lower-level errors (asyncpg, nats-py, QEMU) are converted at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "PodbayError",
+    "InvalidRequest",
+    "Unauthorized",
+    "NotFound",
+    "Conflict",
+    "InvalidState",
+    "Unprocessable",
+    "Timeout",
+    "Unavailable",
+    "StaleGeneration",
+    "GuestError",
+    "error_from_wire",
+]
+
+
+class PodbayError(Exception):
+    """Base of all podbay errors. ``code`` is machine-readable, the message is for humans."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details or {}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The wire shape ``{"error": {"code", "message", "details"}}``."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            body["details"] = self.details
+        return {"error": body}
+
+
+class InvalidRequest(PodbayError):
+    code = "invalid_request"
+    http_status = 400
+
+
+class Unauthorized(PodbayError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class NotFound(PodbayError):
+    code = "not_found"
+    http_status = 404
+
+
+class Conflict(PodbayError):
+    code = "conflict"
+    http_status = 409
+
+
+class InvalidState(Conflict):
+    """A lifecycle call not allowed in the sandbox's current state; ``details.state`` names it."""
+
+    code = "invalid_state"
+
+
+class Unprocessable(PodbayError):
+    code = "validation_error"
+    http_status = 422
+
+
+class Timeout(PodbayError):
+    code = "timeout"
+    http_status = 504
+    retryable = True
+
+
+class Unavailable(PodbayError):
+    code = "unavailable"
+    http_status = 503
+    retryable = True
+
+
+class StaleGeneration(PodbayError):
+    """A node acted on a placement that has since been superseded (DESIGN.md §4, generation fencing)."""
+
+    code = "stale_generation"
+    http_status = 409
+
+
+class GuestError(PodbayError):
+    code = "guest_error"
+    http_status = 502
+
+
+_BY_CODE: dict[str, type[PodbayError]] = {
+    cls.code: cls
+    for cls in (
+        PodbayError,
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        Conflict,
+        InvalidState,
+        Unprocessable,
+        Timeout,
+        Unavailable,
+        StaleGeneration,
+        GuestError,
+    )
+}
+
+
+def error_from_wire(body: Any, status: int) -> PodbayError:
+    """Rebuild the typed error from a wire body; unknown shapes become ``PodbayError`` with the status."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        cls = _BY_CODE.get(str(err.get("code")), PodbayError)
+        exc = cls(str(err.get("message", "")), details=err.get("details") or {})
+        return exc
+    return PodbayError(f"HTTP {status}: {str(body)[:200]}")

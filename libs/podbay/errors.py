@@ -10,7 +10,8 @@
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
     ├── StaleGeneration       409  stale_generation
-    └── GuestError            502  guest_error     (the guest answered badly or not at all)
+    ├── GuestError            502  guest_error     (the guest answered badly or not at all)
+    └── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
 
 On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``.
 Lower-level errors (asyncpg, nats-py, QEMU) are converted at the boundary with ``raise ... from exc``.
@@ -32,6 +33,7 @@ __all__ = [
     "Unavailable",
     "StaleGeneration",
     "GuestError",
+    "SandboxFailed",
     "error_from_wire",
 ]
 
@@ -111,6 +113,11 @@ class GuestError(PodbayError):
     http_status = 502
 
 
+class SandboxFailed(PodbayError):
+    code = "sandbox_failed"
+    http_status = 500
+
+
 _BY_CODE: dict[str, type[PodbayError]] = {
     cls.code: cls
     for cls in (
@@ -125,6 +132,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         Unavailable,
         StaleGeneration,
         GuestError,
+        SandboxFailed,
     )
 }
 

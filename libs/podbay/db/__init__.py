@@ -1,0 +1,93 @@
+"""PostgreSQL access: connection pools, migrations, and the error conversion at the boundary.
+
+Migrations are plain SQL files in ``migrations/`` named ``NNNN_name.sql``; ``migrate`` applies each one
+once, in order, inside a transaction, under an advisory lock so concurrent starters do not race.
+asyncpg errors are converted to ``podbay.errors`` with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+import asyncpg
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from podbay.errors import Unavailable
+
+__all__ = ["connect_pool", "migrate", "MIGRATION_LOCK_ID", "transaction"]
+
+log = logging.getLogger("podbay.db")
+
+MIGRATION_LOCK_ID = 0x706F6462  # "podb": one advisory lock id for schema changes
+
+
+async def _init_conn(conn: asyncpg.Connection) -> None:
+    import json
+
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, timeout_s: float = 30.0) -> asyncpg.Pool:
+    """Open a pool (jsonb decoded to Python), retrying while the server starts; ``Unavailable`` after ``timeout_s``."""
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception_type((OSError, asyncpg.PostgresError, asyncpg.InterfaceError)),
+            reraise=True,
+        ):
+            with attempt:
+                pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_conn)
+                assert pool is not None
+                return pool
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise Unavailable(f"PostgreSQL at {_redact(dsn)} did not answer: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+def _redact(dsn: str) -> str:
+    if "@" in dsn and ":" in dsn.split("@", 1)[0].split("//", 1)[-1]:
+        head, tail = dsn.split("@", 1)
+        return head.rsplit(":", 1)[0] + ":***@" + tail
+    return dsn
+
+
+def _migrations() -> list[tuple[str, str]]:
+    files = resources.files("podbay.db").joinpath("migrations")
+    out = [(f.name, f.read_text()) for f in files.iterdir() if f.name.endswith(".sql")]
+    return sorted(out)
+
+
+async def migrate(pool: asyncpg.Pool) -> list[str]:
+    """Apply pending migrations; returns the names applied now (empty when up to date)."""
+    applied_now: list[str] = []
+    async with pool.acquire() as conn:
+        await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_ID)
+        try:
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations")}
+            for name, sql in _migrations():
+                if name in done:
+                    continue
+                async with conn.transaction():
+                    await conn.execute(sql)
+                    await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
+                log.info("applied migration %s", name)
+                applied_now.append(name)
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_ID)
+    return applied_now
+
+
+@asynccontextmanager
+async def transaction(pool: asyncpg.Pool) -> AsyncIterator[Any]:
+    """``async with transaction(pool) as conn:`` — one connection, one transaction."""
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            yield conn

@@ -1,0 +1,87 @@
+"""The common frame of a podbay service process: uvloop, signals, a small HTTP server, clean stop.
+
+``run_service(name, main)`` installs uvloop, runs ``main(stop_event)`` and sets ``stop_event`` on SIGTERM or
+SIGINT, so each service shuts down by finishing its own work rather than by being cancelled mid-step.
+``serve_http`` runs a FastAPI app on uvicorn inside the service's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+import uvloop
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from podbay.telemetry import setup_logging
+
+__all__ = ["run_service", "serve_http", "health_app"]
+
+log = logging.getLogger("podbay.service")
+
+
+def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, log_level: str | None = None) -> int:
+    """Run ``main(stop)`` on uvloop until it returns; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
+    setup_logging(name, log_level)
+
+    async def _runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await main(stop)
+        except Exception:
+            log.exception("%s failed", name)
+            return 1
+        log.info("%s stopped", name)
+        return 0
+
+    return uvloop.run(_runner())
+
+
+def health_app(name: str, is_healthy: Callable[[], dict[str, Any]]) -> FastAPI:
+    """A FastAPI app with ``GET /healthz`` (200 when ``is_healthy()['ok']``, else 503) and ``GET /metrics``."""
+    app = FastAPI(title=f"podbay-{name}", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        state = is_healthy()
+        import json
+
+        return Response(
+            json.dumps({"service": name, **state}),
+            status_code=200 if state.get("ok") else 503,
+            media_type="application/json",
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def serve_http(app: Any, host: str, port: int, stop: asyncio.Event) -> None:
+    """Serve ``app`` until ``stop`` is set; raises if the port cannot be bound."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the service owns signals
+    task = asyncio.create_task(server.serve())
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        stop_task.cancel()
+        exc = task.exception()
+        if exc:
+            raise exc
+        if not server.started:
+            raise OSError(f"could not serve HTTP on {host}:{port}")
+        return
+    server.should_exit = True
+    await task

@@ -1,0 +1,77 @@
+"""The API process's shared state: pool, bus, outbox relay, node HTTP client and the event waiter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+import asyncpg
+import httpx
+
+from podbay.bus import Bus
+from podbay.config import Settings
+from podbay.outbox import Relay
+
+__all__ = ["ApiContext", "EventWaiter"]
+
+log = logging.getLogger("podbay.api")
+
+
+class EventWaiter:
+    """Lets a request wait for a sandbox's next lifecycle event without polling.
+
+    One core-NATS subscription on ``podbay.evt.sandbox.*.*`` per API process feeds futures keyed by sandbox
+    id. Register with ``expect`` before publishing the command that causes the event, so it cannot be missed.
+    """
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, list[tuple[frozenset[str], asyncio.Future[dict[str, object]]]]] = {}
+        self._sub: object | None = None
+
+    async def start(self, bus: Bus) -> None:
+        self._sub = await bus.nc.subscribe("podbay.evt.sandbox.*.*", cb=self._on_msg)
+
+    async def _on_msg(self, msg: object) -> None:
+        subject: str = msg.subject  # type: ignore[attr-defined]
+        parts = subject.split(".")
+        if len(parts) != 5:
+            return
+        sandbox_id, event_type = parts[3], parts[4]
+        waiters = self._waiters.get(sandbox_id)
+        if not waiters:
+            return
+        try:
+            payload = json.loads(msg.data)  # type: ignore[attr-defined]
+        except ValueError:
+            return
+        for types, fut in list(waiters):
+            if event_type in types and not fut.done():
+                fut.set_result(payload)
+
+    def expect(self, sandbox_id: str, types: set[str]) -> asyncio.Future[dict[str, object]]:
+        """A future resolved with the first event of one of ``types`` for ``sandbox_id``."""
+        fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
+        entry = (frozenset(types), fut)
+        self._waiters.setdefault(sandbox_id, []).append(entry)
+
+        def _done(_: object) -> None:
+            lst = self._waiters.get(sandbox_id)
+            if lst and entry in lst:
+                lst.remove(entry)
+                if not lst:
+                    self._waiters.pop(sandbox_id, None)
+
+        fut.add_done_callback(_done)
+        return fut
+
+
+@dataclass
+class ApiContext:
+    settings: Settings
+    pool: asyncpg.Pool
+    bus: Bus
+    relay: Relay
+    nodes_http: httpx.AsyncClient
+    waiter: EventWaiter = field(default_factory=EventWaiter)

@@ -1,0 +1,163 @@
+"""Exec and file endpoints: authorised and state-checked here, then proxied to the sandbox's node.
+
+The node agent's data plane (``/internal/v1/sandboxes/{id}/...``) speaks the same bodies as these routes,
+so the API streams requests and responses through without re-encoding. The node checks the internal token
+and the sandbox's generation (a stale placement is refused with 409 ``stale_generation``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import httpx
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from podbay.contracts.api import ExecRequest, ExecResult, FileInfo, FileList
+from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay.errors import NotFound, Unavailable
+from podbay.telemetry import HOP_SECONDS
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+_PASS_HEADERS = ("content-type", "content-length", "content-disposition", "x-podbay-file-size")
+
+
+async def _target(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand) -> tuple[str, int]:
+    """(node data-plane URL, generation) of a running sandbox of the caller's tenant."""
+    t = time.perf_counter()
+    row = await ctx.pool.fetchrow(
+        "SELECT s.state, s.generation, n.dataplane_url FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
+        " WHERE s.id = $1 AND s.tenant_id = $2", sandbox_id, who.tenant_id)
+    HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t)
+    if row is None:
+        raise NotFound(f"sandbox {sandbox_id} does not exist", details={"sandbox_id": sandbox_id})
+    check_allowed(command, row["state"])
+    if not row["dataplane_url"]:
+        raise Unavailable(f"sandbox {sandbox_id} has no node")
+    return str(row["dataplane_url"]), int(row["generation"])
+
+
+async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *, method: str,
+                 params: dict[str, str] | None = None, json_body: object | None = None,
+                 stream_body: bool = False, stream_response: bool = False) -> Response:
+    headers = {"x-podbay-internal-token": ctx.settings.internal_token, "x-podbay-generation": str(generation)}
+    content: AsyncIterator[bytes] | None = None
+    if stream_body:
+        content = request.stream()
+        if request.headers.get("content-length"):
+            headers["content-length"] = request.headers["content-length"]
+    t = time.perf_counter()
+    try:
+        req = ctx.nodes_http.build_request(method, url, params=params, json=json_body, content=content,
+                                           headers=headers)
+        resp = await ctx.nodes_http.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise Unavailable(f"node data plane at {url} did not answer: {exc}") from exc
+    out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
+    if not stream_response or resp.status_code >= 400:
+        body = await resp.aread()
+        await resp.aclose()
+        HOP_SECONDS.labels("api", "node").observe(time.perf_counter() - t)
+        return Response(body, status_code=resp.status_code, headers=out_headers)
+    out_headers.pop("content-length", None)
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+            HOP_SECONDS.labels("api", "node").observe(time.perf_counter() - t)
+
+    return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers,
+                             media_type=resp.headers.get("content-type"))
+
+
+def _node_url(base: str, sandbox_id: str, suffix: str) -> str:
+    return f"{base}/internal/v1/sandboxes/{sandbox_id}{suffix}"
+
+
+@router.post("/exec", response_model=ExecResult)
+async def exec_(sandbox_id: str, body: ExecRequest, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """Run a command to completion; answers ``{stdout, stderr, exit_code, duration_ms, timed_out}``.
+
+    Output is captured up to 16 MiB per stream; use ``/exec/stream`` for more. 409 ``invalid_state`` unless
+    the sandbox is running.
+    """
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.EXEC)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec"), gen, method="POST",
+                        json_body=body.model_dump(exclude_none=True))
+
+
+@router.post("/exec/stream", responses={200: {"content": {"application/x-ndjson": {}}}})
+async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request, ctx: CtxDep,
+                      who: PrincipalDep) -> Response:
+    """Run a command and stream ``ExecEvent`` lines (NDJSON) as output is produced; the last is ``exit``."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.EXEC)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec/stream"), gen, method="POST",
+                        json_body=body.model_dump(exclude_none=True), stream_response=True)
+
+
+PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolute path in the guest.")]
+
+
+@router.get("/files", responses={200: {"content": {"application/octet-stream": {}}}})
+async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """The file's bytes, streamed. 404 ``not_found`` when it does not exist."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="GET",
+                        params={"path": path}, stream_response=True)
+
+
+@router.put("/files", response_model=FileInfo)
+async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
+                     mode: str = Query("0644", pattern=r"^0?[0-7]{3,4}$")) -> Response:
+    """Write the raw request body to ``path`` (atomically: temp file then rename); answers its ``FileInfo``."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="PUT",
+                        params={"path": path, "mode": mode}, stream_body=True)
+
+
+@router.delete("/files", status_code=204)
+async def remove_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
+                      recursive: bool = False) -> Response:
+    """Remove a file, or a directory with ``recursive=true``."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="DELETE",
+                        params={"path": path, "recursive": str(recursive).lower()})
+
+
+@router.get("/files/stat", response_model=FileInfo)
+async def stat_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """``FileInfo`` of ``path``; 404 ``not_found`` when missing."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/stat"), gen, method="GET",
+                        params={"path": path})
+
+
+@router.get("/files/list", response_model=FileList)
+async def list_files(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """The entries of directory ``path`` (one level)."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/list"), gen, method="GET",
+                        params={"path": path})
+
+
+@router.post("/files/mkdir", response_model=FileInfo)
+async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
+                parents: bool = True) -> Response:
+    """Create directory ``path`` (and its parents unless ``parents=false``)."""
+    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/mkdir"), gen, method="POST",
+                        params={"path": path, "parents": str(parents).lower()})

@@ -1,0 +1,52 @@
+"""Error handlers: every error leaves the API as ``{"error": {"code", "message", "details"?}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from podbay.errors import PodbayError
+
+__all__ = ["install_error_handlers"]
+
+log = logging.getLogger("podbay.api")
+
+_HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+               409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "validation_error"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(PodbayError)
+    async def _podbay(_: Request, exc: PodbayError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()
+        ]
+        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
+        return JSONResponse(
+            {
+                "error": {
+                    "code": "validation_error",
+                    "message": f"{first['loc']}: {first['msg']}" if first["loc"] else first["msg"],
+                    "details": {"errors": errors},
+                }
+            },
+            status_code=422,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, status_code=500)

@@ -1,0 +1,82 @@
+"""``podbay-api``: the HTTP API process.
+
+    podbay-api [serve]                         serve on PODBAY_API_HOST:PODBAY_API_PORT
+    podbay-api migrate                         apply database migrations and exit
+    podbay-api create-key --tenant T --name N  create tenant T if needed and print {"tenant_id", "key_id", "key"}
+    podbay-api openapi                         print the OpenAPI document
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import uvicorn
+import uvloop
+
+from podbay import db
+from podbay.config import get_settings
+from podbay.errors import PodbayError
+from podbay.telemetry import setup_logging
+
+from .app import create_app
+from .auth import create_key, ensure_tenant
+
+__all__ = ["main"]
+
+
+async def _create_key(tenant: str, name: str) -> dict[str, str]:
+    settings = get_settings()
+    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=2)
+    try:
+        await db.migrate(pool)
+        async with pool.acquire() as conn, conn.transaction():
+            tenant_id = await ensure_tenant(conn, tenant)
+            key_id, key = await create_key(conn, tenant_id, name)
+        return {"tenant_id": tenant_id, "key_id": key_id, "key": key}
+    finally:
+        await pool.close()
+
+
+async def _migrate() -> list[str]:
+    pool = await db.connect_pool(get_settings().pg_dsn, min_size=1, max_size=2)
+    try:
+        return await db.migrate(pool)
+    finally:
+        await pool.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="podbay-api")
+    sub = parser.add_subparsers(dest="cmd")
+    sub.add_parser("serve")
+    sub.add_parser("migrate")
+    sub.add_parser("openapi")
+    ck = sub.add_parser("create-key")
+    ck.add_argument("--tenant", required=True)
+    ck.add_argument("--name", default="default")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    setup_logging("api", settings.log_level)
+    try:
+        if args.cmd == "create-key":
+            print(json.dumps(uvloop.run(_create_key(args.tenant, args.name))))
+            return
+        if args.cmd == "migrate":
+            print(json.dumps({"applied": uvloop.run(_migrate())}))
+            return
+        if args.cmd == "openapi":
+            print(json.dumps(create_app(settings).openapi(), indent=2, sort_keys=True))
+            return
+    except PodbayError as exc:
+        print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
+        sys.exit(1)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port, loop="uvloop",
+                log_level="warning", access_log=False, timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()

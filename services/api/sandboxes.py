@@ -1,0 +1,238 @@
+"""Sandbox lifecycle endpoints: create, list, get, delete, and operations.
+
+Each state change commits in one transaction with its outbox event (DESIGN.md §4) and then puts a command
+on JetStream. Calls wait for completion by default, bounded by ``create_timeout_s``; with ``?wait=false``
+they answer 202 at once with ``operation_id`` for ``GET /v1/operations/{id}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Query, Response
+
+from podbay.contracts import subjects
+from podbay.contracts.api import OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
+from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources
+from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
+from podbay.errors import InvalidRequest, NotFound, SandboxFailed
+from podbay.outbox import emit_sandbox_event, new_id
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router", "sandbox_info", "load_sandbox"]
+
+log = logging.getLogger("podbay.api")
+router = APIRouter(prefix="/v1")
+
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+_SANDBOX_COLS = (
+    "id, tenant_id, template, state, desired_state, node_id, generation, memory_mib, vcpus, hostname, "
+    "failure_reason, metadata, created_at, updated_at"
+)
+
+
+def sandbox_info(row: asyncpg.Record, operation_id: str | None = None) -> SandboxInfo:
+    """The API shape of a ``sandboxes`` row."""
+    return SandboxInfo(
+        id=row["id"],
+        template=row["template"],
+        state=row["state"],
+        desired_state=row["desired_state"],
+        node_id=row["node_id"],
+        generation=row["generation"],
+        memory_mib=row["memory_mib"],
+        vcpus=row["vcpus"],
+        hostname=row["hostname"],
+        failure_reason=row["failure_reason"],
+        metadata=row["metadata"] or {},
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        operation_id=operation_id,
+    )
+
+
+async def load_sandbox(conn: Any, tenant_id: str, sandbox_id: str, *, for_update: bool = False) -> asyncpg.Record:
+    """The tenant's sandbox row, or ``NotFound`` (also for another tenant's sandbox, DESIGN.md §6)."""
+    sql = f"SELECT {_SANDBOX_COLS} FROM sandboxes WHERE id = $1 AND tenant_id = $2"
+    row = await conn.fetchrow(sql + (" FOR UPDATE" if for_update else ""), sandbox_id, tenant_id)
+    if row is None:
+        raise NotFound(f"sandbox {sandbox_id} does not exist", details={"sandbox_id": sandbox_id})
+    return row
+
+
+async def _finish(ctx: ApiContext, tenant_id: str, sandbox_id: str, op_id: str,
+                  fut: asyncio.Future[dict[str, object]] | None, kind: str, t0: float) -> tuple[SandboxInfo, bool]:
+    """Wait for the operation's outcome event (bounded); returns (info, finished)."""
+    finished = False
+    if fut is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout=ctx.settings.create_timeout_s)
+            finished = True
+        except TimeoutError:
+            fut.cancel()
+    row = await load_sandbox(ctx.pool, tenant_id, sandbox_id)
+    outcome = "ok" if finished and row["state"] != SandboxState.FAILED else ("timeout" if not finished else "failed")
+    LIFECYCLE_OPERATION_SECONDS.labels("api", kind, outcome).observe(time.perf_counter() - t0)
+    LIFECYCLE_OPERATIONS.labels("api", kind, outcome).inc()
+    return sandbox_info(row, op_id), finished
+
+
+@router.post("/sandboxes", status_code=201, response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
+                         wait: bool = Query(True, description="Wait until the sandbox runs (bounded).")) -> SandboxInfo:
+    """Create a sandbox from a template by restoring the template's snapshot on a node with room.
+
+    Errors: 404 ``not_found`` (unknown template), 400 ``invalid_request`` (resources the template's snapshot
+    cannot restore with), 500 ``sandbox_failed`` (with the reason), 503 ``unavailable``.
+    """
+    t0 = time.perf_counter()
+    tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates WHERE name = $1", body.template)
+    if tpl is None:
+        raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
+    if body.memory_mib is not None and body.memory_mib != tpl["memory_mib"]:
+        raise InvalidRequest(
+            f"template {body.template!r} is snapshotted with {tpl['memory_mib']} MiB; memory_mib must match",
+            details={"template_memory_mib": tpl["memory_mib"]},
+        )
+    if body.vcpus is not None and body.vcpus != tpl["vcpus"]:
+        raise InvalidRequest(
+            f"template {body.template!r} is snapshotted with {tpl['vcpus']} vCPUs; vcpus must match",
+            details={"template_vcpus": tpl["vcpus"]},
+        )
+    sandbox_id = new_id("sbx")
+    op_id = new_id("op")
+    hostname = "sbx-" + sandbox_id[4:16]
+    t_db = time.perf_counter()
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib, vcpus,"
+            " hostname, metadata) VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8)",
+            sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], tpl["memory_mib"], tpl["vcpus"], hostname,
+            body.metadata,
+        )
+        await conn.execute(
+            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','pending')",
+            op_id, who.tenant_id, sandbox_id,
+        )
+        await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
+                                 data={"template": tpl["name"], "operation_id": op_id})
+        await _audit(conn, who, "sandbox.create", sandbox_id)
+    HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
+    ctx.relay.kick()
+    fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
+    t_bus = time.perf_counter()
+    await ctx.bus.publish_command(
+        subjects.SCHEDULER_PLACE,
+        PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl["name"],
+                     resources=Resources(memory_mib=tpl["memory_mib"], vcpus=tpl["vcpus"])),
+        msg_id=op_id,
+    )
+    HOP_SECONDS.labels("api", "bus").observe(time.perf_counter() - t_bus)
+    info, finished = await _finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
+    if info.state == SandboxState.FAILED:
+        raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}",
+                            details={"sandbox_id": sandbox_id, "operation_id": op_id})
+    if not finished:
+        response.status_code = 202
+    return info
+
+
+@router.get("/sandboxes", response_model=SandboxList)
+async def list_sandboxes(ctx: CtxDep, who: PrincipalDep,
+                         all: bool = Query(False, description="Include deleted sandboxes."),
+                         limit: int = Query(100, ge=1, le=1000)) -> SandboxList:
+    """The tenant's sandboxes, newest first (deleted ones only with ``all=true``)."""
+    sql = f"SELECT {_SANDBOX_COLS} FROM sandboxes WHERE tenant_id = $1"
+    if not all:
+        sql += " AND state <> 'deleted'"
+    rows = await ctx.pool.fetch(sql + " ORDER BY created_at DESC LIMIT $2", who.tenant_id, limit)
+    return SandboxList(sandboxes=[sandbox_info(r) for r in rows])
+
+
+@router.get("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+async def get_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep) -> SandboxInfo:
+    """One sandbox. 404 ``not_found`` when it does not exist or belongs to another tenant."""
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id))
+
+
+@router.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, response: Response,
+                         wait: bool = Query(True)) -> SandboxInfo:
+    """Stop the sandbox's VM and remove its files; the row stays with state ``deleted``.
+
+    Deleting a deleted sandbox answers 409 ``invalid_state``.
+    """
+    t0 = time.perf_counter()
+    op_id = new_id("op")
+    node_cmd: DeleteSandboxCmd | None = None
+    node_id: str | None = None
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.DELETE, row["state"])
+        node_id = row["node_id"]
+        if node_id is None:
+            # Never placed: nothing runs anywhere, so the delete completes here.
+            await conn.execute(
+                "UPDATE sandboxes SET state='deleted', desired_state='deleted', deleted_at=now(), updated_at=now()"
+                " WHERE id=$1", sandbox_id)
+            await conn.execute(
+                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
+                " VALUES ($1,$2,$3,'delete','succeeded',now())", op_id, who.tenant_id, sandbox_id)
+            await emit_sandbox_event(conn, sandbox_id, "deleted", state="deleted", tenant_id=who.tenant_id)
+        else:
+            await conn.execute(
+                "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1",
+                sandbox_id)
+            await conn.execute(
+                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'delete','pending')",
+                op_id, who.tenant_id, sandbox_id)
+            node_cmd = DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"])
+        await _audit(conn, who, "sandbox.delete", sandbox_id)
+    ctx.relay.kick()
+    fut = None
+    if node_cmd is not None and node_id is not None:
+        fut = ctx.waiter.expect(sandbox_id, {"deleted"}) if wait else None
+        await ctx.bus.publish_command(subjects.node_cmd(node_id, "delete"), node_cmd, msg_id=op_id)
+    info, finished = await _finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "delete", t0)
+    if node_cmd is not None and not finished:
+        response.status_code = 202
+    return info
+
+
+@router.get("/operations/{operation_id}", response_model=OperationInfo)
+async def get_operation(operation_id: str, ctx: CtxDep, who: PrincipalDep) -> OperationInfo:
+    """A lifecycle operation's state and, when it failed, its error."""
+    row = await ctx.pool.fetchrow(
+        "SELECT id, kind, sandbox_id, state, error_code, error_message, created_at, finished_at FROM operations"
+        " WHERE id = $1 AND tenant_id = $2", operation_id, who.tenant_id)
+    if row is None:
+        raise NotFound(f"operation {operation_id} does not exist")
+    err = {"code": row["error_code"], "message": row["error_message"] or ""} if row["error_code"] else None
+    return OperationInfo(id=row["id"], kind=row["kind"], sandbox_id=row["sandbox_id"],
+                         state=OperationState(row["state"]).value, error=err,  # type: ignore[arg-type]
+                         created_at=row["created_at"], finished_at=row["finished_at"])
+
+
+@router.get("/templates")
+async def list_templates(ctx: CtxDep, who: PrincipalDep) -> dict[str, list[TemplateInfo]]:
+    """Templates that nodes have registered (name, digest, memory_mib, vcpus)."""
+    rows = await ctx.pool.fetch("SELECT name, digest, memory_mib, vcpus, created_at FROM templates ORDER BY name")
+    return {"templates": [TemplateInfo(**dict(r)) for r in rows]}
+
+
+async def _audit(conn: Any, who: Principal, action: str, target: str) -> None:
+    await conn.execute(
+        "INSERT INTO audit_log (tenant_id, actor, action, target) VALUES ($1, $2, $3, $4)",
+        who.tenant_id, who.key_id, action, target)
+
+

@@ -1,0 +1,172 @@
+"""The node's data plane: exec and files for the sandboxes on this node, over their guest channels.
+
+Served on ``node_host:node_port`` under ``/internal/v1/sandboxes/{id}/...`` with the same bodies as the
+public API (``podbay.contracts.api``), which proxies to it. Every call must carry the internal token
+(``x-podbay-internal-token``) and may carry the generation the caller saw (``x-podbay-generation``): a
+call for another generation is refused with 409 ``stale_generation`` (DESIGN.md §4, generation fencing).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, FileList
+from podbay.contracts.channel import ExecSpec
+from podbay.errors import PodbayError, Unauthorized
+from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
+
+if TYPE_CHECKING:
+    from .sandboxes import SandboxManager
+
+__all__ = ["create_dataplane_app"]
+
+MAX_CAPTURE_BYTES = 16 << 20
+
+
+def _file_info(path: str, st: Any) -> FileInfo:
+    d = st if isinstance(st, dict) else st.model_dump()
+    return FileInfo(path=d.get("path", path), name=d.get("name") or path.rstrip("/").rsplit("/", 1)[-1] or "/",
+                    type=d.get("type", "other"), size=int(d.get("size", 0)), mode=int(d.get("mode", 0)),
+                    mtime=float(d.get("mtime", 0.0)))
+
+
+def _spec(body: ExecRequest, default_timeout_s: float) -> ExecSpec:
+    return ExecSpec(argv=body.argv, shell=body.shell, env=body.env, cwd=body.cwd, user=body.user,
+                    timeout_s=body.timeout_s or default_timeout_s, stdin=body.stdin is not None)
+
+
+def create_dataplane_app(manager: SandboxManager) -> FastAPI:
+    """The data-plane app for ``manager``'s sandboxes, plus ``/healthz`` and ``/metrics``."""
+    app = FastAPI(title="podbay node data plane", docs_url=None, redoc_url=None)
+    settings = manager.settings
+
+    @app.exception_handler(PodbayError)
+    async def _err(_: Request, exc: PodbayError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.http_status)
+
+    @app.middleware("http")
+    async def _auth_and_metrics(request: Request, call_next: Any) -> Response:
+        t = time.perf_counter()
+        if request.url.path.startswith("/internal/"):
+            token = request.headers.get("x-podbay-internal-token", "")
+            if not hmac.compare_digest(token.encode(), settings.internal_token.encode()):
+                return JSONResponse(Unauthorized("bad internal token").to_wire(), status_code=401)
+        response: Response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        HTTP_REQUEST_SECONDS.labels("nodeagent", route, request.method, f"{response.status_code // 100}xx").observe(
+            time.perf_counter() - t)
+        return response
+
+    def _gen(request: Request) -> int | None:
+        g = request.headers.get("x-podbay-generation")
+        return int(g) if g and g.isdigit() else None
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, object]:
+        return {"service": "nodeagent", "ok": manager.ready, "node_id": settings.node_id,
+                "sandboxes": len(manager.vms), "accel": manager.accel}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    base = "/internal/v1/sandboxes/{sandbox_id}"
+
+    @app.post(base + "/exec")
+    async def exec_(sandbox_id: str, body: ExecRequest, request: Request) -> ExecResult:
+        ch = manager.channel(sandbox_id, _gen(request))
+        t = time.perf_counter()
+        stdin = body.stdin.encode() if body.stdin is not None else None
+        out, err, ex = await ch.run(_spec(body, settings.exec_timeout_s), stdin=stdin, limit=MAX_CAPTURE_BYTES)
+        dt = time.perf_counter() - t
+        HOP_SECONDS.labels("nodeagent", "guest_exec").observe(dt)
+        return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
+                          exit_code=ex.exit_code, duration_ms=dt * 1000, timed_out=ex.timed_out)
+
+    @app.post(base + "/exec/stream")
+    async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request) -> StreamingResponse:
+        ch = manager.channel(sandbox_id, _gen(request))
+        proc = await ch.exec(_spec(body, settings.exec_timeout_s))
+
+        async def lines() -> AsyncIterator[bytes]:
+            async with proc:
+                yield (ExecEvent(type="start", pid=proc.pid).model_dump_json(exclude_none=True) + "\n").encode()
+                if body.stdin is not None:
+                    await proc.write_stdin(body.stdin.encode())
+                    await proc.close_stdin()
+                try:
+                    async for kind, data in proc:
+                        yield (ExecEvent(type=kind, data=data.decode(errors="replace"))
+                               .model_dump_json(exclude_none=True) + "\n").encode()
+                    ex = await proc.wait()
+                    yield (ExecEvent(type="exit", exit_code=ex.exit_code, timed_out=ex.timed_out)
+                           .model_dump_json(exclude_none=True) + "\n").encode()
+                except PodbayError as exc:
+                    yield (json.dumps({"type": "error", "error": {"code": exc.code, "message": exc.message}})
+                           + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get(base + "/files")
+    async def read_file(sandbox_id: str, request: Request, path: str = Query(...)) -> Response:
+        ch = manager.channel(sandbox_id, _gen(request))
+        st = _file_info(path, await ch.stat(path))
+        if st.type == "dir":
+            from podbay.errors import InvalidRequest
+
+            raise InvalidRequest(f"{path} is a directory", details={"path": path})
+        chunks = ch.read_file(path).__aiter__()
+        # Read the first chunk before answering so that a missing file is a 404, not a broken 200.
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+
+        async def rest() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for c in chunks:
+                yield c
+
+        return StreamingResponse(rest(), media_type="application/octet-stream",
+                                 headers={"x-podbay-file-size": str(st.size)})
+
+    @app.put(base + "/files")
+    async def write_file(sandbox_id: str, request: Request, path: str = Query(...),
+                         mode: str = Query("0644")) -> FileInfo:
+        ch = manager.channel(sandbox_id, _gen(request))
+        res = await ch.write_file(path, request.stream(), mode=int(mode, 8))
+        return _file_info(path, res)
+
+    @app.delete(base + "/files", status_code=204)
+    async def remove(sandbox_id: str, request: Request, path: str = Query(...), recursive: bool = False) -> Response:
+        ch = manager.channel(sandbox_id, _gen(request))
+        await ch.remove(path, recursive=recursive)
+        return Response(status_code=204)
+
+    @app.get(base + "/files/stat")
+    async def stat(sandbox_id: str, request: Request, path: str = Query(...)) -> FileInfo:
+        ch = manager.channel(sandbox_id, _gen(request))
+        return _file_info(path, await ch.stat(path))
+
+    @app.get(base + "/files/list")
+    async def list_dir(sandbox_id: str, request: Request, path: str = Query(...)) -> FileList:
+        ch = manager.channel(sandbox_id, _gen(request))
+        entries = await ch.list_dir(path)
+        return FileList(entries=[_file_info(getattr(e, "path", None) or path, e) for e in entries])
+
+    @app.post(base + "/files/mkdir")
+    async def mkdir(sandbox_id: str, request: Request, path: str = Query(...), parents: bool = True) -> FileInfo:
+        ch = manager.channel(sandbox_id, _gen(request))
+        res = await ch.mkdir(path, parents=parents)
+        return _file_info(path, res if res else await ch.stat(path))
+
+    return app

@@ -1,0 +1,134 @@
+"""``podbay-nodeagent``: one per host; runs the sandboxes' VMs (DESIGN.md §1).
+
+    podbay-nodeagent [serve]                      run the agent
+    podbay-nodeagent template build NAME [--force]  build NAME's images, boot once, save its snapshot
+
+Start-up order: storage (btrfs) -> PostgreSQL (migrations) -> NATS -> VMM (accelerator) -> templates
+(imported from the build cache into the store and registered) -> node row -> reconcile with PostgreSQL ->
+data plane and heartbeats -> commands from ``podbay.cmd.node.<node>.>``. On SIGTERM it stops taking
+commands, finishes the ones in flight, disconnects from guests and leaves their VMs running, so the next
+start re-attaches to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from podbay import db
+from podbay.bus import connect_bus
+from podbay.config import get_settings
+from podbay.contracts import subjects
+from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd
+from podbay.outbox import Relay
+from podbay.service import run_service, serve_http
+
+from .dataplane import create_dataplane_app
+from .heartbeat import heartbeat_loop, register_node
+from .sandboxes import SandboxManager
+from .store import NodeStore
+from .vmdriver import VmDriver
+
+__all__ = ["main"]
+
+log = logging.getLogger("podbay.nodeagent")
+
+
+async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
+    node = manager.node_id
+    sub = await manager.bus.pull_subscribe(subjects.node_consumer(node), subjects.node_cmd_filter(node),
+                                           ack_wait_s=manager.settings.restore_timeout_s * 2 + 30)
+    inflight: set[asyncio.Task[None]] = set()
+
+    async def one(msg: object) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
+        data = msg.data  # type: ignore[attr-defined]
+        try:
+            if verb == "create":
+                await manager.create(CreateSandboxCmd.model_validate_json(data))
+            elif verb == "delete":
+                await manager.delete(DeleteSandboxCmd.model_validate_json(data))
+            else:
+                log.error("unknown node command %s; dropping", verb)
+                await msg.term()  # type: ignore[attr-defined]
+                return
+        except ValueError as exc:
+            log.error("malformed %s command dropped: %s", verb, exc)
+            await msg.term()  # type: ignore[attr-defined]
+            return
+        except Exception:
+            log.exception("%s command failed; it will be redelivered", verb)
+            await msg.nak(delay=2.0)  # type: ignore[attr-defined]
+            return
+        await msg.ack()  # type: ignore[attr-defined]
+
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(16, timeout=1.0)
+        except (NatsTimeoutError, TimeoutError):
+            continue
+        except Exception as exc:
+            log.warning("fetch failed: %s", exc)
+            await asyncio.sleep(0.5)
+            continue
+        for m in msgs:
+            t = asyncio.create_task(one(m))
+            inflight.add(t)
+            t.add_done_callback(inflight.discard)
+    if inflight:
+        await asyncio.wait(inflight, timeout=60)
+
+
+async def _serve(stop: asyncio.Event) -> None:
+    settings = get_settings()
+    if not settings.internal_token:
+        log.warning("PODBAY_INTERNAL_TOKEN is empty: the data plane accepts any caller that sends an empty token")
+    store = NodeStore(settings.data_dir, settings.node_id, settings.node_store_size_gib)
+    await asyncio.to_thread(store.prepare)
+    log.info("node store at %s%s", store.root, " (loop-backed btrfs file)" if store.loop_backed else "")
+    pool = await db.connect_pool(settings.pg_dsn, min_size=2, max_size=10)
+    await db.migrate(pool)
+    bus = await connect_bus(settings.nats_url, name=f"podbay-nodeagent-{settings.node_id}",
+                            heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
+    relay = Relay(pool, bus)
+    driver = await VmDriver.create(settings, store)
+    manager = SandboxManager(settings, pool, bus, relay, store, driver)
+    manager.templates = await driver.import_templates(pool, settings.node_id)
+    if not manager.templates:
+        log.warning("no template is built: run `podbay template build base`")
+    dataplane_url = f"http://{settings.node_host}:{settings.node_port}"
+    await register_node(pool, settings, dataplane_url, driver.accel)
+    relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
+    await manager.reconcile()
+    http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
+    hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
+    consumer = asyncio.create_task(_consume(manager, stop))
+    manager.ready = True
+    log.info("node agent %s ready: accel=%s, templates=%s, sandboxes=%d", settings.node_id, driver.accel,
+             sorted(manager.templates), len(manager.vms))
+    await stop.wait()
+    manager.ready = False
+    await asyncio.wait({consumer, hb, http}, timeout=60)
+    await manager.close()
+    relay_task.cancel()
+    try:
+        await relay.flush()
+    except Exception:
+        pass
+    await bus.close()
+    await pool.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["template"]:
+        from .template import template_main
+
+        raise SystemExit(template_main(args[1:]))
+    if args and args[0] not in ("serve",):
+        print("usage: podbay-nodeagent [serve] | template build NAME [--force]", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(run_service("nodeagent", _serve))

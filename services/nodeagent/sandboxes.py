@@ -1,0 +1,363 @@
+"""The node agent's sandbox manager: create by restore, delete, re-attach, and notice dying VMs.
+
+Every handler is idempotent and fenced by generation (DESIGN.md §4): it reads the sandbox row first and
+does nothing when the row has moved on (another generation, another node, already in the target state).
+A state change and its event commit in one transaction (outbox), and only then is the command acked, so a
+crash between the two makes JetStream redeliver and the handler finish or skip the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+
+from podbay.bus import Bus
+from podbay.channel.client import GuestChannel
+from podbay.config import Settings
+from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Resources
+from podbay.errors import GuestError, NotFound, PodbayError, StaleGeneration, Unavailable
+from podbay.outbox import Relay, emit_sandbox_event
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .store import NodeStore
+from .vmdriver import TemplateImage, VmDriver, VmHandle
+
+__all__ = ["SandboxManager", "RunningVm"]
+
+log = logging.getLogger("podbay.nodeagent.sandboxes")
+
+
+@dataclass
+class RunningVm:
+    """A sandbox VM this agent runs or re-attached to."""
+
+    sandbox_id: str
+    generation: int
+    resources: Resources
+    handle: VmHandle
+    channel: GuestChannel
+    stopping: bool = False
+    monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class SandboxManager:
+    """Owns the VMs of one node. ``vms`` maps sandbox id to ``RunningVm``."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, relay: Relay, store: NodeStore,
+                 driver: VmDriver) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.bus = bus
+        self.relay = relay
+        self.store = store
+        self.driver = driver
+        self.vms: dict[str, RunningVm] = {}
+        self.templates: dict[str, TemplateImage] = {}
+        self.ready = False
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def node_id(self) -> str:
+        return self.settings.node_id
+
+    @property
+    def accel(self) -> str:
+        return self.driver.accel
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def load(self) -> tuple[int, int, int, list[str]]:
+        """(memory MiB, vCPUs, sandbox count, template names) for heartbeats."""
+        mem = sum(v.resources.memory_mib for v in self.vms.values())
+        cpu = sum(v.resources.vcpus for v in self.vms.values())
+        return mem, cpu, len(self.vms), sorted(self.templates)
+
+    def channel(self, sandbox_id: str, generation: int | None) -> GuestChannel:
+        """The guest channel of a running sandbox; ``NotFound``, ``StaleGeneration`` or ``Unavailable``."""
+        vm = self.vms.get(sandbox_id)
+        if vm is None:
+            raise NotFound(f"sandbox {sandbox_id} is not running on node {self.node_id}")
+        if generation is not None and generation != vm.generation:
+            raise StaleGeneration(f"sandbox {sandbox_id} is at generation {vm.generation}, not {generation}")
+        if vm.stopping:
+            raise Unavailable(f"sandbox {sandbox_id} is stopping")
+        return vm.channel
+
+    # ------------------------------------------------------------------ create
+
+    async def create(self, cmd: CreateSandboxCmd) -> None:
+        """Restore the template snapshot as sandbox ``cmd.sandbox_id`` and mark it running."""
+        async with self.lock(cmd.sandbox_id):
+            row = await self.pool.fetchrow(
+                "SELECT state, generation, node_id FROM sandboxes WHERE id = $1", cmd.sandbox_id)
+            if row is None or row["node_id"] != self.node_id or row["generation"] != cmd.generation:
+                log.info("create %s: stale or unknown (generation %s), skipping", cmd.sandbox_id, cmd.generation)
+                return
+            if row["state"] != "starting":
+                log.info("create %s: already %s, nothing to do", cmd.sandbox_id, row["state"])
+                return
+            await self._create_locked(cmd)
+
+    async def _create_locked(self, cmd: CreateSandboxCmd) -> None:
+        t0 = time.perf_counter()
+        vm_dir = self.store.sandbox_dir(cmd.sandbox_id)
+        handle: VmHandle | None = None
+        channel: GuestChannel | None = None
+        try:
+            tpl = self.templates.get(cmd.template)
+            if tpl is None:
+                raise NotFound(f"template {cmd.template!r} is not on node {self.node_id}")
+            if tpl.digest != cmd.template_digest:
+                raise PodbayError(f"template {cmd.template!r} on this node is {tpl.digest[:12]}, "
+                                  f"the sandbox needs {cmd.template_digest[:12]}")
+            await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
+            t = time.perf_counter()
+            handle = await self.driver.restore(tpl, vm_dir, memory_mib=cmd.resources.memory_mib,
+                                               vcpus=cmd.resources.vcpus)
+            HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
+            t = time.perf_counter()
+            channel = await GuestChannel.connect(handle.channel_path, timeout_s=self.settings.restore_timeout_s)
+            await channel.after_restore(hostname=cmd.hostname, seed=os.urandom(64), time_ns=time.time_ns(),
+                                        env={"PODBAY_SANDBOX_ID": cmd.sandbox_id})
+            HOP_SECONDS.labels("nodeagent", "guest_hygiene").observe(time.perf_counter() - t)
+            (vm_dir / "meta.json").write_text(json.dumps(
+                {"sandbox_id": cmd.sandbox_id, "generation": cmd.generation,
+                 "memory_mib": cmd.resources.memory_mib, "vcpus": cmd.resources.vcpus}))
+            t = time.perf_counter()
+            async with self.pool.acquire() as conn, conn.transaction():
+                updated = await conn.fetchval(
+                    "UPDATE sandboxes SET state='running', failure_reason=NULL, updated_at=now()"
+                    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING id",
+                    cmd.sandbox_id, cmd.generation, self.node_id)
+                if updated is None:
+                    raise _Superseded()
+                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
+                                   cmd.operation_id)
+                await emit_sandbox_event(conn, cmd.sandbox_id, "started", state="running", node_id=self.node_id,
+                                         tenant_id=cmd.tenant_id, generation=cmd.generation,
+                                         data={"restore_ms": round((time.perf_counter() - t0) * 1000, 1)})
+            HOP_SECONDS.labels("nodeagent", "db").observe(time.perf_counter() - t)
+            self.relay.kick()
+            vm = RunningVm(cmd.sandbox_id, cmd.generation, cmd.resources, handle, channel)
+            self.vms[cmd.sandbox_id] = vm
+            vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{cmd.sandbox_id}")
+            LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "create", "ok").observe(time.perf_counter() - t0)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "create", "ok").inc()
+            log.info("sandbox %s running (%.0f ms)", cmd.sandbox_id, (time.perf_counter() - t0) * 1000)
+        except _Superseded:
+            log.info("create %s: superseded while restoring; discarding the VM", cmd.sandbox_id)
+            await self._teardown(handle, channel, vm_dir)
+        except Exception as exc:
+            reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+            log.warning("create %s failed: %s", cmd.sandbox_id, reason)
+            await self._teardown(handle, channel, vm_dir)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "create", "failed").inc()
+            await self._mark_failed(cmd.sandbox_id, cmd.generation, reason, operation_id=cmd.operation_id,
+                                    from_states=("starting",))
+
+    # ------------------------------------------------------------------ delete
+
+    async def delete(self, cmd: DeleteSandboxCmd) -> None:
+        """Stop and remove the sandbox's VM, then mark it deleted (idempotent)."""
+        async with self.lock(cmd.sandbox_id):
+            row = await self.pool.fetchrow(
+                "SELECT state, node_id, tenant_id, generation FROM sandboxes WHERE id = $1", cmd.sandbox_id)
+            if row is None or row["state"] == "deleted" or row["node_id"] != self.node_id:
+                return
+            await self._stop_vm(cmd.sandbox_id)
+            await self._discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
+            async with self.pool.acquire() as conn, conn.transaction():
+                done = await conn.fetchval(
+                    "UPDATE sandboxes SET state='deleted', deleted_at=now(), updated_at=now()"
+                    " WHERE id=$1 AND state <> 'deleted' RETURNING id", cmd.sandbox_id)
+                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
+                                   cmd.operation_id)
+                if done:
+                    await emit_sandbox_event(conn, cmd.sandbox_id, "deleted", state="deleted", node_id=self.node_id,
+                                             tenant_id=row["tenant_id"], generation=row["generation"])
+            self.relay.kick()
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "delete", "ok").inc()
+            self._locks.pop(cmd.sandbox_id, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _stop_vm(self, sandbox_id: str) -> None:
+        vm = self.vms.pop(sandbox_id, None)
+        if vm is None:
+            return
+        vm.stopping = True
+        if vm.monitor:
+            vm.monitor.cancel()
+        await self._teardown(vm.handle, vm.channel, None)
+
+    async def _teardown(self, handle: VmHandle | None, channel: GuestChannel | None, vm_dir: Path | None) -> None:
+        if channel is not None:
+            try:
+                await channel.close()
+            except Exception:
+                pass
+        if handle is not None:
+            try:
+                await handle.kill()
+            except Exception as exc:
+                log.warning("killing VM failed: %s", exc)
+        if vm_dir is not None:
+            await self._discard_vm_dir(vm_dir)
+
+    async def _discard_vm_dir(self, vm_dir: Path) -> None:
+        """Kill a QEMU recorded in ``vm_dir/qemu.pid`` if it still runs, then remove the directory."""
+        pid_file = vm_dir / "qemu.pid"
+        if pid_file.exists():
+            try:
+                pid = int(pid_file.read_text().strip())
+                if _is_qemu(pid, vm_dir):
+                    os.kill(pid, signal.SIGKILL)
+                    for _ in range(100):
+                        if not _pid_alive(pid):
+                            break
+                        await asyncio.sleep(0.02)
+            except (ValueError, ProcessLookupError, PermissionError):
+                pass
+        if vm_dir.exists():
+            await asyncio.to_thread(shutil.rmtree, vm_dir, True)
+
+    async def _mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
+                           from_states: tuple[str, ...] = ("starting", "running")) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                "UPDATE sandboxes SET state='failed', failure_reason=$3, updated_at=now()"
+                " WHERE id=$1 AND generation=$2 AND node_id=$4 AND state = ANY($5::text[]) RETURNING tenant_id",
+                sandbox_id, generation, reason, self.node_id, list(from_states))
+            if operation_id:
+                await conn.execute(
+                    "UPDATE operations SET state='failed', error_code='sandbox_failed', error_message=$2,"
+                    " finished_at=now() WHERE id=$1 AND state <> 'succeeded'", operation_id, reason)
+            if row is not None:
+                await emit_sandbox_event(conn, sandbox_id, "failed", state="failed", reason=reason,
+                                         node_id=self.node_id, tenant_id=row["tenant_id"], generation=generation)
+        self.relay.kick()
+
+    async def _monitor(self, vm: RunningVm) -> None:
+        """Notice a QEMU that dies on its own: mark the sandbox failed with the reason, publish the event."""
+        code = await vm.handle.wait_exit()
+        if vm.stopping or self.vms.get(vm.sandbox_id) is not vm:
+            return
+        async with self.lock(vm.sandbox_id):
+            if vm.stopping or self.vms.get(vm.sandbox_id) is not vm:
+                return
+            self.vms.pop(vm.sandbox_id, None)
+            try:
+                await vm.channel.close()
+            except Exception:
+                pass
+            reason = f"the VM exited unexpectedly (QEMU status {code})"
+            log.warning("sandbox %s: %s", vm.sandbox_id, reason)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
+            await self._mark_failed(vm.sandbox_id, vm.generation, reason)
+
+    # ------------------------------------------------------------------ reconcile
+
+    async def reconcile(self) -> None:
+        """Bring this node in line with PostgreSQL after a (re)start (DESIGN.md §1 node agent).
+
+        running -> re-attach to the QEMU that still runs, or mark failed when it is gone;
+        starting -> discard any half-created VM and create it again from the template snapshot;
+        deleting -> finish the delete; a VM directory no live row claims -> killed and removed.
+        """
+        rows = await self.pool.fetch(
+            "SELECT s.id, s.state, s.generation, s.tenant_id, s.template, s.template_digest, s.hostname,"
+            " s.memory_mib, s.vcpus, (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id"
+            " ORDER BY o.created_at DESC LIMIT 1) AS op_id"
+            " FROM sandboxes s WHERE s.node_id = $1 AND s.state NOT IN ('deleted', 'failed')", self.node_id)
+        claimed = {r["id"] for r in rows}
+        for orphan in set(self.store.sandbox_ids_on_disk()) - claimed:
+            log.info("removing orphaned VM directory %s", orphan)
+            await self._discard_vm_dir(self.store.sandbox_dir(orphan))
+        for r in rows:
+            sid = r["id"]
+            res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
+            try:
+                if r["state"] == "running":
+                    await self._reattach(sid, r["generation"], r["tenant_id"], res)
+                elif r["state"] == "starting":
+                    async with self.lock(sid):
+                        await self._create_locked(CreateSandboxCmd(
+                            operation_id=r["op_id"] or "", sandbox_id=sid, tenant_id=r["tenant_id"],
+                            template=r["template"], template_digest=r["template_digest"],
+                            generation=r["generation"], resources=res, hostname=r["hostname"]))
+                elif r["state"] == "deleting":
+                    await self.delete(DeleteSandboxCmd(operation_id=r["op_id"] or "", sandbox_id=sid,
+                                                       generation=r["generation"]))
+            except Exception:
+                log.exception("reconcile of %s failed", sid)
+
+    async def _reattach(self, sandbox_id: str, generation: int, tenant_id: str, res: Resources) -> None:
+        vm_dir = self.store.sandbox_dir(sandbox_id)
+        try:
+            handle = await self.driver.attach(vm_dir)
+            channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
+            await channel.ping(timeout_s=5.0)
+        except (PodbayError, OSError, GuestError) as exc:
+            reason = f"the VM is gone after a node agent restart ({exc})"
+            log.warning("sandbox %s: %s", sandbox_id, reason)
+            await self._discard_vm_dir(vm_dir)
+            await self._mark_failed(sandbox_id, generation, reason, from_states=("running",))
+            return
+        vm = RunningVm(sandbox_id, generation, res, handle, channel)
+        self.vms[sandbox_id] = vm
+        vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+        async with self.pool.acquire() as conn, conn.transaction():
+            await emit_sandbox_event(conn, sandbox_id, "reattached", state="running", node_id=self.node_id,
+                                     tenant_id=tenant_id, generation=generation)
+        self.relay.kick()
+        log.info("re-attached to sandbox %s (pid %s)", sandbox_id, handle.pid)
+
+    async def close(self) -> None:
+        """Disconnect from guests but leave VMs running: the next start re-attaches (clean upgrade path)."""
+        for vm in list(self.vms.values()):
+            vm.stopping = True
+            if vm.monitor:
+                vm.monitor.cancel()
+            try:
+                await vm.channel.close()
+            except Exception:
+                pass
+            await vm.handle.detach()
+
+
+class _Superseded(Exception):
+    """The sandbox row moved on (deleted, new generation) while this node was restoring it."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours still "exists"; treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _is_qemu(pid: int, vm_dir: Path) -> bool:
+    """True when ``pid`` is a QEMU started for ``vm_dir`` (guards against a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return "qemu" in cmdline and str(vm_dir) in cmdline

@@ -1,0 +1,192 @@
+"""``podbay-scheduler``: places pending sandboxes on nodes (DESIGN.md §1, §4).
+
+Consumes ``podbay.cmd.scheduler.place`` (durable consumer ``scheduler``, explicit ack). For each command, in
+one transaction serialised by an advisory lock: read live nodes from the ``podbay_nodes`` KV bucket and
+their committed load from PostgreSQL, choose a node, move the sandbox ``pending -> starting`` with a new
+generation; then publish ``podbay.cmd.node.<node>.create``. A redelivered command finds the sandbox already
+``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
+When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import asyncpg
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from podbay import db
+from podbay.bus import Bus, connect_bus
+from podbay.config import Settings, get_settings
+from podbay.contracts import subjects
+from podbay.contracts.messages import CreateSandboxCmd, NodeHeartbeat, PlaceSandbox
+from podbay.outbox import Relay, emit_sandbox_event
+from podbay.service import health_app, run_service, serve_http
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .placement import NodeLoad, NoCapacity, choose_node
+
+__all__ = ["main"]
+
+log = logging.getLogger("podbay.scheduler")
+
+PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
+NO_NODE_GRACE_S = 15.0
+
+
+async def live_nodes(bus: Bus) -> list[NodeHeartbeat]:
+    """Heartbeats currently in the KV bucket (expired keys are gone by TTL)."""
+    kv = await bus.nodes_kv()
+    out: list[NodeHeartbeat] = []
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats-py raises NoKeysError for an empty bucket
+        return out
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+            if entry.value:
+                out.append(NodeHeartbeat.model_validate_json(entry.value))
+        except Exception as exc:
+            log.debug("skipping node %s: %s", key, exc)
+    return out
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, relay: Relay) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.bus = bus
+        self.relay = relay
+
+    async def handle(self, cmd: PlaceSandbox, first_seen: float) -> bool:
+        """Place one sandbox. Returns False to ask for redelivery (no node yet, within the grace period)."""
+        t0 = time.perf_counter()
+        t = time.perf_counter()
+        nodes = await live_nodes(self.bus)
+        HOP_SECONDS.labels("scheduler", "kv").observe(time.perf_counter() - t)
+        create: CreateSandboxCmd | None = None
+        node_id: str | None = None
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", PLACEMENT_LOCK_ID)
+            row = await conn.fetchrow(
+                "SELECT state, node_id, generation, template_digest, hostname, memory_mib, vcpus FROM sandboxes"
+                " WHERE id = $1 FOR UPDATE", cmd.sandbox_id)
+            if row is None:
+                log.warning("place: sandbox %s does not exist; dropping", cmd.sandbox_id)
+                return True
+            if row["state"] == "starting" and row["node_id"]:
+                node_id = row["node_id"]  # redelivery after we placed it: re-send the same node command
+            elif row["state"] != "pending":
+                return True  # deleted or failed meanwhile: nothing to do
+            else:
+                loads = {r["node_id"]: r for r in await conn.fetch(
+                    "SELECT node_id, sum(memory_mib)::int AS mem, sum(vcpus)::int AS cpu FROM sandboxes"
+                    " WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed') GROUP BY node_id")}
+                candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
+                                       int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
+                              for hb in nodes]
+                try:
+                    chosen = choose_node(candidates, template=cmd.template, memory_mib=cmd.resources.memory_mib,
+                                         vcpus=cmd.resources.vcpus)
+                except NoCapacity as exc:
+                    if time.monotonic() - first_seen < NO_NODE_GRACE_S:
+                        log.info("place %s: %s; retrying", cmd.sandbox_id, exc)
+                        return False
+                    await self._fail(conn, cmd, str(exc))
+                    LIFECYCLE_OPERATIONS.labels("scheduler", "place", "failed").inc()
+                    return True
+                node_id = chosen.node_id
+                await conn.execute(
+                    "UPDATE sandboxes SET state='starting', node_id=$2, generation=generation+1, updated_at=now()"
+                    " WHERE id=$1", cmd.sandbox_id, node_id)
+                await conn.execute("UPDATE operations SET state='running' WHERE id=$1", cmd.operation_id)
+            gen = await conn.fetchval("SELECT generation FROM sandboxes WHERE id=$1", cmd.sandbox_id)
+            create = CreateSandboxCmd(
+                operation_id=cmd.operation_id, sandbox_id=cmd.sandbox_id, tenant_id=cmd.tenant_id,
+                template=cmd.template, template_digest=row["template_digest"], generation=int(gen),
+                resources=cmd.resources, hostname=row["hostname"])
+        assert node_id is not None and create is not None
+        await self.bus.publish_command(subjects.node_cmd(node_id, "create"), create,
+                                       msg_id=f"{cmd.operation_id}.g{create.generation}")
+        LIFECYCLE_OPERATION_SECONDS.labels("scheduler", "place", "ok").observe(time.perf_counter() - t0)
+        LIFECYCLE_OPERATIONS.labels("scheduler", "place", "ok").inc()
+        log.info("placed %s on %s (generation %d)", cmd.sandbox_id, node_id, create.generation)
+        return True
+
+    async def _fail(self, conn: asyncpg.Connection, cmd: PlaceSandbox, reason: str) -> None:
+        await conn.execute(
+            "UPDATE sandboxes SET state='failed', failure_reason=$2, updated_at=now() WHERE id=$1",
+            cmd.sandbox_id, reason)
+        await conn.execute(
+            "UPDATE operations SET state='failed', error_code='no_capacity', error_message=$2, finished_at=now()"
+            " WHERE id=$1", cmd.operation_id, reason)
+        await emit_sandbox_event(conn, cmd.sandbox_id, "failed", state="failed", reason=reason,
+                                 tenant_id=cmd.tenant_id)
+        self.relay.kick()
+
+
+async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
+    sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_CONSUMER, subjects.SCHEDULER_PLACE, ack_wait_s=30.0)
+    first_seen: dict[str, float] = {}
+    inflight: set[asyncio.Task[None]] = set()
+
+    async def one(msg: object) -> None:
+        try:
+            cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            log.error("dropping malformed place command: %s", exc)
+            await msg.term()  # type: ignore[attr-defined]
+            return
+        seen = first_seen.setdefault(cmd.operation_id, time.monotonic())
+        try:
+            done = await sched.handle(cmd, seen)
+        except Exception:
+            log.exception("place %s failed; will be redelivered", cmd.sandbox_id)
+            await msg.nak(delay=1.0)  # type: ignore[attr-defined]
+            return
+        if done:
+            first_seen.pop(cmd.operation_id, None)
+            await msg.ack()  # type: ignore[attr-defined]
+        else:
+            await msg.nak(delay=1.0)  # type: ignore[attr-defined]
+
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(16, timeout=1.0)
+        except (NatsTimeoutError, TimeoutError):
+            continue
+        except Exception as exc:
+            log.warning("fetch failed: %s", exc)
+            await asyncio.sleep(0.5)
+            continue
+        for m in msgs:
+            task = asyncio.create_task(one(m))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+    if inflight:
+        await asyncio.wait(inflight, timeout=10)
+
+
+async def _main(stop: asyncio.Event) -> None:
+    settings = get_settings()
+    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=10)
+    await db.migrate(pool)
+    bus = await connect_bus(settings.nats_url, name="podbay-scheduler", heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
+    relay = Relay(pool, bus)
+    sched = Scheduler(settings, pool, bus, relay)
+    app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected})
+    tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop)),
+             asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop))]
+    log.info("scheduler ready")
+    await stop.wait()
+    await asyncio.wait(tasks[1:], timeout=15)
+    tasks[0].cancel()
+    await bus.close()
+    await pool.close()
+
+
+def main() -> None:
+    raise SystemExit(run_service("scheduler", _main))

@@ -77,8 +77,8 @@ class OperationInfo(BaseModel):
 class ExecRequest(_In):
     """``POST /v1/sandboxes/{id}/exec`` (and ``/exec/stream``).
 
-    Give ``argv`` or ``shell`` (run by ``/bin/sh -c``), not both. ``stdin`` is UTF-8 text or, with
-    ``stdin_b64``, base64 bytes; at most 16 MiB.
+    Give ``argv`` or ``shell`` (run by ``/bin/sh -c``), not both. ``stdin`` is UTF-8 text
+    (binary stdin lands later); at most 16 MiB.
     """
 
     argv: list[str] | None = Field(None, min_length=1, max_length=4096)

@@ -1,0 +1,64 @@
+"""The podbay Python SDK: sandboxes over the HTTP API (blocking and asyncio).
+
+    from podbay.sdk import Sandbox
+    with Sandbox.create(template="base") as sb:
+        result = sb.exec("echo hello")          # ExecResult(stdout="hello\\n", exit_code=0, ...)
+        for event in sb.exec_stream(["python3", "-u", "job.py"]):
+            ...                                 # ExecEvent: start, stdout/stderr (data), exit (exit_code)
+
+- ``Sandbox``/``AsyncSandbox``: one sandbox (create, connect, exec, files, delete; context managers).
+- ``Client``/``AsyncClient``: the whole API as flat methods on one pooled connection; pass ``client=``
+  to ``Sandbox.create``/``connect`` to share it among many sandboxes.
+- Results are the pydantic models of ``podbay.contracts.api``; errors are the ``podbay.errors`` classes
+  (re-exported here), carrying the server's ``code``, ``message`` and ``details``.
+
+Where the API is: ``api_url``/``api_key`` arguments, else ``PODBAY_API_URL``/``PODBAY_API_KEY``, else the
+config file ``podbay up`` writes (``podbay.clientconfig``). See docs/sdk.md.
+"""
+
+from __future__ import annotations
+
+from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.errors import (
+    Conflict,
+    GuestError,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    PodbayError,
+    StaleGeneration,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+    Unprocessable,
+)
+from podbay.sdk._async import AsyncClient, AsyncFiles, AsyncSandbox
+from podbay.sdk._http import DEFAULT_TIMEOUT_S
+from podbay.sdk._sync import Client, Files, Sandbox
+
+__all__ = [
+    "Sandbox",
+    "AsyncSandbox",
+    "Client",
+    "AsyncClient",
+    "Files",
+    "AsyncFiles",
+    "ExecResult",
+    "ExecEvent",
+    "SandboxInfo",
+    "FileInfo",
+    "OperationInfo",
+    "TemplateInfo",
+    "DEFAULT_TIMEOUT_S",
+    "PodbayError",
+    "InvalidRequest",
+    "Unauthorized",
+    "NotFound",
+    "Conflict",
+    "InvalidState",
+    "Unprocessable",
+    "Timeout",
+    "Unavailable",
+    "StaleGeneration",
+    "GuestError",
+]

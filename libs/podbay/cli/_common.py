@@ -1,0 +1,156 @@
+"""What every CLI command shares: the global options, the SDK client, output and error handling.
+
+Exit codes: 0 success; 2 usage errors and API 4xx answers; 1 anything else (5xx, network, local I/O).
+``podbay exec`` and ``podbay template build`` pass their command's exit code through instead.
+Errors print one line on stderr, ``error: <message> (<code>)``, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from typer.exceptions import TyperException
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from podbay.errors import PodbayError
+from podbay.sdk import Client
+
+__all__ = [
+    "CliState",
+    "state",
+    "client",
+    "handle_errors",
+    "fail",
+    "exit_code_for",
+    "console",
+    "print_json",
+    "print_record",
+    "print_table",
+    "parse_pairs",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass
+class CliState:
+    """The global options (``--api-url``, ``--api-key``) and the client built from them, once."""
+
+    api_url: str | None = None
+    api_key: str | None = None
+    _client: Client | None = field(default=None, repr=False)
+
+
+def state(ctx: typer.Context) -> CliState:
+    """The ``CliState`` the root callback stored (a fresh one when a command runs on its own)."""
+    root = ctx.find_root()
+    if not isinstance(root.obj, CliState):
+        root.obj = CliState()
+    return root.obj
+
+
+def client(ctx: typer.Context) -> Client:
+    """The SDK client for this invocation; closed when the command line finishes."""
+    st = state(ctx)
+    if st._client is None:
+        st._client = Client(st.api_url, st.api_key)
+        ctx.find_root().call_on_close(st._client.close)
+    return st._client
+
+
+def exit_code_for(exc: PodbayError) -> int:
+    """2 for errors the caller can fix (HTTP 4xx), 1 for the rest."""
+    return 2 if 400 <= exc.http_status < 500 else 1
+
+
+def fail(message: str, code: str, exit_code: int) -> NoReturn:
+    """Print ``error: <message> (<code>)`` on stderr and exit with ``exit_code``."""
+    first_line = " ".join(message.split()) or "failed"
+    print(f"error: {first_line} ({code})", file=sys.stderr, flush=True)
+    raise typer.Exit(exit_code)
+
+
+def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a command so that errors end it with one line on stderr instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, TyperException):  # typer's own exits and usage errors
+            raise
+        except PodbayError as exc:
+            fail(exc.message, exc.code, exit_code_for(exc))
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # The reader went away (``| head``): stop quietly, as other Unix tools do.
+            raise typer.Exit(1) from None
+        except OSError as exc:
+            fail(str(exc), "os_error", 1)
+        except Exception as exc:  # the promise is "never a traceback"
+            fail(f"{type(exc).__name__}: {exc}", "internal", 1)
+
+    return wrapper
+
+
+def console() -> Console:
+    """A rich console on stdout; wide when not a terminal, so ids in tables are never cut."""
+    out = sys.stdout
+    width = None if out.isatty() else max(shutil.get_terminal_size().columns, 200)
+    return Console(file=out, width=width, highlight=False, soft_wrap=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def print_json(value: Any) -> None:
+    """Print a model, a list of models or plain data as indented JSON on stdout."""
+    print(json.dumps(_plain(value), indent=2, sort_keys=False, default=str))
+
+
+def print_record(model: BaseModel) -> None:
+    """Print one model as ``field  value`` lines (a borderless two-column table)."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in model.model_dump(mode="json").items():
+        shown = "" if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
+        table.add_row(key, shown)
+    console().print(table)
+
+
+def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Print rows under upper-case column headers; ``None`` shows as ``-``."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for name in columns:
+        table.add_column(name.upper(), no_wrap=True)
+    for row in rows:
+        table.add_row(*("-" if v is None else str(v) for v in row))
+    console().print(table)
+
+
+def parse_pairs(values: Sequence[str], option: str) -> dict[str, str]:
+    """``["K=V", ...]`` -> ``{"K": "V"}``; ``typer.BadParameter`` (exit 2) for an item without ``=``."""
+    out: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
+        out[key] = value
+    return out

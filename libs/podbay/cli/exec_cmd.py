@@ -1,0 +1,75 @@
+"""``podbay exec ID [options] -- CMD ARGS...``: run a command, stream its output, exit with its code."""
+
+from __future__ import annotations
+
+import sys
+from typing import IO
+
+import typer
+
+from podbay.cli._common import client, fail, handle_errors, parse_pairs
+from podbay.sdk._calls import STDIN_MAX_BYTES
+
+__all__ = ["exec_command", "exit_status"]
+
+#: The exit status of a command that timed out, as ``timeout(1)`` reports it.
+TIMED_OUT_STATUS = 124
+
+
+def exit_status(exit_code: int) -> int:
+    """The shell's view of an exit code: ``-N`` (killed by signal N) becomes ``128 + N``."""
+    return 128 - exit_code if exit_code < 0 else exit_code & 0xFF
+
+
+def _write(stream: IO[str], data: str) -> None:
+    # Through the byte layer when there is one, so the text reaches the terminal unchanged.
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        buffer.write(data.encode("utf-8", "surrogateescape"))
+        buffer.flush()
+    else:
+        stream.write(data)
+        stream.flush()
+
+
+def _local_stdin() -> bytes | None:
+    stdin = sys.stdin
+    if stdin is None or stdin.isatty():
+        return None
+    data = stdin.buffer.read(STDIN_MAX_BYTES + 1)
+    return data or None
+
+
+@handle_errors
+def exec_command(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID", help="Sandbox id."),
+    cmd: list[str] = typer.Argument(..., metavar="CMD [ARGS]...", help="The command; put -- before it."),
+    env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE; repeatable."),
+    cwd: str | None = typer.Option(None, "--cwd", help="Working directory inside the sandbox."),
+    user: str | None = typer.Option(None, "--user", "-u", help="User name or uid (default root)."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Kill the command after this many seconds."),
+    shell: bool = typer.Option(False, "--shell", "-s", help="Join CMD ARGS and run them with /bin/sh -c."),
+    no_stdin: bool = typer.Option(False, "--no-stdin", "-n", help="Do not forward local stdin."),
+) -> None:
+    """Run a command in a sandbox, streaming its stdout and stderr as it writes them.
+
+    Local stdin is forwarded (up to 16 MiB of UTF-8) when it is not a terminal.
+
+    The exit status is the command's: 128+N when killed by signal N, 124 when it timed out.
+    """
+    command: list[str] | str = " ".join(cmd) if shell else cmd
+    stdin = None if no_stdin else _local_stdin()
+    events = client(ctx).exec_stream(
+        sandbox_id, command, env=parse_pairs(env, "--env"), cwd=cwd, user=user, stdin=stdin, timeout_s=timeout
+    )
+    for event in events:
+        if event.type == "stdout" and event.data:
+            _write(sys.stdout, event.data)
+        elif event.type == "stderr" and event.data:
+            _write(sys.stderr, event.data)
+        elif event.type == "exit":
+            if event.timed_out:
+                after = f" after {timeout:g} s" if timeout else ""
+                fail(f"the command timed out{after}", "timeout", TIMED_OUT_STATUS)
+            raise typer.Exit(exit_status(event.exit_code if event.exit_code is not None else 1))

@@ -1,0 +1,129 @@
+"""``podbay files write|read|ls|stat|rm|mkdir``: a sandbox's filesystem. Remote paths are absolute."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import typer
+
+from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+
+__all__ = ["app", "parse_mode"]
+
+app = typer.Typer(help="Read and write files inside a sandbox.", no_args_is_help=True)
+
+_ID = typer.Argument(..., metavar="ID", help="Sandbox id.")
+_REMOTE = typer.Argument(..., metavar="REMOTE", help="Absolute path inside the sandbox.")
+_JSON = typer.Option(False, "--json", help="Print JSON.")
+
+
+def parse_mode(text: str) -> int:
+    """``"0644"``/``"644"``/``"0o644"`` -> ``0o644``; ``typer.BadParameter`` for anything else."""
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise typer.BadParameter(f"expected an octal mode such as 0644, got {text!r}", param_hint="--mode") from None
+    if not 0 <= mode <= 0o7777:
+        raise typer.BadParameter(f"mode {text!r} is outside 0000..7777", param_hint="--mode")
+    return mode
+
+
+@app.command("write")
+@handle_errors
+def write(
+    ctx: typer.Context,
+    sandbox_id: str = _ID,
+    remote: str = _REMOTE,
+    local: str = typer.Argument(..., metavar="LOCAL|-", help="Local file, or - for stdin."),
+    mode: str = typer.Option("0644", "--mode", help="Octal permission bits of the remote file."),
+) -> None:
+    """Upload a local file (or stdin) to REMOTE, streamed."""
+    bits = parse_mode(mode)
+    if local == "-":
+        client(ctx).write_file(sandbox_id, remote, sys.stdin.buffer, mode=bits)
+        return
+    path = Path(local)
+    if not path.is_file():
+        raise typer.BadParameter(f"{local!r} is not a readable file", param_hint="LOCAL")
+    with path.open("rb") as src:
+        client(ctx).write_file(sandbox_id, remote, src, mode=bits)
+
+
+@app.command("read")
+@handle_errors
+def read(
+    ctx: typer.Context,
+    sandbox_id: str = _ID,
+    remote: str = _REMOTE,
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file instead of stdout."),
+) -> None:
+    """Download REMOTE: raw bytes to stdout, or to a file with -o (replaced only when complete)."""
+    if output is None:
+        client(ctx).read_file_into(sandbox_id, remote, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
+    partial = output.with_name(output.name + ".part")
+    try:
+        with partial.open("wb") as dest:
+            client(ctx).read_file_into(sandbox_id, remote, dest)
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _mtime(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+@app.command("ls")
+@handle_errors
+def ls(
+    ctx: typer.Context, sandbox_id: str = _ID, remote: str = typer.Argument("/", metavar="PATH"), as_json: bool = _JSON
+) -> None:
+    """List a directory: mode, size in bytes, modification time (UTC), type and name."""
+    entries = client(ctx).list_files(sandbox_id, remote)
+    if as_json:
+        print_json(entries)
+        return
+    print_table(
+        ["mode", "size", "mtime", "type", "name"],
+        ((f"{e.mode & 0o7777:04o}", e.size, _mtime(e.mtime), e.type, e.name) for e in entries),
+    )
+
+
+@app.command("stat")
+@handle_errors
+def stat(ctx: typer.Context, sandbox_id: str = _ID, remote: str = _REMOTE, as_json: bool = _JSON) -> None:
+    """Show one path's type, size, mode and modification time."""
+    info = client(ctx).stat_file(sandbox_id, remote)
+    if as_json:
+        print_json(info)
+    else:
+        print_record(info)
+
+
+@app.command("rm")
+@handle_errors
+def rm(
+    ctx: typer.Context,
+    sandbox_id: str = _ID,
+    remote: str = _REMOTE,
+    recursive: bool = typer.Option(False, "--recursive", "-r", help="Remove a directory and its contents."),
+) -> None:
+    """Remove a file or directory."""
+    client(ctx).remove_file(sandbox_id, remote, recursive=recursive)
+
+
+@app.command("mkdir")
+@handle_errors
+def mkdir(
+    ctx: typer.Context,
+    sandbox_id: str = _ID,
+    remote: str = _REMOTE,
+    parents: bool = typer.Option(True, "--parents/--no-parents", "-p", help="Create missing parents."),
+) -> None:
+    """Create a directory."""
+    client(ctx).mkdir(sandbox_id, remote, parents=parents)

@@ -1,0 +1,78 @@
+"""``podbay sandbox create|list|get|rm``."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from podbay.cli._common import client, handle_errors, parse_pairs, print_json, print_record, print_table
+
+__all__ = ["app"]
+
+app = typer.Typer(help="Create, list, inspect and delete sandboxes.", no_args_is_help=True)
+
+
+@app.command("create")
+@handle_errors
+def create(
+    ctx: typer.Context,
+    template: str = typer.Option("base", "--template", "-t", help="Template name."),
+    memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB (default: the template's)."),
+    vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (default: the template's)."),
+    metadata: list[str] = typer.Option([], "--metadata", "-m", help="KEY=VALUE label; repeatable."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
+) -> None:
+    """Create a sandbox and print its id alone on stdout, so that ID=$(podbay sandbox create) works."""
+    info = client(ctx).create_sandbox(
+        template, memory_mib=memory_mib, vcpus=vcpus, metadata=parse_pairs(metadata, "--metadata"), wait=not no_wait
+    )
+    print(info.id)
+    if no_wait and info.operation_id:
+        print(f"operation {info.operation_id}", file=sys.stderr)
+
+
+@app.command("list")
+@handle_errors
+def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the sandboxes as a table (or JSON)."""
+    boxes = client(ctx).list_sandboxes()
+    if as_json:
+        print_json(boxes)
+        return
+    print_table(
+        ["id", "template", "state", "node", "memory_mib", "vcpus", "created"],
+        (
+            (b.id, b.template, b.state, b.node_id, b.memory_mib, b.vcpus, b.created_at.isoformat(timespec="seconds"))
+            for b in boxes
+        ),
+    )
+
+
+@app.command("get")
+@handle_errors
+def get(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one sandbox."""
+    info = client(ctx).get_sandbox(sandbox_id)
+    if as_json:
+        print_json(info)
+    else:
+        print_record(info)
+
+
+@app.command("rm")
+@handle_errors
+def rm(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
+) -> None:
+    """Delete a sandbox; prints its id when done (or accepted, with --no-wait)."""
+    info = client(ctx).delete_sandbox(sandbox_id, wait=not no_wait)
+    print(info.id)
+    if no_wait and info.operation_id:
+        print(f"operation {info.operation_id}", file=sys.stderr)

@@ -1,0 +1,75 @@
+"""``podbay up|down|status`` (the all-in-one dev stack) and ``podbay env``."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shlex
+import sys
+from types import ModuleType
+from typing import Any
+
+import typer
+
+from podbay.cli._common import fail, handle_errors, print_json, print_table, state
+from podbay.clientconfig import load_client_config
+
+__all__ = ["env", "up", "down", "status"]
+
+
+def _supervisor() -> ModuleType:
+    # Imported here: the dev stack pulls in server-side code that the other commands never need.
+    try:
+        from podbay.devstack import supervisor
+    except ImportError as exc:
+        fail(f"the dev stack is not available: {exc}", "unavailable", 1)
+    return supervisor
+
+
+def _settle(result: Any) -> Any:
+    """The value itself, or what a coroutine returns when the supervisor is async."""
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def _settings() -> Any:
+    from podbay.config import get_settings
+
+    return get_settings()
+
+
+@handle_errors
+def env(ctx: typer.Context) -> None:
+    """Print `export PODBAY_API_URL=...` and `export PODBAY_API_KEY=...`; use `eval "$(podbay env)"`."""
+    st = state(ctx)
+    cfg = load_client_config(st.api_url, st.api_key)
+    print(f"export PODBAY_API_URL={shlex.quote(cfg.api_url)}")
+    if cfg.api_key:
+        print(f"export PODBAY_API_KEY={shlex.quote(cfg.api_key)}")
+
+
+@handle_errors
+def up(detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return.")) -> None:
+    """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
+    _settle(_supervisor().up(_settings(), detach=detach))
+    if detach:
+        print('podbay is up; run: eval "$(podbay env)"', file=sys.stderr)
+
+
+@handle_errors
+def down() -> None:
+    """Stop the dev stack started with `podbay up`."""
+    _settle(_supervisor().down(_settings()))
+
+
+@handle_errors
+def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show each dev stack part and whether it answers; exit 1 if any does not."""
+    parts = list(_settle(_supervisor().status(_settings())))
+    fields = ("name", "kind", "url", "pid", "answering", "detail")
+    rows = [tuple(getattr(p, f, None) for f in fields) for p in parts]
+    if as_json:
+        print_json([dict(zip(fields, row, strict=True)) for row in rows])
+    else:
+        print_table(fields, ((n, k, u, pid, "yes" if ok else "NO", d) for n, k, u, pid, ok, d in rows))
+    if not parts or not all(getattr(p, "answering", False) for p in parts):
+        raise typer.Exit(1)

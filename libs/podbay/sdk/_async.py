@@ -1,0 +1,356 @@
+"""The asyncio SDK: ``AsyncClient`` and ``AsyncSandbox``, the same methods as ``podbay.sdk._sync``, awaited.
+
+    from podbay import AsyncSandbox
+    async with await AsyncSandbox.create(template="base") as sb:
+        async for event in sb.exec_stream("for i in 1 2 3; do echo $i; sleep 1; done"):
+            print(event.type, event.data)
+
+Requests, parsing and errors are shared with the blocking SDK (``_calls``, ``_http``); this module only
+awaits them. Method docstrings say what differs; the rest is documented on the sync twin.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import IO, Any, TypeVar, Unpack
+
+import httpx
+
+from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.errors import NotFound, PodbayError
+from podbay.sdk import _calls as calls
+from podbay.sdk._calls import Call, Command, ExecOptions
+from podbay.sdk._files import FileData, async_body
+from podbay.sdk._http import (
+    DEFAULT_TIMEOUT_S,
+    EventReader,
+    client_options,
+    error_for_response,
+    network_errors,
+    request_options,
+)
+
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles"]
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """Async twin of ``podbay.sdk.Client``: one pooled ``httpx.AsyncClient``; ``await client.aclose()``
+    or ``async with``. ``transport`` takes an ``httpx.AsyncBaseTransport`` (tests: ``MockTransport``)."""
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        opts = client_options(api_url, api_key, timeout_s)
+        self.api_url: str = opts["base_url"]
+        self._timeout_s = timeout_s
+        self._http = httpx.AsyncClient(transport=transport, **opts)
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, call: Call[T]) -> T:
+        with network_errors(self.api_url):
+            resp = await self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+        if resp.is_error:
+            raise error_for_response(resp)
+        return call.parse(resp)
+
+    @asynccontextmanager
+    async def _stream(self, call: Call[Any]) -> AsyncIterator[httpx.Response]:
+        opts = request_options(call, self._timeout_s)
+        with network_errors(self.api_url):
+            async with self._http.stream(call.method, call.path, **opts) as resp:
+                if resp.is_error:
+                    await resp.aread()
+                    raise error_for_response(resp)
+                yield resp
+
+    async def create_sandbox(
+        self,
+        template: str = "base",
+        *,
+        memory_mib: int | None = None,
+        vcpus: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        wait: bool = True,
+    ) -> SandboxInfo:
+        """See ``Client.create_sandbox``."""
+        return await self._call(
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+        )
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """See ``Client.get_sandbox``."""
+        return await self._call(calls.get_sandbox(sandbox_id))
+
+    async def list_sandboxes(self) -> builtins.list[SandboxInfo]:
+        """See ``Client.list_sandboxes``."""
+        return await self._call(calls.list_sandboxes())
+
+    async def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """See ``Client.delete_sandbox``."""
+        return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+    async def get_operation(self, operation_id: str) -> OperationInfo:
+        """See ``Client.get_operation``."""
+        return await self._call(calls.get_operation(operation_id))
+
+    async def list_templates(self) -> builtins.list[TemplateInfo]:
+        """See ``Client.list_templates``."""
+        return await self._call(calls.list_templates())
+
+    async def exec(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
+        """See ``Client.exec``."""
+        req = calls.exec_request(cmd, **opts)
+        return await self._call(calls.exec_call(sandbox_id, req))
+
+    def exec_stream(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
+        """An async iterator of the command's events as produced (not awaited: ``async for``).
+
+        See ``Client.exec_stream`` for the events and errors.
+        """
+        req = calls.exec_request(cmd, **opts)
+        return self._events(calls.exec_stream_call(sandbox_id, req))
+
+    async def _events(self, call: Call[None]) -> AsyncIterator[ExecEvent]:
+        reader = EventReader(self.api_url + call.path)
+        async with self._stream(call) as resp:
+            async for line in resp.aiter_lines():
+                event = reader.feed(line)
+                if event is not None:
+                    yield event
+        reader.finish()
+
+    async def read_file_into(self, sandbox_id: str, path: str, dest: IO[bytes]) -> int:
+        """See ``Client.read_file_into`` (``dest`` is a plain binary file-like object)."""
+        written = 0
+        async with self._stream(calls.read_file(sandbox_id, path)) as resp:
+            async for chunk in resp.aiter_bytes():
+                dest.write(chunk)
+                written += len(chunk)
+        return written
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """See ``Client.read_file``."""
+        buf = io.BytesIO()
+        await self.read_file_into(sandbox_id, path, buf)
+        return buf.getvalue()
+
+    async def write_file(self, sandbox_id: str, path: str, data: FileData, *, mode: int = 0o644) -> FileInfo:
+        """See ``Client.write_file``; a file-like ``data`` may have a sync or an async ``read``."""
+        return await self._call(calls.write_file(sandbox_id, path, async_body(data), mode))
+
+    async def stat_file(self, sandbox_id: str, path: str) -> FileInfo:
+        """See ``Client.stat_file``."""
+        return await self._call(calls.stat_file(sandbox_id, path))
+
+    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+        """See ``Client.list_files``."""
+        return await self._call(calls.list_files(sandbox_id, path))
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileInfo:
+        """See ``Client.mkdir``."""
+        return await self._call(calls.mkdir(sandbox_id, path, parents=parents))
+
+    async def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        """See ``Client.remove_file``."""
+        await self._call(calls.remove_file(sandbox_id, path, recursive=recursive))
+
+
+class AsyncFiles:
+    """``sandbox.files`` of an ``AsyncSandbox``: the methods of ``Files``, awaited."""
+
+    def __init__(self, client: AsyncClient, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    async def write(self, path: str, data: FileData, mode: int = 0o644) -> FileInfo:
+        """Write bytes, text (UTF-8) or a file-like object (streamed) to ``path``."""
+        return await self._client.write_file(self._id, path, data, mode=mode)
+
+    async def read(self, path: str) -> bytes:
+        """The file's bytes; ``NotFound`` if it does not exist."""
+        return await self._client.read_file(self._id, path)
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file decoded as ``encoding``."""
+        return (await self.read(path)).decode(encoding)
+
+    async def read_into(self, path: str, dest: IO[bytes]) -> int:
+        """Stream the file into ``dest``; returns the byte count."""
+        return await self._client.read_file_into(self._id, path, dest)
+
+    async def list(self, path: str) -> builtins.list[FileInfo]:
+        """The directory's entries."""
+        return await self._client.list_files(self._id, path)
+
+    async def stat(self, path: str) -> FileInfo:
+        """``FileInfo`` of ``path``; ``NotFound`` if it does not exist."""
+        return await self._client.stat_file(self._id, path)
+
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        try:
+            await self.stat(path)
+        except NotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, parents: bool = True) -> FileInfo:
+        """Create a directory (and its parents, by default)."""
+        return await self._client.mkdir(self._id, path, parents=parents)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, or a directory (non-empty needs ``recursive``)."""
+        await self._client.remove_file(self._id, path, recursive=recursive)
+
+
+class AsyncSandbox:
+    """Async twin of ``Sandbox``: ``await AsyncSandbox.create(...)``; ``async with`` deletes it at the end."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo, *, owns_client: bool = False) -> None:
+        self._client = client
+        self._owns_client = owns_client
+        self.info: SandboxInfo = info
+        self.files = AsyncFiles(client, info.id)
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self.info.id
+
+    @staticmethod
+    def _open(
+        client: AsyncClient | None, api_url: str | None, api_key: str | None, timeout_s: float
+    ) -> tuple[AsyncClient, bool]:
+        if client is not None:
+            return client, False
+        return AsyncClient(api_url, api_key, timeout_s=timeout_s), True
+
+    @classmethod
+    async def create(
+        cls,
+        template: str = "base",
+        *,
+        memory_mib: int | None = None,
+        vcpus: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        wait: bool = True,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """See ``Sandbox.create``."""
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            info = await http.create_sandbox(
+                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait
+            )
+        except BaseException:
+            if owns:
+                await http.aclose()
+            raise
+        return cls(http, info, owns_client=owns)
+
+    @classmethod
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """See ``Sandbox.connect``."""
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            info = await http.get_sandbox(sandbox_id)
+        except BaseException:
+            if owns:
+                await http.aclose()
+            raise
+        return cls(http, info, owns_client=owns)
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: AsyncClient | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """See ``Sandbox.list``."""
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            return await http.list_sandboxes()
+        finally:
+            if owns:
+                await http.aclose()
+
+    async def refresh(self) -> SandboxInfo:
+        """Fetch the current ``SandboxInfo`` into ``info`` and return it."""
+        self.info = await self._client.get_sandbox(self.id)
+        return self.info
+
+    async def exec(self, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
+        """See ``Client.exec``."""
+        return await self._client.exec(self.id, cmd, **opts)
+
+    def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
+        """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
+        return self._client.exec_stream(self.id, cmd, **opts)
+
+    async def delete(self, wait: bool = True) -> SandboxInfo:
+        """Delete the sandbox, then close an owned client."""
+        try:
+            self.info = await self._client.delete_sandbox(self.id, wait=wait)
+        finally:
+            await self.aclose()
+        return self.info
+
+    async def kill(self) -> SandboxInfo:
+        """Same as ``delete()``."""
+        return await self.delete()
+
+    async def aclose(self) -> None:
+        """Close the client if this sandbox owns it; the sandbox itself keeps running."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.delete()
+        except NotFound:
+            pass  # already gone: the block's purpose is met
+        except PodbayError:
+            if exc is None:
+                raise
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, state={self.info.state!r})"

@@ -1,0 +1,309 @@
+"""Request building and response parsing for every ``/v1`` endpoint, shared by the sync and async SDK.
+
+Each builder returns a ``Call``: what to send (method, path, query, JSON or raw body) and how to turn a
+successful ``httpx.Response`` into a typed result. The sync and async clients only execute calls, so the
+shape of every request and every result is written once, here. The endpoint list is the API's
+(``podbay.contracts.api`` holds the bodies).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypedDict, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from podbay.contracts.api import (
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    FileList,
+    OperationInfo,
+    SandboxCreate,
+    SandboxInfo,
+    SandboxList,
+    TemplateInfo,
+)
+from podbay.errors import InvalidRequest, PodbayError
+
+__all__ = [
+    "Call",
+    "STDIN_MAX_BYTES",
+    "Command",
+    "ExecOptions",
+    "create_sandbox",
+    "get_sandbox",
+    "list_sandboxes",
+    "delete_sandbox",
+    "exec_request",
+    "exec_call",
+    "exec_stream_call",
+    "read_file",
+    "write_file",
+    "stat_file",
+    "list_files",
+    "mkdir",
+    "remove_file",
+    "get_operation",
+    "list_templates",
+    "format_mode",
+]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+#: The API's limit on exec stdin (``ExecRequest.stdin``), in bytes of UTF-8.
+STDIN_MAX_BYTES = 16 << 20
+
+#: What ``exec`` accepts: an argv list, or one string run by ``/bin/sh -c``.
+Command = Sequence[str] | str
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One HTTP request and the parser of its successful response.
+
+    ``long_running`` calls (exec) replace the client's read timeout by ``read_timeout_s`` (``None``: wait
+    as long as the server does, since the server bounds the command).
+    """
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    params: Mapping[str, str] | None = None
+    json: Any = None
+    content: Any = None
+    long_running: bool = False
+    read_timeout_s: float | None = None
+
+
+def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
+    def parse(resp: httpx.Response) -> M:
+        try:
+            return cls.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise PodbayError(
+                f"unexpected {cls.__name__} response from {resp.request.url}: {exc.error_count()} errors"
+            ) from exc
+
+    return parse
+
+
+def _validate(cls: type[M], fields: dict[str, Any], what: str) -> M:
+    """Check a request body locally, so a bad value fails before any network round trip."""
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"invalid {what}: {where}: {first['msg']}") from exc
+
+
+def _none(resp: httpx.Response) -> None:
+    return None
+
+
+def _sandbox_path(sandbox_id: str, rest: str = "") -> str:
+    # Ids come from users: quote them so a slash or '?' cannot reach another endpoint.
+    return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{rest}"
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def create_sandbox(
+    template: str,
+    *,
+    memory_mib: int | None,
+    vcpus: int | None,
+    metadata: Mapping[str, str] | None,
+    wait: bool,
+) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``)."""
+    fields = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus, "metadata": dict(metadata or {})}
+    body = _validate(SandboxCreate, fields, "create request")
+    return Call(
+        "POST",
+        "/v1/sandboxes",
+        _model(SandboxInfo),
+        params={"wait": _bool(wait)},
+        json=body.model_dump(mode="json", exclude_none=True),
+    )
+
+
+def get_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    """``GET /v1/sandboxes/{id}``."""
+    return Call("GET", _sandbox_path(sandbox_id), _model(SandboxInfo))
+
+
+def _sandboxes(resp: httpx.Response) -> builtins.list[SandboxInfo]:
+    return _model(SandboxList)(resp).sandboxes
+
+
+def list_sandboxes() -> Call[builtins.list[SandboxInfo]]:
+    """``GET /v1/sandboxes`` -> the tenant's sandboxes."""
+    return Call("GET", "/v1/sandboxes", _sandboxes)
+
+
+def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
+    """``DELETE /v1/sandboxes/{id}?wait=``; 200 (or 202 with ``operation_id``)."""
+    return Call("DELETE", _sandbox_path(sandbox_id), _model(SandboxInfo), params={"wait": _bool(wait)})
+
+
+class ExecOptions(TypedDict, total=False):
+    """The keyword options of every ``exec``/``exec_stream`` method.
+
+    ``env``: extra environment variables; ``cwd``: working directory in the guest; ``user``: user name or
+    uid (default root); ``stdin``: text, or UTF-8 bytes, at most 16 MiB; ``timeout_s``: kill the command
+    after this many seconds (default: the server's ``PODBAY_EXEC_TIMEOUT_S``).
+    """
+
+    env: Mapping[str, str] | None
+    cwd: str | None
+    user: str | None
+    stdin: str | bytes | None
+    timeout_s: float | None
+
+
+def exec_request(
+    cmd: Command,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | None = None,
+    stdin: str | bytes | None = None,
+    timeout_s: float | None = None,
+) -> ExecRequest:
+    """Build an ``ExecRequest``: a ``str`` command runs through the shell, a sequence is the argv.
+
+    ``stdin`` bytes must be UTF-8 (the API carries stdin as text), at most 16 MiB.
+    Raises ``InvalidRequest`` for an empty argv, non-UTF-8 or oversized stdin, and for values the
+    API model refuses (``timeout_s`` <= 0, ...).
+    """
+    if isinstance(stdin, bytes):
+        if len(stdin) > STDIN_MAX_BYTES:
+            raise InvalidRequest(f"stdin is larger than {STDIN_MAX_BYTES} bytes")
+        try:
+            stdin = stdin.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest("stdin must be UTF-8 text") from exc
+    fields: dict[str, Any] = {"env": dict(env or {}), "cwd": cwd, "user": user, "stdin": stdin}
+    fields["timeout_s"] = timeout_s
+    if isinstance(cmd, str):
+        fields["shell"] = cmd
+    else:
+        fields["argv"] = list(cmd)
+    return _validate(ExecRequest, fields, "exec request")
+
+
+def _exec_read_timeout(timeout_s: float | None) -> float | None:
+    # The server answers at the latest when the command's own timeout fires; leave it room to reply.
+    return None if timeout_s is None else timeout_s + 30.0
+
+
+def exec_call(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
+    """``POST /v1/sandboxes/{id}/exec`` -> ``ExecResult`` (waits for the command to end)."""
+    return Call(
+        "POST",
+        _sandbox_path(sandbox_id, "/exec"),
+        _model(ExecResult),
+        json=req.model_dump(mode="json", exclude_none=True),
+        long_running=True,
+        read_timeout_s=_exec_read_timeout(req.timeout_s),
+    )
+
+
+def exec_stream_call(sandbox_id: str, req: ExecRequest) -> Call[None]:
+    """``POST /v1/sandboxes/{id}/exec/stream`` -> NDJSON ``ExecEvent`` lines (parsed by ``_stream``).
+
+    No read timeout: a quiet command may write nothing for a long time, and the server ends the
+    stream with ``exit`` or ``error`` when the command's timeout fires.
+    """
+    return Call(
+        "POST",
+        _sandbox_path(sandbox_id, "/exec/stream"),
+        _none,
+        json=req.model_dump(mode="json", exclude_none=True),
+        long_running=True,
+        read_timeout_s=None,
+    )
+
+
+def read_file(sandbox_id: str, path: str) -> Call[None]:
+    """``GET /v1/sandboxes/{id}/files?path=`` -> raw bytes, read as a stream by the client."""
+    return Call("GET", _sandbox_path(sandbox_id, "/files"), _none, params={"path": path})
+
+
+def format_mode(mode: int) -> str:
+    """``0o644`` -> ``"0644"`` (the API's octal ``mode`` query value); ``InvalidRequest`` outside 0..0o7777."""
+    if not 0 <= mode <= 0o7777:
+        raise InvalidRequest(f"file mode {mode:#o} is outside 0..0o7777")
+    return f"{mode:04o}"
+
+
+def write_file(sandbox_id: str, path: str, content: Any, mode: int) -> Call[FileInfo]:
+    """``PUT /v1/sandboxes/{id}/files?path=&mode=`` with a raw body (bytes or a chunk iterator)."""
+    return Call(
+        "PUT",
+        _sandbox_path(sandbox_id, "/files"),
+        _model(FileInfo),
+        params={"path": path, "mode": format_mode(mode)},
+        content=content,
+    )
+
+
+def stat_file(sandbox_id: str, path: str) -> Call[FileInfo]:
+    """``GET /v1/sandboxes/{id}/files/stat?path=`` -> ``FileInfo``."""
+    return Call("GET", _sandbox_path(sandbox_id, "/files/stat"), _model(FileInfo), params={"path": path})
+
+
+def _entries(resp: httpx.Response) -> builtins.list[FileInfo]:
+    return _model(FileList)(resp).entries
+
+
+def list_files(sandbox_id: str, path: str) -> Call[builtins.list[FileInfo]]:
+    """``GET /v1/sandboxes/{id}/files/list?path=`` -> the directory's entries."""
+    return Call("GET", _sandbox_path(sandbox_id, "/files/list"), _entries, params={"path": path})
+
+
+def mkdir(sandbox_id: str, path: str, *, parents: bool) -> Call[FileInfo]:
+    """``POST /v1/sandboxes/{id}/files/mkdir?path=&parents=`` -> the directory's ``FileInfo``."""
+    return Call(
+        "POST",
+        _sandbox_path(sandbox_id, "/files/mkdir"),
+        _model(FileInfo),
+        params={"path": path, "parents": _bool(parents)},
+    )
+
+
+def remove_file(sandbox_id: str, path: str, *, recursive: bool) -> Call[None]:
+    """``DELETE /v1/sandboxes/{id}/files?path=&recursive=`` -> 204."""
+    return Call(
+        "DELETE",
+        _sandbox_path(sandbox_id, "/files"),
+        _none,
+        params={"path": path, "recursive": _bool(recursive)},
+    )
+
+
+def get_operation(operation_id: str) -> Call[OperationInfo]:
+    """``GET /v1/operations/{id}`` -> ``OperationInfo``."""
+    return Call("GET", f"/v1/operations/{quote(operation_id, safe='')}", _model(OperationInfo))
+
+
+class _TemplateList(BaseModel):
+    templates: builtins.list[TemplateInfo]
+
+
+def _templates(resp: httpx.Response) -> builtins.list[TemplateInfo]:
+    return _model(_TemplateList)(resp).templates
+
+
+def list_templates() -> Call[builtins.list[TemplateInfo]]:
+    """``GET /v1/templates`` -> ``{"templates": [TemplateInfo]}``, returned as the list."""
+    return Call("GET", "/v1/templates", _templates)

@@ -1,0 +1,382 @@
+"""The blocking SDK: ``Client`` (one pooled HTTP connection set, every endpoint) and ``Sandbox``.
+
+    from podbay import Sandbox
+    with Sandbox.create(template="base") as sb:      # deleted when the block ends
+        sb.files.write("/tmp/x.py", "print(6*7)")
+        print(sb.exec(["python3", "/tmp/x.py"]).stdout)   # "42\\n"
+
+Requests are built and parsed in ``podbay.sdk._calls``; errors are mapped in ``podbay.sdk._http``
+(``podbay.errors`` classes with the server's code, message and details; network failures become
+``Unavailable``/``Timeout`` naming the URL).
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import TracebackType
+from typing import IO, Any, TypeVar, Unpack
+
+import httpx
+
+from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.errors import NotFound, PodbayError
+from podbay.sdk import _calls as calls
+from podbay.sdk._calls import Call, Command, ExecOptions
+from podbay.sdk._files import FileData, sync_body
+from podbay.sdk._http import (
+    DEFAULT_TIMEOUT_S,
+    EventReader,
+    client_options,
+    error_for_response,
+    network_errors,
+    request_options,
+)
+
+__all__ = ["Client", "Sandbox", "Files"]
+
+T = TypeVar("T")
+
+
+class Client:
+    """A connection to the podbay API; every endpoint as a method. Close it (or use ``with``) when done.
+
+    ``api_url``/``api_key`` default to ``PODBAY_API_URL``/``PODBAY_API_KEY``, then the config file that
+    ``podbay up`` writes (``podbay.clientconfig``). ``timeout_s`` bounds connecting and waiting for each
+    answer (exec waits as long as the command's own timeout). ``transport`` swaps httpx's transport
+    (tests use ``httpx.MockTransport``). One ``httpx.Client`` per object: connections are pooled.
+    """
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        opts = client_options(api_url, api_key, timeout_s)
+        self.api_url: str = opts["base_url"]
+        self._timeout_s = timeout_s
+        self._http = httpx.Client(transport=transport, **opts)
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, call: Call[T]) -> T:
+        with network_errors(self.api_url):
+            resp = self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+        if resp.is_error:
+            raise error_for_response(resp)
+        return call.parse(resp)
+
+    @contextmanager
+    def _stream(self, call: Call[Any]) -> Iterator[httpx.Response]:
+        opts = request_options(call, self._timeout_s)
+        with network_errors(self.api_url), self._http.stream(call.method, call.path, **opts) as resp:
+            if resp.is_error:
+                resp.read()
+                raise error_for_response(resp)
+            yield resp
+
+    # sandboxes
+
+    def create_sandbox(
+        self,
+        template: str = "base",
+        *,
+        memory_mib: int | None = None,
+        vcpus: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        wait: bool = True,
+    ) -> SandboxInfo:
+        """Create a sandbox; with ``wait`` the answer comes when it runs (or failed), else at once with
+        ``operation_id``. Raises ``InvalidRequest``/``Unprocessable`` (bad values), ``NotFound`` (template)."""
+        return self._call(
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+        )
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """The sandbox's current ``SandboxInfo``; ``NotFound`` if it is not this tenant's."""
+        return self._call(calls.get_sandbox(sandbox_id))
+
+    def list_sandboxes(self) -> builtins.list[SandboxInfo]:
+        """The tenant's sandboxes."""
+        return self._call(calls.list_sandboxes())
+
+    def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
+        return self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+    def get_operation(self, operation_id: str) -> OperationInfo:
+        """The state of an operation started with ``wait=False``."""
+        return self._call(calls.get_operation(operation_id))
+
+    def list_templates(self) -> builtins.list[TemplateInfo]:
+        """The templates sandboxes can be created from."""
+        return self._call(calls.list_templates())
+
+    # processes
+
+    def exec(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
+        """Run ``cmd`` (argv list, or a ``str`` run by ``/bin/sh -c``) and wait for it to end.
+
+        A non-zero exit is a result, not an error. Raises ``InvalidState`` (409) unless the sandbox runs,
+        ``InvalidRequest`` for a bad request (see ``podbay.sdk._calls.exec_request``).
+        """
+        req = calls.exec_request(cmd, **opts)
+        return self._call(calls.exec_call(sandbox_id, req))
+
+    def exec_stream(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
+        """Run ``cmd`` and yield its ``ExecEvent``s as the process produces them.
+
+        ``start`` first, then ``stdout``/``stderr`` events with ``data``, last ``exit`` with ``exit_code``
+        (and ``timed_out``). An ``error`` event raises the typed error it carries; a stream that ends
+        without ``exit`` raises ``Unavailable``. The request is checked before this returns; the HTTP
+        call starts on the first ``next()``. Breaking out of the loop closes the connection.
+        """
+        req = calls.exec_request(cmd, **opts)
+        return self._events(calls.exec_stream_call(sandbox_id, req))
+
+    def _events(self, call: Call[None]) -> Iterator[ExecEvent]:
+        reader = EventReader(self.api_url + call.path)
+        with self._stream(call) as resp:
+            for line in resp.iter_lines():
+                event = reader.feed(line)
+                if event is not None:
+                    yield event
+        reader.finish()
+
+    # files
+
+    def read_file_into(self, sandbox_id: str, path: str, dest: IO[bytes]) -> int:
+        """Stream the file at absolute ``path`` into ``dest``; returns the number of bytes written."""
+        written = 0
+        with self._stream(calls.read_file(sandbox_id, path)) as resp:
+            for chunk in resp.iter_bytes():
+                dest.write(chunk)
+                written += len(chunk)
+        return written
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """The whole file at absolute ``path``; ``NotFound`` if it does not exist."""
+        buf = io.BytesIO()
+        self.read_file_into(sandbox_id, path, buf)
+        return buf.getvalue()
+
+    def write_file(self, sandbox_id: str, path: str, data: FileData, *, mode: int = 0o644) -> FileInfo:
+        """Write ``data`` (bytes, str as UTF-8, or a file-like object, streamed) to ``path`` with ``mode``."""
+        return self._call(calls.write_file(sandbox_id, path, sync_body(data), mode))
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileInfo:
+        """``FileInfo`` of ``path``; ``NotFound`` if it does not exist."""
+        return self._call(calls.stat_file(sandbox_id, path))
+
+    def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+        """The entries of the directory ``path``."""
+        return self._call(calls.list_files(sandbox_id, path))
+
+    def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileInfo:
+        """Create the directory ``path`` (and its parents, by default); returns its ``FileInfo``."""
+        return self._call(calls.mkdir(sandbox_id, path, parents=parents))
+
+    def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        """Remove ``path``; a non-empty directory needs ``recursive``."""
+        self._call(calls.remove_file(sandbox_id, path, recursive=recursive))
+
+
+class Files:
+    """``sandbox.files``: the sandbox's filesystem. Paths are absolute paths inside the guest."""
+
+    def __init__(self, client: Client, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    def write(self, path: str, data: FileData, mode: int = 0o644) -> FileInfo:
+        """Write bytes, text (UTF-8) or a file-like object (streamed) to ``path``."""
+        return self._client.write_file(self._id, path, data, mode=mode)
+
+    def read(self, path: str) -> bytes:
+        """The file's bytes; ``NotFound`` if it does not exist."""
+        return self._client.read_file(self._id, path)
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file decoded as ``encoding``."""
+        return self.read(path).decode(encoding)
+
+    def read_into(self, path: str, dest: IO[bytes]) -> int:
+        """Stream the file into ``dest``; returns the byte count."""
+        return self._client.read_file_into(self._id, path, dest)
+
+    def list(self, path: str) -> builtins.list[FileInfo]:
+        """The directory's entries."""
+        return self._client.list_files(self._id, path)
+
+    def stat(self, path: str) -> FileInfo:
+        """``FileInfo`` of ``path``; ``NotFound`` if it does not exist."""
+        return self._client.stat_file(self._id, path)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a ``stat`` that answers ``NotFound`` means no)."""
+        try:
+            self.stat(path)
+        except NotFound:
+            return False
+        return True
+
+    def mkdir(self, path: str, parents: bool = True) -> FileInfo:
+        """Create a directory (and its parents, by default)."""
+        return self._client.mkdir(self._id, path, parents=parents)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, or a directory (non-empty needs ``recursive``)."""
+        self._client.remove_file(self._id, path, recursive=recursive)
+
+
+class Sandbox:
+    """One sandbox. Build it with ``Sandbox.create`` or ``Sandbox.connect``; ``with`` deletes it at the end.
+
+    Each ``Sandbox`` made by ``create``/``connect`` owns its ``Client`` (closed by ``close``/``delete``)
+    unless one is passed in with ``client=``, which lets many sandboxes share one connection pool.
+    """
+
+    def __init__(self, client: Client, info: SandboxInfo, *, owns_client: bool = False) -> None:
+        self._client = client
+        self._owns_client = owns_client
+        self.info: SandboxInfo = info
+        self.files = Files(client, info.id)
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self.info.id
+
+    @staticmethod
+    def _open(
+        client: Client | None, api_url: str | None, api_key: str | None, timeout_s: float
+    ) -> tuple[Client, bool]:
+        if client is not None:
+            return client, False
+        return Client(api_url, api_key, timeout_s=timeout_s), True
+
+    @classmethod
+    def create(
+        cls,
+        template: str = "base",
+        *,
+        memory_mib: int | None = None,
+        vcpus: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        wait: bool = True,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """Create a sandbox from ``template`` (see ``Client.create_sandbox``) and return it.
+
+        With ``wait`` (default) it is running when this returns; ``memory_mib``/``vcpus`` default to the
+        template's. ``timeout_s`` bounds each HTTP call (not exec). Errors: ``podbay.errors`` classes.
+        """
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+        except BaseException:
+            if owns:
+                http.close()
+            raise
+        return cls(http, info, owns_client=owns)
+
+    @classmethod
+    def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """The existing sandbox ``sandbox_id``; ``NotFound`` if there is none (for this tenant)."""
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            info = http.get_sandbox(sandbox_id)
+        except BaseException:
+            if owns:
+                http.close()
+            raise
+        return cls(http, info, owns_client=owns)
+
+    @classmethod
+    def list(
+        cls,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: Client | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """The tenant's sandboxes, as ``SandboxInfo``."""
+        http, owns = cls._open(client, api_url, api_key, timeout_s)
+        try:
+            return http.list_sandboxes()
+        finally:
+            if owns:
+                http.close()
+
+    def refresh(self) -> SandboxInfo:
+        """Fetch the current ``SandboxInfo`` into ``info`` and return it."""
+        self.info = self._client.get_sandbox(self.id)
+        return self.info
+
+    def exec(self, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
+        """Run ``cmd`` and wait: see ``Client.exec``."""
+        return self._client.exec(self.id, cmd, **opts)
+
+    def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
+        """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
+        return self._client.exec_stream(self.id, cmd, **opts)
+
+    def delete(self, wait: bool = True) -> SandboxInfo:
+        """Delete the sandbox (see ``Client.delete_sandbox``), then close an owned client."""
+        try:
+            self.info = self._client.delete_sandbox(self.id, wait=wait)
+        finally:
+            self.close()
+        return self.info
+
+    def kill(self) -> SandboxInfo:
+        """Same as ``delete()``."""
+        return self.delete()
+
+    def close(self) -> None:
+        """Close the client if this sandbox owns it; the sandbox itself keeps running."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.delete()
+        except NotFound:
+            pass  # already gone: the block's purpose is met
+        except PodbayError:
+            if exc is None:
+                raise
+            # else the block's own error is the one worth seeing; it propagates after this
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.info.state!r})"

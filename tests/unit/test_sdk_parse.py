@@ -1,0 +1,158 @@
+"""Pure request building and response parsing of the SDK, through ``httpx.MockTransport``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from test_sdk_fake import clean_env  # noqa: F401  (fixture)
+
+from podbay.sdk import (
+    AsyncClient,
+    Client,
+    Conflict,
+    InvalidRequest,
+    PodbayError,
+    Timeout,
+    Unavailable,
+    Unprocessable,
+)
+from podbay.sdk._calls import exec_request, format_mode
+from podbay.sdk._http import EventReader
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+def _client(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
+    return Client("http://api.test", "k", transport=httpx.MockTransport(handler))
+
+
+def test_ids_are_quoted_into_one_path_segment() -> None:
+    seen: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.raw_path)
+        return httpx.Response(404, json={"error": {"code": "not_found", "message": "no"}})
+
+    with _client(handler) as client, pytest.raises(PodbayError):
+        client.get_sandbox("../operations/x?y")
+    assert seen == [b"/v1/sandboxes/..%2Foperations%2Fx%3Fy"]
+
+
+def test_fastapi_detail_bodies_map_by_status() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        detail = [{"loc": ["query", "path"], "msg": "Field required", "type": "missing"}]
+        return httpx.Response(422, json={"detail": detail})
+
+    with _client(handler) as client, pytest.raises(Unprocessable, match="query.path: Field required"):
+        client.stat_file("sb", "/x")
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"), [(409, Conflict), (502, Unavailable), (503, Unavailable), (504, Timeout), (500, PodbayError)]
+)
+def test_non_wire_errors_map_by_status(status: int, cls: type[PodbayError]) -> None:
+    with _client(lambda r: httpx.Response(status, text="<html>proxy</html>")) as client:
+        with pytest.raises(cls) as exc:
+            client.list_sandboxes()
+    assert type(exc.value) is cls
+    assert f"HTTP {status}" in exc.value.message and "proxy" in exc.value.message
+
+
+def test_unknown_wire_code_keeps_the_message() -> None:
+    body = {"error": {"code": "brand_new", "message": "a newer server says no"}}
+    with _client(lambda r: httpx.Response(418, json=body)) as client, pytest.raises(PodbayError) as exc:
+        client.list_sandboxes()
+    assert exc.value.message == "a newer server says no"
+
+
+def test_malformed_success_body_is_a_podbay_error() -> None:
+    with _client(lambda r: httpx.Response(200, json={"id": 1})) as client:
+        with pytest.raises(PodbayError, match="unexpected SandboxInfo response"):
+            client.get_sandbox("sb")
+
+
+def test_read_timeout_becomes_timeout_naming_the_url() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("slow", request=request)
+
+    with _client(handler) as client, pytest.raises(Timeout, match="http://api.test/v1/templates"):
+        client.list_templates()
+
+
+async def test_async_connect_error_becomes_unavailable() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async with AsyncClient("http://api.test", "k", transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(Unavailable, match="cannot reach the podbay API at http://api.test/v1/sandboxes"):
+            await client.list_sandboxes()
+
+
+def test_exec_read_timeout_follows_the_command_timeout() -> None:
+    timeouts: list[dict[str, float | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"])
+        return httpx.Response(200, json={"stdout": "", "stderr": "", "exit_code": 0, "duration_ms": 1})
+
+    with _client(handler) as client:
+        client.exec("sb", ["true"], timeout_s=100)
+        client.exec("sb", ["true"])
+    assert timeouts[0]["read"] == 130.0
+    assert timeouts[1]["read"] is None
+    assert timeouts[0]["connect"] == 90.0
+
+
+def test_bearer_header_only_with_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    headers: list[httpx.Headers] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers.append(request.headers)
+        return httpx.Response(200, json={"templates": []})
+
+    with Client("http://api.test", transport=httpx.MockTransport(handler)) as client:
+        client.list_templates()
+    monkeypatch.setenv("PODBAY_API_KEY", "from-env")
+    with Client("http://api.test/", transport=httpx.MockTransport(handler)) as client:
+        assert client.api_url == "http://api.test"
+        client.list_templates()
+    assert "authorization" not in headers[0]
+    assert headers[1]["authorization"] == "Bearer from-env"
+
+
+def test_event_reader() -> None:
+    reader = EventReader("u")
+    assert reader.feed("") is None
+    ev = reader.feed(json.dumps({"type": "stdout", "data": "x"}))
+    assert ev is not None and ev.data == "x"
+    with pytest.raises(Unavailable):
+        reader.finish()
+    with pytest.raises(PodbayError, match="malformed exec event"):
+        reader.feed("{not json")
+    with pytest.raises(PodbayError, match="malformed exec event"):
+        reader.feed(json.dumps({"type": "weird"}))
+    with pytest.raises(Timeout, match="too slow"):
+        reader.feed(json.dumps({"type": "error", "error": {"code": "timeout", "message": "too slow"}}))
+    reader.feed(json.dumps({"type": "exit", "exit_code": 0}))
+    reader.finish()
+
+
+def test_exec_request_validation() -> None:
+    assert exec_request("echo hi").shell == "echo hi"
+    assert exec_request(("a", "b")).argv == ["a", "b"]
+    with pytest.raises(InvalidRequest, match="argv"):
+        exec_request([])
+    with pytest.raises(InvalidRequest, match="timeout_s"):
+        exec_request(["x"], timeout_s=0)
+    with pytest.raises(InvalidRequest, match="larger than"):
+        exec_request(["x"], stdin=b"a" * ((16 << 20) + 1))
+
+
+def test_format_mode() -> None:
+    assert format_mode(0o644) == "0644"
+    assert format_mode(0o4755) == "4755"
+    with pytest.raises(InvalidRequest):
+        format_mode(0o10000)

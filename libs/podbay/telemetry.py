@@ -62,3 +62,6 @@ def setup_logging(service: str, level: str | None = None) -> None:
     root.setLevel((level or os.environ.get("PODBAY_LOG_LEVEL") or "INFO").upper())
     for noisy in ("uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # qemu.qmp logs every refused connect while QEMU is still creating its socket; the driver reports
+    # real failures itself.
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)

@@ -85,7 +85,8 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         ch = manager.channel(sandbox_id, _gen(request))
         t = time.perf_counter()
         stdin = body.stdin.encode() if body.stdin is not None else None
-        out, err, ex = await ch.run(_spec(body, settings.exec_timeout_s), stdin=stdin, limit=MAX_CAPTURE_BYTES)
+        out, err, ex = await ch.run(_spec(body, settings.exec_timeout_s), stdin=stdin,
+                                    max_output_bytes=MAX_CAPTURE_BYTES)
         dt = time.perf_counter() - t
         HOP_SECONDS.labels("nodeagent", "guest_exec").observe(dt)
         return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
@@ -94,15 +95,21 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     @app.post(base + "/exec/stream")
     async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request) -> StreamingResponse:
         ch = manager.channel(sandbox_id, _gen(request))
-        proc = await ch.exec(_spec(body, settings.exec_timeout_s))
+        proc = ch.exec(_spec(body, settings.exec_timeout_s))
+        # Wait for the guest's start report before answering, so a bad cwd or user is an HTTP error.
+        try:
+            pid = await proc.started()
+        except BaseException:
+            await proc.__aexit__(None, None, None)
+            raise
 
         async def lines() -> AsyncIterator[bytes]:
             async with proc:
-                yield (ExecEvent(type="start", pid=proc.pid).model_dump_json(exclude_none=True) + "\n").encode()
-                if body.stdin is not None:
-                    await proc.write_stdin(body.stdin.encode())
-                    await proc.close_stdin()
+                yield (ExecEvent(type="start", pid=pid).model_dump_json(exclude_none=True) + "\n").encode()
                 try:
+                    if body.stdin is not None:
+                        await proc.write_stdin(body.stdin.encode())
+                        await proc.close_stdin()
                     async for kind, data in proc:
                         yield (ExecEvent(type=kind, data=data.decode(errors="replace"))
                                .model_dump_json(exclude_none=True) + "\n").encode()

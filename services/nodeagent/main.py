@@ -96,11 +96,12 @@ async def _serve(stop: asyncio.Event) -> None:
     relay = Relay(pool, bus)
     driver = await VmDriver.create(settings, store)
     manager = SandboxManager(settings, pool, bus, relay, store, driver)
-    manager.templates = await driver.import_templates(pool, settings.node_id)
+    manager.templates = await driver.import_templates(pool)
     if not manager.templates:
         log.warning("no template is built: run `podbay template build base`")
     dataplane_url = f"http://{settings.node_host}:{settings.node_port}"
     await register_node(pool, settings, dataplane_url, driver.accel)
+    await driver.register_node_templates(pool, settings.node_id, manager.templates)
     relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
     await manager.reconcile()
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "SandboxCreate",
@@ -88,6 +88,12 @@ class ExecRequest(_In):
     user: str | None = Field(None, description="User name or uid; default root.")
     stdin: str | None = Field(None, max_length=16 << 20)
     timeout_s: float | None = Field(None, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _one_command(self) -> ExecRequest:
+        if (self.argv is None) == (self.shell is None):
+            raise ValueError("give exactly one of argv or shell")
+        return self
 
 
 class ExecResult(BaseModel):

@@ -1,0 +1,151 @@
+"""The node agent's view of the VMM: templates in the store, restore, attach, kill, detach.
+
+A thin layer over ``vmm.QemuVmm`` that binds it to this node's store and settings, so the sandbox manager
+deals in sandboxes and templates rather than QEMU arguments. Templates are built into the build cache by
+``podbay template build`` (``template.prepare_template``); at start the agent copies each one's newest
+snapshot into its btrfs store once (``store/templates/<name>/<key>``) so that every restore reflinks from
+the same filesystem, and registers it in PostgreSQL (``templates``, ``node_templates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from podbay.config import Settings
+
+from .store import NodeStore
+from .template import TemplateSnapshot
+from .vmm import QemuVmm, VmHandle as QemuHandle, reflink_or_copy
+
+__all__ = ["TemplateImage", "VmHandle", "VmDriver"]
+
+log = logging.getLogger("podbay.nodeagent.vmdriver")
+
+_TEMPLATE_FILES = ("template.json", "state", "ram", "disk.img", "vmlinuz", "initrd.img")
+
+
+@dataclass(frozen=True)
+class TemplateImage:
+    """A template snapshot in this node's store. ``digest`` is the snapshot key (image, QEMU, accel, size)."""
+
+    name: str
+    digest: str
+    snapshot: TemplateSnapshot
+
+
+class VmHandle:
+    """One sandbox VM: its QEMU pid, channel socket, and how to kill, detach from or wait for it."""
+
+    def __init__(self, vmm: QemuVmm, inner: QemuHandle) -> None:
+        self._vmm = vmm
+        self.inner = inner
+
+    @property
+    def pid(self) -> int:
+        return self.inner.pid
+
+    @property
+    def channel_path(self) -> Path:
+        return self.inner.paths.channel
+
+    async def kill(self) -> None:
+        """SIGKILL QEMU and wait for it (bounded)."""
+        await self._vmm.kill(self.inner)
+
+    async def wait_exit(self) -> int | None:
+        """Wait until QEMU exits; its exit status (negative signal number) when known."""
+        return await self._vmm.wait_exit(self.inner)
+
+    async def detach(self) -> None:
+        """Drop the QMP connection and leave QEMU running (a later ``attach`` picks it up)."""
+        try:
+            await asyncio.wait_for(self.inner.qmp.disconnect(), 2.0)
+        except Exception:  # already gone: nothing to release
+            pass
+
+
+class VmDriver:
+    """Binds ``QemuVmm`` to a node store; ``accel`` is the accelerator its templates were snapshotted under."""
+
+    def __init__(self, settings: Settings, store: NodeStore, vmm: QemuVmm) -> None:
+        self.settings = settings
+        self.store = store
+        self.vmm = vmm
+        self.accel: str = settings.accel if settings.accel != "auto" else "unknown"
+
+    @classmethod
+    async def create(cls, settings: Settings, store: NodeStore) -> VmDriver:
+        return cls(settings, store, QemuVmm())
+
+    def _cached_templates(self) -> dict[str, Path]:
+        """Newest built snapshot directory per template name in the build cache."""
+        root = self.settings.cache_dir / "templates"
+        best: dict[str, tuple[float, Path]] = {}
+        if not root.exists():
+            return {}
+        for meta in root.glob("*/template.json"):
+            try:
+                tpl = TemplateSnapshot.load(meta.parent)
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring unreadable template %s: %s", meta.parent, exc)
+                continue
+            if self.settings.accel != "auto" and tpl.accel != self.settings.accel:
+                continue
+            mtime = meta.stat().st_mtime
+            if tpl.name not in best or mtime > best[tpl.name][0]:
+                best[tpl.name] = (mtime, meta.parent)
+        return {name: p for name, (_, p) in best.items()}
+
+    def _import(self, name: str, src: Path) -> TemplateImage:
+        tpl = TemplateSnapshot.load(src)
+        dest = self.store.template_dir(name, tpl.key)
+        if not (dest / "template.json").exists():
+            tmp = dest.with_name(dest.name + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            for f in _TEMPLATE_FILES:
+                reflink_or_copy(src / f, tmp / f)
+            os.replace(tmp, dest)
+            log.info("imported template %s (%s) into the node store", name, tpl.key[:12])
+        return TemplateImage(name=name, digest=tpl.key, snapshot=TemplateSnapshot.load(dest))
+
+    async def import_templates(self, pool: asyncpg.Pool) -> dict[str, TemplateImage]:
+        """Copy cached templates into the store (once per key) and upsert ``templates``; returns them by name."""
+        out: dict[str, TemplateImage] = {}
+        for name, src in self._cached_templates().items():
+            img = await asyncio.to_thread(self._import, name, src)
+            out[name] = img
+            self.accel = img.snapshot.accel
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute(
+                    "INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ($1,$2,$3,$4)"
+                    " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, updated_at=now()",
+                    name, img.digest, img.snapshot.memory_mib, img.snapshot.vcpus)
+        return out
+
+    @staticmethod
+    async def register_node_templates(pool: asyncpg.Pool, node_id: str, templates: dict[str, TemplateImage]) -> None:
+        """Record which templates this node holds (its ``nodes`` row must exist)."""
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM node_templates WHERE node_id=$1", node_id)
+            for img in templates.values():
+                await conn.execute("INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)",
+                                   node_id, img.name, img.digest)
+
+    async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int) -> VmHandle:
+        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming)."""
+        config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
+        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config)
+        return VmHandle(self.vmm, inner)
+
+    async def attach(self, vm_dir: Path) -> VmHandle:
+        """Re-attach to the QEMU still running for ``vm_dir``; raises ``VmGone`` when there is none."""
+        return VmHandle(self.vmm, await self.vmm.attach(vm_dir))

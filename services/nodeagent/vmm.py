@@ -1,0 +1,649 @@
+"""The VMM driver: QEMU ``microvm`` guests driven through QMP (``qemu.qmp``).
+
+A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
+shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
+``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
+``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). QEMU runs in its own session so that it outlives the node
+agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow DESIGN.md §3.
+
+:class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
+
+    VmmError(PodbayError)                vmm_error
+    ├── VmStartError(Unavailable)        vm_start_failed   QEMU did not start or QMP never answered; retryable
+    ├── VmTimeout(Timeout)               vm_timeout        an operation ran past its bound; retryable
+    ├── VmGone(NotFound)                 vm_gone           the QEMU process is not running
+    └── VmOperationError                 vm_operation_failed  QMP refused a command, migration failed, I/O
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, Field
+from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
+
+from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
+from podbay_nodeagent.accel import Accel, host_tsc_khz
+
+__all__ = [
+    "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
+    "VmConfig", "VmPaths", "VmHandle", "SnapshotResult", "Vmm", "QemuVmm",
+    "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CHANNEL_PORT_NAME = "org.podbay.channel"
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+_QMP_CONNECT_TIMEOUT_S = 5.0
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+class VmmError(PodbayError):
+    """Base of the VMM driver's errors."""
+
+    code = "vmm_error"
+
+
+class VmStartError(VmmError, Unavailable):
+    code = "vm_start_failed"
+    http_status = 503
+    retryable = True
+
+
+class VmTimeout(VmmError, Timeout):
+    code = "vm_timeout"
+    http_status = 504
+    retryable = True
+
+
+class VmGone(VmmError, NotFound):
+    code = "vm_gone"
+    http_status = 404
+
+
+class VmOperationError(VmmError):
+    code = "vm_operation_failed"
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+BOOTS = Counter("podbay_vmm_boots", "Fresh QEMU boots.", ["accel", "outcome"])
+RESTORES = Counter("podbay_vmm_restores", "Restores from a full snapshot.", ["accel", "outcome"])
+RESTORE_RETRIES = Counter("podbay_vmm_restore_retries", "Restore attempts retried after a failure.")
+TIMEOUTS = Counter("podbay_vmm_timeouts", "VMM operations that ran past their bound.", ["op"])
+SNAPSHOTS = Counter("podbay_vmm_snapshots", "Full snapshots taken.", ["outcome", "copy_mode"])
+BOOT_SECONDS = Histogram("podbay_vmm_boot_seconds", "QEMU start to QMP ready on a fresh boot.")
+RESTORE_SECONDS = Histogram(
+    "podbay_vmm_restore_seconds", "Restore start to guest running (or paused when asked).",
+    buckets=(0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+SNAPSHOT_PAUSE_SECONDS = Histogram(
+    "podbay_vmm_snapshot_pause_seconds", "Time a guest stays stopped for a full snapshot.",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+)
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+class VmConfig(BaseModel):
+    """How to run a guest. The same machine shape must be used to restore a snapshot as to take it."""
+
+    kernel: Path
+    initrd: Path
+    memory_mib: int = Field(256, ge=16)
+    vcpus: int = Field(1, ge=1, le=64)
+    accel: Accel = "tcg"
+    tsc_khz: int | None = Field(None, description="Host TSC in kHz; None reads it from the host.")
+    extra_append: str = Field("", description="Appended to the kernel command line.")
+    qemu_binary: str = "qemu-system-x86_64"
+    boot_timeout_s: float = Field(90.0, description="Bound on QEMU start to QMP ready.")
+    restore_timeout_s: float = Field(30.0, description="Bound on one restore attempt.")
+    restore_retries: int = Field(2, ge=0)
+    op_timeout_s: float = Field(10.0, description="Bound on a single QMP command.")
+    snapshot_timeout_s: float = Field(60.0, description="Bound on a full snapshot.")
+
+
+@dataclass(frozen=True)
+class VmPaths:
+    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel``, ``console``, ``pidfile``,
+    ``qemu_log`` (QEMU's stdout and stderr)."""
+
+    dir: Path
+    disk: Path = field(init=False)
+    ram: Path = field(init=False)
+    qmp: Path = field(init=False)
+    channel: Path = field(init=False)
+    console: Path = field(init=False)
+    pidfile: Path = field(init=False)
+    qemu_log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = {"disk": "disk.img", "ram": "ram", "qmp": "qmp.sock", "channel": "channel.sock",
+                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log"}
+        for attr, name in names.items():
+            object.__setattr__(self, attr, self.dir / name)
+
+
+class SnapshotResult(BaseModel):
+    """A full snapshot on disk: ``state`` (device state, ~60 KB), ``ram`` and ``disk``."""
+
+    dir: Path
+    state: Path
+    ram: Path
+    disk: Path
+    paused_ms: float = Field(description="Time the guest was stopped, in ms.")
+    copy_mode: Literal["reflink", "copy"]
+
+
+@dataclass(eq=False)
+class VmHandle:
+    """A running (or paused) QEMU. Owned by one driver; ``pid`` is QEMU's process id."""
+
+    paths: VmPaths
+    pid: int
+    config: VmConfig | None
+    qmp: QMPClient
+    popen: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    _exited: asyncio.Event = field(default_factory=asyncio.Event)
+    _pidfd: int | None = None
+
+    @property
+    def dir(self) -> Path:
+        return self.paths.dir
+
+
+def _send_scm_rights(qmp: QMPClient, fd: int) -> None:
+    """Send ``fd`` over the QMP socket with SCM_RIGHTS (what ``getfd`` expects, QMP reference "getfd").
+
+    ``QMPClient.send_fd_scm`` reaches into the standard loop's private socket wrapper, which uvloop's
+    transports do not have; a duplicate of the socket's descriptor works under both loops. The transport's
+    buffer is empty between commands, so the byte cannot interleave with a command.
+    """
+    transport_sock = qmp._writer.transport.get_extra_info("socket")  # type: ignore[union-attr]  # noqa: SLF001
+    dup = socket.socket(fileno=os.dup(transport_sock.fileno()))
+    try:
+        dup.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("@i", fd))])
+    finally:
+        dup.close()  # closes only the duplicate descriptor
+
+
+# ------------------------------------------------------------------------------------- command line
+
+
+def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
+    """The guest kernel command line of DESIGN.md §3; ``tsc_khz`` is the host TSC in kHz."""
+    base = (
+        "console=ttyS0 reboot=t panic=-1 lpj=2000000 tsc=reliable no_timer_check "
+        f"tsc_early_khz={tsc_khz} i8042.noaux i8042.nomux i8042.nopnp quiet"
+    )
+    return f"{base} {extra}".strip()
+
+
+def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int) -> list[str]:
+    """QEMU's argv for ``config`` in ``paths``; ``incoming`` starts it paused, waiting for a migration stream."""
+    mem = f"{config.memory_mib}M"
+    argv = [
+        config.qemu_binary,
+        "-M", "microvm,pit=on,pic=on,rtc=on,memory-backend=mem",
+        "-accel", config.accel,
+        "-cpu", "host" if config.accel == "kvm" else "max",
+        "-m", mem, "-smp", str(config.vcpus),
+        "-object", f"memory-backend-file,id=mem,size={mem},mem-path={paths.ram},share=on",
+        "-kernel", str(config.kernel), "-initrd", str(config.initrd),
+        "-append", kernel_cmdline(tsc_khz, config.extra_append),
+        "-nodefaults", "-no-user-config", "-nographic",
+        # A guest reboot or panic (panic=-1) ends QEMU, so the node agent sees it instead of a silent reboot.
+        "-no-reboot",
+        "-chardev", f"file,id=con0,path={paths.console},append=on", "-serial", "chardev:con0",
+        "-drive", f"id=root,file={paths.disk},format=raw,if=none,cache=writeback,discard=unmap",
+        "-device", "virtio-blk-device,drive=root",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=ch0,path={paths.channel},server=on,wait=off",
+        "-device", f"virtserialport,chardev=ch0,name={CHANNEL_PORT_NAME}",
+        "-qmp", f"unix:{paths.qmp},server=on,wait=off",
+        "-pidfile", str(paths.pidfile),
+    ]
+    if incoming:
+        argv += ["-S", "-incoming", "defer"]
+    return argv
+
+
+# ------------------------------------------------------------------------------------------ file copy
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """Copy only the data extents of ``src`` (SEEK_DATA/SEEK_HOLE), so holes stay holes."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        os.ftruncate(fout.fileno(), size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole remains
+                    break
+                raise
+            end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
+            _copy_range(fin.fileno(), fout.fileno(), start, end)
+            pos = end
+
+
+def _copy_range(fin: int, fout: int, start: int, end: int) -> None:
+    """Copy bytes [start, end) at the same offsets: ``copy_file_range`` where the kernel allows it (not across
+    filesystems of different types), else read and write."""
+    off = start
+    while off < end:
+        try:
+            n = os.copy_file_range(fin, fout, end - off, off, off)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            break
+        if n == 0:
+            return
+        off += n
+    while off < end:
+        chunk = os.pread(fin, min(end - off, 1 << 20), off)
+        if not chunk:
+            return
+        os.pwrite(fout, chunk, off)
+        off += len(chunk)
+
+
+def reflink_or_copy(src: Path, dst: Path) -> Literal["reflink", "copy"]:
+    """Copy ``src`` to ``dst``: a reflink (``FICLONE``, what ``cp --reflink=always`` does) when the filesystem
+    supports it, else a sparse copy. Returns which. Blocking: call it in a thread for large files."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            return "reflink"
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY):
+                raise
+    _sparse_copy(src, dst)
+    return "copy"
+
+
+# ---------------------------------------------------------------------------------------------- interface
+
+
+class Vmm(abc.ABC):
+    """What the node agent needs from a VMM. Every call is bounded by a timeout."""
+
+    @abc.abstractmethod
+    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
+        """Fresh boot of kernel + initrd + ``vm_dir/disk.img``; returns once QMP answers (guest running)."""
+
+    @abc.abstractmethod
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+        """Copy RAM and disk from ``snapshot_dir`` into ``vm_dir`` and resume the snapshot there."""
+
+    @abc.abstractmethod
+    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+        """Device state + RAM + disk into ``dest_dir``; the guest is stopped meanwhile."""
+
+    @abc.abstractmethod
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+        """Re-attach to a QEMU left running by an earlier node agent; raises :class:`VmGone`."""
+
+    @abc.abstractmethod
+    async def pause(self, vm: VmHandle) -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self, vm: VmHandle) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None:
+        """Ask QEMU to quit (disks flushed); SIGKILL after ``timeout_s``."""
+
+    @abc.abstractmethod
+    async def kill(self, vm: VmHandle) -> None: ...
+
+    @abc.abstractmethod
+    def is_alive(self, vm: VmHandle) -> bool: ...
+
+    @abc.abstractmethod
+    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+        """Wait until QEMU exits; its exit code when it was our child, else None."""
+
+    @abc.abstractmethod
+    async def query_status(self, vm: VmHandle) -> str:
+        """QEMU's run state: ``running``, ``paused``, ``postmigrate``, ``inmigrate``, ``shutdown``, ..."""
+
+
+# ----------------------------------------------------------------------------------------- QEMU driver
+
+
+class QemuVmm(Vmm):
+    """The QEMU implementation of :class:`Vmm`."""
+
+    def __init__(self, *, tsc_khz: int | None = None) -> None:
+        self._tsc_khz = tsc_khz
+
+    # -- helpers
+
+    def _tsc(self, config: VmConfig) -> int:
+        return config.tsc_khz or self._tsc_khz or host_tsc_khz()
+
+    async def _bounded(self, op: str, aw: Awaitable[T], timeout_s: float) -> T:
+        try:
+            return await asyncio.wait_for(aw, timeout_s)
+        except asyncio.TimeoutError as exc:
+            TIMEOUTS.labels(op).inc()
+            raise VmTimeout(f"{op} did not finish within {timeout_s} s", details={"op": op}) from exc
+
+    async def _qmp(self, vm: VmHandle, cmd: str, args: dict[str, Any] | None = None, *,
+                   timeout_s: float | None = None) -> Any:
+        try:
+            return await self._bounded(
+                f"qmp:{cmd}", vm.qmp.execute(cmd, args),
+                timeout_s or (vm.config.op_timeout_s if vm.config else 10.0),
+            )
+        except ExecuteError as exc:
+            raise VmOperationError(f"QMP {cmd} failed: {exc.error.desc}", details={"cmd": cmd}) from exc
+        except (StateError, QMPError, EOFError, OSError) as exc:
+            if not self.is_alive(vm):
+                raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc
+            raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
+
+    def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool) -> subprocess.Popen[bytes]:
+        paths.dir.mkdir(parents=True, exist_ok=True)
+        for p in (paths.qmp, paths.channel, paths.pidfile):
+            p.unlink(missing_ok=True)
+        argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config))
+        log.debug("starting %s", shlex.join(argv))
+        with open(paths.qemu_log, "ab") as logf:
+            try:
+                return subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=paths.dir,
+                    start_new_session=True, close_fds=True,
+                )
+            except OSError as exc:
+                raise VmStartError(f"cannot start {config.qemu_binary}: {exc}") from exc
+
+    def _qemu_log_tail(self, paths: VmPaths) -> str:
+        try:
+            return paths.qemu_log.read_text(errors="replace").strip()[-500:]
+        except OSError:
+            return ""
+
+    async def _connect(self, paths: VmPaths, pid: int, popen: subprocess.Popen[bytes] | None,
+                       config: VmConfig | None, timeout_s: float) -> VmHandle:
+        """Connect QMP (retrying until the socket exists) and start watching the process."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        qmp = QMPClient(f"vm-{paths.dir.name}")
+        while True:
+            if popen is not None and popen.poll() is not None:
+                raise VmStartError(
+                    f"QEMU exited with {popen.returncode} at start: {self._qemu_log_tail(paths)}",
+                    details={"vm_dir": str(paths.dir)},
+                )
+            try:
+                await asyncio.wait_for(qmp.connect(str(paths.qmp)), max(0.05, deadline - loop.time()))
+                break
+            except (ConnectError, OSError, asyncio.TimeoutError) as exc:
+                if loop.time() >= deadline:
+                    TIMEOUTS.labels("qmp_connect").inc()
+                    raise VmStartError(
+                        f"QMP did not answer within {timeout_s} s: {exc!r} {self._qemu_log_tail(paths)}",
+                        details={"vm_dir": str(paths.dir)},
+                    ) from exc
+                await asyncio.sleep(0.005)
+        vm = VmHandle(paths=paths, pid=pid, config=config, qmp=qmp, popen=popen)
+        self._watch(vm)
+        return vm
+
+    def _watch(self, vm: VmHandle) -> None:
+        """Notice QEMU's exit through a pidfd, even when QEMU is not our child."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(vm.pid)
+        except ProcessLookupError:
+            self._on_exit(vm)
+            return
+        vm._pidfd = fd
+
+        def ready() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            vm._pidfd = None
+            self._on_exit(vm)
+
+        loop.add_reader(fd, ready)
+
+    def _on_exit(self, vm: VmHandle) -> None:
+        if vm.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                vm.exit_code = vm.popen.wait(timeout=1)
+        vm._exited.set()
+
+    async def _close_qmp(self, vm: VmHandle) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
+
+    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes]) -> None:
+        if vm is not None:
+            await self.kill(vm)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(popen.pid, signal.SIGKILL)
+        await asyncio.to_thread(popen.wait)
+
+    async def _migration_done(self, vm: VmHandle, what: str) -> None:
+        """Poll ``query-migrate`` until completed; raise on failure."""
+        while True:
+            info = await self._qmp(vm, "query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise VmOperationError(f"{what} migration {status}: {info.get('error-desc', '')}")
+            await asyncio.sleep(0.001)
+
+    async def _send_fd(self, vm: VmHandle, path: Path, flags: int, name: str) -> None:
+        """Hand QEMU an open file as monitor fd ``name`` (``getfd`` with SCM_RIGHTS)."""
+        fd = os.open(path, flags, 0o600)
+        try:
+            _send_scm_rights(vm.qmp, fd)
+            await self._qmp(vm, "getfd", {"fdname": name})
+        finally:
+            os.close(fd)
+
+    # -- operations
+
+    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
+        paths = VmPaths(vm_dir)
+        if not paths.disk.exists():
+            raise VmStartError(f"no disk image at {paths.disk}")
+        paths.ram.unlink(missing_ok=True)  # a fresh boot starts from sparse RAM
+        t0 = time.monotonic()
+        popen = self._spawn(config, paths, incoming=False)
+        vm: VmHandle | None = None
+        try:
+            vm = await self._connect(paths, popen.pid, popen, config, min(config.boot_timeout_s, 30.0))
+            await self._set_caps(vm)
+        except BaseException:
+            BOOTS.labels(config.accel, "failed").inc()
+            await self._abort_start(vm, popen)
+            raise
+        BOOTS.labels(config.accel, "ok").inc()
+        BOOT_SECONDS.observe(time.monotonic() - t0)
+        return vm
+
+    async def _set_caps(self, vm: VmHandle) -> None:
+        # RAM lives in a shared file that snapshots reflink, so migration streams only device state.
+        await self._qmp(vm, "migrate-set-capabilities",
+                        {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+        """Restore ``snapshot_dir`` (``state``, ``ram``, ``disk.img``) into ``vm_dir``.
+
+        Each attempt is bounded by ``config.restore_timeout_s``; up to ``config.restore_retries`` retries. With
+        ``paused`` the guest is left stopped (``cont`` it with :meth:`resume`). DESIGN.md §3: ~65 ms to
+        running under TCG. Raises :class:`VmStartError`, :class:`VmTimeout`, :class:`VmOperationError`.
+        """
+        state = snapshot_dir / "state"
+        if not state.exists():
+            raise VmStartError(f"no snapshot state at {state}")
+        t0 = time.monotonic()
+        last: Exception | None = None
+        for attempt in range(config.restore_retries + 1):
+            if attempt:
+                RESTORE_RETRIES.inc()
+            try:
+                vm = await self._bounded(
+                    "restore", self._restore_once(snapshot_dir, VmPaths(vm_dir), config, paused),
+                    config.restore_timeout_s,
+                )
+            except (VmmError, OSError) as exc:
+                last = exc
+                log.warning("restore attempt %d of %s failed: %s", attempt + 1, vm_dir, exc)
+                continue
+            RESTORES.labels(config.accel, "ok").inc()
+            RESTORE_SECONDS.observe(time.monotonic() - t0)
+            return vm
+        RESTORES.labels(config.accel, "failed").inc()
+        if isinstance(last, VmmError):
+            raise last
+        raise VmStartError(f"restore of {snapshot_dir} failed: {last}") from last
+
+    async def _restore_once(self, snap: Path, paths: VmPaths, config: VmConfig, paused: bool) -> VmHandle:
+        paths.dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(reflink_or_copy, snap / "ram", paths.ram)
+        await asyncio.to_thread(reflink_or_copy, snap / "disk.img", paths.disk)
+        popen = self._spawn(config, paths, incoming=True)
+        vm: VmHandle | None = None
+        try:
+            vm = await self._connect(paths, popen.pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
+            await self._set_caps(vm)
+            await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
+            await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})
+            await self._migration_done(vm, "incoming")
+            if not paused:
+                await self._qmp(vm, "cont")
+            return vm
+        except BaseException:
+            await self._abort_start(vm, popen)
+            raise
+
+    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+        """Stop, migrate device state to ``dest_dir/state``, reflink (or copy) RAM and disk, then ``cont``.
+
+        ``paused_ms`` is the time from ``stop`` to ``cont`` (or to the end when ``leave_stopped``). A guest that
+        was paused before stays paused. Raises :class:`VmOperationError`, :class:`VmTimeout`, :class:`VmGone`.
+        """
+        timeout = vm.config.snapshot_timeout_s if vm.config else 60.0
+        try:
+            return await self._bounded("snapshot", self._snapshot(vm, dest_dir, leave_stopped), timeout)
+        except BaseException:
+            SNAPSHOTS.labels("failed", "none").inc()
+            raise
+
+    async def _snapshot(self, vm: VmHandle, dest: Path, leave_stopped: bool) -> SnapshotResult:
+        dest.mkdir(parents=True, exist_ok=True)
+        was_running = (await self.query_status(vm)) == "running"
+        t0 = time.monotonic()
+        await self._qmp(vm, "stop")
+        resumed = False
+        try:
+            tmp_state = dest / "state.part"
+            await self._send_fd(vm, tmp_state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, "migout")
+            await self._qmp(vm, "migrate", {"uri": "fd:migout"})
+            await self._migration_done(vm, "outgoing")
+            os.replace(tmp_state, dest / "state")
+            ram_mode = await asyncio.to_thread(reflink_or_copy, vm.paths.ram, dest / "ram")
+            disk_mode = await asyncio.to_thread(reflink_or_copy, vm.paths.disk, dest / "disk.img")
+            if was_running and not leave_stopped:
+                await self._qmp(vm, "cont")
+                resumed = True
+        finally:
+            if was_running and not leave_stopped and not resumed and self.is_alive(vm):
+                with contextlib.suppress(VmmError):
+                    await self._qmp(vm, "cont")
+        paused_ms = (time.monotonic() - t0) * 1000
+        mode: Literal["reflink", "copy"] = "reflink" if ram_mode == disk_mode == "reflink" else "copy"
+        SNAPSHOTS.labels("ok", mode).inc()
+        SNAPSHOT_PAUSE_SECONDS.observe(paused_ms / 1000)
+        return SnapshotResult(dir=dest, state=dest / "state", ram=dest / "ram", disk=dest / "disk.img",
+                              paused_ms=paused_ms, copy_mode=mode)
+
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+        paths = VmPaths(vm_dir)
+        try:
+            pid = int(paths.pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError) as exc:
+            raise VmGone(f"no running QEMU for {vm_dir}", details={"vm_dir": str(vm_dir)}) from exc
+        # The pid may have been reused by an unrelated process after QEMU died.
+        if str(paths.qmp).encode() not in cmdline:
+            raise VmGone(f"pid {pid} is not the QEMU of {vm_dir}", details={"vm_dir": str(vm_dir)})
+        return await self._connect(paths, pid, None, config, _QMP_CONNECT_TIMEOUT_S)
+
+    async def pause(self, vm: VmHandle) -> None:
+        await self._qmp(vm, "stop")
+
+    async def resume(self, vm: VmHandle) -> None:
+        await self._qmp(vm, "cont")
+
+    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None:
+        if self.is_alive(vm):
+            with contextlib.suppress(VmmError):
+                await self._qmp(vm, "quit", timeout_s=timeout_s)
+            try:
+                await self.wait_exit(vm, timeout_s)
+            except VmTimeout:
+                await self.kill(vm)
+        await self._close_qmp(vm)
+
+    async def kill(self, vm: VmHandle) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(vm.pid, signal.SIGKILL)
+        await self.wait_exit(vm, 10.0)
+        await self._close_qmp(vm)
+
+    def is_alive(self, vm: VmHandle) -> bool:
+        if vm._exited.is_set():
+            return False
+        if vm.popen is not None:
+            return vm.popen.poll() is None
+        try:
+            os.kill(vm.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+        if timeout_s is None:
+            await vm._exited.wait()
+        else:
+            await self._bounded("wait_exit", vm._exited.wait(), timeout_s)
+        return vm.exit_code
+
+    async def query_status(self, vm: VmHandle) -> str:
+        info = await self._qmp(vm, "query-status")
+        return str(info["status"])
+

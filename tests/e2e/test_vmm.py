@@ -1,0 +1,140 @@
+"""The QEMU driver against real microVMs restored from the base template's snapshot (vmm.py, template.py).
+
+Needs root, QEMU and the template (built on first use, minutes on a cold cache).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from podbay.config import Settings
+from podbay_nodeagent.template import TemplateSnapshot, prepare_template
+from podbay_nodeagent.vmm import QemuVmm, VmGone, VmHandle
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None or os.geteuid() != 0,
+                       reason="needs root and qemu-system-x86_64"),
+]
+
+
+@pytest.fixture(scope="module")
+async def template() -> TemplateSnapshot:
+    return await prepare_template("base", Settings())
+
+
+@pytest.fixture
+def vmm() -> QemuVmm:
+    return QemuVmm()
+
+
+@pytest.fixture
+async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmHandle]:
+    handle = await vmm.restore(template.dir, tmp_path / "vm", template.vm_config())
+    yield handle
+    await vmm.kill(handle)
+
+
+def _client() -> Any:
+    return pytest.importorskip("podbay.channel.client").GuestChannel
+
+
+async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
+    from podbay.contracts.channel import ExecSpec
+
+    ch = await _client().connect(vm.paths.channel, timeout_s=30)
+    try:
+        out, _err, exit_ = await ch.run(ExecSpec(argv=argv))
+        return out, exit_.exit_code
+    finally:
+        await ch.close()
+
+
+async def test_restore_then_ping_and_exec(vmm: QemuVmm, vm: VmHandle) -> None:
+    assert await vmm.query_status(vm) == "running"
+    ch = await _client().connect(vm.paths.channel, timeout_s=30)
+    try:
+        assert isinstance(await ch.ping(), dict)
+    finally:
+        await ch.close()
+    out, code = await _run(vm, ["sh", "-c", "echo $((6*7)); id -u user"])
+    assert (out, code) == (b"42\n1000\n", 0)
+
+
+async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+    out, code = await _run(vm, ["sh", "-c", "echo kept > /home/user/mark && sync && cat /home/user/mark"])
+    assert (out, code) == (b"kept\n", 0)
+    snap = await vmm.snapshot_full(vm, tmp_path / "snap")
+    assert snap.paused_ms > 0
+    assert {p.name for p in snap.dir.iterdir()} >= {"state", "ram", "disk.img"}
+    assert await vmm.query_status(vm) == "running"  # the source resumes after the snapshot
+    copy = await vmm.restore(snap.dir, tmp_path / "copy", vm.config)  # type: ignore[arg-type]
+    try:
+        assert await vmm.query_status(copy) == "running"
+        out, code = await _run(copy, ["cat", "/home/user/mark"])
+        assert (out, code) == (b"kept\n", 0)
+        # The copy is independent of its source.
+        await _run(copy, ["sh", "-c", "echo changed > /home/user/mark"])
+        out, _ = await _run(vm, ["cat", "/home/user/mark"])
+        assert out == b"kept\n"
+    finally:
+        await vmm.kill(copy)
+
+
+async def test_snapshot_can_leave_the_guest_stopped(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+    await vmm.snapshot_full(vm, tmp_path / "snap", leave_stopped=True)
+    assert await vmm.query_status(vm) in ("paused", "postmigrate")
+    await vmm.resume(vm)
+    assert await vmm.query_status(vm) == "running"
+
+
+async def test_restore_paused(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> None:
+    vm = await vmm.restore(template.dir, tmp_path / "vm", template.vm_config(), paused=True)
+    try:
+        assert await vmm.query_status(vm) == "paused"
+        await vmm.resume(vm)
+        assert await vmm.query_status(vm) == "running"
+    finally:
+        await vmm.kill(vm)
+
+
+async def test_pause_and_resume(vmm: QemuVmm, vm: VmHandle) -> None:
+    await vmm.pause(vm)
+    assert await vmm.query_status(vm) == "paused"
+    await vmm.resume(vm)
+    assert await vmm.query_status(vm) == "running"
+
+
+async def test_external_kill_is_noticed(vmm: QemuVmm, vm: VmHandle) -> None:
+    assert vmm.is_alive(vm)
+    os.kill(vm.pid, signal.SIGKILL)
+    code = await vmm.wait_exit(vm, timeout_s=10)
+    assert code == -signal.SIGKILL
+    assert not vmm.is_alive(vm)
+
+
+async def test_attach_after_driver_restart(vmm: QemuVmm, vm: VmHandle) -> None:
+    other = QemuVmm()
+    # QEMU's QMP socket serves one client at a time: the first driver lets go, as a dead node agent would.
+    await vm.qmp.disconnect()
+    again = await other.attach(vm.dir, vm.config)
+    assert again.pid == vm.pid
+    assert await other.query_status(again) == "running"
+    await other.stop(again, timeout_s=10)
+    assert not other.is_alive(again)
+    with pytest.raises(VmGone):
+        await other.attach(vm.dir)
+
+
+async def test_stop_ends_qemu(vmm: QemuVmm, vm: VmHandle) -> None:
+    await vmm.stop(vm, timeout_s=10)
+    assert not vmm.is_alive(vm)
+    assert not vm.paths.pidfile.exists()

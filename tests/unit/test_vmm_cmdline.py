@@ -1,0 +1,105 @@
+"""The QEMU command line, the kernel command line and host facts of the VMM driver (vmm.py, accel.py)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from podbay_nodeagent.accel import parse_tsc_khz
+from podbay_nodeagent.vmm import VmConfig, VmPaths, build_qemu_argv, kernel_cmdline, reflink_or_copy
+
+
+def _cfg(**kw: object) -> VmConfig:
+    return VmConfig(kernel=Path("k/vmlinuz"), initrd=Path("k/initrd.img"), **kw)  # type: ignore[arg-type]
+
+
+def _opt(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_kernel_cmdline_is_the_design_one() -> None:
+    assert kernel_cmdline(2100000) == (
+        "console=ttyS0 reboot=t panic=-1 lpj=2000000 tsc=reliable no_timer_check tsc_early_khz=2100000 "
+        "i8042.noaux i8042.nomux i8042.nopnp quiet"
+    )
+    assert kernel_cmdline(1, extra="podbay.probe=1").endswith(" quiet podbay.probe=1")
+
+
+def test_tcg_argv() -> None:
+    paths = VmPaths(Path("vm"))
+    argv = build_qemu_argv(_cfg(memory_mib=256, vcpus=2), paths, tsc_khz=2445432)
+    assert _opt(argv, "-M") == ["microvm,pit=on,pic=on,rtc=on,memory-backend=mem"]
+    assert _opt(argv, "-accel") == ["tcg"]
+    assert _opt(argv, "-cpu") == ["max"]
+    assert _opt(argv, "-smp") == ["2"]
+    assert _opt(argv, "-object") == ["memory-backend-file,id=mem,size=256M,mem-path=vm/ram,share=on"]
+    assert _opt(argv, "-append") == [kernel_cmdline(2445432)]
+    assert {"-nodefaults", "-no-user-config", "-nographic"} <= set(argv)
+    devices = _opt(argv, "-device")
+    assert "virtio-blk-device,drive=root" in devices
+    assert "virtio-serial-device" in devices
+    assert "virtserialport,chardev=ch0,name=org.podbay.channel" in devices
+    assert "socket,id=ch0,path=vm/channel.sock,server=on,wait=off" in _opt(argv, "-chardev")
+    assert _opt(argv, "-qmp") == ["unix:vm/qmp.sock,server=on,wait=off"]
+    assert _opt(argv, "-pidfile") == ["vm/qemu.pid"]
+    assert any("file=vm/disk.img,format=raw" in d for d in _opt(argv, "-drive"))
+    assert "-incoming" not in argv and "-S" not in argv
+    assert not any(a.startswith("-netdev") or a == "-nic" for a in argv)
+
+
+def test_kvm_uses_host_cpu() -> None:
+    argv = build_qemu_argv(_cfg(accel="kvm"), VmPaths(Path("vm")), tsc_khz=1)
+    assert _opt(argv, "-accel") == ["kvm"]
+    assert _opt(argv, "-cpu") == ["host"]
+
+
+def test_incoming_waits_paused_for_a_deferred_stream() -> None:
+    argv = build_qemu_argv(_cfg(), VmPaths(Path("vm")), incoming=True, tsc_khz=1)
+    assert _opt(argv, "-incoming") == ["defer"]
+    assert "-S" in argv
+
+
+def test_tsc_sources_in_order_of_trust() -> None:
+    dmesg = "[0.1] tsc: Detected 2445.432 MHz processor\n[1.2] tsc: Refined TSC clocksource calibration: 2445.5 MHz\n"
+    assert parse_tsc_khz("2100000\n", dmesg, None) == 2100000
+    assert parse_tsc_khz(None, dmesg, None) == 2445500
+    assert parse_tsc_khz(None, "[0.1] tsc: Detected 2445.432 MHz processor", None) == 2445432
+    assert parse_tsc_khz(None, "", "processor\t: 0\ncpu MHz\t\t: 2100.000\n") == 2100000
+    assert parse_tsc_khz(None, None, "nothing") is None
+
+
+def test_copy_keeps_content_and_holes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    size = 64 * 1024 * 1024
+    with src.open("wb") as f:
+        f.truncate(size)
+        f.seek(4096)
+        f.write(b"a" * 4096)
+        f.seek(size - 8192)
+        f.write(b"z" * 100)
+    dst = tmp_path / "dst"
+    mode = reflink_or_copy(src, dst)
+    assert mode in ("reflink", "copy")
+    assert dst.read_bytes() == src.read_bytes()
+    # Either shared extents or a sparse copy: far fewer blocks allocated than the apparent size.
+    assert os.stat(dst).st_blocks * 512 < size // 4
+
+
+def test_copy_across_filesystems_falls_back_to_read_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def exdev(*_a: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", exdev)
+    monkeypatch.setattr(fcntl, "ioctl", exdev)
+    src = tmp_path / "src"
+    with src.open("wb") as f:
+        f.truncate(8 * 1024 * 1024)
+        f.seek(3 * 1024 * 1024 + 5)
+        f.write(os.urandom(3 * 1024 * 1024))
+    dst = tmp_path / "dst"
+    assert reflink_or_copy(src, dst) == "copy"
+    assert dst.read_bytes() == src.read_bytes()

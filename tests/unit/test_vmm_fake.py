@@ -1,0 +1,100 @@
+"""The VMM interface is a seam: template readiness logic runs against a tiny fake (vmm.py, template.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import podbay_nodeagent.template as template
+from podbay_nodeagent.template import GUESTD_CONSOLE_MARKER, wait_guest_ready
+from podbay_nodeagent.vmm import SnapshotResult, VmConfig, VmHandle, Vmm, VmPaths
+
+
+class FakeVmm(Vmm):
+    """Only what readiness needs; every other operation is unused here."""
+
+    def __init__(self, alive: bool = True) -> None:
+        self.alive = alive
+
+    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
+        raise NotImplementedError
+
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+        raise NotImplementedError
+
+    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+        raise NotImplementedError
+
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+        raise NotImplementedError
+
+    async def pause(self, vm: VmHandle) -> None: ...
+
+    async def resume(self, vm: VmHandle) -> None: ...
+
+    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None: ...
+
+    async def kill(self, vm: VmHandle) -> None: ...
+
+    def is_alive(self, vm: VmHandle) -> bool:
+        return self.alive
+
+    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+        return None
+
+    async def query_status(self, vm: VmHandle) -> str:
+        return "running"
+
+
+def _handle(tmp_path: Path) -> VmHandle:
+    return VmHandle(paths=VmPaths(tmp_path), pid=0, config=None, qmp=None)  # type: ignore[arg-type]
+
+
+def test_vm_paths_layout(tmp_path: Path) -> None:
+    p = VmPaths(tmp_path)
+    assert [p.disk.name, p.ram.name, p.qmp.name, p.channel.name, p.console.name, p.pidfile.name] == [
+        "disk.img", "ram", "qmp.sock", "channel.sock", "console.log", "qemu.pid"]
+    assert p.disk.parent == tmp_path
+
+
+async def test_console_marker_counts_without_a_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template, "_channel_client", lambda: None)
+    (tmp_path / "console.log").write_text(f"[    1.0] booting\n{GUESTD_CONSOLE_MARKER}\n")
+    assert await wait_guest_ready(FakeVmm(), _handle(tmp_path), timeout_s=5) == "console"
+
+
+async def test_no_marker_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template, "_channel_client", lambda: None)
+    (tmp_path / "console.log").write_text("[    1.0] Kernel panic\n")
+    with pytest.raises(TimeoutError):
+        await wait_guest_ready(FakeVmm(), _handle(tmp_path), timeout_s=0.3)
+
+
+async def test_dead_qemu_stops_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template, "_channel_client", lambda: None)
+    with pytest.raises(RuntimeError, match="exited"):
+        await wait_guest_ready(FakeVmm(alive=False), _handle(tmp_path), timeout_s=5)
+
+
+async def test_ping_through_the_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    class Channel:
+        @classmethod
+        async def connect(cls, socket_path: Path, *, timeout_s: float) -> "Channel":
+            calls.append(f"connect {socket_path.name}")
+            if len(calls) == 1:
+                raise ConnectionRefusedError("not yet")
+            return cls()
+
+        async def ping(self, timeout_s: float = 5.0) -> dict[str, str]:
+            calls.append("ping")
+            return {"version": "x"}
+
+        async def close(self) -> None:
+            calls.append("close")
+
+    monkeypatch.setattr(template, "_channel_client", lambda: Channel)
+    assert await wait_guest_ready(FakeVmm(), _handle(tmp_path), timeout_s=5) == "ping"
+    assert calls == ["connect channel.sock", "connect channel.sock", "ping", "close"]

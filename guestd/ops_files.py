@@ -1,0 +1,254 @@
+"""File operations: stat, list, read, write, mkdir, remove. Paths must be absolute.
+
+``read`` streams DATA fd 3 chunks (within the host's credit) then RESULT ``{"size"}``; ``list`` streams its
+entries as JSON lines in DATA fd 3 chunks then RESULT ``{"count"}``; ``write`` takes DATA fd 3 chunks and
+an EOF, writes a temporary file beside the target and renames it into place (``append`` writes in place),
+then answers with the file's stat. Every error is an ``OpError`` with a channel code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+from typing import Any
+
+from podbay.channel import frames
+from podbay.channel.frames import FrameType
+
+from .errors import OpError, from_oserror
+from .ops_exec import resolve_user
+from .server import Stream
+
+__all__ = ["stat_dict", "op_stat", "op_list", "op_read", "op_write", "op_mkdir", "op_remove", "FILE_OPS"]
+
+
+def _path(args: dict[str, Any], key: str = "path") -> str:
+    path = args.get(key)
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise OpError("invalid", f"{key} must be an absolute path")
+    return os.path.normpath(path)
+
+
+def _flag(args: dict[str, Any], key: str, default: bool) -> bool:
+    value = args.get(key, default)
+    if not isinstance(value, bool):
+        raise OpError("invalid", f"{key} must be a boolean")
+    return value
+
+
+def _mode(args: dict[str, Any], default: int) -> int:
+    mode = args.get("mode", default)
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise OpError("invalid", "mode must be an integer in 0..0o7777")
+    return mode
+
+
+def stat_dict(path: str, st: os.stat_result) -> dict[str, Any]:
+    """The ``FileStat`` shape for ``path`` from an lstat result."""
+    if stat.S_ISREG(st.st_mode):
+        kind = "file"
+    elif stat.S_ISDIR(st.st_mode):
+        kind = "dir"
+    elif stat.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    return {
+        "path": path,
+        "name": os.path.basename(path) or "/",
+        "type": kind,
+        "size": st.st_size,
+        "mode": stat.S_IMODE(st.st_mode),
+        "mtime": st.st_mtime,
+        "uid": st.st_uid,
+        "gid": st.st_gid,
+    }
+
+
+def _lstat(path: str) -> dict[str, Any]:
+    try:
+        return stat_dict(path, os.lstat(path))
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+
+
+def op_stat(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``stat {path}`` -> FileStat (symlinks not followed)."""
+    return _lstat(_path(args))
+
+
+def op_list(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``list {path}``: one level, sorted by name, as JSON lines in DATA fd 3; RESULT ``{"count"}``."""
+    path = _path(args)
+    try:
+        with os.scandir(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+    batch: list[bytes] = []
+    size = count = 0
+    for entry in entries:
+        try:
+            line = json.dumps(stat_dict(entry.path, entry.stat(follow_symlinks=False))).encode() + b"\n"
+        except OSError:
+            continue  # vanished while listing
+        if size + len(line) > frames.CHUNK_SIZE and batch:
+            if not stream.send_data(frames.FD_FILE, b"".join(batch)):
+                raise OpError("cancelled", "cancelled")
+            batch, size = [], 0
+        batch.append(line)
+        size += len(line)
+        count += 1
+    if batch and not stream.send_data(frames.FD_FILE, b"".join(batch)):
+        raise OpError("cancelled", "cancelled")
+    return {"count": count}
+
+
+def op_read(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``read {path, offset=0, length=None}``: DATA fd 3 chunks; RESULT ``{"size": bytes sent}``."""
+    path = _path(args)
+    offset, length = args.get("offset", 0), args.get("length")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise OpError("invalid", "offset must be a non-negative integer")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise OpError("invalid", "length must be a non-negative integer")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+    sent = 0
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise OpError("is_a_directory", f"{path}: is a directory")
+        os.set_blocking(fd, True)
+        pos = offset
+        while length is None or sent < length:
+            want = stream.wait_window(frames.CHUNK_SIZE)
+            if want == 0:
+                raise OpError("cancelled", "cancelled")
+            if length is not None:
+                want = min(want, length - sent)
+            try:
+                chunk = os.pread(fd, want, pos) if stat.S_ISREG(st.st_mode) else os.read(fd, want)
+            except OSError as exc:
+                raise from_oserror(exc, path) from exc
+            if not chunk:
+                break
+            pos += len(chunk)
+            sent += len(chunk)
+            with stream.cond:
+                stream.send_window -= len(chunk)
+            stream.send(frames.encode_data(stream.id, frames.FD_FILE, chunk))
+    finally:
+        os.close(fd)
+    return {"size": sent}
+
+
+def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``write {path, mode=0o644, append=False, user=None}`` then DATA fd 3 ... EOF -> FileStat."""
+    path = _path(args)
+    mode = _mode(args, 0o644)
+    append = _flag(args, "append", False)
+    owner = resolve_user(args["user"]) if args.get("user") is not None else None
+    if os.path.isdir(path):
+        raise OpError("is_a_directory", f"{path}: is a directory")
+    parent = os.path.dirname(path)
+    tmp: str | None = None
+    try:
+        if append:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
+        else:
+            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".podbay-tmp")
+            os.fchmod(fd, mode)
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+    done = False
+    try:
+        while True:
+            frame = stream.next_frame()
+            if frame is None:
+                raise OpError("cancelled", "cancelled")
+            if frame.type is FrameType.EOF:
+                break
+            fdnum, data = frames.parse_data(frame.payload)
+            if fdnum != frames.FD_FILE:
+                raise OpError("invalid", f"write takes DATA on fd 3, not {fdnum}")
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError as exc:
+                raise from_oserror(exc, path) from exc
+            stream.consumed(len(data))
+        try:
+            if owner is not None:
+                os.fchown(fd, owner[0], owner[1])
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            if tmp is not None:
+                os.replace(tmp, path)
+        except OSError as exc:
+            raise from_oserror(exc, path) from exc
+        done = True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None and not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return _lstat(path)
+
+
+def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``mkdir {path, parents=True, exist_ok=True, mode=0o755}`` -> FileStat of the directory."""
+    path = _path(args)
+    parents, exist_ok = _flag(args, "parents", True), _flag(args, "exist_ok", True)
+    mode = _mode(args, 0o755)
+    try:
+        if parents:
+            os.makedirs(path, mode, exist_ok=exist_ok)
+        else:
+            try:
+                os.mkdir(path, mode)
+            except FileExistsError:
+                if not (exist_ok and os.path.isdir(path)):
+                    raise
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+    return _lstat(path)
+
+
+def op_remove(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``remove {path, recursive=False}`` -> ``{"removed": true}``. Refuses ``/``."""
+    path = _path(args)
+    recursive = _flag(args, "recursive", False)
+    if path == "/":
+        raise OpError("invalid", "refusing to remove /")
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            if recursive:
+                shutil.rmtree(path)
+            else:
+                os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError as exc:
+        raise from_oserror(exc, path) from exc
+    return {"removed": True}
+
+
+FILE_OPS = {
+    "stat": op_stat,
+    "list": op_list,
+    "read": op_read,
+    "write": op_write,
+    "mkdir": op_mkdir,
+    "remove": op_remove,
+}

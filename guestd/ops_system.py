@@ -1,0 +1,318 @@
+"""Readiness and machine operations: hello/ping, after_restore, freeze/thaw.
+
+``after_restore`` runs after every restore or fork (no vmgenid on microvm, DESIGN.md §3): a new hostname
+(sethostname), a seed mixed into and credited to the kernel RNG (ioctl RNDADDENTROPY on /dev/urandom; a
+plain write, which mixes without crediting, when the ioctl is refused), the wall clock
+(clock_settime(CLOCK_REALTIME)), and env vars for later execs. ``freeze`` syncs then FIFREEZEs mount
+points, arming a timer that thaws them if no ``thaw`` arrives in time.
+
+The machine calls sit behind ``System`` so that tests on a host use ``FakeSystem``, which only records.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from podbay.channel.frames import VERSION
+
+from .errors import OpError, from_oserror
+from .server import Stream
+
+__all__ = ["System", "RealSystem", "FakeSystem", "GuestState", "guest_info", "SYSTEM_OPS"]
+
+log = logging.getLogger("guestd.system")
+
+# <linux/random.h>: _IOW('R', 0x03, int[2]); <linux/fs.h>: _IOWR('X', 119/120, int).
+RNDADDENTROPY = 0x40085203
+FIFREEZE = 0xC0045877
+FITHAW = 0xC0045878
+
+
+class System:
+    """Machine-level calls used by the operations."""
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def set_hostname(self, name: str) -> None:
+        raise NotImplementedError
+
+    def add_entropy(self, seed: bytes) -> bool:
+        """Mix ``seed`` into the kernel RNG; True when it was also credited as entropy."""
+        raise NotImplementedError
+
+    def set_clock(self, time_ns: int) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def freeze(self, mount: str) -> None:
+        raise NotImplementedError
+
+    def thaw(self, mount: str) -> None:
+        raise NotImplementedError
+
+
+class RealSystem(System):
+    """The calls for real, inside a VM (needs root)."""
+
+    def set_hostname(self, name: str) -> None:
+        socket.sethostname(name)
+        try:
+            with open("/etc/hostname", "w", encoding="utf-8") as fh:
+                fh.write(name + "\n")
+        except OSError as exc:
+            log.warning("/etc/hostname: %s", exc)
+
+    def add_entropy(self, seed: bytes) -> bool:
+        fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+                return True
+            except OSError as exc:
+                log.warning("RNDADDENTROPY refused (%s): mixing without credit", exc)
+                os.write(fd, seed)
+                return False
+        finally:
+            os.close(fd)
+
+    def set_clock(self, time_ns: int) -> None:
+        time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
+
+    def sync(self) -> None:
+        os.sync()
+
+    def _ioctl_dir(self, mount: str, request: int, ok_errno: int) -> None:
+        fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, request, 0)
+        except OSError as exc:
+            if exc.errno != ok_errno:
+                raise
+        finally:
+            os.close(fd)
+
+    def freeze(self, mount: str) -> None:
+        self._ioctl_dir(mount, FIFREEZE, errno.EBUSY)  # EBUSY: already frozen
+
+    def thaw(self, mount: str) -> None:
+        self._ioctl_dir(mount, FITHAW, errno.EINVAL)  # EINVAL: not frozen
+
+
+class FakeSystem(System):
+    """Records every call (``calls``, and as JSON lines in ``log_path`` if given); changes nothing."""
+
+    def __init__(self, log_path: str | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.log_path = log_path
+        self._hostname = socket.gethostname()
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, arg: Any) -> None:
+        with self._lock:
+            self.calls.append((name, arg))
+            if self.log_path:
+                with open(self.log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps([name, arg]) + "\n")
+
+    def hostname(self) -> str:
+        return self._hostname
+
+    def set_hostname(self, name: str) -> None:
+        self._hostname = name
+        self._record("set_hostname", name)
+
+    def add_entropy(self, seed: bytes) -> bool:
+        self._record("add_entropy", base64.b64encode(seed).decode())
+        return True
+
+    def set_clock(self, time_ns: int) -> None:
+        self._record("set_clock", time_ns)
+
+    def sync(self) -> None:
+        self._record("sync", None)
+
+    def freeze(self, mount: str) -> None:
+        self._record("freeze", mount)
+
+    def thaw(self, mount: str) -> None:
+        self._record("thaw", mount)
+
+
+class GuestState:
+    """State shared by operations: the system interface, env for execs, frozen mounts and the thaw timer."""
+
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.extra_env: dict[str, str] = {}
+        self.frozen: list[str] = []
+        self.lock = threading.Lock()
+        self.thaw_timer: threading.Timer | None = None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def guest_info(state: GuestState, session: str | None) -> dict[str, Any]:
+    """The ``GuestInfo`` shape: protocol version, boot id, uptime (CLOCK_BOOTTIME s), pid, hostname."""
+    return {
+        "version": VERSION,
+        "boot_id": _boot_id(),
+        "uptime_s": time.clock_gettime(time.CLOCK_BOOTTIME),
+        "pid": os.getpid(),
+        "hostname": state.system.hostname(),
+        "session": session,
+    }
+
+
+def _state(stream: Stream) -> GuestState:
+    state = stream.server.state
+    assert isinstance(state, GuestState)
+    return state
+
+
+def op_ping(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``ping``/``hello`` -> GuestInfo."""
+    return guest_info(_state(stream), stream.session)
+
+
+def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``after_restore {hostname?, seed_b64?, time_ns?, env?}`` -> ``{hostname, entropy_credited,
+    clock_set, env_keys}``. Everything is validated before anything is changed."""
+    state = _state(stream)
+    hostname, seed_b64, time_ns, env = (args.get(k) for k in ("hostname", "seed_b64", "time_ns", "env"))
+    if hostname is not None and (not isinstance(hostname, str) or not 0 < len(hostname) <= 64):
+        raise OpError("invalid", "hostname must be 1..64 characters")
+    seed = b""
+    if seed_b64 is not None:
+        try:
+            seed = base64.b64decode(str(seed_b64), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise OpError("invalid", f"seed_b64: {exc}") from exc
+        if len(seed) > 4096:
+            raise OpError("invalid", "seed longer than 4096 bytes")
+    if time_ns is not None and (isinstance(time_ns, bool) or not isinstance(time_ns, int) or time_ns < 0):
+        raise OpError("invalid", "time_ns must be a non-negative integer")
+    if env is not None and (
+        not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise OpError("invalid", "env must map strings to strings")
+    credited = clock_set = False
+    try:
+        if time_ns is not None:
+            state.system.set_clock(time_ns)
+            clock_set = True
+        if seed:
+            credited = state.system.add_entropy(seed)
+        if hostname is not None:
+            state.system.set_hostname(hostname)
+    except OSError as exc:
+        raise from_oserror(exc) from exc
+    if env is not None:
+        state.extra_env = dict(env)
+    return {
+        "hostname": state.system.hostname(),
+        "entropy_credited": credited,
+        "clock_set": clock_set,
+        "env_keys": sorted(state.extra_env),
+    }
+
+
+def _mounts(args: dict[str, Any]) -> list[str]:
+    mounts = args.get("mounts", ["/"])
+    if not isinstance(mounts, list) or not mounts or not all(isinstance(m, str) and m.startswith("/") for m in mounts):
+        raise OpError("invalid", "mounts must be a non-empty list of absolute paths")
+    return list(dict.fromkeys(mounts))
+
+
+def _thaw_all(state: GuestState, mounts: list[str], *, why: str) -> list[str]:
+    thawed: list[str] = []
+    with state.lock:
+        for mount in reversed(mounts):
+            try:
+                state.system.thaw(mount)
+                thawed.append(mount)
+            except OSError as exc:
+                log.error("thaw %s (%s): %s", mount, why, exc)
+            if mount in state.frozen:
+                state.frozen.remove(mount)
+        if not state.frozen and state.thaw_timer is not None:
+            state.thaw_timer.cancel()
+            state.thaw_timer = None
+    thawed.reverse()
+    return thawed
+
+
+def op_freeze(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``freeze {mounts=["/"], timeout_s=30}``: sync, FIFREEZE each mount -> ``{"mounts": [...]}``.
+    On a failure the mounts frozen so far are thawed again."""
+    state = _state(stream)
+    mounts = _mounts(args)
+    timeout = args.get("timeout_s", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
+        raise OpError("invalid", "timeout_s must be in (0, 600]")
+    state.system.sync()
+    done: list[str] = []
+    failed: OpError | None = None
+    with state.lock:
+        try:
+            for mount in mounts:
+                state.system.freeze(mount)
+                done.append(mount)
+                if mount not in state.frozen:
+                    state.frozen.append(mount)
+        except OSError as exc:
+            failed = from_oserror(exc, mount)
+        else:
+            if state.thaw_timer is not None:
+                state.thaw_timer.cancel()
+            timer = threading.Timer(timeout, lambda: _auto_thaw(state))
+            timer.daemon = True
+            state.thaw_timer = timer
+            timer.start()
+    if failed is not None:
+        _thaw_all(state, done, why="freeze failed")
+        raise failed
+    return {"mounts": done}
+
+
+def _auto_thaw(state: GuestState) -> None:
+    with state.lock:
+        frozen = list(state.frozen)
+        state.thaw_timer = None
+    if frozen:
+        log.warning("no thaw arrived in time: thawing %s", frozen)
+        _thaw_all(state, frozen, why="timeout")
+
+
+def op_thaw(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``thaw {mounts=["/"]}``: FITHAW each mount (not frozen is fine) -> ``{"mounts": [...]}``."""
+    state = _state(stream)
+    return {"mounts": _thaw_all(state, _mounts(args), why="thaw")}
+
+
+SYSTEM_OPS = {
+    "hello": op_ping,
+    "ping": op_ping,
+    "after_restore": op_after_restore,
+    "freeze": op_freeze,
+    "thaw": op_thaw,
+}

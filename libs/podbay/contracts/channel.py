@@ -1,0 +1,257 @@
+"""Guest channel operation payloads: what the host sends in OPEN frames and what guestd answers.
+
+The frame codec is ``podbay.channel.frames``; the protocol is described in docs/channel.md. guestd (standard
+library only) builds plain dicts with the same field names; the host validates every guest answer with
+these models, because the guest is untrusted (DESIGN.md §4, guest channel).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Op",
+    "GuestErrorCode",
+    "OpenRequest",
+    "HelloRequest",
+    "GuestInfo",
+    "ExecSpec",
+    "ExecStarted",
+    "ExecExit",
+    "FileStat",
+    "PathRequest",
+    "ReadRequest",
+    "ReadResult",
+    "WriteRequest",
+    "ListResult",
+    "MkdirRequest",
+    "RemoveRequest",
+    "RemoveResult",
+    "AfterRestoreRequest",
+    "AfterRestoreResult",
+    "FreezeRequest",
+    "FreezeResult",
+    "ChannelErrorBody",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class Op(StrEnum):
+    """Operations a host may open a stream for (the ``op`` of an OPEN payload)."""
+
+    HELLO = "hello"
+    PING = "ping"
+    EXEC = "exec"
+    STAT = "stat"
+    LIST = "list"
+    READ = "read"
+    WRITE = "write"
+    MKDIR = "mkdir"
+    REMOVE = "remove"
+    AFTER_RESTORE = "after_restore"
+    FREEZE = "freeze"
+    THAW = "thaw"
+
+
+class GuestErrorCode(StrEnum):
+    """Codes of ERROR frames. The host maps not_found, exists and invalid to NotFound, Conflict and
+    InvalidRequest; every other code becomes GuestError."""
+
+    NOT_FOUND = "not_found"
+    EXISTS = "exists"
+    PERMISSION_DENIED = "permission_denied"
+    INVALID = "invalid"
+    IS_A_DIRECTORY = "is_a_directory"
+    NOT_A_DIRECTORY = "not_a_directory"
+    IO_ERROR = "io_error"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Lenient(BaseModel):
+    # Guest answers may gain fields in later guest versions; unknown ones are ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class OpenRequest(_Strict):
+    """Payload of an OPEN frame: ``{"op": ..., "args": {...}}``."""
+
+    op: Op
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class HelloRequest(_Strict):
+    """Payload of the host's HELLO frame (stream 0). ``session`` is a fresh random token per connection:
+    guestd abandons every stream of an earlier session when it sees a new one."""
+
+    version: int = PROTOCOL_VERSION
+    session: str = Field(min_length=1, max_length=64)
+
+
+class GuestInfo(_Lenient):
+    """guestd's answer to HELLO, ``hello`` and ``ping``. ``uptime_s`` is the guest's CLOCK_BOOTTIME in
+    seconds; ``boot_id`` is the kernel's random boot id (it survives a snapshot restore)."""
+
+    version: int
+    boot_id: str
+    uptime_s: float
+    pid: int
+    hostname: str = ""
+    session: str | None = None
+
+
+class ExecSpec(_Strict):
+    """Arguments of ``exec``. Give ``argv`` or ``shell`` (run as ``/bin/sh -c``), not both.
+
+    ``env`` is merged over guestd's defaults (PATH, HOME, LANG) and the env of ``after_restore``;
+    ``user`` is a name or a uid (default root); ``timeout_s`` kills the process group when reached;
+    ``stdin=True`` means the host streams stdin (DATA fd 0, then EOF), else stdin is /dev/null.
+    """
+
+    argv: list[str] | None = Field(None, min_length=1)
+    shell: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | int | None = None
+    timeout_s: float | None = Field(None, gt=0)
+    stdin: bool = False
+
+    @model_validator(mode="after")
+    def _one_command(self) -> ExecSpec:
+        if (self.argv is None) == (self.shell is None):
+            raise ValueError("give exactly one of argv or shell")
+        return self
+
+
+class ExecStarted(_Lenient):
+    """STARTED payload of ``exec``: the process id in the guest."""
+
+    pid: int
+
+
+class ExecExit(_Lenient):
+    """RESULT payload of ``exec``. ``exit_code`` is negative (-N) when the process was killed by signal N;
+    ``timed_out`` says guestd killed it because ``timeout_s`` passed. ``output_truncated`` is set by the
+    host (``GuestChannel.run``) when captured output hit its limit; guestd never sends it."""
+
+    exit_code: int
+    timed_out: bool = False
+    pid: int
+    output_truncated: bool = False
+
+
+class FileStat(_Lenient):
+    """A file's metadata (``lstat``: symlinks are not followed). ``mode`` holds the permission bits,
+    ``mtime`` is seconds since the epoch, ``size`` bytes."""
+
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    uid: int = 0
+    gid: int = 0
+
+
+class PathRequest(_Strict):
+    """Arguments of ``stat`` and ``list``."""
+
+    path: str = Field(min_length=1)
+
+
+class ReadRequest(_Strict):
+    """Arguments of ``read``: bytes from ``offset`` up to ``length`` (all when None), as DATA fd 3."""
+
+    path: str = Field(min_length=1)
+    offset: int = Field(0, ge=0)
+    length: int | None = Field(None, ge=0)
+
+
+class ReadResult(_Lenient):
+    """RESULT payload of ``read``: ``size`` is the number of bytes sent."""
+
+    size: int
+
+
+class WriteRequest(_Strict):
+    """Arguments of ``write``: data follows as DATA fd 3 chunks and one EOF. Without ``append`` the file is
+    written to a temporary file beside it and renamed into place; ``user`` (name or uid) owns the result."""
+
+    path: str = Field(min_length=1)
+    mode: int = Field(0o644, ge=0, le=0o7777)
+    append: bool = False
+    user: str | int | None = None
+
+
+class ListResult(_Lenient):
+    """RESULT payload of ``list``; the entries themselves arrive as DATA fd 3 chunks of JSON lines, each
+    line a ``FileStat``."""
+
+    count: int
+
+
+class MkdirRequest(_Strict):
+    """Arguments of ``mkdir``."""
+
+    path: str = Field(min_length=1)
+    parents: bool = True
+    exist_ok: bool = True
+    mode: int = Field(0o755, ge=0, le=0o7777)
+
+
+class RemoveRequest(_Strict):
+    """Arguments of ``remove``: ``recursive`` is needed for a non-empty directory."""
+
+    path: str = Field(min_length=1)
+    recursive: bool = False
+
+
+class RemoveResult(_Lenient):
+    removed: bool
+
+
+class AfterRestoreRequest(_Strict):
+    """Arguments of ``after_restore``, sent after every restore or fork (there is no vmgenid on microvm,
+    DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
+    clock in ns since the epoch, and env vars added to every later exec (replacing earlier ones)."""
+
+    hostname: str | None = Field(None, min_length=1, max_length=64)
+    seed_b64: str | None = None
+    time_ns: int | None = Field(None, ge=0)
+    env: dict[str, str] | None = None
+
+
+class AfterRestoreResult(_Lenient):
+    hostname: str
+    entropy_credited: bool
+    clock_set: bool
+    env_keys: list[str] = Field(default_factory=list)
+
+
+class FreezeRequest(_Strict):
+    """Arguments of ``freeze`` and ``thaw``. ``timeout_s`` (freeze only) thaws automatically if no thaw
+    arrives in time, so a lost host never leaves the guest frozen."""
+
+    mounts: list[str] = Field(default_factory=lambda: ["/"], min_length=1)
+    timeout_s: float = Field(30.0, gt=0, le=600)
+
+
+class FreezeResult(_Lenient):
+    mounts: list[str]
+
+
+class ChannelErrorBody(_Lenient):
+    """Payload of an ERROR frame."""
+
+    code: str
+    message: str = ""

@@ -1,0 +1,411 @@
+"""GuestChannel against a scripted fake guest: error mapping, flow control, and hostile guests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from podbay.channel import frames
+from podbay.channel.client import ChannelClosed, GuestChannel
+from podbay.channel.frames import Decoder, Frame, FrameType
+from podbay.contracts.channel import ExecSpec
+from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, Timeout
+
+Handler = Callable[["FakeGuest", int, dict[str, Any]], Awaitable[None]]
+
+
+def _info(session: str | None) -> dict[str, Any]:
+    return {"version": 1, "boot_id": "b", "uptime_s": 1.0, "pid": 1, "hostname": "fake", "session": session}
+
+
+class FakeGuest:
+    """A unix-socket server that answers HELLO and runs ``handlers[op]`` for each OPEN."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handlers: dict[str, Handler] = {"ping": self._ping}
+        self.hello: Callable[[str], list[bytes]] = lambda s: [frames.encode_json(FrameType.HELLO, 0, _info(s))]
+        self.received: list[Frame] = []
+        self.writer: asyncio.StreamWriter | None = None
+        self.server: asyncio.AbstractServer | None = None
+        self.connections = 0
+        self.session: str | None = None
+
+    async def start(self) -> FakeGuest:
+        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
+        return self
+
+    async def stop(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    def send(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+
+    def send_json(self, ftype: FrameType, sid: int, obj: Any) -> None:
+        self.send(frames.encode_json(ftype, sid, obj))
+
+    def got(self, ftype: FrameType, sid: int | None = None) -> list[Frame]:
+        return [f for f in self.received if f.type is ftype and (sid is None or f.stream == sid)]
+
+    async def _ping(self, guest: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        self.send_json(FrameType.RESULT, sid, _info(self.session))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.connections += 1
+        dec = Decoder()
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while data := await reader.read(65536):
+                for frame in dec.feed(data):
+                    self.received.append(frame)
+                    if frame.type is FrameType.HELLO:
+                        self.session = frames.parse_json(frame.payload)["session"]
+                        for chunk in self.hello(self.session):
+                            self.send(chunk)
+                    elif frame.type is FrameType.OPEN:
+                        req = frames.parse_json(frame.payload)
+                        task = asyncio.create_task(self.handlers[req["op"]](self, frame.stream, req["args"]))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            writer.close()
+
+
+@pytest.fixture
+async def guest(tmp_path: Path) -> AsyncIterator[FakeGuest]:
+    fake = await FakeGuest(tmp_path / "fake.sock").start()
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+async def ch(guest: FakeGuest) -> AsyncIterator[GuestChannel]:
+    channel = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=10)
+    yield channel
+    await channel.close()
+
+
+def _stat(path: str) -> dict[str, Any]:
+    return {"path": path, "name": "x", "type": "file", "size": 1, "mode": 420, "mtime": 0.0}
+
+
+async def _wait_for(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_ping_and_hello_info(guest: FakeGuest, ch: GuestChannel) -> None:
+    assert ch.info is not None and ch.info.hostname == "fake"
+    assert (await ch.ping())["session"] == guest.session
+    assert not ch.closed
+
+
+@pytest.mark.parametrize(
+    ("code", "exc"),
+    [("not_found", NotFound), ("exists", Conflict), ("invalid", InvalidRequest), ("permission_denied", GuestError)],
+)
+async def test_guest_errors_map_to_podbay_errors(
+    guest: FakeGuest, ch: GuestChannel, code: str, exc: type[Exception]
+) -> None:
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.ERROR, sid, {"code": code, "message": "nope"})
+
+    guest.handlers["stat"] = stat
+    with pytest.raises(exc) as info:
+        await ch.stat("/x")
+    assert info.value.details["guest_code"] == code  # type: ignore[attr-defined]
+    if exc is GuestError:
+        assert type(info.value) is GuestError
+
+
+async def test_malformed_error_and_result_fail_only_that_request(guest: FakeGuest, ch: GuestChannel) -> None:
+    answers = iter(
+        [
+            frames.encode_frame(FrameType.ERROR, 0, b"{broken"),
+            frames.encode_frame(FrameType.RESULT, 0, b"{broken"),
+            frames.encode_frame(FrameType.RESULT, 0, b'{"path": 5}'),
+            frames.encode_frame(FrameType.RESULT, 0, b"[1, 2]"),
+        ]
+    )
+
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        bad = Decoder().feed(next(answers))[0]
+        g.send(frames.encode_frame(bad.type, sid, bad.payload))
+
+    guest.handlers["stat"] = stat
+    for _ in range(4):
+        with pytest.raises(GuestError):
+            await ch.stat("/x")
+        assert (await ch.ping())["hostname"] == "fake"
+
+
+async def test_oversized_frame_is_dropped_and_the_request_times_out(guest: FakeGuest, tmp_path: Path) -> None:
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        head = struct.pack(">2sBBIII", b"PB", 1, FrameType.RESULT, sid, 1 << 30, 0)
+        g.send(head + zlib.crc32(head).to_bytes(4, "big") + b"x" * 1000)
+
+    guest.handlers["stat"] = stat
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=0.5)
+    try:
+        with pytest.raises(Timeout):
+            await ch.stat("/x")
+        await _wait_for(lambda: bool(guest.got(FrameType.CANCEL)), "CANCEL after the timeout")
+        assert (await ch.ping())["hostname"] == "fake"
+    finally:
+        await ch.close()
+
+
+async def test_unknown_streams_and_garbage_are_ignored(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def ping(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        for bogus in (sid + 1000, 0xFFFFFFFF, 0):
+            g.send(os.urandom(777))
+            g.send(frames.encode_data(bogus, 1, b"stray"))
+            g.send_json(FrameType.RESULT, bogus, {"x": 1})
+            g.send(frames.encode_credit(bogus, 5))
+        g.send_json(FrameType.RESULT, sid, _info(g.session))
+
+    guest.handlers["ping"] = ping
+    assert (await ch.ping())["hostname"] == "fake"
+    assert ch.ignored_frames >= 6
+
+
+async def test_data_beyond_the_window_fails_that_exec(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def flood(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.STARTED, sid, {"pid": 9})
+        chunk = frames.encode_data(sid, 1, b"a" * frames.CHUNK_SIZE)
+        for _ in range(64):  # 4 MiB without waiting for credit
+            g.send(chunk)
+            await asyncio.sleep(0)
+
+    guest.handlers["exec"] = flood
+    async with ch.exec(ExecSpec(argv=["yes"])) as proc:
+        # Nothing is read, so no credit goes out: the guest may send one window and no more.
+        await _wait_for(lambda: bool(guest.got(FrameType.CANCEL)), "CANCEL of the flooding stream")
+        received = 0
+        with pytest.raises(GuestError, match="window"):
+            async for _, data in proc:
+                received += len(data)
+        assert received <= frames.INITIAL_WINDOW
+    assert (await ch.ping())["hostname"] == "fake"
+
+
+async def test_endless_output_within_credit_ends_at_the_host_deadline(guest: FakeGuest) -> None:
+    async def endless(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.STARTED, sid, {"pid": 9})
+        granted = frames.INITIAL_WINDOW
+        sent = 0
+        while True:  # honours credit, never ends
+            granted = frames.INITIAL_WINDOW + sum(frames.parse_u32(f.payload) for f in g.got(FrameType.CREDIT, sid))
+            if sent < granted:
+                g.send(frames.encode_data(sid, 1, b"b" * frames.CHUNK_SIZE))
+                sent += frames.CHUNK_SIZE
+            await asyncio.sleep(0.001)
+
+    guest.handlers["exec"] = endless
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=0.3)
+    try:
+        with pytest.raises(Timeout):
+            await ch.run(ExecSpec(argv=["yes"], timeout_s=0.2), max_output_bytes=1000)
+        assert (await ch.ping())["hostname"] == "fake"
+    finally:
+        await ch.close()
+
+
+async def test_endless_control_frames_fail_that_exec(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def chatter(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        for _ in range(1000):
+            g.send_json(FrameType.STARTED, sid, {"pid": 9})
+            await asyncio.sleep(0)
+
+    guest.handlers["exec"] = chatter
+    with pytest.raises(GuestError, match="control"):
+        await ch.run(ExecSpec(argv=["true"]))
+    assert (await ch.ping())["hostname"] == "fake"
+
+
+async def test_read_file_returns_credit_and_gets_everything(guest: FakeGuest, ch: GuestChannel) -> None:
+    total = 3 * frames.INITIAL_WINDOW
+    credit = asyncio.Event()
+    window = [frames.INITIAL_WINDOW]
+
+    async def read(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        sent = 0
+        while sent < total:
+            while window[0] <= 0:  # a well-behaved guest waits for CREDIT
+                credit.clear()
+                await credit.wait()
+            n = min(frames.CHUNK_SIZE, window[0], total - sent)
+            g.send(frames.encode_data(sid, 3, bytes([sent % 251]) * n))
+            window[0] -= n
+            sent += n
+            await asyncio.sleep(0)
+        g.send_json(FrameType.RESULT, sid, {"size": sent})
+
+    async def watch_credit() -> None:
+        seen = 0
+        while True:
+            got = guest.got(FrameType.CREDIT)
+            for f in got[seen:]:
+                window[0] += frames.parse_u32(f.payload)
+                credit.set()
+            seen = len(got)
+            await asyncio.sleep(0.005)
+
+    guest.handlers["read"] = read
+    watcher = asyncio.create_task(watch_credit())
+    try:
+        size = 0
+        async for chunk in ch.read_file("/big"):
+            size += len(chunk)
+    finally:
+        watcher.cancel()
+    assert size == total
+    granted = sum(frames.parse_u32(f.payload) for f in guest.got(FrameType.CREDIT))
+    assert granted >= total - frames.INITIAL_WINDOW
+
+
+async def test_silent_guest_times_out_and_is_cancelled(guest: FakeGuest, tmp_path: Path) -> None:
+    async def silent(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        await asyncio.sleep(3600)
+
+    guest.handlers["stat"] = silent
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=0.3)
+    try:
+        with pytest.raises(Timeout):
+            await ch.stat("/x")
+        await _wait_for(lambda: bool(guest.got(FrameType.CANCEL)), "CANCEL after the timeout")
+    finally:
+        await ch.close()
+
+
+async def test_connection_drop_fails_pending_requests_and_reconnect_works(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def drop(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.STARTED, sid, {"pid": 9})
+        assert g.writer is not None
+        g.writer.close()
+
+    guest.handlers["exec"] = drop
+    with pytest.raises(ChannelClosed) as info:
+        await ch.run(ExecSpec(argv=["sleep", "9"]))
+    assert info.value.retryable and isinstance(info.value, GuestError)
+    await _wait_for(lambda: ch.closed, "channel marked closed")
+    with pytest.raises(ChannelClosed):
+        await ch.ping()
+    with pytest.raises(ChannelClosed):
+        ch.exec(ExecSpec(argv=["true"]))
+    again = await GuestChannel.connect(guest.path, timeout_s=10)
+    try:
+        assert (await again.ping())["hostname"] == "fake"
+        assert guest.connections == 2
+    finally:
+        await again.close()
+
+
+async def test_connect_times_out_without_a_guest(tmp_path: Path) -> None:
+    with pytest.raises(Timeout):
+        await GuestChannel.connect(tmp_path / "nothing.sock", timeout_s=0.3)
+
+
+async def test_connect_times_out_when_the_guest_never_says_hello(guest: FakeGuest) -> None:
+    guest.hello = lambda session: []
+    with pytest.raises(Timeout):
+        await GuestChannel.connect(guest.path, timeout_s=0.6)
+    assert len(guest.got(FrameType.HELLO)) >= 2  # HELLO is re-sent while waiting
+
+
+async def test_connect_retries_until_the_socket_appears(tmp_path: Path) -> None:
+    fake = FakeGuest(tmp_path / "late.sock")
+
+    async def late_start() -> None:
+        await asyncio.sleep(0.3)
+        await fake.start()
+
+    starter = asyncio.create_task(late_start())
+    try:
+        ch = await GuestChannel.connect(fake.path, timeout_s=10)
+        assert (await ch.ping())["hostname"] == "fake"
+        await ch.close()
+    finally:
+        await starter
+        await fake.stop()
+
+
+async def test_connect_ignores_hellos_of_other_sessions(guest: FakeGuest) -> None:
+    guest.hello = lambda s: [
+        frames.encode_json(FrameType.HELLO, 0, _info("someone-else")),
+        frames.encode_json(FrameType.HELLO, 0, _info(s)),
+    ]
+    ch = await GuestChannel.connect(guest.path, timeout_s=10)
+    assert ch.info is not None and ch.info.session == guest.session
+    await ch.close()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"{bad json", b'{"version": 1}', frames.json_payload({**_info("X"), "version": 99})],
+)
+async def test_connect_rejects_a_malformed_or_incompatible_hello(guest: FakeGuest, payload: bytes) -> None:
+    def hello(session: str) -> list[bytes]:
+        body = payload.replace(b'"X"', f'"{session}"'.encode())
+        return [frames.encode_frame(FrameType.HELLO, 0, body)]
+
+    guest.hello = hello
+    with pytest.raises(GuestError):
+        await GuestChannel.connect(guest.path, timeout_s=5)
+
+
+async def test_request_checks(ch: GuestChannel) -> None:
+    with pytest.raises(InvalidRequest):
+        ch.exec(ExecSpec(argv=["echo", "x" * frames.MAX_PAYLOAD]))
+    proc = ch.exec(ExecSpec(argv=["true"]))
+    with pytest.raises(InvalidRequest):
+        await proc.write_stdin(b"x")
+    with pytest.raises(ValueError):
+        ExecSpec(argv=["a"], shell="b")
+    with pytest.raises(ValueError):
+        ExecSpec()
+
+
+async def test_list_count_mismatch_is_a_guest_error(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def listing(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send(frames.encode_data(sid, 3, (frames.json_payload(_stat("/a")) + b"\n")))
+        g.send_json(FrameType.RESULT, sid, {"count": 2})
+
+    guest.handlers["list"] = listing
+    with pytest.raises(GuestError, match="counted"):
+        await ch.list_dir("/")
+
+
+async def test_write_stops_when_the_guest_fails_early(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def write(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.ERROR, sid, {"code": "not_found", "message": "no parent"})
+
+    never = asyncio.Event()
+
+    async def source() -> AsyncIterator[bytes]:
+        yield b"x" * 1000
+        await never.wait()
+        yield b"y"
+
+    guest.handlers["write"] = write
+    with pytest.raises(NotFound):
+        await ch.write_file("/missing/f", source())

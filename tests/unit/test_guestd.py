@@ -1,0 +1,436 @@
+"""guestd run on this host as a subprocess (``--listen``, QEMU-like socket), driven by the real GuestChannel.
+
+Runs as root here, so ``user`` tests switch to ``nobody``. Machine-level calls go to a recording fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from podbay.channel import frames
+from podbay.channel.client import ChannelClosed, ExecProcess, GuestChannel
+from podbay.channel.frames import Decoder, Frame, FrameType
+from podbay.contracts.channel import ExecSpec
+from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="guestd tests switch users and need root")
+
+
+def _start_guestd(sock: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PODBAY_GUESTD_LEAK_CHECK="leaked")
+    with open(log.with_suffix(".stderr"), "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "podbay_guestd", "--listen", str(sock), "--fake-system", str(log)],
+            env=env,
+            stderr=err,
+        )
+
+
+@pytest.fixture(scope="module")
+def guestd_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    d = tmp_path_factory.mktemp("guestd")
+    proc = _start_guestd(d / "ch.sock", d / "system.log")
+    for _ in range(400):
+        if (d / "ch.sock").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    yield d / "ch.sock"
+    proc.terminate()
+    proc.wait(10)
+    assert proc.returncode in (0, -signal.SIGTERM), (d / "system.stderr").read_text()
+
+
+@pytest.fixture
+async def ch(guestd_socket: Path) -> AsyncIterator[GuestChannel]:
+    channel = await GuestChannel.connect(guestd_socket, timeout_s=30, request_timeout_s=30)
+    yield channel
+    await channel.close()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+async def _until(predicate: object, what: str, limit_s: float = 20.0) -> None:
+    for _ in range(int(limit_s / 0.05)):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+# -- exec ----------------------------------------------------------------------------------------
+
+
+async def test_exec_stdout(ch: GuestChannel) -> None:
+    out, err, res = await ch.run(ExecSpec(argv=["python3", "-c", "print(6 * 7)"]))
+    assert (out, err, res.exit_code, res.timed_out) == (b"42\n", b"", 0, False)
+    assert res.pid > 0
+
+
+async def test_exec_stderr_and_exit_code(ch: GuestChannel) -> None:
+    out, err, res = await ch.run(ExecSpec(shell="echo out; echo oops >&2; exit 7"))
+    assert (out, err, res.exit_code) == (b"out\n", b"oops\n", 7)
+
+
+async def test_exec_stdin_streams_beyond_the_window(ch: GuestChannel) -> None:
+    data = os.urandom(3 * frames.INITIAL_WINDOW + 12345)
+    got = bytearray()
+    async with ch.exec(ExecSpec(argv=["cat"], stdin=True)) as proc:
+
+        async def feed() -> None:
+            for i in range(0, len(data), 100_000):
+                await proc.write_stdin(data[i : i + 100_000])
+            await proc.close_stdin()
+
+        feeder = asyncio.create_task(feed())
+        async for kind, chunk in proc:
+            assert kind == "stdout"
+            got += chunk
+        await feeder
+        res = await proc.wait()
+    assert res.exit_code == 0
+    assert bytes(got) == data
+
+
+async def test_run_with_stdin_bytes(ch: GuestChannel) -> None:
+    out, _, res = await ch.run(ExecSpec(argv=["wc", "-c"]), stdin=b"x" * 5000)
+    assert out.strip() == b"5000" and res.exit_code == 0
+
+
+async def test_exec_env_cwd_and_clean_environment(ch: GuestChannel, tmp_path: Path) -> None:
+    out, _, res = await ch.run(
+        ExecSpec(
+            shell='echo "$FOO|$PWD|$HOME|$PATH|${PODBAY_GUESTD_LEAK_CHECK:-none}"',
+            env={"FOO": "bar"},
+            cwd=str(tmp_path),
+        )
+    )
+    foo, pwd, home, path, leak = out.decode().strip().split("|")
+    assert (foo, pwd, home, leak) == ("bar", str(tmp_path), "/root", "none")
+    assert "/usr/bin" in path.split(":")
+    assert res.exit_code == 0
+
+
+async def test_exec_as_nobody(ch: GuestChannel) -> None:
+    out, _, res = await ch.run(ExecSpec(shell='id -u; id -g; echo "$HOME $USER"; pwd', user="nobody"))
+    assert out.decode().split("\n")[:4] == ["65534", "65534", "/nonexistent nobody", "/"]
+    out2, _, _ = await ch.run(ExecSpec(argv=["id", "-u"], user=65534))
+    assert out2 == b"65534\n"
+    assert res.exit_code == 0
+
+
+async def test_exec_timeout_kills_the_process_group(ch: GuestChannel) -> None:
+    proc = ch.exec(ExecSpec(shell="sleep 300 & echo $!; wait", timeout_s=0.5))
+    async with proc:
+        _, line = await proc.__anext__()
+        child = int(line)
+        res = await proc.wait()
+    assert (res.timed_out, res.exit_code) == (True, -signal.SIGKILL)
+    await _until(lambda: not _alive(child), "background child killed")
+
+
+async def test_exec_signal(ch: GuestChannel) -> None:
+    async with ch.exec(ExecSpec(argv=["sleep", "60"])) as proc:
+        pid = await proc.started()
+        assert _alive(pid)
+        await proc.signal(signal.SIGTERM)
+        res = await proc.wait()
+    assert (res.exit_code, res.timed_out, res.pid) == (-signal.SIGTERM, False, pid)
+
+
+async def test_exec_large_output_respects_flow_control(ch: GuestChannel) -> None:
+    size = 8 * 1024 * 1024
+    script = "import sys\nb = bytes(range(256)) * 4096\nfor _ in range(8): sys.stdout.buffer.write(b)\n"
+    expected = hashlib.sha256((bytes(range(256)) * 4096) * 8).hexdigest()
+    async with ch.exec(ExecSpec(argv=["python3", "-c", script])) as proc:
+        queue = proc._stream.queue
+
+        def queued() -> int:
+            items = list(queue._queue)  # type: ignore[attr-defined]
+            return sum(len(f.payload) - 1 for f in items if isinstance(f, Frame) and f.type is FrameType.DATA)
+
+        # Without reading, the guest may only send one window; wait until the queue stops growing.
+        last = -1
+        while queued() != last:
+            last = queued()
+            await asyncio.sleep(0.3)
+        assert 0 < last <= frames.INITIAL_WINDOW
+        assert proc.exit is None
+        digest = hashlib.sha256()
+        total = 0
+        async for kind, chunk in proc:
+            assert kind == "stdout"
+            digest.update(chunk)
+            total += len(chunk)
+        res = await proc.wait()
+    assert (total, res.exit_code) == (size, 0)
+    assert digest.hexdigest() == expected
+
+
+async def test_run_caps_output_and_says_so(ch: GuestChannel) -> None:
+    out, _, res = await ch.run(ExecSpec(shell="head -c 5000 /dev/zero"), max_output_bytes=1000)
+    assert out == b"\0" * 1000
+    assert res.output_truncated and res.exit_code == 0
+    _, _, res2 = await ch.run(ExecSpec(shell="head -c 500 /dev/zero"), max_output_bytes=1000)
+    assert not res2.output_truncated
+
+
+async def test_exec_errors(ch: GuestChannel, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        await ch.run(ExecSpec(argv=["/no/such/program"]))
+    with pytest.raises(NotFound):
+        await ch.run(ExecSpec(argv=["true"], cwd=str(tmp_path / "missing")))
+    with pytest.raises(InvalidRequest):
+        await ch.run(ExecSpec(argv=["true"], user="no-such-user-here"))
+    out, _, _ = await ch.run(ExecSpec(argv=["echo", "still", "fine"]))
+    assert out == b"still fine\n"
+
+
+async def test_leaving_the_context_kills_the_process(ch: GuestChannel) -> None:
+    async with ch.exec(ExecSpec(argv=["sleep", "60"])) as proc:
+        pid = await proc.started()
+    await _until(lambda: not _alive(pid), "process killed on cancel")
+
+
+async def test_many_concurrent_streams(ch: GuestChannel, tmp_path: Path) -> None:
+    blob = os.urandom(300_000)
+    (tmp_path / "blob").write_bytes(blob)
+
+    async def one(i: int) -> bytes:
+        out, _, res = await ch.run(ExecSpec(shell=f"echo {i}; head -c 200000 /dev/zero"))
+        assert res.exit_code == 0
+        return out
+
+    async def read() -> bytes:
+        return b"".join([c async for c in ch.read_file(str(tmp_path / "blob"))])
+
+    outs = await asyncio.gather(*(one(i) for i in range(8)), read(), ch.ping())
+    for i in range(8):
+        assert outs[i] == f"{i}\n".encode() + b"\0" * 200000
+    assert outs[8] == blob
+    assert outs[9]["pid"] > 0
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+async def test_write_and_read_5_mib(ch: GuestChannel, tmp_path: Path) -> None:
+    data = os.urandom(5 * 1024 * 1024)
+    target = tmp_path / "big.bin"
+    st = await ch.write_file(str(target), data, mode=0o600)
+    assert (st["size"], st["mode"], st["type"]) == (len(data), 0o600, "file")
+    got = b"".join([c async for c in ch.read_file(str(target))])
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    assert target.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["big.bin"]  # no temporary file left
+    part = b"".join([c async for c in ch.read_file(str(target), offset=1000, length=70000)])
+    assert part == data[1000:71000]
+
+
+async def test_write_from_iterator_append_and_owner(ch: GuestChannel, tmp_path: Path) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(5):
+            yield bytes([65 + i]) * 100_000
+
+    target = tmp_path / "it.txt"
+    await ch.write_file(str(target), chunks())
+    await ch.write_file(str(target), b"tail", append=True)
+    content = target.read_bytes()
+    assert content == b"".join(bytes([65 + i]) * 100_000 for i in range(5)) + b"tail"
+    st = await ch.write_file(str(tmp_path / "owned"), b"x", user="nobody")
+    assert (st["uid"], st["gid"]) == (65534, 65534)
+
+
+async def test_stat_list_mkdir_remove(ch: GuestChannel, tmp_path: Path) -> None:
+    deep = tmp_path / "a" / "b" / "c"
+    st = await ch.mkdir(str(deep))
+    assert st.type == "dir" and deep.is_dir()
+    await ch.write_file(str(tmp_path / "a" / "f.txt"), b"hello")
+    os.symlink("f.txt", tmp_path / "a" / "link")
+    entries = await ch.list_dir(str(tmp_path / "a"))
+    assert [(e.name, e.type) for e in entries] == [("b", "dir"), ("f.txt", "file"), ("link", "symlink")]
+    assert entries[1].size == 5 and entries[1].path == str(tmp_path / "a" / "f.txt")
+    st2 = await ch.stat(str(tmp_path / "a" / "f.txt"))
+    assert (st2.name, st2.size, st2.type) == ("f.txt", 5, "file")
+    await ch.remove(str(tmp_path / "a" / "f.txt"))
+    assert not (tmp_path / "a" / "f.txt").exists()
+    await ch.remove(str(tmp_path / "a"), recursive=True)
+    assert not (tmp_path / "a").exists()
+
+
+async def test_list_large_directory(ch: GuestChannel, tmp_path: Path) -> None:
+    for i in range(3000):
+        (tmp_path / f"file-{i:05d}-{'x' * 40}").touch()
+    entries = await ch.list_dir(str(tmp_path))
+    assert len(entries) == 3000
+    assert entries[0].name.startswith("file-00000") and entries[-1].name.startswith("file-02999")
+
+
+async def test_file_errors(ch: GuestChannel, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        await ch.stat(str(tmp_path / "missing"))
+    with pytest.raises(NotFound):
+        [c async for c in ch.read_file(str(tmp_path / "missing"))]
+    with pytest.raises(GuestError) as exc:
+        [c async for c in ch.read_file(str(tmp_path))]
+    assert exc.value.details["guest_code"] == "is_a_directory"
+    with pytest.raises(NotFound):
+        await ch.write_file(str(tmp_path / "no" / "dir" / "f"), b"x" * 3_000_000)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").touch()
+    with pytest.raises(Conflict):
+        await ch.mkdir(str(tmp_path / "d"), exist_ok=False)
+    with pytest.raises(InvalidRequest):
+        await ch.remove(str(tmp_path / "d"))
+    with pytest.raises(InvalidRequest):
+        await ch.stat("relative/path")
+    with pytest.raises(GuestError) as exc:
+        await ch.list_dir(str(tmp_path / "d" / "f"))
+    assert exc.value.details["guest_code"] == "not_a_directory"
+    assert (await ch.ping())["version"] == 1
+
+
+# -- reconnects and hostile hosts ------------------------------------------------------------------
+
+
+async def test_reconnect_in_the_middle_of_streams(guestd_socket: Path, tmp_path: Path) -> None:
+    ch1 = await GuestChannel.connect(guestd_socket, timeout_s=30)
+    proc = ch1.exec(ExecSpec(shell="echo start; exec sleep 60"))
+    kind, line = await proc.__anext__()
+    assert (kind, line) == ("stdout", b"start\n")
+    pid = proc.pid
+    assert pid is not None
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"x" * 100_000
+        await never.wait()
+        yield b"never sent"
+
+    writer = asyncio.create_task(ch1.write_file(str(tmp_path / "half"), stalled()))
+    await _until(lambda: any(p.name.endswith(".podbay-tmp") for p in tmp_path.iterdir()), "temp file")
+    await ch1.close()
+    with pytest.raises(ChannelClosed) as exc:
+        await proc.wait()
+    assert exc.value.retryable
+    with pytest.raises(ChannelClosed):
+        await writer
+    assert ch1.closed
+    with pytest.raises(ChannelClosed):
+        await ch1.ping()
+
+    ch2 = await GuestChannel.connect(guestd_socket, timeout_s=30)
+    try:
+        assert (await ch2.ping())["session"] == ch2.info.session  # type: ignore[union-attr]
+        # The old session's exec survives (orphaned, output dropped); its file transfer was abandoned.
+        assert _alive(pid)
+        await _until(lambda: list(tmp_path.iterdir()) == [], "temp file of the abandoned write removed")
+        out, _, _ = await ch2.run(ExecSpec(argv=["echo", "again"]))
+        assert out == b"again\n"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        await ch2.close()
+
+
+class RawHost:
+    """A bare socket speaking frames to guestd, for inputs the real client never sends."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(20)
+        self.dec = Decoder()
+        self.frames: list[Frame] = []
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def wait_for(self, stream: int, ftype: FrameType) -> Frame:
+        while True:
+            for i, frame in enumerate(self.frames):
+                if frame.stream == stream and frame.type is ftype:
+                    return self.frames.pop(i)
+            data = self.sock.recv(65536)
+            assert data, "guestd closed the connection"
+            self.frames += self.dec.feed(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_hostile_host_input_fails_only_that_stream(guestd_socket: Path) -> None:
+    raw = await asyncio.to_thread(RawHost, guestd_socket)
+    pids: list[int] = []
+    try:
+
+        def scenario() -> None:
+            raw.send(frames.encode_json(FrameType.HELLO, 0, {"version": 1, "session": "raw-1"}))
+            raw.wait_for(0, FrameType.HELLO)
+            raw.send(os.urandom(5000))  # garbage
+            raw.send(frames.encode_frame(FrameType.OPEN, 11, b"{not json"))
+            raw.send(frames.encode_json(FrameType.OPEN, 12, {"op": "format_disk", "args": {}}))
+            raw.send(frames.encode_json(FrameType.OPEN, 13, {"op": "stat", "args": [1, 2]}))
+            raw.send(frames.encode_json(FrameType.OPEN, 14, {"op": "exec", "args": {"argv": "not-a-list"}}))
+            raw.send(frames.encode_frame(FrameType.DATA, 999, b"\x03orphan data"))
+            # A process that never reads stdin: the guest grants no credit, and the host overruns the window.
+            sleeper = {"op": "exec", "args": {"argv": ["sleep", "60"], "stdin": True}}
+            raw.send(frames.encode_json(FrameType.OPEN, 15, sleeper))
+            pids.append(frames.parse_json(raw.wait_for(15, FrameType.STARTED).payload)["pid"])
+            chunk = frames.encode_data(15, 0, b"y" * frames.CHUNK_SIZE)
+            for _ in range(frames.INITIAL_WINDOW // frames.CHUNK_SIZE + 2):
+                raw.send(chunk)
+            for sid in (11, 12, 13, 14, 15):
+                err = frames.parse_json(raw.wait_for(sid, FrameType.ERROR).payload)
+                assert err["code"] == "invalid", (sid, err)
+            raw.send(frames.encode_json(FrameType.OPEN, 16, {"op": "ping", "args": {}}))
+            assert frames.parse_json(raw.wait_for(16, FrameType.RESULT).payload)["session"] == "raw-1"
+
+        await asyncio.to_thread(scenario)
+    finally:
+        raw.close()
+    ch = await GuestChannel.connect(guestd_socket, timeout_s=30)
+    try:
+        assert (await ch.ping())["version"] == 1
+        await _until(lambda: not _alive(pids[0]), "the overrunning exec was killed")
+    finally:
+        await ch.close()
+
+
+async def test_torn_frame_from_a_vanished_host_then_reconnect(guestd_socket: Path) -> None:
+    """A host that dies mid-frame leaves guestd waiting for a payload that never comes; the next host's
+    HELLO must still get through (the guest never sees the disconnect)."""
+    raw = await asyncio.to_thread(RawHost, guestd_socket)
+    torn = frames.encode_data(77, 0, b"z" * 200_000)
+    await asyncio.to_thread(raw.send, torn[:5000])
+    raw.close()
+    ch = await GuestChannel.connect(guestd_socket, timeout_s=30)
+    try:
+        assert (await ch.ping())["version"] == 1
+        out, _, _ = await ch.run(ExecSpec(argv=["echo", "ok"]))
+        assert out == b"ok\n"
+    finally:
+        await ch.close()
+
+
+async def test_exec_process_is_an_async_iterator(ch: GuestChannel) -> None:
+    proc = ch.exec(ExecSpec(shell="echo a; echo b >&2"))
+    assert isinstance(proc, ExecProcess)
+    events = sorted([e async for e in proc])
+    assert events == [("stderr", b"b\n"), ("stdout", b"a\n")]
+    assert (await proc.wait()).exit_code == 0

@@ -1,0 +1,187 @@
+"""Process helpers shared by the dev-stack servers, the supervisor and the test fixtures.
+
+Linux only: liveness and identity come from ``/proc``. A pid alone is not an identity (pids are reused), so
+every recorded process is a ``(pid, start_ticks)`` pair, where ``start_ticks`` is field 22 of
+``/proc/<pid>/stat`` (clock ticks after boot). :func:`same_process` compares both before anything is signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "find_binary",
+    "free_port",
+    "free_ports",
+    "port_is_free",
+    "process_start_ticks",
+    "same_process",
+    "pid_alive",
+    "signal_process",
+    "stop_process",
+    "stop_pid",
+    "tail",
+    "run_sync",
+]
+
+T = TypeVar("T")
+
+
+def find_binary(name: str) -> Path:
+    """The executable ``name``: first next to ``sys.executable`` (the venv's bin), then on ``PATH``.
+
+    Raises ``FileNotFoundError`` when neither has it.
+    """
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise FileNotFoundError(f"{name} not found next to {sys.executable} nor on PATH")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the kernel picks it; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports; all sockets stay bound until every port is chosen, so none repeats."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind ``port`` on ``host`` now (with SO_REUSEADDR, as servers do, so that
+    connections left in TIME_WAIT by a stopped server do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (start time in clock ticks after boot), or None if there is no such pid."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses; fields after the last ')' are fixed.
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return int(rest[19])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return raw[raw.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def same_process(pid: int | None, start_ticks: int | None) -> bool:
+    """True when ``pid`` is alive and is the very process recorded with ``start_ticks``."""
+    if not pid or not pid_alive(pid):
+        return False
+    return start_ticks is None or process_start_ticks(pid) == start_ticks
+
+
+def signal_process(pid: int, sig: int, start_ticks: int | None = None) -> bool:
+    """Send ``sig`` to ``pid`` if it is still the recorded process; returns whether it was sent."""
+    if not same_process(pid, start_ticks):
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process(
+    proc: subprocess.Popen[Any], *, grace_s: float = 10.0, first_signal: int = signal.SIGTERM
+) -> int | None:
+    """Stop a child: ``first_signal``, wait up to ``grace_s`` seconds, then SIGKILL. Returns its exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    try:
+        proc.send_signal(first_signal)
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+    except ProcessLookupError:
+        return proc.wait(timeout=10)
+
+
+def stop_pid(
+    pid: int, start_ticks: int | None, *, grace_s: float = 10.0, first_signal: int = signal.SIGTERM
+) -> bool:
+    """Like :func:`stop_process` for a process that is not our child; returns whether it is gone."""
+    if not signal_process(pid, first_signal, start_ticks):
+        return True
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not same_process(pid, start_ticks):
+            return True
+        time.sleep(0.05)
+    signal_process(pid, signal.SIGKILL, start_ticks)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if not same_process(pid, start_ticks):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def tail(path: Path, lines: int = 40, *, start: int = 0) -> str:
+    """The last ``lines`` lines of a text file after byte ``start`` (at most its last 64 KiB), or ``""`` if it
+    does not exist."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(start if start <= size else 0, size - 65536))
+            data = fh.read()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code, even when this thread already runs an event loop.
+
+    With a running loop (e.g. a sync helper called from async test code) it runs on a fresh loop in a worker
+    thread, since a loop cannot be re-entered.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,462 @@
+"""A whole podbay stack on one machine: the three servers plus every service as a child process.
+
+Used by ``podbay up`` (through :mod:`podbay.devstack.supervisor`) and by the ``stack`` test fixture, so that
+both start the services the same way: each by its console script next to ``sys.executable``
+(``podbay-api``, ``podbay-scheduler``, ``podbay-nodeagent``, ``podbay-snapshotter``, ``podbay-warmpool``), with
+its configuration as ``PODBAY_*`` environment variables, its output in ``<log_dir>/<name>.log``, and
+start-up finished only when ``GET http://127.0.0.1:<port>/healthz`` answers 200. Servers start first, then
+the services one by one in :data:`SERVICES` order (the API first: it applies the migrations).
+
+Layout under ``data_dir``: ``servers/{nats,postgres,s3}/`` for server state; the services use ``data_dir``
+itself (``PODBAY_DATA_DIR``) for theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from podbay.config import Settings
+from podbay.devstack import servers as srv
+from podbay.devstack.procs import free_ports, pid_alive, process_start_ticks, run_sync, stop_process, tail
+from podbay.errors import Unavailable
+
+__all__ = [
+    "SERVICES",
+    "SERVER_NAMES",
+    "ServiceSpec",
+    "StackPorts",
+    "External",
+    "StackError",
+    "ServiceProcess",
+    "Stack",
+    "kill_strays",
+    "default_bin_dir",
+]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A service: its ``name``, console ``script`` and the :class:`StackPorts` field holding its HTTP port."""
+
+    name: str
+    script: str
+    port_field: str
+
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("api", "podbay-api", "api"),
+    ServiceSpec("scheduler", "podbay-scheduler", "scheduler"),
+    ServiceSpec("nodeagent", "podbay-nodeagent", "node"),
+    ServiceSpec("snapshotter", "podbay-snapshotter", "snapshotter"),
+    ServiceSpec("warmpool", "podbay-warmpool", "warmpool"),
+)
+SERVER_NAMES: tuple[str, ...] = ("nats", "postgres", "s3")
+
+
+class StackPorts(BaseModel):
+    """Loopback TCP ports of every part of a stack."""
+
+    nats: int = 4222
+    pg: int = 5432
+    s3: int = 8333
+    api: int = 8080
+    node: int = 8090
+    scheduler: int = 8091
+    snapshotter: int = 8092
+    warmpool: int = 8093
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StackPorts:
+        """Service ports from ``settings``; server ports from ``PODBAY_NATS_PORT``, ``PODBAY_PG_PORT`` and
+        ``PODBAY_S3_PORT`` (defaults 4222, 5432, 8333) until Settings has fields for them."""
+        extra = {k: getattr(settings, f"{k}_port", None) for k in ("nats", "pg", "s3")}
+        env = {k: os.environ.get(f"PODBAY_{k.upper()}_PORT") for k in ("nats", "pg", "s3")}
+        servers = {k: int(env[k] or extra[k] or cls.model_fields[k].default) for k in ("nats", "pg", "s3")}
+        return cls(
+            **servers,
+            api=settings.api_port,
+            node=settings.node_port,
+            scheduler=settings.scheduler_port,
+            snapshotter=settings.snapshotter_port,
+            warmpool=settings.warmpool_port,
+        )
+
+    @classmethod
+    def free(cls) -> StackPorts:
+        """Freshly chosen free ports for every part (test stacks)."""
+        names = list(cls.model_fields)
+        return cls(**dict(zip(names, free_ports(len(names)), strict=True)))
+
+
+class External(BaseModel):
+    """Servers not started by the stack: each given one is used as is (``None`` means: start our own)."""
+
+    nats_url: str | None = None
+    pg_dsn: str | None = None
+    s3_url: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+
+    @classmethod
+    def from_env(cls) -> External:
+        """From ``PODBAY_NATS_URL``, ``PODBAY_PG_DSN``, ``PODBAY_S3_URL`` and the ``AWS_*`` keys, when set."""
+        env = os.environ
+        return cls(
+            nats_url=env.get("PODBAY_NATS_URL") or None,
+            pg_dsn=env.get("PODBAY_PG_DSN") or None,
+            s3_url=env.get("PODBAY_S3_URL") or None,
+            s3_access_key=env.get("AWS_ACCESS_KEY_ID") or None,
+            s3_secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+        )
+
+
+class StackError(Unavailable):
+    """A part did not start or answer; ``details`` has ``part``, ``log`` and ``log_tail``."""
+
+    code = "stack_unavailable"
+
+
+@dataclass
+class ServiceProcess:
+    """A service child: spawned by :meth:`start`, healthy when ``health_url`` answers 200."""
+
+    spec: ServiceSpec
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    start_ticks: int | None = None
+    log_offset: int = 0
+
+    @property
+    def name(self) -> str:
+        """The service name (``api``, ``scheduler``, ...)."""
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The process id, while it has been started."""
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        """Whether the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Spawn the service (in its own session, output appended to its log)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.start_ticks = process_start_ticks(self.proc.pid)
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """Whether ``GET /healthz`` answers 200 now."""
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until healthy; raises :class:`StackError` with the log tail if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                raise self._error(f"exited with code {code} during start-up")
+            if self.healthy():
+                return
+            time.sleep(delay)
+            delay = min(0.5, delay * 1.5)
+        raise self._error(f"did not answer GET /healthz with 200 within {timeout_s:.0f} s")
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace_s`` seconds; returns the exit code (None if never started)."""
+        return stop_process(self.proc, grace_s=grace_s) if self.proc else None
+
+    def _error(self, why: str) -> StackError:
+        log_tail = tail(self.log_path, start=self.log_offset)
+        return StackError(
+            f"{self.name} {why} (log {self.log_path}):\n{log_tail}",
+            details={"part": self.name, "log": str(self.log_path), "log_tail": log_tail},
+        )
+
+
+def default_bin_dir() -> Path:
+    """Where the services' console scripts are: ``PODBAY_BIN_DIR``, else the directory of ``sys.executable``."""
+    return Path(os.environ.get("PODBAY_BIN_DIR") or Path(sys.executable).parent)
+
+
+@dataclass
+class Stack:
+    """Servers and services of one stack. Start with :meth:`start`, stop with :meth:`stop` (reverse order).
+
+    After :meth:`start`: ``nats_url``, ``pg_dsn``, ``s3_url``, ``s3_bucket``, ``s3_keys`` and ``env`` (the
+    environment given to every service) are set; ``api_key`` once :meth:`create_api_key` ran.
+    """
+
+    data_dir: Path
+    log_dir: Path
+    cache_dir: Path
+    ports: StackPorts = field(default_factory=StackPorts)
+    external: External = field(default_factory=External)
+    durable: bool = True
+    s3_bucket: str = "podbay"
+    bin_dir: Path = field(default_factory=lambda: default_bin_dir())
+    base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    start_timeout_s: float = 120.0
+
+    servers: dict[str, srv.ServerProcess] = field(default_factory=dict)
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+    nats_url: str = ""
+    pg_dsn: str = ""
+    s3_url: str = ""
+    s3_keys: tuple[str, str] = ("", "")
+    api_key: str = ""
+    tenant_id: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def api_url(self) -> str:
+        """``http://127.0.0.1:<api port>``."""
+        return f"http://127.0.0.1:{self.ports.api}"
+
+    # --- start ------------------------------------------------------------------------------------------
+
+    def start(self, on_ready: Callable[[str], None] | None = None) -> Stack:
+        """Start servers, then services, each waited for. On failure everything started is stopped and the
+        :class:`StackError`/:class:`podbay.devstack.servers.ServerError` propagates. ``on_ready(name)`` is
+        called as each part answers."""
+        try:
+            self.start_servers(on_ready)
+            self.start_services(on_ready)
+        except BaseException:
+            self.stop(grace_s=5.0)
+            raise
+        return self
+
+    def start_servers(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Start (or adopt the external) NATS, PostgreSQL and S3, and build :attr:`env`."""
+        sdir = self.data_dir / "servers"
+        ext = self.external
+        if ext.nats_url:
+            self._probe_external("nats", srv.probe_nats(ext.nats_url))
+            self.nats_url = ext.nats_url
+        else:
+            nats = srv.start_nats(sdir / "nats", self.ports.nats, log_dir=self.log_dir)
+            self.servers["nats"], self.nats_url = nats, nats.url
+        self._notify(on_ready, "nats")
+        if ext.pg_dsn:
+            self._probe_external("postgres", srv.probe_postgres(ext.pg_dsn))
+            self.pg_dsn = ext.pg_dsn
+        else:
+            pg = srv.start_postgres(sdir / "postgres", self.ports.pg, log_dir=self.log_dir, durable=self.durable)
+            self.servers["postgres"], self.pg_dsn = pg, pg.dsn
+        self._notify(on_ready, "postgres")
+        if ext.s3_url:
+            keys = (ext.s3_access_key or "", ext.s3_secret_key or "")
+            self._probe_external("s3", srv.probe_s3(ext.s3_url, *keys, bucket=self.s3_bucket))
+            self.s3_url, self.s3_keys = ext.s3_url, keys
+        else:
+            s3 = srv.start_s3(sdir / "s3", self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
+            self.servers["s3"], self.s3_url, self.s3_keys = s3, s3.url, (s3.access_key, s3.secret_key)
+        self._notify(on_ready, "s3")
+        self.env = self._service_env()
+
+    def start_services(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Start each service in :data:`SERVICES` order, waiting for its ``/healthz`` before the next."""
+        for spec in SERVICES:
+            svc = self._service(spec)
+            self.services[spec.name] = svc
+            svc.start()
+            svc.wait_healthy(self.start_timeout_s)
+            self._notify(on_ready, spec.name)
+
+    def create_api_key(self, tenant: str = "dev", name: str = "dev") -> str:
+        """Run ``podbay-api create-key --tenant T --name N``; stores and returns the key (``pb_...``).
+
+        Raises :class:`StackError` when the command fails or prints no ``{"key": ...}`` JSON line.
+        """
+        argv = [str(self.bin_dir / "podbay-api"), "create-key", "--tenant", tenant, "--name", name]
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=120, check=False)
+        for line in reversed(done.stdout.splitlines()):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if done.returncode == 0 and isinstance(data, dict) and str(data.get("key", "")).startswith("pb_"):
+                self.api_key, self.tenant_id = str(data["key"]), str(data.get("tenant_id", ""))
+                return self.api_key
+        out = (done.stderr + done.stdout)[-2000:]
+        raise StackError(
+            f"podbay-api create-key failed with code {done.returncode}:\n{out}",
+            details={"part": "api", "log_tail": out},
+        )
+
+    # --- operate ----------------------------------------------------------------------------------------
+
+    def part_names(self) -> list[str]:
+        """Names of the parts this stack runs, in start order."""
+        return [*self.servers, *self.services]
+
+    def log_path(self, name: str) -> Path:
+        """The log file of part ``name``."""
+        return self.log_dir / f"{name}.log"
+
+    def log_tail(self, name: str, lines: int = 60) -> str:
+        """The last ``lines`` lines of part ``name``'s log."""
+        return tail(self.log_path(name), lines)
+
+    def pid(self, name: str) -> int | None:
+        """The pid of part ``name`` (None if not running or unknown)."""
+        part = self.servers.get(name) or self.services.get(name)
+        if part is None:
+            return None
+        return part.pid if part.alive() else None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to part ``name`` and, for SIGKILL, reap it. Raises ``KeyError`` for an unknown part."""
+        part = self.servers.get(name) or self.services[name]
+        if part.alive() and part.proc is not None:
+            part.proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                part.proc.wait(timeout=10)
+
+    def restart(self, name: str, timeout_s: float | None = None) -> None:
+        """Stop part ``name`` if it runs, start it again with the same ports and data, and wait until it answers."""
+        if name in self.servers:
+            self.servers[name].stop()
+            sdir = self.data_dir / "servers" / name
+            if name == "nats":
+                self.servers[name] = srv.start_nats(sdir, self.ports.nats, log_dir=self.log_dir)
+            elif name == "postgres":
+                self.servers[name] = srv.start_postgres(sdir, self.ports.pg, log_dir=self.log_dir, durable=self.durable)
+            else:
+                self.servers[name] = srv.start_s3(sdir, self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
+            return
+        svc = self.services[name]
+        svc.stop()
+        svc.start()
+        svc.wait_healthy(timeout_s or self.start_timeout_s)
+
+    def stop(self, grace_s: float = 10.0, *, kill_vms: bool = False) -> None:
+        """Stop services in reverse start order, then the servers; idempotent. With ``kill_vms``, QEMU
+        processes left under ``data_dir`` are killed too (see :func:`kill_strays`)."""
+        for svc in reversed(list(self.services.values())):
+            svc.stop(grace_s)
+        if kill_vms:
+            kill_strays(self.data_dir)
+        for server in reversed(list(self.servers.values())):
+            server.stop(grace_s)
+
+    # --- internals --------------------------------------------------------------------------------------
+
+    def _service(self, spec: ServiceSpec) -> ServiceProcess:
+        script = self.bin_dir / spec.script
+        if not script.exists():
+            raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
+        return ServiceProcess(
+            spec, [str(script)], self.env, self.log_path(spec.name), getattr(self.ports, spec.port_field)
+        )
+
+    def _service_env(self) -> dict[str, str]:
+        p = self.ports
+        ours = {
+            "PODBAY_NATS_URL": self.nats_url,
+            "PODBAY_PG_DSN": self.pg_dsn,
+            "PODBAY_S3_URL": self.s3_url,
+            "PODBAY_S3_BUCKET": self.s3_bucket,
+            "AWS_ACCESS_KEY_ID": self.s3_keys[0],
+            "AWS_SECRET_ACCESS_KEY": self.s3_keys[1],
+            "PODBAY_DATA_DIR": str(self.data_dir),
+            "PODBAY_LOG_DIR": str(self.log_dir),
+            "PODBAY_CACHE_DIR": str(self.cache_dir),
+            "PODBAY_INTERNAL_TOKEN": self.internal_token,
+            "PODBAY_API_HOST": "127.0.0.1",
+            "PODBAY_API_PORT": str(p.api),
+            "PODBAY_API_URL": self.api_url,
+            "PODBAY_NODE_HOST": "127.0.0.1",
+            "PODBAY_NODE_PORT": str(p.node),
+            "PODBAY_SCHEDULER_PORT": str(p.scheduler),
+            "PODBAY_SNAPSHOTTER_PORT": str(p.snapshotter),
+            "PODBAY_WARMPOOL_PORT": str(p.warmpool),
+            "PODBAY_NATS_PORT": str(p.nats),
+            "PODBAY_PG_PORT": str(p.pg),
+            "PODBAY_S3_PORT": str(p.s3),
+            "PYTHONUNBUFFERED": "1",
+        }
+        # A client key from the caller's shell means nothing to a service of another stack.
+        base = {k: v for k, v in self.base_env.items() if k not in ("PODBAY_API_KEY", "PODBAY_CONFIG")}
+        return {**base, **ours}
+
+    def _probe_external(self, name: str, probe: Coroutine[Any, Any, None]) -> None:
+        try:
+            run_sync(asyncio.wait_for(probe, timeout=10))
+        except Exception as exc:  # noqa: BLE001 - reported with the server's name and what was configured
+            raise StackError(
+                f"external {name} server (from the environment) does not answer: {type(exc).__name__}: {exc}",
+                details={"part": name},
+            ) from exc
+
+    @staticmethod
+    def _notify(on_ready: Callable[[str], None] | None, name: str) -> None:
+        if on_ready is not None:
+            on_ready(name)
+
+
+def kill_strays(data_dir: Path) -> list[int]:
+    """SIGKILL QEMU (or its bubblewrap wrapper) processes that belong to ``data_dir``; returns their pids.
+
+    A process belongs when a ``*.pid`` file under ``data_dir`` names it, or when its command line mentions
+    ``data_dir``; either way it is killed only if its command line contains ``qemu`` or ``bwrap``.
+    """
+    root = str(data_dir.resolve())
+    named: set[int] = set()
+    for pidfile in data_dir.rglob("*.pid") if data_dir.is_dir() else ():
+        try:
+            named.add(int(pidfile.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    killed: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if ("qemu" in cmdline or "bwrap" in cmdline) and (pid in named or root in cmdline) and pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Prepare this checkout for development: Debian packages, then .venv with podbay installed editable.
+# Idempotent and quiet: it only installs what is missing, and prints output only when a step fails.
+# Run as root (or with sudo available) when Debian packages are missing.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+DEB_PACKAGES=(
+  qemu-system-x86 qemu-utils debootstrap btrfs-progs busybox-static e2fsprogs nftables iproute2
+  libbtrfsutil-dev cpio zstd kmod bubblewrap ca-certificates
+)
+
+log="$(mktemp -t podbay-setup.XXXXXX)"
+trap 'rm -f "$log"' EXIT
+
+# run DESCRIPTION CMD...: run CMD with its output in the log; on failure show the log and stop.
+run() {
+  local what="$1"; shift
+  if ! "$@" >>"$log" 2>&1; then
+    echo "setup: $what failed:" >&2
+    tail -n 60 "$log" >&2
+    exit 1
+  fi
+}
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    echo "setup: needs root to run: $*" >&2; return 1; fi
+}
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+pick_python() {
+  local candidate
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null &&
+       "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  return 1
+}
+
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+  installed "$pkg" || missing+=("$pkg")
+done
+python="$(pick_python || true)"
+if [ -z "$python" ]; then
+  missing+=(python3.11 python3.11-venv)
+elif ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+  # Debian splits venv/ensurepip out of its python3.11 package.
+  missing+=(python3.11-venv)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  run "apt-get update" as_root apt-get update
+  run "apt-get install ${missing[*]}" as_root apt-get install -y --no-install-recommends "${missing[@]}"
+  python="$(pick_python)"
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  rm -rf .venv
+  run "creating .venv with $python" "$python" -m venv .venv
+fi
+
+# Reinstall only when the project metadata changed since the last successful install.
+stamp=.venv/.podbay-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import podbay.config' 2>/dev/null; then
+  run "pip install -e '.[test]'" .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[test]'
+  echo "$want" >"$stamp"
+fi

@@ -1,0 +1,142 @@
+"""Shared fixtures: real servers on free loopback ports, and a whole podbay stack of real processes.
+
+Session fixtures (started once per test run, on demand):
+
+- ``nats_url``: NATS with JetStream; ``PODBAY_NATS_URL`` points at an external one instead.
+- ``pg_dsn``: PostgreSQL, database ``podbay`` owned by role ``podbay``; ``PODBAY_PG_DSN`` overrides.
+- ``s3``: an :class:`~podbay.devstack.servers.S3Endpoint` (url, bucket, keys); ``PODBAY_S3_URL`` with
+  ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (and ``PODBAY_S3_BUCKET``) overrides.
+- ``stack``: a :class:`~podbay.devstack.stack.Stack` with its own servers (or the external ones above) and
+  every service as a child process, started the way ``podbay up`` starts them, plus an API key. It offers
+  ``api_url``, ``api_key``, ``nats_url``, ``pg_dsn``, ``data_dir``, ``log_dir``, ``env`` and
+  ``kill(service, signal)``, ``restart(service)``, ``log_tail(service)``.
+
+Everything lives in one temporary directory (mode 0711, so PostgreSQL's unprivileged user can reach its
+cluster), removed at the end unless ``PODBAY_KEEP_TEST_DATA=1``. Tests under ``tests/e2e`` (or marked
+``e2e``) need real microVMs and the base template; they are skipped only when ``PODBAY_SKIP_E2E=1``. The
+per-test timeout comes from ``[tool.pytest.ini_options] timeout`` in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from podbay.config import Settings
+from podbay.devstack.procs import free_port, run_sync
+from podbay.devstack.servers import S3Endpoint, probe_s3, start_nats, start_postgres, start_s3
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+
+_TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests by folder (``integration``, ``e2e``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``."""
+    skip_e2e = os.environ.get("PODBAY_SKIP_E2E") == "1"
+    for item in items:
+        path = Path(str(item.fspath))
+        for kind in ("integration", "e2e"):
+            if (_TESTS / kind) in path.parents:
+                item.add_marker(getattr(pytest.mark, kind))
+        if skip_e2e and item.get_closest_marker("e2e") is not None:
+            item.add_marker(pytest.mark.skip(reason="PODBAY_SKIP_E2E=1: end-to-end tests (real microVMs) skipped"))
+
+
+def _unmount_under(root: Path) -> None:
+    """Unmount whatever a node agent left mounted under ``root`` (deepest first), so removal stays inside."""
+    prefix = str(root.resolve())
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return
+    points = [line.split()[4] for line in lines if len(line.split()) > 4]
+    for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
+        if subprocess.run(["umount", point], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def test_root() -> Iterator[Path]:
+    """One temporary directory for every server and stack of this test session."""
+    root = Path(tempfile.mkdtemp(prefix="podbay-test-"))
+    os.chmod(root, 0o711)
+    try:
+        yield root
+    finally:
+        kill_strays(root)
+        if os.environ.get("PODBAY_KEEP_TEST_DATA") != "1":
+            _unmount_under(root)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nats_url(test_root: Path) -> Iterator[str]:
+    """URL of a NATS server with JetStream (``PODBAY_NATS_URL`` or one started here)."""
+    if os.environ.get("PODBAY_NATS_URL"):
+        yield os.environ["PODBAY_NATS_URL"]
+        return
+    server = start_nats(test_root / "nats", free_port(), log_dir=test_root / "logs")
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(test_root: Path) -> Iterator[str]:
+    """DSN of PostgreSQL database ``podbay`` as role ``podbay`` (``PODBAY_PG_DSN`` or one started here)."""
+    if os.environ.get("PODBAY_PG_DSN"):
+        yield os.environ["PODBAY_PG_DSN"]
+        return
+    server = start_postgres(test_root / "postgres", free_port(), log_dir=test_root / "logs", durable=False)
+    try:
+        yield server.dsn
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(test_root: Path) -> Iterator[S3Endpoint]:
+    """An S3 endpoint with an existing bucket (``PODBAY_S3_URL`` + ``AWS_*`` keys, or weed started here)."""
+    if os.environ.get("PODBAY_S3_URL"):
+        endpoint = S3Endpoint(
+            url=os.environ["PODBAY_S3_URL"],
+            bucket=os.environ.get("PODBAY_S3_BUCKET", "podbay-test"),
+            access_key=os.environ.get("AWS_ACCESS_KEY_ID", ""),
+            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+        )
+        run_sync(probe_s3(endpoint.url, endpoint.access_key, endpoint.secret_key, bucket=endpoint.bucket))
+        yield endpoint
+        return
+    server = start_s3(test_root / "s3", free_port(), log_dir=test_root / "logs", bucket="podbay-test")
+    try:
+        yield server.endpoint()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(test_root: Path) -> Iterator[Stack]:
+    """A running stack of real processes with a dev API key (see the module docstring)."""
+    data_dir = test_root / "stack"
+    running = Stack(
+        data_dir=data_dir,
+        log_dir=data_dir / "logs",
+        cache_dir=Settings().cache_dir,  # shared, so that built templates are found
+        ports=StackPorts.free(),
+        external=External.from_env(),
+        durable=False,
+    )
+    running.start()
+    try:
+        running.create_api_key("dev", "dev")
+        yield running
+    finally:
+        running.stop(kill_vms=True)
+        kill_strays(data_dir)

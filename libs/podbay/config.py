@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     s3_bucket: str = Field("podbay", description="Bucket for snapshots.")
     s3_region: str = Field("us-east-1")
 
+    # ports of the servers `podbay up` starts itself
+    nats_port: int = Field(4222, description="NATS port for the dev stack.")
+    pg_port: int = Field(5432, description="PostgreSQL port for the dev stack.")
+    s3_port: int = Field(8333, description="S3 (SeaweedFS) port for the dev stack.")
+    bin_dir: Path | None = Field(None, description="Where the podbay-* entry points live; default beside python.")
+
     # api
     api_host: str = Field("127.0.0.1")
     api_port: int = Field(8080)

@@ -1,0 +1,41 @@
+"""Shared helpers for the benchmarks: percentiles, the table and the JSON file (DESIGN.md §7 format)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = ["summarise", "report"]
+
+
+def _pct(sorted_ms: list[float], p: float) -> float:
+    if not sorted_ms:
+        return float("nan")
+    k = (len(sorted_ms) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(sorted_ms) - 1)
+    return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (k - lo)
+
+
+def summarise(samples_ms: list[float]) -> dict[str, Any]:
+    """``{"p50_ms", "p90_ms", "p99_ms", "mean_ms", "n"}`` of samples in milliseconds."""
+    s = sorted(samples_ms)
+    return {"p50_ms": round(_pct(s, 0.5), 2), "p90_ms": round(_pct(s, 0.9), 2), "p99_ms": round(_pct(s, 0.99), 2),
+            "mean_ms": round(statistics.fmean(s), 2) if s else None, "n": len(s)}
+
+
+def report(results: dict[str, dict[str, Any]], json_path: str | None) -> None:
+    """Print a table of the metrics and write them as JSON when ``json_path`` is given."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("metric", "p50 ms", "p90 ms", "p99 ms", "n / value")
+    for name, m in results.items():
+        if "value" in m:
+            table.add_row(name, "", "", "", str(m["value"]))
+        else:
+            table.add_row(name, f"{m['p50_ms']:.1f}", f"{m['p90_ms']:.1f}", f"{m['p99_ms']:.1f}", str(m["n"]))
+    Console().print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2, sort_keys=True))

@@ -1,0 +1,55 @@
+"""Crash behaviour: the node agent dies and comes back; a VM dies on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _client(stack: Any) -> httpx.Client:
+    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
+
+
+def test_sigkill_nodeagent_then_restart_reattaches(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": "echo before > /tmp/mark"})
+        stack.kill("nodeagent", signal.SIGKILL)
+        stack.restart("nodeagent")
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["cat", "/tmp/mark"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["stdout"] == "before\n"
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _qemu_pid(stack: Any, sid: str) -> int:
+    pid_files = list(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}/qemu.pid"))
+    assert pid_files, "the sandbox has a qemu.pid in its VM directory"
+    return int(pid_files[0].read_text().strip())
+
+
+def test_dead_qemu_marks_sandbox_failed_with_event(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        os.kill(_qemu_pid(stack, sid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            info = c.get(f"/v1/sandboxes/{sid}").json()
+            if info["state"] == "failed":
+                break
+            time.sleep(0.2)
+        assert info["state"] == "failed"
+        assert "exited unexpectedly" in (info["failure_reason"] or "")
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+        assert r.status_code == 409
+        assert c.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"

@@ -1,0 +1,49 @@
+"""Lifecycle table, error wire shape and API key handling: pure logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState, check_allowed
+from podbay.errors import InvalidState, NotFound, PodbayError, SandboxFailed, error_from_wire
+from podbay_api.auth import generate_key, hash_key
+
+
+@pytest.mark.parametrize("state", list(SandboxState))
+def test_exec_is_allowed_only_when_running(state: SandboxState) -> None:
+    if state is SandboxState.RUNNING:
+        check_allowed(SandboxCommand.EXEC, state)
+    else:
+        with pytest.raises(InvalidState) as err:
+            check_allowed(SandboxCommand.EXEC, state)
+        assert err.value.http_status == 409
+        assert err.value.details["state"] == state.value
+
+
+def test_delete_is_allowed_everywhere_but_deleted() -> None:
+    assert SandboxState.DELETED not in ALLOWED[SandboxCommand.DELETE]
+    for st in SandboxState:
+        if st is not SandboxState.DELETED:
+            check_allowed(SandboxCommand.DELETE, st)
+
+
+def test_error_round_trips_through_the_wire() -> None:
+    for exc in (NotFound("no such sandbox", details={"sandbox_id": "x"}), InvalidState("busy", details={"state": "paused"}),
+                SandboxFailed("boom")):
+        back = error_from_wire(exc.to_wire(), exc.http_status)
+        assert type(back) is type(exc)
+        assert back.message == exc.message and back.details == exc.details
+
+
+def test_unknown_error_body_keeps_the_status() -> None:
+    err = error_from_wire("<html>bad gateway</html>", 502)
+    assert type(err) is PodbayError and "502" in err.message
+
+
+def test_api_keys_are_random_and_hashed() -> None:
+    a, pa = generate_key()
+    b, pb = generate_key()
+    assert a != b and pa != pb
+    assert a.startswith(f"pb_{pa}_") and len(a.split("_")[2]) == 40
+    assert hash_key(a) != hash_key(b) and len(hash_key(a)) == 32
+    assert a.encode() not in hash_key(a)

@@ -11,11 +11,15 @@ boundary. Streams (DESIGN.md §4):
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -34,7 +38,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from podbay.contracts import subjects
 from podbay.errors import Unavailable
 
-__all__ = ["Bus", "connect_bus"]
+__all__ = ["Bus", "connect_bus", "consume"]
 
 log = logging.getLogger("podbay.bus")
 
@@ -165,3 +169,29 @@ async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, tim
     except Exception as exc:
         raise Unavailable(f"NATS at {url} did not answer: {exc}") from exc
     raise AssertionError("unreachable")
+
+
+async def consume(sub: Any, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 16,
+                  finish_timeout_s: float = 60.0) -> None:
+    """Fetch from a pull subscription until ``stop``, running ``handle(msg)`` for each message concurrently.
+
+    ``handle`` acks, naks or terms the message itself. On ``stop`` no new message is fetched and the ones in
+    flight get ``finish_timeout_s`` to finish; an unacked message is redelivered after the consumer's
+    ``ack_wait``, which is what makes a crash mid-handler safe.
+    """
+    inflight: set[asyncio.Task[None]] = set()
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=1.0)
+        except (NatsTimeoutError, TimeoutError):
+            continue
+        except Exception as exc:  # server restart, lost connection: nats-py reconnects by itself
+            log.warning("fetch failed: %s", exc)
+            await asyncio.sleep(0.5)
+            continue
+        for m in msgs:
+            task = asyncio.create_task(handle(m))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+    if inflight:
+        await asyncio.wait(inflight, timeout=finish_timeout_s)

@@ -16,10 +16,9 @@ import asyncio
 import logging
 import sys
 
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from podbay import db
-from podbay.bus import connect_bus
+from podbay.bus import connect_bus, consume
 from podbay.config import get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd
@@ -41,8 +40,6 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
     node = manager.node_id
     sub = await manager.bus.pull_subscribe(subjects.node_consumer(node), subjects.node_cmd_filter(node),
                                            ack_wait_s=manager.settings.restore_timeout_s * 2 + 30)
-    inflight: set[asyncio.Task[None]] = set()
-
     async def one(msg: object) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
         data = msg.data  # type: ignore[attr-defined]
@@ -65,21 +62,7 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
             return
         await msg.ack()  # type: ignore[attr-defined]
 
-    while not stop.is_set():
-        try:
-            msgs = await sub.fetch(16, timeout=1.0)
-        except (NatsTimeoutError, TimeoutError):
-            continue
-        except Exception as exc:
-            log.warning("fetch failed: %s", exc)
-            await asyncio.sleep(0.5)
-            continue
-        for m in msgs:
-            t = asyncio.create_task(one(m))
-            inflight.add(t)
-            t.add_done_callback(inflight.discard)
-    if inflight:
-        await asyncio.wait(inflight, timeout=60)
+    await consume(sub, one, stop, finish_timeout_s=60)
 
 
 async def _serve(stop: asyncio.Event) -> None:

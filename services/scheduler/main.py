@@ -15,10 +15,9 @@ import logging
 import time
 
 import asyncpg
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from podbay import db
-from podbay.bus import Bus, connect_bus
+from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, NodeHeartbeat, PlaceSandbox
@@ -131,8 +130,6 @@ class Scheduler:
 async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
     sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_CONSUMER, subjects.SCHEDULER_PLACE, ack_wait_s=30.0)
     first_seen: dict[str, float] = {}
-    inflight: set[asyncio.Task[None]] = set()
-
     async def one(msg: object) -> None:
         try:
             cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]
@@ -153,21 +150,7 @@ async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
         else:
             await msg.nak(delay=1.0)  # type: ignore[attr-defined]
 
-    while not stop.is_set():
-        try:
-            msgs = await sub.fetch(16, timeout=1.0)
-        except (NatsTimeoutError, TimeoutError):
-            continue
-        except Exception as exc:
-            log.warning("fetch failed: %s", exc)
-            await asyncio.sleep(0.5)
-            continue
-        for m in msgs:
-            task = asyncio.create_task(one(m))
-            inflight.add(task)
-            task.add_done_callback(inflight.discard)
-    if inflight:
-        await asyncio.wait(inflight, timeout=10)
+    await consume(sub, one, stop, finish_timeout_s=10)
 
 
 async def _main(stop: asyncio.Event) -> None:

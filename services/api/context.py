@@ -12,6 +12,7 @@ import httpx
 
 from podbay.bus import Bus
 from podbay.config import Settings
+from podbay.contracts import subjects
 from podbay.outbox import Relay
 
 __all__ = ["ApiContext", "EventWaiter"]
@@ -28,10 +29,29 @@ class EventWaiter:
 
     def __init__(self) -> None:
         self._waiters: dict[str, list[tuple[frozenset[str], asyncio.Future[dict[str, object]]]]] = {}
-        self._sub: object | None = None
+        self._ops: dict[str, asyncio.Future[dict[str, object]]] = {}
+        self._subs: list[object] = []
 
     async def start(self, bus: Bus) -> None:
-        self._sub = await bus.nc.subscribe("podbay.evt.sandbox.*.*", cb=self._on_msg)
+        self._subs.append(await bus.nc.subscribe("podbay.evt.sandbox.*.*", cb=self._on_msg))
+        self._subs.append(await bus.nc.subscribe(subjects.OPERATIONS_DONE_WILDCARD, cb=self._on_op))
+
+    async def _on_op(self, msg: object) -> None:
+        op_id = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
+        fut = self._ops.get(op_id)
+        if fut is None or fut.done():
+            return
+        try:
+            fut.set_result(json.loads(msg.data))  # type: ignore[attr-defined]
+        except ValueError:
+            fut.set_result({})
+
+    def expect_operation(self, operation_id: str) -> asyncio.Future[dict[str, object]]:
+        """A future resolved when the ``podbay.ops.<operation_id>`` notice arrives."""
+        fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
+        self._ops[operation_id] = fut
+        fut.add_done_callback(lambda _: self._ops.pop(operation_id, None))
+        return fut
 
     async def _on_msg(self, msg: object) -> None:
         subject: str = msg.subject  # type: ignore[attr-defined]

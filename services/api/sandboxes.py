@@ -17,9 +17,9 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from podbay.contracts import subjects
 from podbay.contracts.api import OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
-from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources
+from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
-from podbay.errors import InvalidRequest, NotFound, SandboxFailed
+from podbay.errors import InvalidRequest, InvalidState, NotFound, SandboxFailed
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -207,6 +207,57 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
     if node_cmd is not None and not finished:
         response.status_code = 202
     return info
+
+
+async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand,
+                          response: Response, wait: bool) -> SandboxInfo:
+    """Record an operation for ``command``, send it to the sandbox's node, and (bounded) wait for it."""
+    t0 = time.perf_counter()
+    op_id = new_id("op")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(command, row["state"])
+        await conn.execute(
+            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,$4,'pending')",
+            op_id, who.tenant_id, sandbox_id, command.value)
+        await _audit(conn, who, f"sandbox.{command.value}", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(
+        subjects.node_cmd(row["node_id"], command.value),
+        SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]), msg_id=op_id)
+    finished = False
+    outcome: dict[str, object] = {}
+    if fut is not None:
+        try:
+            outcome = await asyncio.wait_for(fut, timeout=ctx.settings.create_timeout_s)
+            finished = True
+        except TimeoutError:
+            pass
+    LIFECYCLE_OPERATION_SECONDS.labels("api", command.value, "ok" if finished else "pending").observe(
+        time.perf_counter() - t0)
+    if finished and outcome.get("state") == "failed":
+        raise InvalidState(f"could not {command.value} sandbox {sandbox_id}: {outcome.get('error')}",
+                           details={"operation_id": op_id})
+    if not finished:
+        response.status_code = 202
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+async def pause_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, response: Response,
+                        wait: bool = Query(True)) -> SandboxInfo:
+    """Pause a running sandbox in memory (QMP ``stop``): its vCPUs stop, processes and files stay as they are.
+
+    409 ``invalid_state`` unless it is running.
+    """
+    return await _node_operation(ctx, who, sandbox_id, SandboxCommand.PAUSE, response, wait)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+async def resume_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, response: Response,
+                         wait: bool = Query(True)) -> SandboxInfo:
+    """Resume a paused sandbox (QMP ``cont``) and correct its clock. 409 ``invalid_state`` unless paused."""
+    return await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, response, wait)
 
 
 @router.get("/operations/{operation_id}", response_model=OperationInfo)

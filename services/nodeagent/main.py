@@ -21,7 +21,7 @@ from podbay import db
 from podbay.bus import connect_bus, consume
 from podbay.config import get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd
+from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, SandboxOpCmd
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
@@ -48,6 +48,10 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.create(CreateSandboxCmd.model_validate_json(data))
             elif verb == "delete":
                 await manager.delete(DeleteSandboxCmd.model_validate_json(data))
+            elif verb == "pause":
+                await manager.pause(SandboxOpCmd.model_validate_json(data))
+            elif verb == "resume":
+                await manager.resume(SandboxOpCmd.model_validate_json(data))
             else:
                 log.error("unknown node command %s; dropping", verb)
                 await msg.term()  # type: ignore[attr-defined]

@@ -23,7 +23,8 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.channel.client import GuestChannel
 from podbay.config import Settings
-from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Resources
+from podbay.contracts import subjects
+from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, OperationDone, Resources, SandboxOpCmd
 from podbay.errors import GuestError, NotFound, PodbayError, StaleGeneration, Unavailable
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -44,7 +45,7 @@ class RunningVm:
     generation: int
     resources: Resources
     handle: VmHandle
-    channel: GuestChannel
+    channel: GuestChannel | None
     stopping: bool = False
     monitor: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -89,8 +90,8 @@ class SandboxManager:
             raise NotFound(f"sandbox {sandbox_id} is not running on node {self.node_id}")
         if generation is not None and generation != vm.generation:
             raise StaleGeneration(f"sandbox {sandbox_id} is at generation {vm.generation}, not {generation}")
-        if vm.stopping:
-            raise Unavailable(f"sandbox {sandbox_id} is stopping")
+        if vm.stopping or vm.channel is None:
+            raise Unavailable(f"sandbox {sandbox_id} is stopping or paused")
         return vm.channel
 
     # ------------------------------------------------------------------ create
@@ -189,6 +190,82 @@ class SandboxManager:
             LIFECYCLE_OPERATIONS.labels("nodeagent", "delete", "ok").inc()
             self._locks.pop(cmd.sandbox_id, None)
 
+    # ------------------------------------------------------------------ pause / resume
+
+    async def pause(self, cmd: SandboxOpCmd) -> None:
+        """Pause the sandbox's vCPUs (QMP ``stop``) and record ``paused``; idempotent and fenced."""
+        await self._pause_resume(cmd, pause=True)
+
+    async def resume(self, cmd: SandboxOpCmd) -> None:
+        """Resume (QMP ``cont``), correct the guest clock, record ``running``; idempotent and fenced."""
+        await self._pause_resume(cmd, pause=False)
+
+    async def _pause_resume(self, cmd: SandboxOpCmd, *, pause: bool) -> None:
+        verb, target, source = ("pause", "paused", "running") if pause else ("resume", "running", "paused")
+        t0 = time.perf_counter()
+        async with self.lock(cmd.sandbox_id):
+            row = await self.pool.fetchrow(
+                "SELECT state, generation, node_id, tenant_id FROM sandboxes WHERE id = $1", cmd.sandbox_id)
+            if row is None or row["node_id"] != self.node_id or row["generation"] != cmd.generation:
+                await self._finish_op(cmd.operation_id, f"stale generation {cmd.generation}")
+                return
+            if row["state"] == target:
+                await self._finish_op(cmd.operation_id, None)  # a repeated call: already done
+                return
+            vm = self.vms.get(cmd.sandbox_id)
+            if row["state"] != source or vm is None:
+                await self._finish_op(cmd.operation_id, f"the sandbox is {row['state']}")
+                return
+            try:
+                t = time.perf_counter()
+                if pause:
+                    await vm.handle.pause()
+                else:
+                    await vm.handle.resume()
+                    if vm.channel is None or vm.channel.closed:
+                        vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
+                    # The guest's clock stood still while paused (DESIGN.md §3: no vmgenid; guestd fixes it).
+                    await vm.channel.after_restore(time_ns=time.time_ns())
+                HOP_SECONDS.labels("nodeagent", f"qemu_{verb}").observe(time.perf_counter() - t)
+            except Exception as exc:
+                reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+                LIFECYCLE_OPERATIONS.labels("nodeagent", verb, "failed").inc()
+                await self._finish_op(cmd.operation_id, reason)
+                return
+            async with self.pool.acquire() as conn, conn.transaction():
+                done = await conn.fetchval(
+                    "UPDATE sandboxes SET state=$4, updated_at=now() WHERE id=$1 AND generation=$2 AND state=$3"
+                    " RETURNING id", cmd.sandbox_id, cmd.generation, source, target)
+                if done:
+                    await emit_sandbox_event(conn, cmd.sandbox_id, "paused" if pause else "resumed", state=target,
+                                             node_id=self.node_id, tenant_id=row["tenant_id"],
+                                             generation=cmd.generation, data={"operation_id": cmd.operation_id})
+                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
+                                   cmd.operation_id)
+            self.relay.kick()
+            await self._notify_op(cmd.operation_id, None)
+            LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", verb, "ok").observe(time.perf_counter() - t0)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", verb, "ok").inc()
+
+    async def _finish_op(self, operation_id: str, error: str | None) -> None:
+        """Record an operation's outcome (``error`` None: succeeded) and send its notice."""
+        if error is None:
+            await self.pool.execute(
+                "UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1 AND state <> 'succeeded'",
+                operation_id)
+        else:
+            await self.pool.execute(
+                "UPDATE operations SET state='failed', error_code='invalid_state', error_message=$2,"
+                " finished_at=now() WHERE id=$1", operation_id, error)
+        await self._notify_op(operation_id, error)
+
+    async def _notify_op(self, operation_id: str, error: str | None) -> None:
+        body = OperationDone(operation_id=operation_id, state="failed" if error else "succeeded", error=error)
+        try:
+            await self.bus.nc.publish(subjects.operation_done(operation_id), body.model_dump_json().encode())
+        except Exception as exc:  # the notice only wakes a waiting caller; the row is the truth
+            log.debug("operation notice for %s not sent: %s", operation_id, exc)
+
     # ------------------------------------------------------------------ helpers
 
     async def _stop_vm(self, sandbox_id: str) -> None:
@@ -232,7 +309,7 @@ class SandboxManager:
             await asyncio.to_thread(shutil.rmtree, vm_dir, True)
 
     async def _mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
-                           from_states: tuple[str, ...] = ("starting", "running")) -> None:
+                           from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
                 "UPDATE sandboxes SET state='failed', failure_reason=$3, updated_at=now()"
@@ -256,10 +333,11 @@ class SandboxManager:
             if vm.stopping or self.vms.get(vm.sandbox_id) is not vm:
                 return
             self.vms.pop(vm.sandbox_id, None)
-            try:
-                await vm.channel.close()
-            except Exception:
-                pass
+            if vm.channel is not None:
+                try:
+                    await vm.channel.close()
+                except Exception:
+                    pass
             reason = f"the VM exited unexpectedly (QEMU status {code})"
             log.warning("sandbox %s: %s", vm.sandbox_id, reason)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
@@ -287,8 +365,8 @@ class SandboxManager:
             sid = r["id"]
             res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
             try:
-                if r["state"] == "running":
-                    await self._reattach(sid, r["generation"], r["tenant_id"], res)
+                if r["state"] in ("running", "paused"):
+                    await self._reattach(sid, r["generation"], r["tenant_id"], res, paused=r["state"] == "paused")
                 elif r["state"] == "starting":
                     async with self.lock(sid):
                         await self._create_locked(CreateSandboxCmd(
@@ -301,23 +379,32 @@ class SandboxManager:
             except Exception:
                 log.exception("reconcile of %s failed", sid)
 
-    async def _reattach(self, sandbox_id: str, generation: int, tenant_id: str, res: Resources) -> None:
+    async def _reattach(self, sandbox_id: str, generation: int, tenant_id: str, res: Resources, *,
+                        paused: bool = False) -> None:
         vm_dir = self.store.sandbox_dir(sandbox_id)
+        channel: GuestChannel | None = None
         try:
             handle = await self.driver.attach(vm_dir)
-            channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
-            await channel.ping(timeout_s=5.0)
+            if paused:
+                # A stopped guest cannot answer; the channel is connected again on resume.
+                status = await handle.status()
+                if status != "paused":
+                    await handle.pause()
+            else:
+                channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
+                await channel.ping(timeout_s=5.0)
         except (PodbayError, OSError, GuestError) as exc:
             reason = f"the VM is gone after a node agent restart ({exc})"
             log.warning("sandbox %s: %s", sandbox_id, reason)
             await self._discard_vm_dir(vm_dir)
-            await self._mark_failed(sandbox_id, generation, reason, from_states=("running",))
+            await self._mark_failed(sandbox_id, generation, reason, from_states=("running", "paused"))
             return
         vm = RunningVm(sandbox_id, generation, res, handle, channel)
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
         async with self.pool.acquire() as conn, conn.transaction():
-            await emit_sandbox_event(conn, sandbox_id, "reattached", state="running", node_id=self.node_id,
+            await emit_sandbox_event(conn, sandbox_id, "reattached", state="paused" if paused else "running",
+                                     node_id=self.node_id,
                                      tenant_id=tenant_id, generation=generation)
         self.relay.kick()
         log.info("re-attached to sandbox %s (pid %s)", sandbox_id, handle.pid)
@@ -328,10 +415,11 @@ class SandboxManager:
             vm.stopping = True
             if vm.monitor:
                 vm.monitor.cancel()
-            try:
-                await vm.channel.close()
-            except Exception:
-                pass
+            if vm.channel is not None:
+                try:
+                    await vm.channel.close()
+                except Exception:
+                    pass
             await vm.handle.detach()
 
 

@@ -63,6 +63,18 @@ class VmHandle:
         """Wait until QEMU exits; its exit status (negative signal number) when known."""
         return await self._vmm.wait_exit(self.inner)
 
+    async def pause(self) -> None:
+        """QMP ``stop``: the vCPUs stop; memory and devices stay as they are (DESIGN.md §3: 1-2 ms)."""
+        await self._vmm.pause(self.inner)
+
+    async def resume(self) -> None:
+        """QMP ``cont``."""
+        await self._vmm.resume(self.inner)
+
+    async def status(self) -> str:
+        """QMP ``query-status``: ``running``, ``paused``, ``inmigrate``, ..."""
+        return await self._vmm.query_status(self.inner)
+
     async def detach(self) -> None:
         """Drop the QMP connection and leave QEMU running (a later ``attach`` picks it up)."""
         try:

@@ -76,3 +76,17 @@ def rm(
     print(info.id)
     if no_wait and info.operation_id:
         print(f"operation {info.operation_id}", file=sys.stderr)
+
+
+@app.command("pause")
+@handle_errors
+def pause(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Pause a running sandbox in memory; prints its id when paused."""
+    print(client(ctx).pause_sandbox(sandbox_id).id)
+
+
+@app.command("resume")
+@handle_errors
+def resume(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Resume a paused sandbox; prints its id when it runs again."""
+    print(client(ctx).resume_sandbox(sandbox_id).id)

@@ -16,6 +16,8 @@ __all__ = [
     "PlaceSandbox",
     "CreateSandboxCmd",
     "DeleteSandboxCmd",
+    "SandboxOpCmd",
+    "OperationDone",
     "NodeHeartbeat",
     "Event",
     "EventType",
@@ -62,6 +64,22 @@ class DeleteSandboxCmd(_Msg):
     generation: int = Field(ge=0)
 
 
+class SandboxOpCmd(_Msg):
+    """``podbay.cmd.node.<node>.<verb>`` for ``pause`` and ``resume``: act on the sandbox at ``generation``."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+
+
+class OperationDone(_Msg):
+    """Body of the ``podbay.ops.<id>`` notice."""
+
+    operation_id: str
+    state: Literal["succeeded", "failed"]
+    error: str | None = None
+
+
 class NodeHeartbeat(_Msg):
     """Value of a node's key in the ``podbay_nodes`` KV bucket; refreshed every ``node_heartbeat_s``."""
 
@@ -78,7 +96,7 @@ class NodeHeartbeat(_Msg):
     at: datetime
 
 
-EventType = Literal["created", "started", "failed", "deleted", "reattached"]
+EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached"]
 
 
 class Event(_Msg):

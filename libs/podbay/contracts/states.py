@@ -29,6 +29,8 @@ class SandboxCommand(StrEnum):
     CREATE = "create"
     EXEC = "exec"
     FILES = "files"
+    PAUSE = "pause"
+    RESUME = "resume"
     DELETE = "delete"
 
 
@@ -46,6 +48,8 @@ ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
     SandboxCommand.CREATE: frozenset(),  # creation makes a new row; there is no prior state
     SandboxCommand.EXEC: frozenset({S.RUNNING}),
     SandboxCommand.FILES: frozenset({S.RUNNING}),
+    SandboxCommand.PAUSE: frozenset({S.RUNNING}),
+    SandboxCommand.RESUME: frozenset({S.PAUSED}),
     SandboxCommand.DELETE: frozenset(set(S) - {S.DELETED}),
 }
 

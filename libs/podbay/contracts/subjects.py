@@ -13,6 +13,8 @@ __all__ = [
     "node_consumer",
     "sandbox_event",
     "node_event",
+    "operation_done",
+    "OPERATIONS_DONE_WILDCARD",
 ]
 
 CMD_STREAM = "PODBAY_CMD"
@@ -48,3 +50,14 @@ def sandbox_event(sandbox_id: str, event_type: str) -> str:
 
 def node_event(node_id: str, event_type: str) -> str:
     return f"podbay.evt.node.{node_id}.{event_type}"
+
+
+OPERATIONS_DONE_WILDCARD = "podbay.ops.*"
+
+
+def operation_done(operation_id: str) -> str:
+    """``podbay.ops.<operation id>``: a core-NATS notice (not a stream) that an operation finished.
+
+    The truth is the ``operations`` row; the notice only wakes an API call that waits for it.
+    """
+    return f"podbay.ops.{operation_id}"

@@ -109,6 +109,14 @@ class AsyncClient:
         """See ``Client.delete_sandbox``."""
         return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
 
+    async def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """See ``Client.pause_sandbox``."""
+        return await self._call(calls.lifecycle_call(sandbox_id, "pause", wait=wait))
+
+    async def resume_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """See ``Client.resume_sandbox``."""
+        return await self._call(calls.lifecycle_call(sandbox_id, "resume", wait=wait))
+
     async def get_operation(self, operation_id: str) -> OperationInfo:
         """See ``Client.get_operation``."""
         return await self._call(calls.get_operation(operation_id))
@@ -320,6 +328,16 @@ class AsyncSandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    async def pause(self, wait: bool = True) -> SandboxInfo:
+        """See ``Sandbox.pause``."""
+        self.info = await self._client.pause_sandbox(self.id, wait=wait)
+        return self.info
+
+    async def resume(self, wait: bool = True) -> SandboxInfo:
+        """See ``Sandbox.resume``."""
+        self.info = await self._client.resume_sandbox(self.id, wait=wait)
+        return self.info
 
     async def delete(self, wait: bool = True) -> SandboxInfo:
         """Delete the sandbox, then close an owned client."""

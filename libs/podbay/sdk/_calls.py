@@ -155,6 +155,11 @@ def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
     return Call("DELETE", _sandbox_path(sandbox_id), _model(SandboxInfo), params={"wait": _bool(wait)})
 
 
+def lifecycle_call(sandbox_id: str, verb: str, *, wait: bool) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/<verb>?wait=`` for ``pause`` and ``resume``; 200 (or 202 with ``operation_id``)."""
+    return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _model(SandboxInfo), params={"wait": _bool(wait)})
+
+
 class ExecOptions(TypedDict, total=False):
     """The keyword options of every ``exec``/``exec_stream`` method.
 

@@ -117,6 +117,14 @@ class Client:
         """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
         return self._call(calls.delete_sandbox(sandbox_id, wait=wait))
 
+    def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
+        return self._call(calls.lifecycle_call(sandbox_id, "pause", wait=wait))
+
+    def resume_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """Resume a paused sandbox (409 ``InvalidState`` unless paused)."""
+        return self._call(calls.lifecycle_call(sandbox_id, "resume", wait=wait))
+
     def get_operation(self, operation_id: str) -> OperationInfo:
         """The state of an operation started with ``wait=False``."""
         return self._call(calls.get_operation(operation_id))
@@ -345,6 +353,16 @@ class Sandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    def pause(self, wait: bool = True) -> SandboxInfo:
+        """Pause the sandbox in memory: its processes stop and carry on after ``resume()``."""
+        self.info = self._client.pause_sandbox(self.id, wait=wait)
+        return self.info
+
+    def resume(self, wait: bool = True) -> SandboxInfo:
+        """Resume a paused sandbox."""
+        self.info = self._client.resume_sandbox(self.id, wait=wait)
+        return self.info
 
     def delete(self, wait: bool = True) -> SandboxInfo:
         """Delete the sandbox (see ``Client.delete_sandbox``), then close an owned client."""

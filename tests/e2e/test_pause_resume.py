@@ -1,0 +1,64 @@
+"""Pause and resume in memory: processes carry on as if nothing happened (real microVMs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+COUNTER = (
+    "setsid sh -c 'i=0; while true; do i=$((i+1)); echo \"$i $(date +%s.%N)\" >> /tmp/counter; sleep 0.1; done'"
+    " </dev/null >/dev/null 2>&1 & echo $! > /tmp/counter.pid"
+)
+
+def _client(stack: Any) -> httpx.Client:
+    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
+
+def _sh(c: httpx.Client, sid: str, script: str) -> str:
+    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
+    assert r.status_code == 200, r.text
+    return str(r.json()["stdout"])
+
+def test_counter_process_carries_on_after_pause(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            time.sleep(1.0)
+            r = c.post(f"/v1/sandboxes/{sid}/pause")
+            assert r.status_code == 200, r.text
+            assert r.json()["state"] == "paused"
+            paused_at = time.time()
+
+            # While paused: no exec, no second pause, and the VM is stopped.
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+            assert r.status_code == 409 and r.json()["error"]["details"]["state"] == "paused"
+            assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 409
+            time.sleep(2.0)
+
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            resumed_at = time.time()
+            assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 409
+            time.sleep(1.0)
+
+            assert _sh(c, sid, "cat /tmp/counter.pid").strip() == pid
+            assert _sh(c, sid, f"kill -0 {pid} && echo alive").strip() == "alive"
+            lines = [ln.split() for ln in _sh(c, sid, "cat /tmp/counter").splitlines() if ln.strip()]
+            counts = [int(n) for n, _ in lines]
+            stamps = [float(t) for _, t in lines]
+            # Same process, same memory: the count goes on by one with no restart ...
+            assert counts == list(range(1, len(counts) + 1))
+            # ... and the largest gap between two ticks spans the pause.
+            gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            assert max(gaps) >= (resumed_at - paused_at) * 0.8
+            assert sum(1 for g in gaps if g > 1.0) == 1
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+    from nats.aio.client import Client  # noqa: F401  # events are checked in test_sandbox_api

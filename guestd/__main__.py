@@ -20,7 +20,8 @@ from .ops_exec import op_exec
 from .ops_files import FILE_OPS
 from .ops_system import SYSTEM_OPS, FakeSystem, GuestState, RealSystem, System, guest_info
 from .port import open_port
-from .server import Handler, Server
+from .ops_exec import resolve_user
+from .server import PRESTART_WORKERS, Handler, Server
 
 __all__ = ["main", "build_server"]
 
@@ -52,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     system: System = FakeSystem(opts.fake_system) if opts.fake_system else RealSystem()
     server = build_server(opts.port, opts.listen, system)
+    # Live in the default exec directory (our user's home): execs there take the posix_spawn fast path
+    # (guestd/spawn.py). guestd itself only ever uses absolute paths.
+    home = resolve_user(None)[3]
+    if os.path.isdir(home):
+        os.chdir(home)
+    server.workers.prestart(PRESTART_WORKERS)
     logging.getLogger("guestd").info("guestd %s serving (pid %d)", __version__, os.getpid())
     try:
         server.serve_forever()

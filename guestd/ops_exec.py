@@ -14,10 +14,9 @@ import contextlib
 import logging
 import os
 import pwd
-import selectors
+import select
 import signal
 import subprocess
-import threading
 import time
 from typing import Any
 
@@ -26,6 +25,7 @@ from podbay.channel.frames import FrameType
 
 from .errors import OpError, from_oserror
 from .server import Stream
+from .spawn import Child, spawn
 
 __all__ = ["op_exec", "DEFAULT_PATH", "resolve_user", "base_env"]
 
@@ -34,7 +34,6 @@ log = logging.getLogger("guestd.exec")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 POST_EXIT_IDLE_S = 0.2
 POST_EXIT_BYTES = 1024 * 1024
-_FD_OF = {1: frames.FD_STDOUT, 2: frames.FD_STDERR}
 
 
 def resolve_user(user: str | int | None) -> tuple[int, int, list[int], str, str]:
@@ -44,12 +43,7 @@ def resolve_user(user: str | int | None) -> tuple[int, int, list[int], str, str]
     Raises ``OpError("invalid")`` for an unknown name.
     """
     if user is None:
-        uid = os.geteuid()
-        try:
-            pw = pwd.getpwuid(uid)
-        except KeyError:
-            return uid, os.getegid(), [], "/", str(uid)
-        return uid, pw.pw_gid, [], pw.pw_dir, pw.pw_name
+        return _own_user()
     if isinstance(user, int) or (isinstance(user, str) and user.isdigit()):
         uid = int(user)
         try:
@@ -68,6 +62,29 @@ def resolve_user(user: str | int | None) -> tuple[int, int, list[int], str, str]
     except OSError:
         groups = [pw.pw_gid]
     return pw.pw_uid, pw.pw_gid, groups, pw.pw_dir, pw.pw_name
+
+
+_own_cache: list[Any] = [None, None]
+
+
+def _own_user() -> tuple[int, int, list[int], str, str]:
+    """guestd's own user, looked up again only when /etc/passwd changed (an NSS lookup costs a
+    millisecond or more under TCG, on every exec)."""
+    try:
+        st = os.stat("/etc/passwd")
+        key: Any = (st.st_ino, st.st_mtime_ns, st.st_size, os.geteuid())
+    except OSError:
+        key = None
+    if key is not None and _own_cache[0] == key:
+        return _own_cache[1]  # type: ignore[no-any-return]
+    uid = os.geteuid()
+    try:
+        pw = pwd.getpwuid(uid)
+        found = (uid, pw.pw_gid, [], pw.pw_dir, pw.pw_name)
+    except KeyError:
+        found = (uid, os.getegid(), [], "/", str(uid))
+    _own_cache[:] = [key, found]
+    return found
 
 
 def base_env(home: str, name: str) -> dict[str, str]:
@@ -112,16 +129,6 @@ def _parse(args: dict[str, Any]) -> tuple[list[str], dict[str, str], str | None,
     return cmd, env, cwd, args.get("user"), timeout, stdin
 
 
-def _killpg(proc: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
-
 def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     """Run one process (see the module docstring). Args: the fields of ``ExecSpec``."""
     cmd, env_req, cwd, user, timeout, want_stdin = _parse(args)
@@ -129,65 +136,40 @@ def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     env = base_env(home, name)
     env.update(getattr(stream.server.state, "extra_env", {}))
     env.update(env_req)
-    kwargs: dict[str, Any] = {}
-    if user is not None:
-        kwargs.update(user=uid, group=gid, extra_groups=groups)
     try:
-        proc = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
-            cmd,
-            stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd or (home if os.path.isdir(home) else "/"),
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-            **kwargs,
+        child = spawn(
+            cmd, env, cwd or (home if os.path.isdir(home) else "/"), want_stdin=want_stdin,
+            user=None if user is None else (uid, gid, groups),
         )
     except OSError as exc:
         raise from_oserror(exc) from exc
     except (ValueError, subprocess.SubprocessError) as exc:
         raise OpError("invalid", str(exc)) from exc
-    log.info("exec pid %d: %s", proc.pid, cmd[:3])
-    state = {"timed_out": False}
-    exited = threading.Event()
+    log.debug("exec pid %d: %s", child.pid, cmd[:3])
 
     def on_cancel(orphan: bool) -> None:
         # An abandoned session leaves the process running; an explicit CANCEL kills its group.
         if not orphan:
-            _killpg(proc, signal.SIGKILL)
+            child.signal_group(signal.SIGKILL)
 
-    stream.on_signal = lambda signum: _killpg(proc, signum)
+    stream.on_signal = child.signal_group
     stream.on_cancel = on_cancel
     if stream.cancelled.is_set():
         on_cancel(stream.orphaned)
-    stream.send_json(FrameType.STARTED, {"pid": proc.pid})
-
-    def waiter() -> None:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            state["timed_out"] = True
-            log.info("exec pid %d timed out after %ss", proc.pid, timeout)
-            _killpg(proc, signal.SIGKILL)
-            proc.wait()
-        exited.set()
-        with stream.cond:
-            stream.cond.notify_all()
-
-    threading.Thread(target=waiter, name=f"exec-wait-{proc.pid}", daemon=True).start()
+    stream.send_json(FrameType.STARTED, {"pid": child.pid})
     if want_stdin:
-        threading.Thread(target=_pump_stdin, args=(stream, proc), name=f"exec-stdin-{proc.pid}", daemon=True).start()
-    _pump_output(stream, proc, exited)
-    exited.wait()
-    stream.inbox.put(None)  # wake the stdin pump if the host never sent EOF
-    return {"exit_code": proc.returncode, "timed_out": state["timed_out"], "pid": proc.pid}
+        stream.server.spawn(_pump_stdin, stream, child)
+    try:
+        timed_out = _pump(stream, child, timeout)
+    finally:
+        stream.inbox.put(None)  # wake the stdin pump if the host never sent EOF
+    return {"exit_code": child.returncode, "timed_out": timed_out, "pid": child.pid}
 
 
-def _pump_stdin(stream: Stream, proc: subprocess.Popen[bytes]) -> None:
+def _pump_stdin(stream: Stream, child: Child) -> None:
     """Copy DATA fd 0 to the process's stdin until EOF; credit the host as bytes are written."""
-    assert proc.stdin is not None
-    fd = proc.stdin.fileno()
+    fd = child.stdin
+    assert fd is not None
     broken = False
     try:
         while True:
@@ -207,74 +189,104 @@ def _pump_stdin(stream: Stream, proc: subprocess.Popen[bytes]) -> None:
             stream.consumed(len(data))
     finally:
         with contextlib.suppress(OSError):
-            proc.stdin.close()
+            os.close(fd)
 
 
-def _pump_output(stream: Stream, proc: subprocess.Popen[bytes], exited: threading.Event) -> None:
-    """Forward stdout/stderr as DATA frames within the send window, until EOF or the post-exit limit."""
-    sel = selectors.DefaultSelector()
-    pipes = {}
-    for pipe, num in ((proc.stdout, 1), (proc.stderr, 2)):
-        assert pipe is not None
-        os.set_blocking(pipe.fileno(), False)
-        sel.register(pipe.fileno(), selectors.EVENT_READ, num)
-        pipes[pipe.fileno()] = pipe
+def _pump(stream: Stream, child: Child, timeout: float | None) -> bool:
+    """Forward stdout/stderr as DATA frames within the send window and wait for the exit, in one loop
+    (pipes and the pidfd in one poll): until both pipes are at EOF and the process is reaped, or the
+    pipes stay quiet for POST_EXIT_IDLE_S (or POST_EXIT_BYTES more arrived) after the exit. Kills the
+    group at the timeout. Returns whether it timed out."""
+    pipes = {child.stdout: frames.FD_STDOUT, child.stderr: frames.FD_STDERR}
+    for fd in pipes:
+        os.set_blocking(fd, False)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
     post_exit_bytes = 0
     quiet_since: float | None = None
     try:
-        while sel.get_map():
-            want = stream.wait_window(frames.CHUNK_SIZE, timeout_s=0.1)
-            if want == 0 and stream.forwarding:
-                continue  # no credit: leave the output in the pipe, so the process waits
-            events = sel.select(timeout=0.05 if exited.is_set() else 0.5)
-            if not events:
-                if exited.is_set():
-                    now = time.monotonic()
-                    quiet_since = quiet_since or now
-                    if now - quiet_since >= POST_EXIT_IDLE_S:
-                        break
-                continue
-            quiet_since = None
-            for key, _ in events:
+        while True:
+            exited = child.returncode is not None or child.reap() is not None
+            if exited and not pipes:
+                break
+            now = time.monotonic()
+            if deadline is not None and not exited and now >= deadline:
+                log.info("exec pid %d timed out after %ss", child.pid, timeout)
+                child.signal_group(signal.SIGKILL)
+                timed_out, deadline = True, None
+            want = 0  # bytes we may forward now; 0 with a stream no longer forwarding: read and drop
+            if pipes and stream.forwarding:
+                want = stream.wait_window(frames.CHUNK_SIZE, timeout_s=0)
+                if want == 0 and stream.forwarding:
+                    # No credit: leave the output in the pipe (so the process waits) until credit comes;
+                    # the exit and the deadline are checked again at least every 0.1 s.
+                    limit = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
+                    stream.wait_window(1, timeout_s=limit)
+                    continue
+            poller = select.poll()
+            for fd in pipes:
+                poller.register(fd, select.POLLIN)
+            if not exited and child.pidfd is not None:
+                poller.register(child.pidfd, select.POLLIN)
+            if exited:
+                wait_s = 0.05
+            elif child.pidfd is None:
+                wait_s = 0.05  # no pidfd (old kernel): notice the exit by polling
+            else:
+                wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - now))
+            events = poller.poll(wait_s * 1000)
+            read_any = False
+            for fd, _ in events:
+                if fd not in pipes:
+                    continue  # the pidfd: reaped at the top of the loop
                 try:
-                    data = os.read(key.fd, want or frames.CHUNK_SIZE)
+                    data = os.read(fd, want or frames.CHUNK_SIZE)
                 except BlockingIOError:
                     continue
                 if not data:
-                    sel.unregister(key.fd)
-                    pipes.pop(key.fd).close()
+                    del pipes[fd]
+                    os.close(fd)
                     continue
-                if exited.is_set():
+                read_any = True
+                if exited:
                     post_exit_bytes += len(data)
                 if want:
                     with stream.cond:
                         stream.send_window -= len(data)
-                    stream.send(frames.encode_data(stream.id, _FD_OF[key.data], data))
+                    stream.send(frames.encode_data(stream.id, pipes[fd], data))
                     want -= len(data)
                     if want <= 0:
                         break
-            if exited.is_set() and post_exit_bytes >= POST_EXIT_BYTES:
-                break
+            if exited:
+                if read_any:
+                    quiet_since = None
+                elif pipes and not events:
+                    quiet_since = quiet_since or now
+                    if now - quiet_since >= POST_EXIT_IDLE_S:
+                        break
+                if post_exit_bytes >= POST_EXIT_BYTES:
+                    break
     finally:
-        sel.close()
         if pipes:
-            threading.Thread(
-                target=_drain_discard, args=(list(pipes.values()),), name="exec-drain", daemon=True
-            ).start()
+            stream.server.spawn(_drain_discard, list(pipes))
+        if child.returncode is None and child.reap() is None:
+            stream.server.spawn(child.reap, block=True)  # only after an error: never leave a zombie
+    return timed_out
 
 
-def _drain_discard(pipes: list[Any]) -> None:
+def _drain_discard(fds: list[int]) -> None:
     """Read and drop what background processes still write to an exec's pipes, until they close."""
-    sel = selectors.DefaultSelector()
-    for pipe in pipes:
-        sel.register(pipe, selectors.EVENT_READ)
-    while sel.get_map():
-        for key, _ in sel.select(timeout=60):
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    left = set(fds)
+    while left:
+        for fd, _ in poller.poll(60_000):
             try:
-                data = os.read(key.fd, 65536)
+                data = os.read(fd, 65536)
             except BlockingIOError:
                 continue
             if not data:
-                sel.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-    sel.close()
+                poller.unregister(fd)
+                left.discard(fd)
+                os.close(fd)

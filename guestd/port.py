@@ -5,7 +5,11 @@ Three kinds, all with the same two calls, ``read(timeout_s) -> bytes | None`` (N
 
 - ``DevicePort``: a character device (the virtio port, a pty, a fifo). In a VM, reads return EOF or poll
   reports a hang-up while no host is connected; both just mean "nothing yet". Writes block in the kernel
-  while the host is away, which is the flow control we want.
+  while the host is away, which is the flow control we want. poll cannot wait for a host to connect (it
+  reports the hang-up at once), but the virtio console driver sends SIGIO to the fd's owner when the host
+  side opens (and when data arrives): while no host is connected the port is switched to O_ASYNC and the
+  reader sleeps on a signal wakeup pipe, so it notices a host (after a restore, say) at once instead of
+  polling. Where no SIGIO comes (a pty, a fifo), the wait ends after the read timeout anyway.
 - ``ListenPort``: a unix-socket server that behaves like QEMU's ``-chardev socket,server=on,wait=off``: one
   host at a time, and the bytes of successive connections form one stream, as the guest sees them through
   virtio-serial (so tests exercise the same resynchronisation).
@@ -15,9 +19,11 @@ Three kinds, all with the same two calls, ``read(timeout_s) -> bytes | None`` (N
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import select
+import signal
 import socket
 import stat
 import termios
@@ -48,6 +54,10 @@ class Port:
         raise NotImplementedError
 
 
+def _ignore_signal(signum: int, frame: object) -> None:
+    """The Python-level SIGIO handler: the work is done by the C handler writing the wakeup fd."""
+
+
 class DevicePort(Port):
     """A character device, pty or fifo opened read-write; a tty is switched to raw mode."""
 
@@ -58,6 +68,49 @@ class DevicePort(Port):
             tty.setraw(self.fd, termios.TCSANOW)
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
+        self._wake: int | None = None
+        self._async = False
+        self._arm_sigio()
+
+    def _arm_sigio(self) -> None:
+        """Route SIGIO of this fd to a wakeup pipe. Needs the main thread (signal handlers); without it
+        the reader falls back to short sleeps while no host is connected."""
+        r, w = os.pipe()
+        try:
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            signal.signal(signal.SIGIO, _ignore_signal)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            fcntl.fcntl(self.fd, fcntl.F_SETOWN, os.getpid())
+        except (ValueError, OSError) as exc:
+            log.info("no SIGIO wakeups on %s (%s): polling while no host is connected", self.path, exc)
+            os.close(r)
+            os.close(w)
+            return
+        self._wake = r
+
+    def _set_async(self, on: bool) -> None:
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_ASYNC if on else flags & ~os.O_ASYNC)
+        self._async = on
+
+    def _wait_for_host(self, timeout_s: float) -> None:
+        """No host connected: sleep until SIGIO says something changed, or ``timeout_s``."""
+        if self._wake is None:
+            time.sleep(min(timeout_s, _IDLE_SLEEP_S))
+            return
+        if not self._async:
+            try:
+                self._set_async(True)
+            except OSError as exc:
+                log.info("no O_ASYNC on %s (%s): polling while no host is connected", self.path, exc)
+                os.close(self._wake)
+                self._wake = None
+            return  # poll the port once more: a host that came before O_ASYNC was set sent no signal
+        select.select([self._wake], [], [], timeout_s)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake, 4096):
+                pass
 
     def read(self, timeout_s: float) -> bytes | None:
         events = self._poll.poll(timeout_s * 1000)
@@ -72,8 +125,12 @@ class DevicePort(Port):
             log.debug("read %s: %s", self.path, exc)
             data = b""
         if not data:
-            time.sleep(min(timeout_s, _IDLE_SLEEP_S))
+            self._wait_for_host(timeout_s)
             return None
+        if self._async:
+            # A host is here: no more signals for every batch of data it sends.
+            with contextlib.suppress(OSError):
+                self._set_async(False)
         return data
 
     def write(self, data: bytes) -> None:

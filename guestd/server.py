@@ -1,7 +1,10 @@
 """The channel server: decodes frames, tracks sessions and streams, runs each operation in its own thread.
 
 Threads: one reader (decode and dispatch; it never blocks on anything but the port and the write lock) and
-one per open stream (the operation; exec adds a few of its own). Frames are written whole under one lock.
+a pool of workers, one per open stream (the operation; exec with stdin takes a second one). Workers are
+kept and reused because starting a thread costs milliseconds in a guest under TCG while handing work to
+an idle worker costs a fraction of one. ``INLINE_OPS`` (ping, hello: no I/O, no blocking) are answered on
+the reader thread itself. Frames are written whole under one lock.
 
 Sessions: the host opens every connection with HELLO ``{"version", "session"}``. A new session token means
 the host reconnected (restore, node-agent restart), which the guest cannot otherwise see: every stream of the
@@ -28,7 +31,7 @@ from podbay.channel.frames import Frame, FrameType
 from .errors import OpError
 from .port import Port
 
-__all__ = ["Stream", "Server", "Handler", "MAX_STREAMS"]
+__all__ = ["Stream", "Server", "Handler", "Workers", "MAX_STREAMS", "INLINE_OPS"]
 
 log = logging.getLogger("guestd")
 
@@ -37,6 +40,12 @@ MAX_STREAMS = 4096
 # went away mid-frame (see Decoder.abandon_partial).
 PARTIAL_STALL_S = 0.5
 _POLL_S = 0.25
+# Operations cheap and non-blocking enough to answer on the reader thread.
+INLINE_OPS = frozenset({"ping", "hello"})
+# Idle workers kept beyond this many exit; PRESTART_WORKERS exist from the start (so they are part of a
+# template snapshot and a restored guest starts no thread for its first requests).
+MAX_IDLE_WORKERS = 16
+PRESTART_WORKERS = 4
 
 Handler = Callable[["Stream", dict[str, Any]], dict[str, Any] | None]
 
@@ -53,7 +62,7 @@ class Stream:
         self.id = stream_id
         self.session = session
         self.op = op
-        self.inbox: queue.Queue[Frame | None] = queue.Queue()
+        self.inbox: queue.SimpleQueue[Frame | None] = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.send_window = frames.INITIAL_WINDOW
         self.recv_window = frames.INITIAL_WINDOW
@@ -144,6 +153,55 @@ class Stream:
                 log.exception("cancel hook of stream %d", self.id)
 
 
+class Workers:
+    """A pool of daemon threads running ``fn(*args)`` jobs; grows when no worker is idle, keeps at most
+    ``max_idle`` idle ones. Exceptions of a job are logged."""
+
+    def __init__(self, max_idle: int = MAX_IDLE_WORKERS) -> None:
+        self.max_idle = max_idle
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._count = 0
+
+    def prestart(self, n: int) -> None:
+        """Start ``n`` idle workers now."""
+        for _ in range(n):
+            self._start(None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` on an idle worker, or on a new one when none is idle."""
+        with self._lock:
+            reuse = self._idle > 0
+            if reuse:
+                self._idle -= 1  # reserve it: each reservation is matched by exactly one job below
+        if reuse:
+            self._jobs.put((fn, args, kwargs))
+        else:
+            self._start((fn, args, kwargs))
+
+    def _start(self, job: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None) -> None:
+        with self._lock:
+            self._count += 1
+            n = self._count
+        threading.Thread(target=self._loop, args=(job,), name=f"worker-{n}", daemon=True).start()
+
+    def _loop(self, job: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None) -> None:
+        while True:
+            if job is not None:
+                fn, args, kwargs = job
+                try:
+                    fn(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - a failing job must not kill the worker
+                    log.exception("worker job %s failed", getattr(fn, "__name__", fn))
+                job = None  # drop references before idling
+            with self._lock:
+                if self._idle >= self.max_idle:
+                    return
+                self._idle += 1
+            job = self._jobs.get()
+
+
 class Server:
     """Serves the channel on ``port`` with ``handlers`` (op name -> function(stream, args) -> result).
 
@@ -161,6 +219,11 @@ class Server:
         self.session: str | None = None
         self.info: Callable[[str | None], dict[str, Any]] = lambda session: {"session": session}
         self.ignored_frames = 0
+        self.workers = Workers()
+
+    def spawn(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` on a worker thread (operations' helpers: stdin pumps, drains)."""
+        self.workers.submit(fn, *args, **kwargs)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -304,7 +367,10 @@ class Server:
                 return
             stream = Stream(self, sid, self.session, op)
             self.streams[sid] = stream
-        threading.Thread(target=self._run, args=(stream, handler, args), name=f"op-{op}-{sid}", daemon=True).start()
+        if op in INLINE_OPS:
+            self._run(stream, handler, args)
+        else:
+            self.workers.submit(self._run, stream, handler, args)
 
     def _run(self, stream: Stream, handler: Handler, args: dict[str, Any]) -> None:
         try:

@@ -434,3 +434,60 @@ async def test_exec_process_is_an_async_iterator(ch: GuestChannel) -> None:
     events = sorted([e async for e in proc])
     assert events == [("stderr", b"b\n"), ("stdout", b"a\n")]
     assert (await proc.wait()).exit_code == 0
+
+
+# -- spawn paths and the worker pool ---------------------------------------------------------------
+
+_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+
+
+def _ignored(status: bytes) -> set[int]:
+    """Signal numbers in the SigIgn mask of a /proc/<pid>/status text."""
+    line = next(ln for ln in status.decode().splitlines() if ln.startswith("SigIgn:"))
+    mask = int(line.split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.parametrize("cwd", [None, "/"], ids=["home-posix-spawn", "other-dir-popen"])
+async def test_exec_children_get_default_signals_and_the_right_cwd(ch: GuestChannel, cwd: str | None) -> None:
+    """Both ways of starting a process (posix_spawn in guestd's home, Popen elsewhere) give the child
+    default SIGPIPE/SIGXFSZ (guestd itself ignores them), a session of its own and the asked cwd."""
+    out, _, res = await ch.run(ExecSpec(argv=["cat", "/proc/self/status"], cwd=cwd))
+    assert res.exit_code == 0
+    assert not _ignored(out) & set(_DEFAULT_SIGNALS)
+    out, _, _ = await ch.run(ExecSpec(shell="pwd; echo $$; cat /proc/$$/stat", cwd=cwd))
+    pwd, pid, stat = out.decode().split("\n", 2)
+    sid = stat.rsplit(")", 1)[1].split()[3]  # fields after the command: state, ppid, pgrp, session
+    assert pwd == (cwd or "/root")
+    assert sid == pid
+
+
+async def test_exec_missing_or_unrunnable_program(ch: GuestChannel, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        await ch.run(ExecSpec(argv=["no-such-program-here"]))
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    with pytest.raises(GuestError) as info:
+        await ch.run(ExecSpec(argv=[str(script)]))
+    assert info.value.details["guest_code"] == "permission_denied"
+    with pytest.raises(NotFound):  # looked up in the child's PATH, not guestd's
+        await ch.run(ExecSpec(argv=["true"], env={"PATH": str(tmp_path)}))
+
+
+async def test_exec_result_does_not_wait_for_a_daemon_holding_the_pipes(ch: GuestChannel) -> None:
+    """A background child keeping stdout open delays the RESULT only by the quiet-pipe wait, not
+    until it exits; its later output is drained and dropped."""
+    out, _, res = await ch.run(ExecSpec(shell="(sleep 30; echo late) & echo now", timeout_s=20))
+    assert (out, res.exit_code, res.timed_out) == (b"now\n", 0, False)
+
+
+async def test_many_sequential_and_concurrent_ops_reuse_workers(ch: GuestChannel) -> None:
+    """More concurrent operations than idle workers, then many short ones: all answer, in any order."""
+    results = await asyncio.gather(*(ch.run(ExecSpec(shell=f"sleep 0.2; echo {i}")) for i in range(24)))
+    assert [int(out) for out, _, _ in results] == list(range(24))
+    for i in range(30):
+        out, _, res = await ch.run(ExecSpec(argv=["echo", str(i)]))
+        assert (out, res.exit_code) == (f"{i}\n".encode(), 0)
+    pings = await asyncio.gather(*(ch.ping() for _ in range(50)))
+    assert len({p["pid"] for p in pings}) == 1

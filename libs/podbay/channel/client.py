@@ -67,7 +67,11 @@ DEFAULT_RUN_OUTPUT_LIMIT = 16 * 1024 * 1024
 # A stream gets a handful of control frames (STARTED, two EOFs, RESULT); more is a misbehaving guest.
 _MAX_CONTROL_FRAMES = 16
 _LIST_LIMIT_BYTES = 64 * 1024 * 1024
-_HELLO_RETRY_S = 0.25
+# HELLO is re-sent after 50 ms, then at doubling intervals up to 250 ms: a guest that has just been
+# restored answers the first HELLO within tens of ms, and re-sending only matters in the rare case where a
+# torn frame of the previous host swallowed it (docs/channel.md, Resynchronisation).
+_HELLO_RETRY_FIRST_S = 0.05
+_HELLO_RETRY_MAX_S = 0.25
 _ERROR_CLASSES: dict[str, type[PodbayError]] = {"not_found": NotFound, "exists": Conflict, "invalid": InvalidRequest}
 
 
@@ -163,16 +167,17 @@ class GuestChannel:
     async def _say_hello(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         hello = frames.encode_json(FrameType.HELLO, frames.CONNECTION_STREAM, {"version": 1, "session": self._session})
+        retry = _HELLO_RETRY_FIRST_S
         while True:
             self._write(hello)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise Timeout("no HELLO answer from the guest")
             try:
-                self.info = await asyncio.wait_for(asyncio.shield(self._hello), min(_HELLO_RETRY_S, remaining))
+                self.info = await asyncio.wait_for(asyncio.shield(self._hello), min(retry, remaining))
                 return
             except TimeoutError:
-                continue
+                retry = min(retry * 2, _HELLO_RETRY_MAX_S)
 
     @property
     def closed(self) -> bool:

@@ -97,6 +97,7 @@ class FrameType(enum.IntEnum):
 
 
 _KNOWN_TYPES = frozenset(int(t) for t in FrameType)
+_TYPE_OF = {int(t): t for t in FrameType}  # a dict lookup is much cheaper than FrameType(n) in the guest
 
 
 class FrameError(ValueError):
@@ -232,7 +233,7 @@ class Decoder:
     @property
     def partial(self) -> bool:
         """True when the buffer starts with a valid header whose payload has not fully arrived."""
-        return self._header_at(0) is not None
+        return bool(self._buf) and self._header_at(0) is not None
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add bytes; return the frames completed by them, in order."""
@@ -330,7 +331,7 @@ class Decoder:
                 self.skipped_frames += 1
                 continue
             self.frames += 1
-            out.append(Frame(FrameType(ftype), stream, payload))
+            out.append(Frame(_TYPE_OF[ftype], stream, payload))
         if pos:
             del buf[:pos]
         return out

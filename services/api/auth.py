@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 from dataclasses import dataclass
 
 import asyncpg
@@ -67,17 +68,36 @@ async def create_key(conn: asyncpg.Connection, tenant_id: str, name: str) -> tup
     return key_id, key
 
 
+# Verified keys, by their hash, for a few seconds: saves a PostgreSQL round trip on the hot path (exec,
+# files). A revoked key therefore stops working within AUTH_CACHE_S.
+AUTH_CACHE_S = 5.0
+_AUTH_CACHE_MAX = 4096
+_auth_cache: dict[bytes, tuple[float, Principal]] = {}
+
+
 async def authenticate(pool: asyncpg.Pool, authorization: str | None) -> Principal:
-    """Resolve ``Authorization: Bearer <key>`` to a ``Principal``; ``Unauthorized`` (401) otherwise."""
+    """Resolve ``Authorization: Bearer <key>`` to a ``Principal``; ``Unauthorized`` (401) otherwise.
+
+    Successful lookups are cached for ``AUTH_CACHE_S`` seconds (by the key's hash; failures never are).
+    """
     if not authorization or not authorization.lower().startswith("bearer "):
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     key = authorization[7:].strip()
     parts = key.split("_")
     if len(parts) != 3 or parts[0] != "pb" or len(parts[1]) != 8:
         raise Unauthorized("malformed API key")
+    digest = hash_key(key)
+    now = time.monotonic()
+    hit = _auth_cache.get(digest)
+    if hit is not None and hit[0] > now:
+        return hit[1]
     row = await pool.fetchrow(
         "SELECT id, tenant_id, key_hash FROM api_keys WHERE prefix = $1 AND revoked_at IS NULL", parts[1]
     )
-    if row is None or not hmac.compare_digest(bytes(row["key_hash"]), hash_key(key)):
+    if row is None or not hmac.compare_digest(bytes(row["key_hash"]), digest):
         raise Unauthorized("invalid or revoked API key")
-    return Principal(tenant_id=row["tenant_id"], key_id=row["id"])
+    principal = Principal(tenant_id=row["tenant_id"], key_id=row["id"])
+    if len(_auth_cache) >= _AUTH_CACHE_MAX:
+        _auth_cache.clear()
+    _auth_cache[digest] = (now + AUTH_CACHE_S, principal)
+    return principal

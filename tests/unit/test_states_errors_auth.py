@@ -47,3 +47,34 @@ def test_api_keys_are_random_and_hashed() -> None:
     assert a.startswith(f"pb_{pa}_") and len(a.split("_")[2]) == 40
     assert hash_key(a) != hash_key(b) and len(hash_key(a)) == 32
     assert a.encode() not in hash_key(a)
+
+
+class _FakePool:
+    """Answers the one api_keys lookup ``authenticate`` makes, and counts the calls."""
+
+    def __init__(self, key: str) -> None:
+        self.calls = 0
+        self.row = {"id": "key_1", "tenant_id": "ten_1", "key_hash": hash_key(key)}
+
+    async def fetchrow(self, sql: str, prefix: str) -> dict[str, object] | None:
+        self.calls += 1
+        return self.row
+
+
+async def test_authenticate_caches_verified_keys_only() -> None:
+    from podbay.errors import Unauthorized
+    from podbay_api import auth
+
+    key, _ = generate_key()
+    pool = _FakePool(key)
+    first = await auth.authenticate(pool, f"Bearer {key}")  # type: ignore[arg-type]
+    second = await auth.authenticate(pool, f"Bearer {key}")  # type: ignore[arg-type]
+    assert first == second and first.tenant_id == "ten_1"
+    assert pool.calls == 1
+    wrong = key[:-1] + ("0" if key[-1] != "0" else "1")
+    for _ in range(2):
+        with pytest.raises(Unauthorized):
+            await auth.authenticate(pool, f"Bearer {wrong}")  # type: ignore[arg-type]
+    assert pool.calls == 3  # failures are looked up every time, never cached
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(pool, None)  # type: ignore[arg-type]

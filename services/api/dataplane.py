@@ -7,6 +7,7 @@ and the sandbox's generation (a stale placement is refused with 409 ``stale_gene
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -25,6 +26,8 @@ from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
 __all__ = ["router"]
+
+log = logging.getLogger("podbay.api.dataplane")
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -63,7 +66,10 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
                                            headers=headers)
         resp = await ctx.nodes_http.send(req, stream=True)
     except httpx.HTTPError as exc:
-        raise Unavailable(f"node data plane at {url} did not answer: {exc}") from exc
+        # The node's address is internal topology: log it, do not show it to tenants.
+        log.warning("node data plane %s did not answer: %r", url, exc)
+        raise Unavailable(f"the sandbox's node did not answer ({type(exc).__name__}); retry shortly",
+                          details={"retryable": True}) from exc
     out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
     if not stream_response or resp.status_code >= 400:
         body = await resp.aread()

@@ -8,6 +8,7 @@ call for another generation is refused with 409 ``stale_generation`` (DESIGN.md 
 
 from __future__ import annotations
 
+import codecs
 import hmac
 import json
 import time
@@ -106,13 +107,20 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         async def lines() -> AsyncIterator[bytes]:
             async with proc:
                 yield (ExecEvent(type="start", pid=pid).model_dump_json(exclude_none=True) + "\n").encode()
+                # Chunks split multi-byte characters; an incremental decoder per stream keeps valid UTF-8 intact.
+                decoders = {k: codecs.getincrementaldecoder("utf-8")(errors="replace") for k in ("stdout", "stderr")}
                 try:
                     if body.stdin is not None:
                         await proc.write_stdin(body.stdin.encode())
                         await proc.close_stdin()
                     async for kind, data in proc:
-                        yield (ExecEvent(type=kind, data=data.decode(errors="replace"))
-                               .model_dump_json(exclude_none=True) + "\n").encode()
+                        text = decoders[kind].decode(data)
+                        if text:
+                            yield (ExecEvent(type=kind, data=text).model_dump_json(exclude_none=True) + "\n").encode()
+                    for kind, dec in decoders.items():
+                        tail = dec.decode(b"", final=True)
+                        if tail:
+                            yield (ExecEvent(type=kind, data=tail).model_dump_json(exclude_none=True) + "\n").encode()
                     ex = await proc.wait()
                     yield (ExecEvent(type="exit", exit_code=ex.exit_code, timed_out=ex.timed_out)
                            .model_dump_json(exclude_none=True) + "\n").encode()

@@ -338,7 +338,8 @@ class SandboxManager:
                     await vm.channel.close()
                 except Exception:
                     pass
-            reason = f"the VM exited unexpectedly (QEMU status {code})"
+            # An attached (not child) QEMU's exit status cannot be read; say only what is known.
+            reason = "the VM exited unexpectedly" + (f" (QEMU status {code})" if code is not None else "")
             log.warning("sandbox %s: %s", vm.sandbox_id, reason)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
             await self._mark_failed(vm.sandbox_id, vm.generation, reason)

@@ -115,6 +115,16 @@ def test_exec_stream_yields_output_as_produced(stack: Any) -> None:
             assert outs[0][1] == "a\n"
             assert outs[-1][0] - outs[0][0] > 0.5
             assert lines[-1][1]["exit_code"] == 0
+
+            # Multi-byte characters split across chunks arrive intact (incremental UTF-8 decoding).
+            text = ""
+            with c.stream("POST", f"/v1/sandboxes/{sid}/exec/stream",
+                          json={"shell": "yes 'é世🚀' | head -n 30000"}) as r:
+                for line in r.iter_lines():
+                    ev = json.loads(line) if line else {}
+                    if ev.get("type") == "stdout":
+                        text += ev["data"]
+            assert text == "é世🚀\n" * 30000
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
 

@@ -327,6 +327,8 @@ class SandboxManager:
     async def _monitor(self, vm: RunningVm) -> None:
         """Notice a QEMU that dies on its own: mark the sandbox failed with the reason, publish the event."""
         code = await vm.handle.wait_exit()
+        # Collect the QMP reader's EOF now, so it is not reported as an unretrieved exception later.
+        await vm.handle.detach()
         if vm.stopping or self.vms.get(vm.sandbox_id) is not vm:
             return
         async with self.lock(vm.sandbox_id):

@@ -12,10 +12,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from podbay.errors import InvalidRequest
+
 __all__ = ["ClientConfig", "config_path", "load_client_config", "save_client_config"]
 
 
 class ClientConfig(BaseModel):
+    """Where the API is (``api_url``, no trailing slash) and the bearer key to send (``None``: none)."""
+
     api_url: str
     api_key: str | None = None
 
@@ -28,17 +32,43 @@ def config_path() -> Path:
     return Path(base) / "podbay" / "config.json"
 
 
+def _read_file(path: Path) -> dict[str, str]:
+    """The config file's ``api_url``/``api_key``; ``{}`` when the file does not exist.
+
+    Raises ``InvalidRequest`` naming the file for one that cannot be read, is not JSON, or is not an object
+    of strings: ignoring it would leave a wrong key in force and surface later as a puzzling 401.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read the podbay config file {path}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"the podbay config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"the podbay config file {path} must hold a JSON object, not {type(data).__name__}")
+    for key in ("api_url", "api_key"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise InvalidRequest(f"the podbay config file {path}: {key} must be a string")
+    return data
+
+
 def load_client_config(api_url: str | None = None, api_key: str | None = None) -> ClientConfig:
-    """Explicit arguments win, then the environment, then the config file, then ``http://127.0.0.1:8080``."""
-    file_cfg: dict[str, str] = {}
-    path = config_path()
-    if path.exists():
-        try:
-            file_cfg = json.loads(path.read_text())
-        except (OSError, ValueError):
-            file_cfg = {}
-    url = api_url or os.environ.get("PODBAY_API_URL") or file_cfg.get("api_url") or "http://127.0.0.1:8080"
-    key = api_key or os.environ.get("PODBAY_API_KEY") or file_cfg.get("api_key")
+    """Explicit arguments win, then the environment, then the config file, then ``http://127.0.0.1:8080``.
+
+    The file is read only when the URL or the key is still missing. Raises ``podbay.errors.InvalidRequest``
+    (naming the file and the problem) for a config file that exists but is unreadable or malformed.
+    """
+    url = api_url or os.environ.get("PODBAY_API_URL")
+    key = api_key or os.environ.get("PODBAY_API_KEY")
+    file_cfg = _read_file(config_path()) if not (url and key) else {}
+    url = url or file_cfg.get("api_url") or "http://127.0.0.1:8080"
+    key = key or file_cfg.get("api_key")
     return ClientConfig(api_url=url.rstrip("/"), api_key=key)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import sys
 import types
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from test_sdk_fake import API_KEY, FakeApi, _served, clean_env, fake_api  # noqa
 from typer.testing import CliRunner, Result
 
 from podbay.cli import template as template_cmd
+from podbay.cli.exec_cmd import _write as exec_write
 from podbay.cli.exec_cmd import exit_status
 from podbay.cli.main import app
 
@@ -123,10 +126,66 @@ def test_exec_on_a_paused_sandbox_and_stream_errors(fake_api: FakeApi) -> None:
     assert failed.stdout == "before\n"
 
 
-def test_usage_errors_exit_2(fake_api: FakeApi) -> None:
-    assert run(fake_api, "exec", "sb-x", "--env", "NOEQUALS", "--", "true").exit_code == 2
-    assert run(fake_api, "exec", "sb-x").exit_code == 2
-    assert run(fake_api, "files", "write", "sb-x", "/r", "x", "--mode", "999").exit_code == 2
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["sandbox", "create", "--vcpus", "abc"], "error: invalid value for '--vcpus': 'abc' is not a valid integer"),
+        (["exec", "sb-x", "--timeout", "x", "--", "true"], "error: invalid value for '--timeout': 'x' is not a valid number"),
+        (["exec", "sb-x", "--env", "NOEQUALS", "--", "true"], "error: invalid value for --env: expected KEY=VALUE, got 'NOEQUALS'"),
+        (["exec", "sb-x"], "error: missing argument 'CMD [ARGS]...'"),
+        (["files", "write", "sb-x", "/r", "./nonexistent_local"], "error: invalid value for LOCAL: './nonexistent_local' is not a readable file"),
+        (["files", "write", "sb-x", "/r", "x", "--mode", "999"], "error: invalid value for --mode: expected an octal mode such as 0644, got '999'"),
+        (["sandbox", "get"], "error: missing argument 'ID'"),
+        (["nosuch"], "error: no such command 'nosuch'"),
+        (["sandbox", "list", "--bogus"], "error: no such option: --bogus"),
+    ],
+)  # fmt: skip
+def test_usage_errors_are_one_line_and_exit_2(fake_api: FakeApi, args: list[str], line: str) -> None:
+    result = run(fake_api, *args)
+    assert_error_line(result, "usage", 2)
+    assert result.stderr == f"{line} (usage)\n"
+    assert result.stdout == "" and "Usage" not in result.output
+    assert [r.path for r in fake_api.requests] == []
+
+
+def test_help_is_still_typers(fake_api: FakeApi) -> None:
+    helped = run(fake_api, "sandbox", "create", "--help")
+    assert helped.exit_code == 0 and "Usage: podbay sandbox create" in helped.stdout and "--vcpus" in helped.stdout
+    bare = run(fake_api, "sandbox")
+    assert bare.exit_code == 2 and "Usage: podbay sandbox" in bare.output and "error:" not in bare.output
+
+
+def test_empty_or_malformed_ids_and_paths_are_refused_before_sending(fake_api: FakeApi) -> None:
+    for args in (["sandbox", "get", ""], ["sandbox", "rm", "a/b"], ["exec", "", "--", "true"],
+                 ["files", "stat", "", "/x"], ["operation", "get", ""]):  # fmt: skip
+        result = run(fake_api, *args)
+        assert_error_line(result, "invalid_request", 2)
+        assert "invalid" in result.stderr and " id " in result.stderr
+    assert_error_line(run(fake_api, "files", "stat", "sb-x", "relative"), "invalid_request", 2)
+    assert fake_api.requests == []
+
+
+def test_a_malformed_config_file_is_one_error_line(clean_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text("{broken")
+    monkeypatch.setenv("PODBAY_CONFIG", str(broken))
+    for args in (["sandbox", "list"], ["env"]):
+        result = CliRunner().invoke(app, args)
+        assert_error_line(result, "invalid_request", 2)
+        assert f"the podbay config file {broken} is not valid JSON" in result.stderr
+
+
+def test_exec_output_reaches_the_byte_layer_as_utf8_in_order(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-x")
+    text = "héllo ✓ 日本 \U0001f600\n"
+    result = run(fake_api, "exec", "sb-x", "--", "cat", input=text.encode())
+    assert result.exit_code == 0 and result.stdout_bytes == text.encode("utf-8")
+    # Text printed earlier through the text layer must stay in front of the chunk written to the bytes.
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    stream.write("before ")
+    exec_write(stream, "ü\n")
+    assert raw.getvalue() == "before ü\n".encode()
 
 
 def test_files_commands_round_trip(fake_api: FakeApi, tmp_path: Path) -> None:
@@ -158,7 +217,20 @@ def test_files_commands_round_trip(fake_api: FakeApi, tmp_path: Path) -> None:
     assert run(fake_api, "files", "rm", "sb-f", "/d", "-r").exit_code == 0
     assert fake_api.last("/files").query == {"path": "/d", "recursive": "true"}
     absent = run(fake_api, "files", "write", "sb-f", "/x", str(tmp_path / "absent"))
-    assert absent.exit_code == 2 and "Traceback" not in absent.output
+    assert_error_line(absent, "usage", 2)
+
+
+def test_files_stat_shows_octal_mode_and_iso_mtime(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-f")
+    assert run(fake_api, "files", "write", "sb-f", "/data/f", "-", "--mode", "0640", input=b"x").exit_code == 0
+    info = json.loads(run(fake_api, "files", "stat", "sb-f", "/data/f", "--json").stdout)
+    shown = run(fake_api, "files", "stat", "sb-f", "/data/f")
+    assert shown.exit_code == 0
+    fields = dict(line.strip().split(None, 1) for line in shown.stdout.splitlines())
+    assert fields["mode"] == "0640" and info["mode"] & 0o7777 == 0o640
+    stamp = datetime.fromtimestamp(info["mtime"], tz=timezone.utc).isoformat(timespec="seconds")
+    assert fields["mtime"] == stamp and stamp.endswith("+00:00")
+    assert fields["size"] == "1" and fields["path"] == "/data/f"
 
 
 def test_templates_and_operations(fake_api: FakeApi) -> None:
@@ -210,6 +282,55 @@ def test_up_down_status(supervisor: types.SimpleNamespace) -> None:
     sick = CliRunner().invoke(app, ["status", "--json"])
     assert sick.exit_code == 1
     assert [p["answering"] for p in json.loads(sick.stdout)] == [True, False]
+
+
+def test_status_without_a_stack_says_so(supervisor: types.SimpleNamespace) -> None:
+    supervisor.parts.clear()
+    result = CliRunner().invoke(app, ["status"])
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == "no podbay stack is running (start one with: podbay up)\n"
+    as_json = CliRunner().invoke(app, ["status", "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout) == []
+
+
+def test_status_with_a_dead_supervisor_fails(supervisor: types.SimpleNamespace) -> None:
+    supervisor.parts[0] = _Part("nats", "server", "nats://127.0.0.1:4222", 10, True, "running, no supervisor")
+    supervisor.parts.append(_Part("api", "service", "http://127.0.0.1:8080", 11, True, "running, no supervisor"))
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 1 and "running, no supervisor" in result.stdout
+    assert result.stderr == (
+        "the podbay supervisor is not running but nats, api still run without it (stop them with: podbay down)\n"
+    )
+
+
+def test_template_build_checks_the_name_and_shortens_the_builders_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = tmp_path / "podbay-nodeagent"
+    script.write_text(
+        "#!/bin/sh\n"
+        "echo 'usage: podbay-nodeagent template build [-h] [--force] {base}' >&2\n"
+        "echo \"podbay-nodeagent template build: error: argument name: invalid choice: '$3' (choose from base)\" >&2\n"
+        "exit 2\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: str(script))
+    bad = CliRunner().invoke(app, ["template", "build", "Not_A_Name"])
+    assert_error_line(bad, "usage", 2)
+    assert "'Not_A_Name' is not a template name" in bad.stderr
+    unknown = CliRunner().invoke(app, ["template", "build", "nosuch"])
+    assert_error_line(unknown, "usage", 2)
+    assert unknown.stderr == "error: argument name: invalid choice: 'nosuch' (choose from base) (usage)\n"
+
+
+def test_template_build_passes_other_stderr_through(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = tmp_path / "podbay-nodeagent"
+    script.write_text("#!/bin/sh\necho 'us' >&2\necho 'kernel 100%' >&2\necho 'usage: not argparse' >&2\nexit 2\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: str(script))
+    result = CliRunner().invoke(app, ["template", "build", "base"])
+    assert result.exit_code == 2
+    assert result.stderr == "us\nkernel 100%\nusage: not argparse\n"
 
 
 def test_template_build_passes_output_and_exit_code(

@@ -29,16 +29,94 @@ def _client(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
     return Client("http://api.test", "k", transport=httpx.MockTransport(handler))
 
 
-def test_ids_are_quoted_into_one_path_segment() -> None:
+def test_ids_are_checked_and_sent_as_one_path_segment() -> None:
     seen: list[bytes] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request.url.raw_path)
         return httpx.Response(404, json={"error": {"code": "not_found", "message": "no"}})
 
-    with _client(handler) as client, pytest.raises(PodbayError):
-        client.get_sandbox("../operations/x?y")
-    assert seen == [b"/v1/sandboxes/..%2Foperations%2Fx%3Fy"]
+    with _client(handler) as client:
+        with pytest.raises(InvalidRequest, match="invalid sandbox id"):
+            client.get_sandbox("../operations/x?y")
+        assert seen == []
+        with pytest.raises(PodbayError):
+            client.get_sandbox("sbx_A-9")
+    assert seen == [b"/v1/sandboxes/sbx_A-9"]
+
+
+_BAD_IDS = ["", "a/b", "x" * 65, "sp ace", "é"]
+
+
+def _every_sandbox_call(client: Client, sid: str) -> list[Callable[[], object]]:
+    return [
+        lambda: client.get_sandbox(sid),
+        lambda: client.delete_sandbox(sid),
+        lambda: client.pause_sandbox(sid),
+        lambda: client.resume_sandbox(sid),
+        lambda: client.exec(sid, ["true"]),
+        lambda: client.exec_stream(sid, ["true"]),
+        lambda: client.read_file(sid, "/x"),
+        lambda: client.write_file(sid, "/x", b"data"),
+        lambda: client.stat_file(sid, "/x"),
+        lambda: client.list_files(sid, "/x"),
+        lambda: client.mkdir(sid, "/x"),
+        lambda: client.remove_file(sid, "/x"),
+    ]
+
+
+@pytest.mark.parametrize("bad", _BAD_IDS)
+def test_malformed_sandbox_ids_are_refused_before_sending(bad: str) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(500)
+
+    with _client(handler) as client:
+        for call in _every_sandbox_call(client, bad):
+            with pytest.raises(InvalidRequest, match="invalid sandbox id"):
+                call()
+        with pytest.raises(InvalidRequest, match="invalid operation id"):
+            client.get_operation(bad)
+    assert seen == []
+
+
+async def test_async_client_refuses_an_empty_sandbox_id() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(500)
+
+    async with AsyncClient("http://api.test", "k", transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(InvalidRequest, match="invalid sandbox id"):
+            await client.get_sandbox("")
+        with pytest.raises(InvalidRequest, match="invalid sandbox id"):
+            client.exec_stream("", ["true"])
+    assert seen == []
+
+
+@pytest.mark.parametrize("bad", ["", "relative/path", "/nul\0byte", "/" + "x" * 4096])
+def test_malformed_paths_are_refused_before_sending(bad: str) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(500)
+
+    with _client(handler) as client:
+        for call in (
+            lambda: client.read_file("sb", bad),
+            lambda: client.write_file("sb", bad, b""),
+            lambda: client.stat_file("sb", bad),
+            lambda: client.list_files("sb", bad),
+            lambda: client.mkdir("sb", bad),
+            lambda: client.remove_file("sb", bad),
+        ):
+            with pytest.raises(InvalidRequest, match="invalid path"):
+                call()
+    assert seen == []
 
 
 def test_fastapi_detail_bodies_map_by_status() -> None:

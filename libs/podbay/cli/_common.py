@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 usage errors and API 4xx answers; 1 anything else (5xx, network, local I/O).
 ``podbay exec`` and ``podbay template build`` pass their command's exit code through instead.
-Errors print one line on stderr, ``error: <message> (<code>)``, never a traceback.
+Errors print one line on stderr, ``error: <message> (<code>)``, never a traceback; usage errors too
+(``error: invalid value for '--vcpus': 'abc' is not a valid integer (usage)``, exit 2), through
+``OneLineErrorsGroup``, the root command's class. ``--help`` output is typer's own.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import functools
 import json
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
 import typer
+import typer.core
+from pydantic import BaseModel, ValidationError
 from typer.exceptions import TyperException
-from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
@@ -25,6 +28,8 @@ from podbay.errors import PodbayError
 from podbay.sdk import Client
 
 __all__ = [
+    "OneLineErrorsGroup",
+    "usage_message",
     "CliState",
     "state",
     "client",
@@ -80,6 +85,67 @@ def fail(message: str, code: str, exit_code: int) -> NoReturn:
     raise typer.Exit(exit_code)
 
 
+#: What a pydantic parsing error of a typed option means, said the way a person would.
+_NOT_A = {"int_parsing": "a valid integer", "float_parsing": "a valid number", "bool_parsing": "a valid boolean"}
+
+
+def usage_message(exc: TyperException) -> str:
+    """The one-line text of a click/typer usage error, without its ``Usage:``/``Try`` lines.
+
+    ``Invalid value for '--vcpus': Input should be a valid integer, ...`` (typer's pydantic wording)
+    becomes ``invalid value for '--vcpus': 'abc' is not a valid integer``.
+    """
+    cause = exc.__cause__
+    if isinstance(exc, typer.BadParameter) and isinstance(cause, ValidationError) and cause.errors():
+        first = cause.errors()[0]
+        wanted = _NOT_A.get(first["type"])
+        exc.message = f"{first.get('input')!r} is not {wanted}" if wanted else first["msg"]
+    format_message = getattr(exc, "format_message", None)
+    text = " ".join(str(format_message() if callable(format_message) else exc.message).split()).rstrip(".")
+    # Lower-case the opening word ("Invalid", "Missing", "No such"), never a name such as 'ID'.
+    if len(text) > 1 and text[0].isupper() and text[1].islower():
+        text = text[0].lower() + text[1:]
+    return text or "invalid usage"
+
+
+class OneLineErrorsGroup(typer.core.TyperGroup):
+    """The root group: runs the command line as typer does, but prints usage errors as one line.
+
+    Typer would print a boxed ``Usage/Try/Error`` block; scripts and people reading logs get
+    ``error: <message> (usage)`` and exit 2 instead. The help a group prints when called without a
+    command (``no_args_is_help``) is kept.
+    """
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            # Not standalone, so typer hands click's exceptions to us instead of printing them boxed.
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except TyperException as exc:
+            if not standalone_mode:
+                raise
+            code = getattr(exc, "exit_code", 1)
+            if type(exc).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+                kind = "usage" if code == 2 else "error"  # click's UsageError family exits 2
+                print(f"error: {usage_message(exc)} ({kind})", file=sys.stderr, flush=True)
+            sys.exit(code)
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            print("error: aborted (aborted)", file=sys.stderr, flush=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        # Non-standalone typer returns an Exit's code, or the command's value (None for every command here).
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorate a command so that errors end it with one line on stderr instead of a traceback."""
 
@@ -124,14 +190,20 @@ def print_json(value: Any) -> None:
     print(json.dumps(_plain(value), indent=2, sort_keys=False, default=str))
 
 
-def print_record(model: BaseModel) -> None:
-    """Print one model as ``field  value`` lines (a borderless two-column table)."""
+def print_record(model: BaseModel, shown: Mapping[str, str] | None = None) -> None:
+    """Print one model as ``field  value`` lines (a borderless two-column table).
+
+    ``shown`` replaces the display of some fields (``{"mode": "0644"}``), keeping the model's field order.
+    """
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     for key, value in model.model_dump(mode="json").items():
-        shown = "" if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
-        table.add_row(key, shown)
+        if shown is not None and key in shown:
+            table.add_row(key, shown[key])
+            continue
+        text = "" if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
+        table.add_row(key, text)
     console().print(table)
 
 

@@ -22,14 +22,21 @@ def exit_status(exit_code: int) -> int:
 
 
 def _write(stream: IO[str], data: str) -> None:
-    # Through the byte layer when there is one, so the text reaches the terminal unchanged.
+    """Write one chunk of exec output as UTF-8 and flush, so it shows as soon as the command wrote it.
+
+    The server decodes the guest's bytes as UTF-8 (invalid bytes become U+FFFD), so ``data`` is text that
+    encodes back to the bytes the command wrote whenever those were UTF-8. It goes to the byte layer, so
+    the terminal's or pipe's locale encoding cannot mangle or refuse it; the text layer is flushed first,
+    so nothing printed earlier through it ends up behind this chunk.
+    """
     buffer = getattr(stream, "buffer", None)
-    if buffer is not None:
-        buffer.write(data.encode("utf-8", "surrogateescape"))
-        buffer.flush()
-    else:
+    if buffer is None:
         stream.write(data)
         stream.flush()
+        return
+    stream.flush()
+    buffer.write(data.encode("utf-8", "replace"))
+    buffer.flush()
 
 
 def _local_stdin() -> bytes | None:
@@ -54,7 +61,8 @@ def exec_command(
 ) -> None:
     """Run a command in a sandbox, streaming its stdout and stderr as it writes them.
 
-    Local stdin is forwarded (up to 16 MiB of UTF-8) when it is not a terminal.
+    Local stdin is forwarded (up to 16 MiB of UTF-8) when it is not a terminal. Output is text: UTF-8
+    arrives unchanged, bytes that are not UTF-8 show as U+FFFD; use `podbay files read` for binary data.
 
     The exit status is the command's: 128+N when killed by signal N, 124 when it timed out.
     """

@@ -75,7 +75,13 @@ def read(
 
 
 def _mtime(ts: float) -> str:
+    """Seconds since the epoch -> ISO-8601 UTC, e.g. ``2026-11-30T12:38:23+00:00``."""
     return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _mode(mode: int) -> str:
+    """``st_mode`` -> the permission bits in octal, e.g. ``0644`` (the file type bits are shown as ``type``)."""
+    return f"{mode & 0o7777:04o}"
 
 
 @app.command("ls")
@@ -90,19 +96,19 @@ def ls(
         return
     print_table(
         ["mode", "size", "mtime", "type", "name"],
-        ((f"{e.mode & 0o7777:04o}", e.size, _mtime(e.mtime), e.type, e.name) for e in entries),
+        ((_mode(e.mode), e.size, _mtime(e.mtime), e.type, e.name) for e in entries),
     )
 
 
 @app.command("stat")
 @handle_errors
 def stat(ctx: typer.Context, sandbox_id: str = _ID, remote: str = _REMOTE, as_json: bool = _JSON) -> None:
-    """Show one path's type, size, mode and modification time."""
+    """Show one path's type, size in bytes, mode (octal) and modification time (ISO-8601 UTC)."""
     info = client(ctx).stat_file(sandbox_id, remote)
     if as_json:
         print_json(info)
     else:
-        print_record(info)
+        print_record(info, {"mode": _mode(info.mode), "mtime": _mtime(info.mtime)})
 
 
 @app.command("rm")

@@ -10,13 +10,14 @@ from __future__ import annotations
 import typer
 
 from podbay.cli import files, sandbox, stack, template
-from podbay.cli._common import CliState
+from podbay.cli._common import CliState, OneLineErrorsGroup
 from podbay.cli.exec_cmd import exec_command
 
 __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="podbay",
+    cls=OneLineErrorsGroup,
     help="podbay: microVM sandboxes for long-running AI agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

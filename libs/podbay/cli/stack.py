@@ -14,7 +14,7 @@ import typer
 from podbay.cli._common import fail, handle_errors, print_json, print_table, state
 from podbay.clientconfig import load_client_config
 
-__all__ = ["env", "up", "down", "status"]
+__all__ = ["env", "up", "down", "status", "NO_STACK"]
 
 
 def _supervisor() -> ModuleType:
@@ -61,15 +61,42 @@ def down() -> None:
     _settle(_supervisor().down(_settings()))
 
 
+#: What ``podbay status`` says when no stack is recorded.
+NO_STACK = "no podbay stack is running (start one with: podbay up)"
+
+#: The part ``detail`` the supervisor reports for a process whose supervisor has died.
+_ORPHANED = "no supervisor"
+
+
 @handle_errors
 def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Show each dev stack part and whether it answers; exit 1 if any does not."""
+    """Show each dev stack part and whether it answers.
+
+    Exits 1, with the reason on stderr, when no stack runs, when a part does not answer, or when parts
+    still run but their supervisor is gone (`podbay down` stops them).
+    """
     parts = list(_settle(_supervisor().status(_settings())))
+    if not parts:
+        if as_json:
+            print_json([])
+        print(NO_STACK, file=sys.stderr, flush=True)
+        raise typer.Exit(1)
     fields = ("name", "kind", "url", "pid", "answering", "detail")
     rows = [tuple(getattr(p, f, None) for f in fields) for p in parts]
     if as_json:
         print_json([dict(zip(fields, row, strict=True)) for row in rows])
     else:
         print_table(fields, ((n, k, u, pid, "yes" if ok else "NO", d) for n, k, u, pid, ok, d in rows))
-    if not parts or not all(getattr(p, "answering", False) for p in parts):
+    silent = [str(getattr(p, "name", "?")) for p in parts if not getattr(p, "answering", False)]
+    orphaned = [str(getattr(p, "name", "?")) for p in parts if _ORPHANED in str(getattr(p, "detail", ""))]
+    problems = []
+    if orphaned:
+        problems.append(
+            f"the podbay supervisor is not running but {', '.join(orphaned)} still run without it "
+            "(stop them with: podbay down)"
+        )
+    if silent:
+        problems.append(f"not answering: {', '.join(silent)}")
+    if problems:
+        print("; ".join(problems), file=sys.stderr, flush=True)
         raise typer.Exit(1)

@@ -9,6 +9,7 @@ shape of every request and every result is written once, here. The endpoint list
 from __future__ import annotations
 
 import builtins
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
@@ -51,6 +52,10 @@ __all__ = [
     "get_operation",
     "list_templates",
     "format_mode",
+    "ID_PATTERN",
+    "PATH_MAX_CHARS",
+    "check_id",
+    "check_path",
 ]
 
 T = TypeVar("T")
@@ -58,6 +63,12 @@ M = TypeVar("M", bound=BaseModel)
 
 #: The API's limit on exec stdin (``ExecRequest.stdin``), in bytes of UTF-8.
 STDIN_MAX_BYTES = 16 << 20
+
+#: The shape of sandbox and operation ids (``sbx_<hex>``, ``op_<hex>``, ...); checked before any request.
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+#: The API's bound on a guest path (the ``path`` query value), in characters.
+PATH_MAX_CHARS = 4096
 
 #: What ``exec`` accepts: an argv list, or one string run by ``/bin/sh -c``.
 Command = Sequence[str] | str
@@ -107,9 +118,32 @@ def _none(resp: httpx.Response) -> None:
     return None
 
 
+def check_id(value: str, what: str = "sandbox id") -> str:
+    """Return ``value`` if it is an id (``ID_PATTERN``: 1 to 64 of ``A-Z a-z 0-9 _ -``).
+
+    Raises ``InvalidRequest`` otherwise, before anything is sent: an empty id would otherwise reach
+    the collection endpoint (``/v1/sandboxes/``) and come back as a confusing answer.
+    """
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
+        raise InvalidRequest(f"invalid {what} {value!r}: expected 1 to 64 letters, digits, '_' or '-'")
+    return value
+
+
+def check_path(path: str) -> str:
+    """Return ``path`` if it is an absolute guest path of at most ``PATH_MAX_CHARS`` characters without NUL.
+
+    Raises ``InvalidRequest`` otherwise, before anything is sent.
+    """
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidRequest(f"invalid path {path!r}: paths inside a sandbox must be absolute (start with /)")
+    if len(path) > PATH_MAX_CHARS or "\0" in path:
+        raise InvalidRequest(f"invalid path: longer than {PATH_MAX_CHARS} characters or contains NUL")
+    return path
+
+
 def _sandbox_path(sandbox_id: str, rest: str = "") -> str:
-    # Ids come from users: quote them so a slash or '?' cannot reach another endpoint.
-    return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{rest}"
+    # Checked and still quoted: the id comes from users, and a slash or '?' must not reach another endpoint.
+    return f"/v1/sandboxes/{quote(check_id(sandbox_id), safe='')}{rest}"
 
 
 def _bool(value: bool) -> str:
@@ -241,7 +275,7 @@ def exec_stream_call(sandbox_id: str, req: ExecRequest) -> Call[None]:
 
 def read_file(sandbox_id: str, path: str) -> Call[None]:
     """``GET /v1/sandboxes/{id}/files?path=`` -> raw bytes, read as a stream by the client."""
-    return Call("GET", _sandbox_path(sandbox_id, "/files"), _none, params={"path": path})
+    return Call("GET", _sandbox_path(sandbox_id, "/files"), _none, params={"path": check_path(path)})
 
 
 def format_mode(mode: int) -> str:
@@ -257,14 +291,14 @@ def write_file(sandbox_id: str, path: str, content: Any, mode: int) -> Call[File
         "PUT",
         _sandbox_path(sandbox_id, "/files"),
         _model(FileInfo),
-        params={"path": path, "mode": format_mode(mode)},
+        params={"path": check_path(path), "mode": format_mode(mode)},
         content=content,
     )
 
 
 def stat_file(sandbox_id: str, path: str) -> Call[FileInfo]:
     """``GET /v1/sandboxes/{id}/files/stat?path=`` -> ``FileInfo``."""
-    return Call("GET", _sandbox_path(sandbox_id, "/files/stat"), _model(FileInfo), params={"path": path})
+    return Call("GET", _sandbox_path(sandbox_id, "/files/stat"), _model(FileInfo), params={"path": check_path(path)})
 
 
 def _entries(resp: httpx.Response) -> builtins.list[FileInfo]:
@@ -273,7 +307,7 @@ def _entries(resp: httpx.Response) -> builtins.list[FileInfo]:
 
 def list_files(sandbox_id: str, path: str) -> Call[builtins.list[FileInfo]]:
     """``GET /v1/sandboxes/{id}/files/list?path=`` -> the directory's entries."""
-    return Call("GET", _sandbox_path(sandbox_id, "/files/list"), _entries, params={"path": path})
+    return Call("GET", _sandbox_path(sandbox_id, "/files/list"), _entries, params={"path": check_path(path)})
 
 
 def mkdir(sandbox_id: str, path: str, *, parents: bool) -> Call[FileInfo]:
@@ -282,7 +316,7 @@ def mkdir(sandbox_id: str, path: str, *, parents: bool) -> Call[FileInfo]:
         "POST",
         _sandbox_path(sandbox_id, "/files/mkdir"),
         _model(FileInfo),
-        params={"path": path, "parents": _bool(parents)},
+        params={"path": check_path(path), "parents": _bool(parents)},
     )
 
 
@@ -292,13 +326,14 @@ def remove_file(sandbox_id: str, path: str, *, recursive: bool) -> Call[None]:
         "DELETE",
         _sandbox_path(sandbox_id, "/files"),
         _none,
-        params={"path": path, "recursive": _bool(recursive)},
+        params={"path": check_path(path), "recursive": _bool(recursive)},
     )
 
 
 def get_operation(operation_id: str) -> Call[OperationInfo]:
     """``GET /v1/operations/{id}`` -> ``OperationInfo``."""
-    return Call("GET", f"/v1/operations/{quote(operation_id, safe='')}", _model(OperationInfo))
+    checked = check_id(operation_id, "operation id")
+    return Call("GET", f"/v1/operations/{quote(checked, safe='')}", _model(OperationInfo))
 
 
 class _TemplateList(BaseModel):

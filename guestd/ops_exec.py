@@ -27,25 +27,31 @@ from .errors import OpError, from_oserror
 from .server import Stream
 from .spawn import Child, spawn
 
-__all__ = ["op_exec", "DEFAULT_PATH", "resolve_user", "base_env"]
+__all__ = ["op_exec", "DEFAULT_PATH", "MAX_UID", "resolve_user", "base_env"]
 
 log = logging.getLogger("guestd.exec")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 POST_EXIT_IDLE_S = 0.2
 POST_EXIT_BYTES = 1024 * 1024
+MAX_UID = 2**32 - 2
 
 
 def resolve_user(user: str | int | None) -> tuple[int, int, list[int], str, str]:
     """``(uid, gid, groups, home, name)`` for a user name or uid (None: guestd's own user).
 
     A uid without a passwd entry runs with gid = uid, no extra groups and HOME=/.
-    Raises ``OpError("invalid")`` for an unknown name.
+    Raises ``OpError("invalid", "no such user: ...")`` for an unknown name or a uid outside
+    0..MAX_UID (2**32 - 2: Linux uids are 32-bit and 2**32 - 1 means "no id" to setuid/chown).
     """
     if user is None:
         return _own_user()
-    if isinstance(user, int) or (isinstance(user, str) and user.isdigit()):
+    if isinstance(user, bool):
+        raise OpError("invalid", "user must be a name or a uid")
+    if isinstance(user, int) or (isinstance(user, str) and user.isascii() and user.isdigit()):
         uid = int(user)
+        if not 0 <= uid <= MAX_UID:
+            raise OpError("invalid", f"no such user: {str(user)[:64]} (uid must be in 0..{MAX_UID})")
         try:
             pw = pwd.getpwuid(uid)
         except KeyError:
@@ -53,8 +59,8 @@ def resolve_user(user: str | int | None) -> tuple[int, int, list[int], str, str]
     elif isinstance(user, str) and user:
         try:
             pw = pwd.getpwnam(user)
-        except KeyError:
-            raise OpError("invalid", f"unknown user {user!r}") from None
+        except (KeyError, ValueError):  # ValueError: a NUL in the name
+            raise OpError("invalid", f"no such user: {user[:64]!r}") from None
     else:
         raise OpError("invalid", "user must be a name or a uid")
     try:
@@ -114,6 +120,9 @@ def _parse(args: dict[str, Any]) -> tuple[list[str], dict[str, str], str | None,
         if not isinstance(shell, str):
             raise OpError("invalid", "shell must be a string")
         cmd = ["/bin/sh", "-c", shell]
+    if not cmd[0]:
+        # execvp of "" would search PATH for a directory and report EACCES: say what is wrong instead.
+        raise OpError("invalid", "empty program name")
     if any("\0" in a for a in cmd):
         raise OpError("invalid", "NUL byte in the command")
     env = _str_map(args.get("env"), "env")
@@ -143,7 +152,7 @@ def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         )
     except OSError as exc:
         raise from_oserror(exc) from exc
-    except (ValueError, subprocess.SubprocessError) as exc:
+    except (ValueError, OverflowError, subprocess.SubprocessError) as exc:
         raise OpError("invalid", str(exc)) from exc
     log.debug("exec pid %d: %s", child.pid, cmd[:3])
 

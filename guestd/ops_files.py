@@ -149,19 +149,43 @@ def op_read(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     return {"size": sent}
 
 
+def _check_write_target(path: str, st: os.stat_result | None = None) -> None:
+    """Refuse to write over anything but a regular file (symlinks followed): a device, FIFO or socket
+    would be replaced by the rename (or written to in place by ``append``). A missing path is fine.
+    Raises ``OpError`` is_a_directory or invalid."""
+    if st is None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return  # missing (or unreachable): the open or rename reports it
+    if stat.S_ISDIR(st.st_mode):
+        raise OpError("is_a_directory", f"{path}: is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise OpError("invalid", f"not a regular file: {path}")
+
+
 def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``write {path, mode=0o644, append=False, user=None}`` then DATA fd 3 ... EOF -> FileStat."""
+    """``write {path, mode=0o644, append=False, user=None}`` then DATA fd 3 ... EOF -> FileStat.
+
+    An existing ``path`` must be a regular file or a symlink to one (else ERROR invalid, or
+    is_a_directory for a directory)."""
     path = _path(args)
     mode = _mode(args, 0o644)
     append = _flag(args, "append", False)
     owner = resolve_user(args["user"]) if args.get("user") is not None else None
-    if os.path.isdir(path):
-        raise OpError("is_a_directory", f"{path}: is a directory")
+    _check_write_target(path)
     parent = os.path.dirname(path)
     tmp: str | None = None
     try:
         if append:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
+            # O_NONBLOCK: a FIFO swapped in after the check must fail (ENXIO), not block this worker.
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+            try:
+                _check_write_target(path, os.fstat(fd))
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
         else:
             fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".podbay-tmp")
             os.fchmod(fd, mode)

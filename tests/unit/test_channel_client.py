@@ -121,7 +121,15 @@ async def test_ping_and_hello_info(guest: FakeGuest, ch: GuestChannel) -> None:
 
 @pytest.mark.parametrize(
     ("code", "exc"),
-    [("not_found", NotFound), ("exists", Conflict), ("invalid", InvalidRequest), ("permission_denied", GuestError)],
+    [
+        ("not_found", NotFound),
+        ("exists", Conflict),
+        ("invalid", InvalidRequest),
+        ("is_a_directory", InvalidRequest),
+        ("not_a_directory", InvalidRequest),
+        ("permission_denied", GuestError),
+        ("io_error", GuestError),
+    ],
 )
 async def test_guest_errors_map_to_podbay_errors(
     guest: FakeGuest, ch: GuestChannel, code: str, exc: type[Exception]
@@ -135,6 +143,8 @@ async def test_guest_errors_map_to_podbay_errors(
     assert info.value.details["guest_code"] == code  # type: ignore[attr-defined]
     if exc is GuestError:
         assert type(info.value) is GuestError
+    else:
+        assert not isinstance(info.value, GuestError)  # a client error (4xx), not the guest's fault
 
 
 async def test_malformed_error_and_result_fail_only_that_request(guest: FakeGuest, ch: GuestChannel) -> None:

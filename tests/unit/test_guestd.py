@@ -10,6 +10,7 @@ import hashlib
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -287,7 +288,7 @@ async def test_file_errors(ch: GuestChannel, tmp_path: Path) -> None:
         await ch.stat(str(tmp_path / "missing"))
     with pytest.raises(NotFound):
         [c async for c in ch.read_file(str(tmp_path / "missing"))]
-    with pytest.raises(GuestError) as exc:
+    with pytest.raises(InvalidRequest) as exc:
         [c async for c in ch.read_file(str(tmp_path))]
     assert exc.value.details["guest_code"] == "is_a_directory"
     with pytest.raises(NotFound):
@@ -300,10 +301,59 @@ async def test_file_errors(ch: GuestChannel, tmp_path: Path) -> None:
         await ch.remove(str(tmp_path / "d"))
     with pytest.raises(InvalidRequest):
         await ch.stat("relative/path")
-    with pytest.raises(GuestError) as exc:
+    with pytest.raises(InvalidRequest) as exc:
         await ch.list_dir(str(tmp_path / "d" / "f"))
     assert exc.value.details["guest_code"] == "not_a_directory"
     assert (await ch.ping())["version"] == 1
+
+
+async def test_directory_kind_errors_are_client_errors(ch: GuestChannel, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("file")
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.write_file(str(tmp_path), b"x")
+    assert exc.value.details["guest_code"] == "is_a_directory"
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.run(ExecSpec(argv=["true"], cwd=str(tmp_path / "f")))
+    assert exc.value.details["guest_code"] == "not_a_directory"
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.mkdir(str(tmp_path / "f" / "sub"))
+    assert exc.value.details["guest_code"] == "not_a_directory"
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.mkdir(str(tmp_path / "f" / "sub"), parents=False)
+    assert exc.value.details["guest_code"] == "not_a_directory"
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.write_file(str(tmp_path / "f" / "sub"), b"x")
+    assert exc.value.details["guest_code"] == "not_a_directory"
+    assert (tmp_path / "f").read_text() == "file"
+
+
+@pytest.mark.parametrize("append", [False, True])
+async def test_write_refuses_to_replace_a_non_regular_file(ch: GuestChannel, tmp_path: Path, append: bool) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    targets = [fifo]
+    link = tmp_path / "link-to-fifo"
+    link.symlink_to(fifo)
+    targets.append(link)
+    dev = tmp_path / "null"
+    try:
+        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own, never the host's
+        targets.append(dev)
+    except OSError:
+        pass  # no CAP_MKNOD here: the FIFO stands for every non-regular file
+    for target in targets:
+        with pytest.raises(InvalidRequest, match="not a regular file") as exc:
+            await ch.write_file(str(target), b"data", append=append)
+        assert exc.value.details["guest_code"] == "invalid"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.islink(link)
+    if dev in targets:
+        assert stat.S_ISCHR(os.lstat(dev).st_mode)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".podbay-tmp")]
+    # A symlink to a regular file is still written (the link is replaced, as before).
+    (tmp_path / "real").write_bytes(b"old")
+    (tmp_path / "link-to-real").symlink_to(tmp_path / "real")
+    await ch.write_file(str(tmp_path / "link-to-real"), b"new", append=append)
+    assert (tmp_path / "link-to-real").read_bytes() == (b"oldnew" if append else b"new")
 
 
 # -- reconnects and hostile hosts ------------------------------------------------------------------
@@ -462,9 +512,44 @@ async def test_exec_children_get_default_signals_and_the_right_cwd(ch: GuestChan
     assert sid == pid
 
 
+@pytest.mark.parametrize(
+    ("user", "needle"),
+    [
+        (99999999999, "no such user: 99999999999"),
+        ("99999999999", "no such user: 99999999999"),
+        (2**32 - 1, "no such user: 4294967295"),
+        (-1, "no such user: -1"),
+        ("no-such-user-here", "no such user: 'no-such-user-here'"),
+    ],
+)
+async def test_exec_and_write_reject_unknown_users(
+    ch: GuestChannel, tmp_path: Path, user: str | int, needle: str
+) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        await ch.run(ExecSpec(argv=["true"], user=user))
+    assert needle in str(exc.value) and exc.value.details["guest_code"] == "invalid"
+    with pytest.raises(InvalidRequest, match="no such user"):
+        await ch.write_file(str(tmp_path / "f"), b"x", user=user)
+    assert not (tmp_path / "f").exists()
+
+
+async def test_exec_highest_uid_without_passwd_entry_runs(ch: GuestChannel) -> None:
+    out, _, res = await ch.run(ExecSpec(argv=["id", "-u"], user=2**32 - 2))
+    assert (out, res.exit_code) == (b"4294967294\n", 0)
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+async def test_exec_empty_program_name_is_invalid(ch: GuestChannel, user: str | None) -> None:
+    with pytest.raises(InvalidRequest, match="empty program name") as exc:
+        await ch.run(ExecSpec(argv=[""], user=user))
+    assert exc.value.details["guest_code"] == "invalid"
+
+
 async def test_exec_missing_or_unrunnable_program(ch: GuestChannel, tmp_path: Path) -> None:
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound, match="no-such-program-here"):
         await ch.run(ExecSpec(argv=["no-such-program-here"]))
+    with pytest.raises(NotFound, match="no-such-program-here"):
+        await ch.run(ExecSpec(argv=["no-such-program-here"], user="nobody"))
     script = tmp_path / "not-executable"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o644)

@@ -15,10 +15,10 @@ The guest is untrusted (DESIGN.md §4): frames are size-limited by the codec, ev
 ``podbay.contracts.channel``, DATA beyond the flow-control window or a flood of control frames fails only
 that request, frames for unknown streams are counted and dropped, and unary requests have timeouts.
 
-Errors: a guest ERROR becomes ``NotFound`` (not_found), ``Conflict`` (exists), ``InvalidRequest`` (invalid)
-or ``GuestError`` (any other code, in ``details["guest_code"]``); a malformed answer is ``GuestError``;
-a lost connection fails every pending request with ``ChannelClosed`` (a retryable ``GuestError``), after
-which ``connect`` may be called again; a request timeout is ``Timeout``.
+Errors: a guest ERROR becomes ``NotFound`` (not_found), ``Conflict`` (exists), ``InvalidRequest`` (invalid,
+is_a_directory, not_a_directory) or ``GuestError`` (any other code); the code is in ``details["guest_code"]``;
+a malformed answer is ``GuestError``; a lost connection fails every pending request with ``ChannelClosed``
+(a retryable ``GuestError``), after which ``connect`` may be called again; a request timeout is ``Timeout``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,15 @@ _LIST_LIMIT_BYTES = 64 * 1024 * 1024
 # torn frame of the previous host swallowed it (docs/channel.md, Resynchronisation).
 _HELLO_RETRY_FIRST_S = 0.05
 _HELLO_RETRY_MAX_S = 0.25
-_ERROR_CLASSES: dict[str, type[PodbayError]] = {"not_found": NotFound, "exists": Conflict, "invalid": InvalidRequest}
+# is_a_directory / not_a_directory are the caller's mistake (a directory where a file is expected, or the
+# reverse), so they are client errors like invalid; the guest code stays in details["guest_code"].
+_ERROR_CLASSES: dict[str, type[PodbayError]] = {
+    "not_found": NotFound,
+    "exists": Conflict,
+    "invalid": InvalidRequest,
+    "is_a_directory": InvalidRequest,
+    "not_a_directory": InvalidRequest,
+}
 
 
 class ChannelClosed(GuestError):
@@ -403,8 +411,9 @@ class GuestChannel:
         return bytes(out["stdout"]), bytes(out["stderr"]), result
 
     async def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
-        """Stream a file's bytes in chunks (at most 64 KiB each). Raises NotFound, GuestError
-        (is_a_directory, permission_denied, ...) or Timeout when the guest stalls for ``request_timeout_s``."""
+        """Stream a file's bytes in chunks (at most 64 KiB each). Raises NotFound, InvalidRequest
+        (is_a_directory), GuestError (permission_denied, ...) or Timeout when the guest stalls for
+        ``request_timeout_s``."""
         stream = self._open(Op.READ, {"path": path, "offset": offset, "length": length})
         try:
             while True:
@@ -430,7 +439,8 @@ class GuestChannel:
         user: str | int | None = None,
     ) -> dict[str, Any]:
         """Write a file atomically (temp file + rename; ``append`` writes in place) -> FileStat dict.
-        Raises NotFound (missing parent), GuestError (is_a_directory, permission_denied, ...), Timeout."""
+        Raises NotFound (missing parent), InvalidRequest (is_a_directory, not_a_directory, an existing
+        path that is not a regular file), GuestError (permission_denied, ...), Timeout."""
         args: dict[str, Any] = {"path": path, "mode": mode, "append": append}
         if user is not None:
             args["user"] = user
@@ -479,7 +489,8 @@ class GuestChannel:
         return await self._unary(Op.STAT, {"path": path}, FileStat)
 
     async def list_dir(self, path: str) -> list[FileStat]:
-        """The entries of a directory, one level, sorted by name. Raises NotFound, GuestError."""
+        """The entries of a directory, one level, sorted by name. Raises NotFound, InvalidRequest
+        (not_a_directory), GuestError."""
         stream = self._open(Op.LIST, {"path": path})
         lines: list[bytes] = []
         total = 0
@@ -507,7 +518,8 @@ class GuestChannel:
         return entries
 
     async def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int = 0o755) -> FileStat:
-        """Create a directory (with parents by default). Raises Conflict (exists), NotFound, GuestError."""
+        """Create a directory (with parents by default). Raises Conflict (exists), NotFound,
+        InvalidRequest (not_a_directory: a file on the way), GuestError."""
         req = MkdirRequest(path=path, parents=parents, exist_ok=exist_ok, mode=mode)
         return await self._unary(Op.MKDIR, req.model_dump(), FileStat)
 

@@ -60,7 +60,8 @@ class Op(StrEnum):
 
 class GuestErrorCode(StrEnum):
     """Codes of ERROR frames. The host maps not_found, exists and invalid to NotFound, Conflict and
-    InvalidRequest; every other code becomes GuestError."""
+    InvalidRequest, is_a_directory and not_a_directory to InvalidRequest; every other code becomes
+    GuestError."""
 
     NOT_FOUND = "not_found"
     EXISTS = "exists"

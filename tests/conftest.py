@@ -138,5 +138,6 @@ def stack(test_root: Path) -> Iterator[Stack]:
         running.create_api_key("dev", "dev")
         yield running
     finally:
-        running.stop(kill_vms=True)
+        # Purge: a test stack's VMs and loop-mounted store must not outlive the session.
+        running.stop(purge=True)
         kill_strays(data_dir)

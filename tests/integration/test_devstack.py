@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from podbay.config import Settings
 from podbay.devstack import supervisor
 from podbay.devstack.procs import free_ports, pid_alive, same_process
-from podbay.devstack.stack import SERVICES, Stack
+from podbay.devstack.stack import SERVICES, Stack, StackPorts
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +83,7 @@ def dev_settings(test_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[S
         warmpool_port=ports[7],
     )
     yield settings
-    supervisor.down(settings)
+    supervisor.down(settings, purge=True)
 
 
 def test_up_status_down_with_a_second_up_and_a_stale_state(dev_settings: Settings) -> None:
@@ -122,3 +124,27 @@ def _wait_gone(pid: int) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_detached_up_returns_non_zero_when_the_supervisor_fails_to_start(
+    dev_settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A stale state makes up leave the port check to the background supervisor (its leftovers may hold the
+    # ports until it stops them), so the failure happens there and must reach up's return code.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = supervisor.StackState(
+        state="ready", supervisor_pid=dead.pid, supervisor_start_ticks=None, started_at=0.0, api_url="http://x",
+        data_dir=str(dev_settings.data_dir), log_dir=str(dev_settings.logs), ports=StackPorts(),
+    )  # fmt: skip
+    dev_settings.data_dir.mkdir(parents=True, exist_ok=True)
+    supervisor._write_state(dev_settings, stale)
+    nats_port = int(os.environ["PODBAY_NATS_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other_stack:
+        other_stack.bind(("127.0.0.1", nats_port))
+        other_stack.listen()
+        assert supervisor.up(dev_settings, detach=True) == 1
+    out = capsys.readouterr().out
+    assert f"port {nats_port} (nats) is in use; set PODBAY_NATS_PORT" in out
+    assert supervisor.read_state(dev_settings) is None
+    assert supervisor.status(dev_settings) == []

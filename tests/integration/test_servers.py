@@ -175,12 +175,23 @@ async def test_s3_keeps_objects_and_keys_across_a_restart(work_dir: Path) -> Non
 
 
 def test_failed_start_reports_the_log_tail(work_dir: Path) -> None:
+    # A file where JetStream's store directory must be: nats-server starts, logs why, and exits.
+    (work_dir / "jetstream").write_text("")
+    with pytest.raises(ServerError) as info:
+        start_nats(work_dir, free_port(), timeout_s=20)
+    assert info.value.details["server"] == "nats"
+    assert "storage directory is not a directory" in info.value.details["log_tail"].lower()
+    assert str(work_dir / "nats.log") in str(info.value)
+
+
+def test_a_taken_port_fails_before_starting(work_dir: Path) -> None:
+    # Another process's listener could answer the readiness probe for a server that cannot bind its port.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ServerError) as info:
             start_nats(work_dir, port, timeout_s=20)
-    assert info.value.details["server"] == "nats"
-    assert "address already in use" in info.value.details["log_tail"].lower()
-    assert str(work_dir / "nats.log") in str(info.value)
+    assert str(info.value) == f"port {port} (nats) is in use"
+    assert info.value.details == {"server": "nats", "port": port}
+    assert not (work_dir / "nats.log").exists()

@@ -263,7 +263,7 @@ def supervisor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     parts = [_Part("nats", "server", "nats://127.0.0.1:4222", 10, True, "")]
     mod = types.ModuleType("podbay.devstack.supervisor")
     mod.up = lambda settings, detach: calls.append(("up", detach))  # type: ignore[attr-defined]
-    mod.down = lambda settings: calls.append(("down", None))  # type: ignore[attr-defined]
+    mod.down = lambda settings, purge=False: calls.append(("down", purge))  # type: ignore[attr-defined]
     mod.status = lambda settings: parts  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "podbay.devstack.supervisor", mod)
     import podbay.devstack
@@ -275,7 +275,18 @@ def supervisor(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 def test_up_down_status(supervisor: types.SimpleNamespace) -> None:
     assert CliRunner().invoke(app, ["up", "--detach"]).exit_code == 0
     assert CliRunner().invoke(app, ["down"]).exit_code == 0
-    assert supervisor.calls == [("up", True), ("down", None)]
+    assert CliRunner().invoke(app, ["down", "--purge"]).exit_code == 0
+    assert supervisor.calls == [("up", True), ("down", False), ("down", True)]
+
+
+def test_failed_up_exits_non_zero_and_does_not_claim_success(
+        supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    import podbay.devstack
+
+    monkeypatch.setattr(podbay.devstack.supervisor, "up", lambda settings, detach: 1)
+    result = CliRunner().invoke(app, ["up", "--detach"])
+    assert result.exit_code == 1
+    assert "podbay is up" not in result.output
     healthy = CliRunner().invoke(app, ["status"])
     assert healthy.exit_code == 0 and "nats://127.0.0.1:4222" in healthy.stdout
     supervisor.parts.append(_Part("api", "service", "http://127.0.0.1:8080", None, False, "connection refused"))

@@ -50,15 +50,21 @@ def env(ctx: typer.Context) -> None:
 @handle_errors
 def up(detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return.")) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
-    _settle(_supervisor().up(_settings(), detach=detach))
+    code = _settle(_supervisor().up(_settings(), detach=detach))
+    if code:
+        raise typer.Exit(int(code))
     if detach:
         print('podbay is up; run: eval "$(podbay env)"', file=sys.stderr)
 
 
 @handle_errors
-def down() -> None:
-    """Stop the dev stack started with `podbay up`."""
-    _settle(_supervisor().down(_settings()))
+def down(
+    purge: bool = typer.Option(False, "--purge", help="Also stop this stack's sandbox VMs and unmount its node stores."),
+) -> None:
+    """Stop the dev stack started with `podbay up`; sandbox VMs keep running unless --purge."""
+    code = _settle(_supervisor().down(_settings(), purge=purge))
+    if code:
+        raise typer.Exit(int(code))
 
 
 #: What ``podbay status`` says when no stack is recorded.

@@ -4,6 +4,7 @@
   real client answer (``start_nats``, ``start_postgres``, ``start_s3``).
 - :mod:`podbay.devstack.stack`: a whole stack (servers plus every service as a child process).
 - :mod:`podbay.devstack.supervisor`: ``up``, ``down``, ``status`` and ``stack_env`` for the CLI.
+- :mod:`podbay.devstack.vms`: this data dir's sandbox VMs and node stores (``down --purge``, test teardown).
 
 Nothing is imported eagerly; import the submodule you need.
 """

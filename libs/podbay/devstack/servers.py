@@ -209,6 +209,13 @@ def _spawn(name: str, argv: list[str], log_path: Path, **popen: Any) -> tuple[su
     return proc, offset
 
 
+def _check_port(name: str, port: int) -> None:
+    """Raise :class:`ServerError` when ``port`` is taken: the server would exit on "address already in use"
+    while its readiness probe might be answered by whoever holds the port."""
+    if not port_is_free(port):
+        raise ServerError(f"port {port} ({name}) is in use", details={"server": name, "port": port})
+
+
 def _fail(server: ServerProcess, why: str) -> ServerError:
     server.stop(grace_s=5.0)
     log_tail = server.log_tail()
@@ -229,9 +236,14 @@ def _wait_ready(server: ServerProcess, probe: Callable[[], Awaitable[None]], tim
                 return f"exited with code {server.proc.returncode} during start-up"
             try:
                 await asyncio.wait_for(probe(), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-                return None
             except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"; the last one is reported
                 last = f"{type(exc).__name__}: {exc}"
+            else:
+                # An answer counts only while our process runs: with the port taken, another server (another
+                # stack's) answers while ours exits on "address already in use".
+                if server.alive():
+                    return None
+                return f"exited with code {server.proc.returncode} during start-up (another process answered)"
             await asyncio.sleep(delay)
             delay = min(0.5, delay * 1.5)
         return f"did not answer within {timeout_s:.0f} s (last error: {last})"
@@ -274,6 +286,7 @@ def start_nats(data_dir: Path, port: int, *, log_dir: Path | None = None, timeou
     ``FileNotFoundError`` when the binary is missing.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
+    _check_port("nats", port)
     log_path = (log_dir or data_dir) / "nats.log"
     argv = [str(find_binary("nats-server")), "-js", "-sd", str(data_dir), "-a", _HOST, "-p", str(port)]
     proc, offset = _spawn("nats", argv, log_path)
@@ -341,6 +354,7 @@ def start_postgres(
     off fsync (for tests: faster, unsafe on power loss). Raises :class:`ServerError` on failure.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
+    _check_port("postgres", port)
     log_path = (log_dir or data_dir) / "postgres.log"
     creds = _credentials(data_dir, {"superuser_password": None, "password": password})
     account = pgaccount.ensure_account(run_as) if os.geteuid() == 0 else None
@@ -472,6 +486,7 @@ def start_s3(
     ``list_buckets`` answers and ``bucket`` exists. Raises :class:`ServerError` on failure.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
+    _check_port("s3", port)
     log_path = (log_dir or data_dir) / "s3.log"
     creds = _credentials(data_dir, {"access_key": access_key, "secret_key": secret_key})
     ports = _weed_ports(data_dir, port)

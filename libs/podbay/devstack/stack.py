@@ -31,7 +31,8 @@ from pydantic import BaseModel
 
 from podbay.config import Settings
 from podbay.devstack import servers as srv
-from podbay.devstack.procs import free_ports, pid_alive, process_start_ticks, run_sync, stop_process, tail
+from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
+from podbay.devstack.procs import free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
 
 __all__ = [
@@ -43,7 +44,12 @@ __all__ = [
     "StackError",
     "ServiceProcess",
     "Stack",
+    "PortInUse",
+    "check_ports_free",
+    "find_strays",
     "kill_strays",
+    "node_stores",
+    "unmount_node_stores",
     "default_bin_dir",
 ]
 
@@ -130,6 +136,41 @@ class StackError(Unavailable):
     code = "stack_unavailable"
 
 
+class PortInUse(StackError):
+    """A port the stack would bind is already taken; ``details`` has ``part``, ``port`` and ``variable``."""
+
+    code = "port_in_use"
+
+
+# The variable that moves each port (the message tells the user which one to set).
+_PORT_VARIABLES = {
+    "nats": "PODBAY_NATS_PORT", "pg": "PODBAY_PG_PORT", "s3": "PODBAY_S3_PORT", "api": "PODBAY_API_PORT",
+    "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
+    "warmpool": "PODBAY_WARMPOOL_PORT",
+}  # fmt: skip
+_PART_OF_PORT = {"pg": "postgres", "node": "nodeagent"}
+
+
+def check_ports_free(ports: StackPorts, external: External | None = None) -> None:
+    """Raise :class:`PortInUse` for the first port of ``ports`` that a listener could not bind now, naming the
+    part and the variable that moves it (``port 4222 (nats) is in use; set PODBAY_NATS_PORT``). Ports of
+    servers given in ``external`` are not bound by the stack and are skipped.
+
+    Why up front: a server whose port is taken exits at once, but its readiness probe may meanwhile be
+    answered by whatever holds the port (another stack's NATS), which would pass for ours.
+    """
+    ext = external or External()
+    skip = {"nats": bool(ext.nats_url), "pg": bool(ext.pg_dsn), "s3": bool(ext.s3_url)}
+    for key, port in ports.model_dump().items():
+        if skip.get(key) or port_is_free(port):
+            continue
+        part, variable = _PART_OF_PORT.get(key, key), _PORT_VARIABLES[key]
+        raise PortInUse(
+            f"port {port} ({part}) is in use; set {variable}",
+            details={"part": part, "port": port, "variable": variable},
+        )
+
+
 @dataclass
 class ServiceProcess:
     """A service child: spawned by :meth:`start`, healthy when ``health_url`` answers 200."""
@@ -190,7 +231,9 @@ class ServiceProcess:
             if not self.alive():
                 code = self.proc.returncode if self.proc else None
                 raise self._error(f"exited with code {code} during start-up")
-            if self.healthy():
+            # Alive after the answer too: with our port taken by someone else, their /healthz may answer
+            # while our process is exiting on "address already in use".
+            if self.healthy() and self.alive():
                 return
             time.sleep(delay)
             delay = min(0.5, delay * 1.5)
@@ -255,6 +298,7 @@ class Stack:
         :class:`StackError`/:class:`podbay.devstack.servers.ServerError` propagates. ``on_ready(name)`` is
         called as each part answers."""
         try:
+            check_ports_free(self.ports, self.external)
             self.start_servers(on_ready)
             self.start_services(on_ready)
         except BaseException:
@@ -366,13 +410,15 @@ class Stack:
         svc.start()
         svc.wait_healthy(timeout_s or self.start_timeout_s)
 
-    def stop(self, grace_s: float = 10.0, *, kill_vms: bool = False) -> None:
-        """Stop services in reverse start order, then the servers; idempotent. With ``kill_vms``, QEMU
-        processes left under ``data_dir`` are killed too (see :func:`kill_strays`)."""
+    def stop(self, grace_s: float = 10.0, *, purge: bool = False) -> None:
+        """Stop services in reverse start order, then the servers; idempotent. Sandbox VMs keep running (the
+        node agent leaves them on SIGTERM and re-attaches on its next start). With ``purge``, this data dir's
+        VMs are killed too (:func:`kill_strays`) and its node stores unmounted (:func:`unmount_node_stores`)."""
         for svc in reversed(list(self.services.values())):
             svc.stop(grace_s)
-        if kill_vms:
+        if purge:
             kill_strays(self.data_dir)
+            unmount_node_stores(self.data_dir)
         for server in reversed(list(self.servers.values())):
             server.stop(grace_s)
 
@@ -429,34 +475,3 @@ class Stack:
     def _notify(on_ready: Callable[[str], None] | None, name: str) -> None:
         if on_ready is not None:
             on_ready(name)
-
-
-def kill_strays(data_dir: Path) -> list[int]:
-    """SIGKILL QEMU (or its bubblewrap wrapper) processes that belong to ``data_dir``; returns their pids.
-
-    A process belongs when a ``*.pid`` file under ``data_dir`` names it, or when its command line mentions
-    ``data_dir``; either way it is killed only if its command line contains ``qemu`` or ``bwrap``.
-    """
-    root = str(data_dir.resolve())
-    named: set[int] = set()
-    for pidfile in data_dir.rglob("*.pid") if data_dir.is_dir() else ():
-        try:
-            named.add(int(pidfile.read_text().split()[0]))
-        except (OSError, ValueError, IndexError):
-            continue
-    killed: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        pid = int(entry.name)
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-        except OSError:
-            continue
-        if ("qemu" in cmdline or "bwrap" in cmdline) and (pid in named or root in cmdline) and pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-    return killed

@@ -12,6 +12,10 @@ Files in the data dir: ``stack.lock`` is held (``flock``) by the running supervi
 second ``up`` sees a running stack and changes nothing; ``stack.json`` (mode 0600) records pids, ports, urls
 and the services' environment for ``status``, ``down`` and ``podbay env``. A ``stack.json`` without a live
 supervisor is stale: ``up`` and ``down`` stop whatever it still names and remove it.
+
+Sandbox VMs are not parts of the stack: no path of ``up`` or ``down`` kills them (the node agent leaves them
+running on SIGTERM and re-attaches them when it starts again), except ``down(purge=True)``, which also kills
+this data dir's VMs and unmounts its node stores. ``up`` first checks that every port it will bind is free.
 """
 
 from __future__ import annotations
@@ -37,7 +41,17 @@ from podbay.clientconfig import ClientConfig, save_client_config
 from podbay.config import Settings
 from podbay.devstack import servers as srv
 from podbay.devstack.procs import process_start_ticks, run_sync, same_process, stop_pid, tail
-from podbay.devstack.stack import SERVICES, External, Stack, StackPorts, kill_strays
+from podbay.devstack.stack import (
+    SERVICES,
+    External,
+    PortInUse,
+    Stack,
+    StackPorts,
+    check_ports_free,
+    find_strays,
+    kill_strays,
+    unmount_node_stores,
+)
 
 __all__ = ["PartStatus", "PartRecord", "StackState", "up", "down", "status", "read_state", "stack_env"]
 
@@ -147,13 +161,14 @@ def _hold_lock(settings: Settings) -> Iterator[bool]:
 
 
 def _clean_stale(settings: Settings, state: StackState, console: Console) -> None:
-    """Stop what a dead supervisor's ``stack.json`` still names (reverse order), then remove the file."""
+    """Stop what a dead supervisor's ``stack.json`` still names (reverse order), then remove the file. Sandbox
+    VMs are left running."""
     for part in reversed(state.parts):
         if part.pid and same_process(part.pid, part.start_ticks):
             console.print(f"stopping leftover {part.name} (pid {part.pid})")
             first = signal.SIGINT if part.name == "postgres" else signal.SIGTERM
             stop_pid(part.pid, part.start_ticks, grace_s=_STOP_GRACE_S, first_signal=first)
-    kill_strays(settings.data_dir)
+    # Sandbox VMs are not parts: the node agent leaves them running and the next one re-attaches them.
     (settings.data_dir / STATE_FILE).unlink(missing_ok=True)
 
 
@@ -201,6 +216,14 @@ def up(settings: Settings, *, detach: bool = False, _daemon: bool = False) -> in
         where = f" (API {state.api_url}, supervisor pid {state.supervisor_pid})" if state else ""
         console.print(f"podbay stack already running{where}; nothing changed")
         return 0
+    if read_state(settings) is None:
+        # Checked here too (Stack.start checks again) so that the user sees the reason in this terminal; with
+        # a stale state the ports may still be held by its leftovers, which the supervisor stops first.
+        try:
+            check_ports_free(StackPorts.from_settings(settings), _external(settings))
+        except PortInUse as exc:
+            console.print(Text(f"podbay up failed: {exc}", style="bold red"))
+            return 1
     if detach:
         return _up_detached(settings, console)
     with _hold_lock(settings) as held:
@@ -249,12 +272,12 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
             stack.create_api_key("dev", "dev")
             path = save_client_config(ClientConfig(api_url=stack.api_url, api_key=stack.api_key))
         except _StopRequested:
-            stack.stop(grace_s=5.0, kill_vms=True)
+            stack.stop(grace_s=5.0)
             console.print("start-up interrupted; stopped")
             return 1
         except Exception as exc:  # noqa: BLE001 - any start-up failure is reported the same way
             console.print(Text(f"podbay up failed: {exc}", style="bold red"))
-            stack.stop(grace_s=5.0, kill_vms=True)
+            stack.stop(grace_s=5.0)
             return 1
         starting = False
         state.state = "ready"
@@ -264,7 +287,7 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
         console.print("stopping the podbay stack")
         state.state = "stopping"
         _write_state(settings, state)
-        stack.stop(grace_s=_STOP_GRACE_S, kill_vms=True)
+        stack.stop(grace_s=_STOP_GRACE_S)
         console.print("stopped")
         return 0
     finally:
@@ -412,11 +435,33 @@ def _up_detached(settings: Settings, console: Console) -> int:
 # --- down and status -------------------------------------------------------------------------------------
 
 
-def down(settings: Settings) -> int:
+def down(settings: Settings, *, purge: bool = False) -> int:
     """Stop the stack of ``settings.data_dir``: SIGTERM to its supervisor, which stops every part in reverse
     order; if it does not finish within two minutes, SIGKILL it and stop the parts directly. A stale state
-    is cleaned up. Returns 0 when nothing of the stack runs any more, 1 otherwise."""
-    console = Console(highlight=False)
+    is cleaned up. Returns 0 when no server or service of the stack runs any more, 1 otherwise.
+
+    Sandbox VMs keep running (the next ``up`` re-attaches them) and their node store stays mounted; one line
+    says how many were left. With ``purge`` this data dir's VMs are killed (:func:`kill_strays`) and its
+    node stores unmounted, their loop devices detached (:func:`unmount_node_stores`).
+    """
+    console = Console(highlight=False, soft_wrap=True)
+    code = _stop_supervisor(settings, console)
+    if purge:
+        killed = kill_strays(settings.data_dir)
+        stores = unmount_node_stores(settings.data_dir)
+        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted")
+        return code
+    left = find_strays(settings.data_dir)
+    if left:
+        console.print(f"{len(left)} sandbox VM(s) left running; the next podbay up re-attaches them; "
+                      "podbay down --purge stops them")  # fmt: skip
+    elif code == 0:
+        # Neither a VM nor the node agent uses the stores any more; the next up mounts them again.
+        unmount_node_stores(settings.data_dir)
+    return code
+
+
+def _stop_supervisor(settings: Settings, console: Console) -> int:
     state = read_state(settings)
     if not _lock_held(settings):
         if state is None:

@@ -27,7 +27,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "sandbox_info", "load_sandbox"]
+__all__ = ["router", "sandbox_info", "load_sandbox", "audit", "await_operation"]
 
 log = logging.getLogger("podbay.api")
 router = APIRouter(prefix="/v1")
@@ -126,7 +126,7 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
         )
         await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
                                  data={"template": tpl["name"], "operation_id": op_id})
-        await _audit(conn, who, "sandbox.create", sandbox_id)
+        await audit(conn, who, "sandbox.create", sandbox_id)
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
     ctx.relay.kick()
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
@@ -197,7 +197,7 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
                 "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'delete','pending')",
                 op_id, who.tenant_id, sandbox_id)
             node_cmd = DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"])
-        await _audit(conn, who, "sandbox.delete", sandbox_id)
+        await audit(conn, who, "sandbox.delete", sandbox_id)
     ctx.relay.kick()
     fut = None
     if node_cmd is not None and node_id is not None:
@@ -207,6 +207,17 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
     if node_cmd is not None and not finished:
         response.status_code = 202
     return info
+
+
+async def await_operation(ctx: ApiContext, fut: asyncio.Future[dict[str, object]] | None,
+                          ) -> tuple[bool, dict[str, object]]:
+    """Wait (bounded by ``create_timeout_s``) for an operation notice; returns (finished, notice body)."""
+    if fut is None:
+        return False, {}
+    try:
+        return True, await asyncio.wait_for(fut, timeout=ctx.settings.create_timeout_s)
+    except TimeoutError:
+        return False, {}
 
 
 async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand,
@@ -220,19 +231,12 @@ async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, comm
         await conn.execute(
             "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,$4,'pending')",
             op_id, who.tenant_id, sandbox_id, command.value)
-        await _audit(conn, who, f"sandbox.{command.value}", sandbox_id)
+        await audit(conn, who, f"sandbox.{command.value}", sandbox_id)
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(
         subjects.node_cmd(row["node_id"], command.value),
         SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]), msg_id=op_id)
-    finished = False
-    outcome: dict[str, object] = {}
-    if fut is not None:
-        try:
-            outcome = await asyncio.wait_for(fut, timeout=ctx.settings.create_timeout_s)
-            finished = True
-        except TimeoutError:
-            pass
+    finished, outcome = await await_operation(ctx, fut)
     LIFECYCLE_OPERATION_SECONDS.labels("api", command.value, "ok" if finished else "pending").observe(
         time.perf_counter() - t0)
     if finished and outcome.get("state") == "failed":
@@ -281,7 +285,7 @@ async def list_templates(ctx: CtxDep, who: PrincipalDep) -> dict[str, list[Templ
     return {"templates": [TemplateInfo(**dict(r)) for r in rows]}
 
 
-async def _audit(conn: Any, who: Principal, action: str, target: str) -> None:
+async def audit(conn: Any, who: Principal, action: str, target: str) -> None:
     await conn.execute(
         "INSERT INTO audit_log (tenant_id, actor, action, target) VALUES ($1, $2, $3, $4)",
         who.tenant_id, who.key_id, action, target)

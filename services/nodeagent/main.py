@@ -21,7 +21,14 @@ from podbay import db
 from podbay.bus import connect_bus, consume
 from podbay.config import get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, SandboxOpCmd
+from podbay.contracts.messages import (
+    CreateSandboxCmd,
+    DeleteSandboxCmd,
+    ForkCmd,
+    RestoreCmd,
+    SandboxOpCmd,
+    SnapshotCmd,
+)
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
@@ -48,6 +55,12 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.create(CreateSandboxCmd.model_validate_json(data))
             elif verb == "delete":
                 await manager.delete(DeleteSandboxCmd.model_validate_json(data))
+            elif verb == "snapshot":
+                await manager.snapshots.snapshot(SnapshotCmd.model_validate_json(data))
+            elif verb == "restore":
+                await manager.snapshots.restore(RestoreCmd.model_validate_json(data))
+            elif verb == "fork":
+                await manager.snapshots.fork(ForkCmd.model_validate_json(data))
             elif verb == "pause":
                 await manager.pause(SandboxOpCmd.model_validate_json(data))
             elif verb == "resume":

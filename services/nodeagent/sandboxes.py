@@ -65,6 +65,9 @@ class SandboxManager:
         self.templates: dict[str, TemplateImage] = {}
         self.ready = False
         self._locks: dict[str, asyncio.Lock] = {}
+        from .snapshots import SnapshotOps
+
+        self.snapshots = SnapshotOps(self)
 
     @property
     def node_id(self) -> str:
@@ -110,61 +113,89 @@ class SandboxManager:
             await self._create_locked(cmd)
 
     async def _create_locked(self, cmd: CreateSandboxCmd) -> None:
+        tpl = self.templates.get(cmd.template)
+        source: Path | None = None
+        if tpl is not None and tpl.digest == cmd.template_digest:
+            source = tpl.snapshot.dir
+        await self.bring_up(cmd.sandbox_id, cmd.generation, cmd.resources, cmd.hostname, cmd.tenant_id,
+                            template=cmd.template, template_digest=cmd.template_digest, snapshot_dir=source,
+                            operation_id=cmd.operation_id, event="started", kind="create")
+
+    async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
+                       *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
+                       event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
+                       ) -> bool:
+        """Start the sandbox's VM from ``snapshot_dir`` (a full snapshot: the template's or its own) or, with
+        ``boot_disk``, by a fresh boot on that disk; run the after-restore hygiene; mark it running with
+        ``event``. Called under the sandbox's lock with the row in ``starting`` at ``generation``. On failure
+        the sandbox becomes ``failed`` with the reason. Returns True when it runs."""
         t0 = time.perf_counter()
-        vm_dir = self.store.sandbox_dir(cmd.sandbox_id)
+        vm_dir = self.store.sandbox_dir(sandbox_id)
         handle: VmHandle | None = None
         channel: GuestChannel | None = None
         try:
-            tpl = self.templates.get(cmd.template)
+            tpl = self.templates.get(template)
             if tpl is None:
-                raise NotFound(f"template {cmd.template!r} is not on node {self.node_id}")
-            if tpl.digest != cmd.template_digest:
-                raise PodbayError(f"template {cmd.template!r} on this node is {tpl.digest[:12]}, "
-                                  f"the sandbox needs {cmd.template_digest[:12]}")
+                raise NotFound(f"template {template!r} is not on node {self.node_id}")
+            if tpl.digest != template_digest:
+                raise PodbayError(f"template {template!r} on this node is {tpl.digest[:12]}, "
+                                  f"the sandbox needs {template_digest[:12]}")
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
             t = time.perf_counter()
-            handle = await self.driver.restore(tpl, vm_dir, memory_mib=cmd.resources.memory_mib,
-                                               vcpus=cmd.resources.vcpus)
+            if boot_disk is not None:
+                handle = await self.driver.boot_disk(boot_disk, tpl, vm_dir, memory_mib=resources.memory_mib,
+                                                     vcpus=resources.vcpus)
+                connect_timeout = self.settings.boot_timeout_s
+            else:
+                assert snapshot_dir is not None
+                handle = await self.driver.restore_from(snapshot_dir, tpl, vm_dir, memory_mib=resources.memory_mib,
+                                                        vcpus=resources.vcpus)
+                connect_timeout = self.settings.restore_timeout_s
             HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
             t = time.perf_counter()
-            channel = await GuestChannel.connect(handle.channel_path, timeout_s=self.settings.restore_timeout_s)
-            await channel.after_restore(hostname=cmd.hostname, seed=os.urandom(64), time_ns=time.time_ns(),
-                                        env={"PODBAY_SANDBOX_ID": cmd.sandbox_id})
+            channel = await GuestChannel.connect(handle.channel_path, timeout_s=connect_timeout)
+            await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
+                                        env={"PODBAY_SANDBOX_ID": sandbox_id})
             HOP_SECONDS.labels("nodeagent", "guest_hygiene").observe(time.perf_counter() - t)
             (vm_dir / "meta.json").write_text(json.dumps(
-                {"sandbox_id": cmd.sandbox_id, "generation": cmd.generation,
-                 "memory_mib": cmd.resources.memory_mib, "vcpus": cmd.resources.vcpus}))
+                {"sandbox_id": sandbox_id, "generation": generation,
+                 "memory_mib": resources.memory_mib, "vcpus": resources.vcpus}))
             t = time.perf_counter()
             async with self.pool.acquire() as conn, conn.transaction():
                 updated = await conn.fetchval(
                     "UPDATE sandboxes SET state='running', failure_reason=NULL, updated_at=now()"
                     " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING id",
-                    cmd.sandbox_id, cmd.generation, self.node_id)
+                    sandbox_id, generation, self.node_id)
                 if updated is None:
                     raise _Superseded()
-                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                                   cmd.operation_id)
-                await emit_sandbox_event(conn, cmd.sandbox_id, "started", state="running", node_id=self.node_id,
-                                         tenant_id=cmd.tenant_id, generation=cmd.generation,
-                                         data={"restore_ms": round((time.perf_counter() - t0) * 1000, 1)})
+                if operation_id and kind == "create":
+                    await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
+                                       operation_id)
+                await emit_sandbox_event(conn, sandbox_id, event, state="running", node_id=self.node_id,
+                                         tenant_id=tenant_id, generation=generation,
+                                         data={**(data or {}), "ms": round((time.perf_counter() - t0) * 1000, 1)})
             HOP_SECONDS.labels("nodeagent", "db").observe(time.perf_counter() - t)
             self.relay.kick()
-            vm = RunningVm(cmd.sandbox_id, cmd.generation, cmd.resources, handle, channel)
-            self.vms[cmd.sandbox_id] = vm
-            vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{cmd.sandbox_id}")
-            LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "create", "ok").observe(time.perf_counter() - t0)
-            LIFECYCLE_OPERATIONS.labels("nodeagent", "create", "ok").inc()
-            log.info("sandbox %s running (%.0f ms)", cmd.sandbox_id, (time.perf_counter() - t0) * 1000)
+            vm = RunningVm(sandbox_id, generation, resources, handle, channel)
+            self.vms[sandbox_id] = vm
+            vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+            LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", kind, "ok").observe(time.perf_counter() - t0)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "ok").inc()
+            log.info("sandbox %s running after %s (%.0f ms)", sandbox_id, kind, (time.perf_counter() - t0) * 1000)
+            return True
         except _Superseded:
-            log.info("create %s: superseded while restoring; discarding the VM", cmd.sandbox_id)
+            log.info("%s %s: superseded while starting; discarding the VM", kind, sandbox_id)
             await self._teardown(handle, channel, vm_dir)
+            return False
         except Exception as exc:
             reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
-            log.warning("create %s failed: %s", cmd.sandbox_id, reason)
+            log.warning("%s %s failed: %s", kind, sandbox_id, reason)
             await self._teardown(handle, channel, vm_dir)
-            LIFECYCLE_OPERATIONS.labels("nodeagent", "create", "failed").inc()
-            await self._mark_failed(cmd.sandbox_id, cmd.generation, reason, operation_id=cmd.operation_id,
+            LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "failed").inc()
+            await self.mark_failed(sandbox_id, generation, reason,
+                                    operation_id=operation_id if kind == "create" else None,
                                     from_states=("starting",))
+            return False
 
     # ------------------------------------------------------------------ delete
 
@@ -175,8 +206,9 @@ class SandboxManager:
                 "SELECT state, node_id, tenant_id, generation FROM sandboxes WHERE id = $1", cmd.sandbox_id)
             if row is None or row["state"] == "deleted" or row["node_id"] != self.node_id:
                 return
-            await self._stop_vm(cmd.sandbox_id)
+            await self.stop_vm(cmd.sandbox_id)
             await self._discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
+            await self.snapshots.discard(cmd.sandbox_id)
             async with self.pool.acquire() as conn, conn.transaction():
                 done = await conn.fetchval(
                     "UPDATE sandboxes SET state='deleted', deleted_at=now(), updated_at=now()"
@@ -207,14 +239,14 @@ class SandboxManager:
             row = await self.pool.fetchrow(
                 "SELECT state, generation, node_id, tenant_id FROM sandboxes WHERE id = $1", cmd.sandbox_id)
             if row is None or row["node_id"] != self.node_id or row["generation"] != cmd.generation:
-                await self._finish_op(cmd.operation_id, f"stale generation {cmd.generation}")
+                await self.finish_op(cmd.operation_id, f"stale generation {cmd.generation}")
                 return
             if row["state"] == target:
-                await self._finish_op(cmd.operation_id, None)  # a repeated call: already done
+                await self.finish_op(cmd.operation_id, None)  # a repeated call: already done
                 return
             vm = self.vms.get(cmd.sandbox_id)
             if row["state"] != source or vm is None:
-                await self._finish_op(cmd.operation_id, f"the sandbox is {row['state']}")
+                await self.finish_op(cmd.operation_id, f"the sandbox is {row['state']}")
                 return
             try:
                 t = time.perf_counter()
@@ -230,7 +262,7 @@ class SandboxManager:
             except Exception as exc:
                 reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
                 LIFECYCLE_OPERATIONS.labels("nodeagent", verb, "failed").inc()
-                await self._finish_op(cmd.operation_id, reason)
+                await self.finish_op(cmd.operation_id, reason)
                 return
             async with self.pool.acquire() as conn, conn.transaction():
                 done = await conn.fetchval(
@@ -247,7 +279,7 @@ class SandboxManager:
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", verb, "ok").observe(time.perf_counter() - t0)
             LIFECYCLE_OPERATIONS.labels("nodeagent", verb, "ok").inc()
 
-    async def _finish_op(self, operation_id: str, error: str | None) -> None:
+    async def finish_op(self, operation_id: str, error: str | None) -> None:
         """Record an operation's outcome (``error`` None: succeeded) and send its notice."""
         if error is None:
             await self.pool.execute(
@@ -268,7 +300,7 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ helpers
 
-    async def _stop_vm(self, sandbox_id: str) -> None:
+    async def stop_vm(self, sandbox_id: str) -> None:
         vm = self.vms.pop(sandbox_id, None)
         if vm is None:
             return
@@ -308,7 +340,7 @@ class SandboxManager:
         if vm_dir.exists():
             await asyncio.to_thread(shutil.rmtree, vm_dir, True)
 
-    async def _mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
+    async def mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
                            from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
@@ -344,7 +376,7 @@ class SandboxManager:
             reason = "the VM exited unexpectedly" + (f" (QEMU status {code})" if code is not None else "")
             log.warning("sandbox %s: %s", vm.sandbox_id, reason)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
-            await self._mark_failed(vm.sandbox_id, vm.generation, reason)
+            await self.mark_failed(vm.sandbox_id, vm.generation, reason)
 
     # ------------------------------------------------------------------ reconcile
 
@@ -357,9 +389,12 @@ class SandboxManager:
         """
         rows = await self.pool.fetch(
             "SELECT s.id, s.state, s.generation, s.tenant_id, s.template, s.template_digest, s.hostname,"
-            " s.memory_mib, s.vcpus, (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id"
-            " ORDER BY o.created_at DESC LIMIT 1) AS op_id"
+            " s.memory_mib, s.vcpus, s.source_snapshot_id,"
+            " (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1) AS op_id,"
+            " (SELECT o.kind FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1)"
+            " AS op_kind"
             " FROM sandboxes s WHERE s.node_id = $1 AND s.state NOT IN ('deleted', 'failed')", self.node_id)
+        await self.snapshots.reconcile()
         claimed = {r["id"] for r in rows}
         for orphan in set(self.store.sandbox_ids_on_disk()) - claimed:
             log.info("removing orphaned VM directory %s", orphan)
@@ -370,6 +405,9 @@ class SandboxManager:
             try:
                 if r["state"] in ("running", "paused"):
                     await self._reattach(sid, r["generation"], r["tenant_id"], res, paused=r["state"] == "paused")
+                elif r["state"] == "starting" and (r["op_kind"] != "create" or r["source_snapshot_id"]):
+                    # A rollback or a fork child: its command is redelivered and its handler is idempotent.
+                    log.info("sandbox %s: waiting for its %s command to be redelivered", sid, r["op_kind"] or "fork")
                 elif r["state"] == "starting":
                     async with self.lock(sid):
                         await self._create_locked(CreateSandboxCmd(
@@ -400,7 +438,7 @@ class SandboxManager:
             reason = f"the VM is gone after a node agent restart ({exc})"
             log.warning("sandbox %s: %s", sandbox_id, reason)
             await self._discard_vm_dir(vm_dir)
-            await self._mark_failed(sandbox_id, generation, reason, from_states=("running", "paused"))
+            await self.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused"))
             return
         vm = RunningVm(sandbox_id, generation, res, handle, channel)
         self.vms[sandbox_id] = vm

@@ -158,6 +158,25 @@ class VmDriver:
         inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config)
         return VmHandle(self.vmm, inner)
 
+    async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
+                           vcpus: int) -> VmHandle:
+        """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel."""
+        config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
+        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config))
+
+    async def boot_disk(self, disk: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
+                        vcpus: int) -> VmHandle:
+        """Fresh boot of ``tpl``'s kernel on a reflink of ``disk`` (rollback to a disk-only snapshot)."""
+        vm_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(reflink_or_copy, disk, vm_dir / "disk.img")
+        config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
+        return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir))
+
+    async def snapshot_full(self, handle: VmHandle, dest: Path, *, leave_stopped: bool) -> float:
+        """Memory, device state and disk into ``dest`` (DESIGN.md §3); returns the ms the guest was paused."""
+        res = await self.vmm.snapshot_full(handle.inner, dest, leave_stopped=leave_stopped)
+        return res.paused_ms
+
     async def attach(self, vm_dir: Path) -> VmHandle:
         """Re-attach to the QEMU still running for ``vm_dir``; raises ``VmGone`` when there is none."""
         return VmHandle(self.vmm, await self.vmm.attach(vm_dir))

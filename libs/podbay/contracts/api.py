@@ -23,6 +23,13 @@ __all__ = [
     "FileList",
     "ErrorBody",
     "TemplateInfo",
+    "SnapshotCreate",
+    "SnapshotInfo",
+    "SnapshotList",
+    "RestoreRequest",
+    "ForkRequest",
+    "ForkChildResult",
+    "ForkResult",
 ]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -144,3 +151,53 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class SnapshotCreate(_In):
+    """``POST /v1/sandboxes/{id}/snapshots``: ``disk`` (filesystems frozen for a reflink of the disk) or
+    ``full`` (memory, device state and disk; the guest is paused meanwhile)."""
+
+    kind: Literal["disk", "full"] = "full"
+
+
+class SnapshotInfo(BaseModel):
+    id: str
+    sandbox_id: str
+    kind: Literal["disk", "full"]
+    state: Literal["creating", "ready", "failed", "deleted"]
+    parent_id: str | None = None
+    size_bytes: int | None = Field(None, description="Bytes on the node's disk (allocated, before sharing).")
+    paused_ms: float | None = Field(None, description="Time the guest was held (paused or frozen), in ms.")
+    error: str | None = None
+    created_at: datetime
+    ready_at: datetime | None = None
+    operation_id: str | None = None
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[SnapshotInfo]
+
+
+class RestoreRequest(_In):
+    """``POST /v1/sandboxes/{id}/restore``: roll back to one of this sandbox's ready snapshots."""
+
+    snapshot_id: str = Field(min_length=1, max_length=64)
+
+
+class ForkRequest(_In):
+    """``POST /v1/sandboxes/{id}/fork``: ``count`` children from a new full snapshot, or from ``snapshot_id``."""
+
+    count: int = Field(1, ge=1, le=100)
+    snapshot_id: str | None = Field(None, min_length=1, max_length=64)
+
+
+class ForkChildResult(BaseModel):
+    sandbox_id: str
+    state: str
+    failure_reason: str | None = None
+
+
+class ForkResult(BaseModel):
+    snapshot_id: str
+    operation_id: str
+    children: list[ForkChildResult]

@@ -18,6 +18,10 @@ __all__ = [
     "DeleteSandboxCmd",
     "SandboxOpCmd",
     "OperationDone",
+    "SnapshotCmd",
+    "RestoreCmd",
+    "ForkChild",
+    "ForkCmd",
     "NodeHeartbeat",
     "Event",
     "EventType",
@@ -70,6 +74,42 @@ class SandboxOpCmd(_Msg):
     operation_id: str
     sandbox_id: str
     generation: int = Field(ge=1)
+
+
+class SnapshotCmd(_Msg):
+    """``podbay.cmd.node.<node>.snapshot``: take snapshot ``snapshot_id`` (its row exists, ``creating``)."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    snapshot_id: str
+    kind: Literal["disk", "full"]
+
+
+class RestoreCmd(_Msg):
+    """``podbay.cmd.node.<node>.restore``: roll the sandbox back to ``snapshot_id`` at the new ``generation``."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    snapshot_id: str
+
+
+class ForkChild(_Msg):
+    sandbox_id: str
+    hostname: str
+
+
+class ForkCmd(_Msg):
+    """``podbay.cmd.node.<node>.fork``: take ``snapshot_id`` first when ``take_snapshot``, then start each child
+    from it (each child row exists, ``starting``, generation 1)."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    snapshot_id: str
+    take_snapshot: bool
+    children: list[ForkChild] = Field(min_length=1, max_length=100)
 
 
 class OperationDone(_Msg):

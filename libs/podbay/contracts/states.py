@@ -31,6 +31,9 @@ class SandboxCommand(StrEnum):
     FILES = "files"
     PAUSE = "pause"
     RESUME = "resume"
+    SNAPSHOT = "snapshot"
+    RESTORE = "restore"
+    FORK = "fork"
     DELETE = "delete"
 
 
@@ -50,6 +53,9 @@ ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
     SandboxCommand.FILES: frozenset({S.RUNNING}),
     SandboxCommand.PAUSE: frozenset({S.RUNNING}),
     SandboxCommand.RESUME: frozenset({S.PAUSED}),
+    SandboxCommand.SNAPSHOT: frozenset({S.RUNNING, S.PAUSED}),
+    SandboxCommand.RESTORE: frozenset({S.RUNNING, S.PAUSED}),
+    SandboxCommand.FORK: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.DELETE: frozenset(set(S) - {S.DELETED}),
 }
 

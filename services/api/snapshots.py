@@ -1,0 +1,177 @@
+"""Snapshots, rollback and fork (DESIGN.md §5).
+
+- ``POST /v1/sandboxes/{id}/snapshots`` {"kind": "disk"|"full"} takes a snapshot on the sandbox's node;
+  ``GET`` lists the ready ones (kind, time, size, parent). A snapshot is listed only once complete.
+- ``POST /v1/sandboxes/{id}/restore`` {"snapshot_id"} rolls the sandbox back (memory and disk for a full
+  snapshot; the disk and a fresh boot for a disk one), keeping its id and bumping its generation.
+- ``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?} starts children from a new full snapshot (or
+  the named one); each child gets fresh randomness, clock, hostname and identity; the answer lists each
+  child's outcome, and a child that fails does not fail the others.
+Each call records an operation and waits (bounded) for the node's ``podbay.ops.<id>`` notice.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import asyncpg
+from fastapi import APIRouter, Depends, Query, Response
+
+from podbay.contracts import subjects
+from podbay.contracts.api import (
+    ForkChildResult,
+    ForkRequest,
+    ForkResult,
+    RestoreRequest,
+    SandboxInfo,
+    SnapshotCreate,
+    SnapshotInfo,
+    SnapshotList,
+)
+from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
+from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay.errors import Conflict, InvalidRequest, NotFound
+from podbay.outbox import emit_sandbox_event, new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+_COLS = "id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at"
+
+
+def _info(row: asyncpg.Record, operation_id: str | None = None) -> SnapshotInfo:
+    return SnapshotInfo(**dict(row), operation_id=operation_id)
+
+
+async def _latest_ready(conn: asyncpg.Connection, sandbox_id: str) -> str | None:
+    return await conn.fetchval(  # type: ignore[no-any-return]
+        "SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC LIMIT 1", sandbox_id)
+
+
+@router.post("/snapshots", status_code=201, response_model=SnapshotInfo, responses={202: {"model": SnapshotInfo}})
+async def create_snapshot(sandbox_id: str, body: SnapshotCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
+                          wait: bool = Query(True)) -> SnapshotInfo:
+    """Take a disk or full snapshot now. 409 ``invalid_state`` unless running or paused."""
+    op_id, snap_id = new_id("op"), new_id("snap")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.SNAPSHOT, row["state"])
+        await conn.execute(
+            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+            " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
+            body.kind, await _latest_ready(conn, sandbox_id), row["generation"])
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'snapshot','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.snapshot", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "snapshot"), SnapshotCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
+        kind=body.kind), msg_id=op_id)
+    finished, outcome = await await_operation(ctx, fut)
+    snap = await ctx.pool.fetchrow(f"SELECT {_COLS} FROM snapshots WHERE id=$1", snap_id)
+    if finished and outcome.get("state") == "failed":
+        raise Conflict(f"snapshot of {sandbox_id} failed: {outcome.get('error')}", details={"operation_id": op_id})
+    if not finished:
+        response.status_code = 202
+    return _info(snap, op_id)
+
+
+@router.get("/snapshots", response_model=SnapshotList)
+async def list_snapshots(sandbox_id: str, ctx: CtxDep, who: PrincipalDep) -> SnapshotList:
+    """The sandbox's complete snapshots, newest first (kind, time, size, parent)."""
+    await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
+    rows = await ctx.pool.fetch(
+        f"SELECT {_COLS} FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC", sandbox_id)
+    return SnapshotList(snapshots=[_info(r) for r in rows])
+
+
+async def _ready_snapshot(conn: asyncpg.Connection, sandbox_id: str, snapshot_id: str) -> asyncpg.Record:
+    snap = await conn.fetchrow("SELECT id, kind, state FROM snapshots WHERE id=$1 AND sandbox_id=$2",
+                               snapshot_id, sandbox_id)
+    if snap is None:
+        raise NotFound(f"snapshot {snapshot_id} of sandbox {sandbox_id} does not exist")
+    if snap["state"] != "ready":
+        raise Conflict(f"snapshot {snapshot_id} is {snap['state']}", details={"state": snap["state"]})
+    return snap
+
+
+@router.post("/restore", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, who: PrincipalDep,
+                          response: Response, wait: bool = Query(True)) -> SandboxInfo:
+    """Roll back to a snapshot, keeping the id; the generation goes up by one (older calls are fenced off)."""
+    op_id = new_id("op")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.RESTORE, row["state"])
+        await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
+        gen = await conn.fetchval(
+            "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
+            " RETURNING generation", sandbox_id)
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'restore','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.restore", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "restore"), RestoreCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id), msg_id=op_id)
+    finished, _ = await await_operation(ctx, fut)
+    if not finished:
+        response.status_code = 202
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
+
+
+@router.post("/fork", response_model=ForkResult, responses={202: {"model": ForkResult}})
+async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: PrincipalDep, response: Response,
+                       wait: bool = Query(True)) -> ForkResult:
+    """Start ``count`` children (1..100) from a new full snapshot or ``snapshot_id`` (a full one)."""
+    op_id = new_id("op")
+    children = [new_id("sbx") for _ in range(body.count)]
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.FORK, row["state"])
+        take = body.snapshot_id is None
+        if body.snapshot_id is not None:
+            snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
+            if snap["kind"] != "full":
+                raise InvalidRequest("fork needs a full snapshot (memory and disk)", details={"kind": snap["kind"]})
+            snap_id = body.snapshot_id
+        else:
+            snap_id = new_id("snap")
+            await conn.execute(
+                "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+                " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
+                await _latest_ready(conn, sandbox_id), row["generation"])
+        tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
+        for cid in children:
+            await conn.execute(
+                "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
+                " generation, memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id)"
+                " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11)",
+                cid, who.tenant_id, row["template"], tpl, row["node_id"], row["memory_mib"], row["vcpus"],
+                "sbx-" + cid[4:16], row["metadata"] or {}, sandbox_id, snap_id)
+            await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
+                                     data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'fork','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.fork", sandbox_id)
+    ctx.relay.kick()
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "fork"), ForkCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
+        take_snapshot=take, children=[ForkChild(sandbox_id=c, hostname="sbx-" + c[4:16]) for c in children]),
+        msg_id=op_id)
+    finished, _ = await await_operation(ctx, fut)
+    if not finished:
+        response.status_code = 202
+    rows = {r["id"]: r for r in await ctx.pool.fetch(
+        "SELECT id, state, failure_reason FROM sandboxes WHERE id = ANY($1::text[])", children)}
+    return ForkResult(snapshot_id=snap_id, operation_id=op_id, children=[
+        ForkChildResult(sandbox_id=c, state=rows[c]["state"], failure_reason=rows[c]["failure_reason"])
+        for c in children])

@@ -1,0 +1,218 @@
+"""Snapshots, rollback and fork on the node (DESIGN.md §3, §5).
+
+Files live in ``store/snapshots/<sandbox>/<snapshot>/`` (``state``, ``ram``, ``disk.img`` for a full
+snapshot; ``disk.img`` for a disk one), written into ``<snapshot>.part`` and renamed when complete, and
+the ``snapshots`` row turns ``ready`` only after that, in one transaction with its event. So a crash
+never lists a half snapshot; ``reconcile`` marks this node's ``creating`` rows failed and removes their
+``.part`` directories.
+
+- disk snapshot: guestd syncs and freezes the filesystems (FIFREEZE), the disk is reflinked, guestd thaws;
+  the time the guest is held is measured (``paused_ms``). A paused guest is not frozen (it cannot answer);
+  its disk is reflinked as it stands.
+- full snapshot: QMP ``stop``, migrate the device state to a file (``x-ignore-shared``: RAM stays in its
+  file), reflink RAM and disk, ``cont`` (a paused sandbox stays paused).
+- rollback: stop the current VM, then restore the full snapshot (or boot fresh on the disk snapshot) at
+  the new generation; event ``restored``.
+- fork: (take a full snapshot, then) start each child from it with its own hostname, RNG seed and clock;
+  one child failing does not stop the others; event ``forked`` on the parent, ``started`` on each child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from podbay.contracts.messages import ForkCmd, Resources, RestoreCmd, SnapshotCmd
+from podbay.errors import PodbayError
+from podbay.outbox import emit_sandbox_event
+from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+if TYPE_CHECKING:
+    from .sandboxes import SandboxManager
+
+__all__ = ["SnapshotOps", "snapshot_dir"]
+
+log = logging.getLogger("podbay.nodeagent.snapshots")
+
+FORK_CONCURRENCY = 2  # children restored at once; each restore is CPU-bound under TCG
+
+
+def snapshot_dir(manager: SandboxManager, sandbox_id: str, snapshot_id: str) -> Path:
+    return manager.store.root / "snapshots" / sandbox_id / snapshot_id
+
+
+def _allocated_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        if p.is_file():
+            total += p.stat().st_blocks * 512
+    return total
+
+
+class SnapshotOps:
+    """Snapshot, rollback and fork handlers bound to one ``SandboxManager``."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+
+    async def snapshot(self, cmd: SnapshotCmd) -> None:
+        """Take ``cmd.snapshot_id`` (idempotent: a ready or failed snapshot is left as it is)."""
+        m = self.m
+        async with m.lock(cmd.sandbox_id):
+            error = await self._take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, cmd.kind)
+            await m.finish_op(cmd.operation_id, error)
+
+    async def _take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
+        """Take a snapshot under the sandbox's lock; returns an error message or None."""
+        m = self.m
+        t0 = time.perf_counter()
+        snap = await m.pool.fetchrow("SELECT state FROM snapshots WHERE id=$1", snapshot_id)
+        row = await m.pool.fetchrow("SELECT state, generation, node_id, tenant_id FROM sandboxes WHERE id=$1",
+                                    sandbox_id)
+        if snap is None or row is None:
+            return "unknown snapshot or sandbox"
+        if snap["state"] == "ready":
+            return None
+        if snap["state"] != "creating":
+            return f"snapshot is {snap['state']}"
+        vm = m.vms.get(sandbox_id)
+        if row["node_id"] != m.node_id or row["generation"] != generation or vm is None or \
+                row["state"] not in ("running", "paused"):
+            return await self._fail_snapshot(snapshot_id, f"the sandbox is {row['state']} (generation {row['generation']})")
+        final = snapshot_dir(m, sandbox_id, snapshot_id)
+        part = final.with_name(final.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        paused = row["state"] == "paused"
+        try:
+            if kind == "full":
+                held_ms = await m.driver.snapshot_full(vm.handle, part, leave_stopped=paused)
+            else:
+                held_ms = await self._disk_snapshot(vm, part, frozen=not paused)
+            os.replace(part, final)
+        except Exception as exc:
+            shutil.rmtree(part, ignore_errors=True)
+            reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+            LIFECYCLE_OPERATIONS.labels("nodeagent", f"snapshot_{kind}", "failed").inc()
+            return await self._fail_snapshot(snapshot_id, reason)
+        size = await asyncio.to_thread(_allocated_bytes, final)
+        async with m.pool.acquire() as conn, conn.transaction():
+            await conn.execute("UPDATE snapshots SET state='ready', size_bytes=$2, paused_ms=$3, ready_at=now()"
+                               " WHERE id=$1", snapshot_id, size, held_ms)
+            await emit_sandbox_event(conn, sandbox_id, "snapshotted", state=row["state"], node_id=m.node_id,
+                                     tenant_id=row["tenant_id"], generation=generation,
+                                     data={"snapshot_id": snapshot_id, "kind": kind, "held_ms": round(held_ms, 2)})
+        m.relay.kick()
+        LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", f"snapshot_{kind}", "ok").observe(time.perf_counter() - t0)
+        LIFECYCLE_OPERATIONS.labels("nodeagent", f"snapshot_{kind}", "ok").inc()
+        return None
+
+    async def _disk_snapshot(self, vm: object, dest: Path, *, frozen: bool) -> float:
+        from .vmm import reflink_or_copy
+
+        handle = vm.handle  # type: ignore[attr-defined]
+        channel = vm.channel  # type: ignore[attr-defined]
+        t = time.perf_counter()
+        if frozen and channel is not None:
+            await channel.freeze(["/"], timeout_s=10.0)
+            try:
+                await asyncio.to_thread(reflink_or_copy, handle.inner.paths.disk, dest / "disk.img")
+            finally:
+                await channel.thaw(["/"])
+        else:
+            await asyncio.to_thread(reflink_or_copy, handle.inner.paths.disk, dest / "disk.img")
+        return (time.perf_counter() - t) * 1000
+
+    async def _fail_snapshot(self, snapshot_id: str, reason: str) -> str:
+        await self.m.pool.execute("UPDATE snapshots SET state='failed', error=$2 WHERE id=$1 AND state='creating'",
+                                  snapshot_id, reason)
+        return reason
+
+    async def restore(self, cmd: RestoreCmd) -> None:
+        """Roll back to ``cmd.snapshot_id`` at ``cmd.generation`` (fenced; idempotent once running)."""
+        m = self.m
+        async with m.lock(cmd.sandbox_id):
+            row = await m.pool.fetchrow(
+                "SELECT state, generation, node_id, tenant_id, template, template_digest, hostname, memory_mib,"
+                " vcpus FROM sandboxes WHERE id=$1", cmd.sandbox_id)
+            snap = await m.pool.fetchrow("SELECT kind, state FROM snapshots WHERE id=$1 AND sandbox_id=$2",
+                                         cmd.snapshot_id, cmd.sandbox_id)
+            if row is None or row["node_id"] != m.node_id or row["generation"] != cmd.generation:
+                await m.finish_op(cmd.operation_id, f"stale generation {cmd.generation}")
+                return
+            if row["state"] != "starting":
+                await m.finish_op(cmd.operation_id, None if row["state"] == "running" else f"sandbox is {row['state']}")
+                return
+            await m.stop_vm(cmd.sandbox_id)
+            sdir = snapshot_dir(m, cmd.sandbox_id, cmd.snapshot_id)
+            ok = False
+            if snap is None or snap["state"] != "ready" or not sdir.exists():
+                await m.mark_failed(cmd.sandbox_id, cmd.generation, f"snapshot {cmd.snapshot_id} is not on this node",
+                                    from_states=("starting",))
+            else:
+                ok = await m.bring_up(
+                    cmd.sandbox_id, cmd.generation, Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]),
+                    row["hostname"], row["tenant_id"], template=row["template"],
+                    template_digest=row["template_digest"], snapshot_dir=sdir if snap["kind"] == "full" else None,
+                    boot_disk=sdir / "disk.img" if snap["kind"] == "disk" else None,
+                    operation_id=cmd.operation_id, event="restored", kind="restore",
+                    data={"snapshot_id": cmd.snapshot_id, "kind": snap["kind"]})
+            await m.finish_op(cmd.operation_id, None if ok else "rollback failed; see the sandbox's failure_reason")
+
+    async def fork(self, cmd: ForkCmd) -> None:
+        """Start each child from the (new or named) full snapshot; children fail independently."""
+        m = self.m
+        async with m.lock(cmd.sandbox_id):
+            if cmd.take_snapshot:
+                err = await self._take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, "full")
+                if err is not None:
+                    for child in cmd.children:
+                        await m.mark_failed(child.sandbox_id, 1, f"the fork's snapshot failed: {err}",
+                                            from_states=("starting",))
+                    await m.finish_op(cmd.operation_id, err)
+                    return
+            parent = await m.pool.fetchrow(
+                "SELECT tenant_id, template, template_digest, memory_mib, vcpus, generation FROM sandboxes WHERE id=$1",
+                cmd.sandbox_id)
+        sdir = snapshot_dir(m, cmd.sandbox_id, cmd.snapshot_id)
+        res = Resources(memory_mib=parent["memory_mib"], vcpus=parent["vcpus"])
+        sem = asyncio.Semaphore(FORK_CONCURRENCY)
+
+        async def one(child_id: str, hostname: str) -> bool:
+            async with sem, m.lock(child_id):
+                state = await m.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", child_id)
+                if state != "starting":
+                    return state == "running"
+                return await m.bring_up(child_id, 1, res, hostname, parent["tenant_id"], template=parent["template"],
+                                        template_digest=parent["template_digest"], snapshot_dir=sdir,
+                                        operation_id=cmd.operation_id, event="started", kind="fork",
+                                        data={"parent": cmd.sandbox_id, "snapshot_id": cmd.snapshot_id})
+
+        results = await asyncio.gather(*(one(c.sandbox_id, c.hostname) for c in cmd.children))
+        async with m.pool.acquire() as conn, conn.transaction():
+            await emit_sandbox_event(conn, cmd.sandbox_id, "forked", node_id=m.node_id, tenant_id=parent["tenant_id"],
+                                     generation=parent["generation"],
+                                     data={"snapshot_id": cmd.snapshot_id, "children": [c.sandbox_id for c in cmd.children],
+                                           "started": sum(results)})
+        m.relay.kick()
+        await m.finish_op(cmd.operation_id, None if any(results) else "no child started")
+
+    async def reconcile(self) -> None:
+        """Fail this node's snapshots left ``creating`` by a crash and remove their partial files."""
+        m = self.m
+        rows = await m.pool.fetch("UPDATE snapshots SET state='failed', error='interrupted by a node agent restart'"
+                                  " WHERE node_id=$1 AND state='creating' RETURNING id, sandbox_id", m.node_id)
+        for r in rows:
+            shutil.rmtree(snapshot_dir(m, r["sandbox_id"], r["id"]).with_name(r["id"] + ".part"), ignore_errors=True)
+
+    async def discard(self, sandbox_id: str) -> None:
+        """Remove a deleted sandbox's snapshot files and mark its snapshots deleted."""
+        m = self.m
+        await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / sandbox_id, True)
+        await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'",
+                             sandbox_id)

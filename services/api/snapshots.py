@@ -8,6 +8,8 @@
   the named one); each child gets fresh randomness, clock, hostname and identity; the answer lists each
   child's outcome, and a child that fails does not fail the others.
 Each call records an operation and waits (bounded) for the node's ``podbay.ops.<id>`` notice.
+- ``GET /v1/sandboxes/{id}/snapshots/{a}/diff/{b}`` lists the files added, changed and removed from
+  snapshot ``a`` to ``b``; the node holding them computes it (no operation, nothing changes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import asyncpg
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from podbay.contracts import subjects
 from podbay.contracts.api import (
@@ -25,16 +27,18 @@ from podbay.contracts.api import (
     RestoreRequest,
     SandboxInfo,
     SnapshotCreate,
+    SnapshotDiff,
     SnapshotInfo,
     SnapshotList,
 )
 from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
-from podbay.contracts.states import SandboxCommand, check_allowed
-from podbay.errors import Conflict, InvalidRequest, NotFound
+from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
+from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 from podbay.outbox import emit_sandbox_event, new_id
 
 from .auth import Principal
 from .context import ApiContext
+from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
 from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
 
@@ -175,3 +179,31 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
     return ForkResult(snapshot_id=snap_id, operation_id=op_id, children=[
         ForkChildResult(sandbox_id=c, state=rows[c]["state"], failure_reason=rows[c]["failure_reason"])
         for c in children])
+
+
+@router.get("/snapshots/{snapshot_a}/diff/{snapshot_b}", response_model=SnapshotDiff)
+async def diff_snapshots(sandbox_id: str, snapshot_a: str, snapshot_b: str, request: Request, ctx: CtxDep,
+                         who: PrincipalDep) -> Response:
+    """Files added, changed and removed from snapshot ``a`` to ``b`` (disk or full, both of this sandbox).
+
+    Paths are as the guest sees them, sorted, at most 100,000 (``truncated`` then says so; the totals
+    count everything). 404 ``not_found`` for an unknown sandbox or snapshot, 409 when a snapshot is not
+    ready or the sandbox is deleted, 504 ``timeout`` when the node needs more than 120 s.
+    """
+    async with ctx.pool.acquire() as conn:
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id)
+        if row["state"] == SandboxState.DELETED:
+            raise InvalidState(f"sandbox {sandbox_id} is deleted", details={"state": row["state"]})
+        for snap_id in (snapshot_a, snapshot_b):
+            await _ready_snapshot(conn, sandbox_id, snap_id)
+        # Snapshot files stay on the node that took them: ask that node, not the sandbox's current one.
+        nodes = await conn.fetch(
+            "SELECT DISTINCT s.node_id, n.dataplane_url FROM snapshots s LEFT JOIN nodes n ON n.id = s.node_id"
+            " WHERE s.id = ANY($1::text[])", [snapshot_a, snapshot_b])
+    if len(nodes) != 1:
+        raise Conflict("the two snapshots are on different nodes", details={"nodes": len(nodes)})
+    if not nodes[0]["dataplane_url"]:
+        raise Unavailable(f"the node holding the snapshots of {sandbox_id} is not known")
+    suffix = f"/snapshots/{snapshot_a}/diff/{snapshot_b}"
+    return await _proxy(ctx, request, _node_url(str(nodes[0]["dataplane_url"]), sandbox_id, suffix),
+                        int(row["generation"]), method="GET")

@@ -19,10 +19,12 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, FileList
+from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, SnapshotDiff
 from podbay.contracts.channel import ExecSpec
 from podbay.errors import PodbayError, Unauthorized
 from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
+
+from .diff import diff_snapshots
 
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
@@ -183,5 +185,11 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         ch = manager.channel(sandbox_id, _gen(request))
         res = await ch.mkdir(path, parents=parents)
         return _file_info(path, res if res else await ch.stat(path))
+
+    @app.get(base + "/snapshots/{snapshot_a}/diff/{snapshot_b}")
+    async def snapshot_diff(sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:
+        # Snapshots are immutable files on the node and need no VM: no generation fencing here (the API
+        # has checked that both are ready snapshots of this sandbox).
+        return await diff_snapshots(manager.store.root, sandbox_id, snapshot_a, snapshot_b)
 
     return app

@@ -33,6 +33,7 @@ from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
 from .dataplane import create_dataplane_app
+from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .sandboxes import SandboxManager
 from .store import NodeStore
@@ -88,6 +89,8 @@ async def _serve(stop: asyncio.Event) -> None:
         log.warning("PODBAY_INTERNAL_TOKEN is empty: the data plane accepts any caller that sends an empty token")
     store = NodeStore(settings.data_dir, settings.node_id, settings.node_store_size_gib)
     await asyncio.to_thread(store.prepare)
+    # Read-only mounts a crashed agent left behind while diffing snapshots.
+    await asyncio.to_thread(cleanup_stale_mounts, store.root / "tmp")
     log.info("node store at %s%s", store.root, " (loop-backed btrfs file)" if store.loop_backed else "")
     pool = await db.connect_pool(settings.pg_dsn, min_size=2, max_size=10)
     await db.migrate(pool)

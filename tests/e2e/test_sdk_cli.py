@@ -82,3 +82,39 @@ def test_cli_user_journey(stack: Any, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     r = _cli(stack, "exec", sid, "--", "true")
     assert r.returncode == 2 and b"invalid_state" in r.stderr
+
+
+def test_sdk_and_cli_snapshot_restore_fork(stack: Any) -> None:
+    with Sandbox.create(template="base", api_url=stack.api_url, api_key=stack.api_key) as sb:
+        sb.files.write("/tmp/v.txt", b"one")
+        snap = sb.snapshot("full")
+        assert snap.kind == "full" and snap.state == "ready"
+        sb.files.write("/tmp/v.txt", b"two")
+        assert [s.id for s in sb.snapshots()] == [snap.id]
+        info = sb.restore(snap.id)
+        assert info.state == "running" and sb.files.read("/tmp/v.txt") == b"one"
+
+        r = _cli(stack, "snapshot", "list", sb.id)
+        assert r.returncode == 0 and snap.id.encode() in r.stdout
+        r = _cli(stack, "sandbox", "fork", sb.id, "--count", "2", "--snapshot", snap.id)
+        assert r.returncode == 0, r.stderr
+        children = r.stdout.decode().split()
+        assert len(children) == 2 and all(c.startswith("sbx_") for c in children)
+        for child in children:
+            kid = Sandbox.connect(child, api_url=stack.api_url, api_key=stack.api_key)
+            assert kid.files.read("/tmp/v.txt") == b"one"
+            kid.delete()
+        r = _cli(stack, "snapshot", "create", sb.id, "--kind", "bogus")
+        assert r.returncode == 2 and r.stderr.startswith(b"error: ")
+
+
+def test_sdk_and_cli_diff(stack: Any) -> None:
+    with Sandbox.create(template="base", api_url=stack.api_url, api_key=stack.api_key) as sb:
+        a = sb.snapshot("disk")
+        sb.exec("echo hello > /root/new.txt")
+        b = sb.snapshot("disk")
+        d = sb.diff(a.id, b.id)
+        assert any(e.path == "/root/new.txt" and e.change == "added" and e.size == 6 for e in d.entries)
+        r = _cli(stack, "snapshot", "diff", sb.id, a.id, b.id)
+        assert r.returncode == 0, r.stderr
+        assert b"+ file" in r.stdout and b"/root/new.txt" in r.stdout

@@ -90,3 +90,39 @@ def pause(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID"
 def resume(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Resume a paused sandbox; prints its id when it runs again."""
     print(client(ctx).resume_sandbox(sandbox_id).id)
+
+
+@app.command("restore")
+@handle_errors
+def restore(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT"),
+) -> None:
+    """Roll a sandbox back to one of its snapshots (same id, next generation); prints its id."""
+    print(client(ctx).restore_sandbox(sandbox_id, snapshot_id).id)
+
+
+@app.command("fork")
+@handle_errors
+def fork(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    count: int = typer.Option(1, "--count", "-n", min=1, max=100, help="Children to start (1..100)."),
+    snapshot_id: str | None = typer.Option(None, "--snapshot", help="Fork from this full snapshot."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Start children of a sandbox; prints each child's id (failed ones on stderr, exit 1 if any failed)."""
+    result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id)
+    if as_json:
+        print_json(result)
+    failed = 0
+    for child in result.children:
+        if child.state == "running":
+            if not as_json:
+                print(child.sandbox_id)
+        else:
+            failed += 1
+            print(f"error: child {child.sandbox_id} is {child.state}: {child.failure_reason}", file=sys.stderr)
+    if failed:
+        raise typer.Exit(1)

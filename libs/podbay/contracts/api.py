@@ -30,6 +30,8 @@ __all__ = [
     "ForkRequest",
     "ForkChildResult",
     "ForkResult",
+    "SnapshotDiffEntry",
+    "SnapshotDiff",
 ]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -201,3 +203,30 @@ class ForkResult(BaseModel):
     snapshot_id: str
     operation_id: str
     children: list[ForkChildResult]
+
+
+class SnapshotDiffEntry(BaseModel):
+    """One path that differs between two snapshots, as seen in the guest (``/etc/hostname``)."""
+
+    path: str
+    change: Literal["added", "changed", "removed"]
+    kind: Literal["file", "dir", "symlink", "other"] = Field(
+        description="The kind in the later snapshot (in the earlier one when removed).")
+    size: int = Field(description="Bytes in the later snapshot (in the earlier one when removed).")
+
+
+class SnapshotDiff(BaseModel):
+    """``GET /v1/sandboxes/{id}/snapshots/{a}/diff/{b}``: what changed from snapshot ``a`` to ``b``.
+
+    ``entries`` are sorted by path and capped (``truncated`` says so); the totals count every change,
+    also those left out of ``entries``.
+    """
+
+    sandbox_id: str
+    from_snapshot_id: str
+    to_snapshot_id: str
+    entries: list[SnapshotDiffEntry]
+    added: int = Field(description="Paths only in the later snapshot.")
+    changed: int = Field(description="Paths in both whose kind, content, mode or owner differ.")
+    removed: int = Field(description="Paths only in the earlier snapshot.")
+    truncated: bool = False

@@ -20,7 +20,17 @@ from typing import IO, Any, TypeVar, Unpack
 
 import httpx
 
-from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.contracts.api import (
+    ExecEvent,
+    ExecResult,
+    FileInfo,
+    ForkResult,
+    OperationInfo,
+    SandboxInfo,
+    SnapshotDiff,
+    SnapshotInfo,
+    TemplateInfo,
+)
 from podbay.errors import NotFound, PodbayError
 from podbay.sdk import _calls as calls
 from podbay.sdk._calls import Call, Command, ExecOptions
@@ -108,6 +118,26 @@ class AsyncClient:
     async def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """See ``Client.delete_sandbox``."""
         return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+    async def snapshot_sandbox(self, sandbox_id: str, kind: str = "full") -> SnapshotInfo:
+        """Take a ``disk`` or ``full`` snapshot now; returns it when ready (409 unless running or paused)."""
+        return await self._call(calls.snapshot_call(sandbox_id, kind))
+
+    async def list_snapshots(self, sandbox_id: str) -> builtins.list[SnapshotInfo]:
+        """The sandbox's ready snapshots, newest first."""
+        return await self._call(calls.list_snapshots_call(sandbox_id))
+
+    async def diff_snapshots(self, sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> SnapshotDiff:
+        """Files added, changed and removed between two of the sandbox's snapshots."""
+        return await self._call(calls.diff_call(sandbox_id, from_snapshot_id, to_snapshot_id))
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Roll back to one of the sandbox's snapshots (same id, next generation)."""
+        return await self._call(calls.restore_call(sandbox_id, snapshot_id))
+
+    async def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
+        """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child."""
+        return await self._call(calls.fork_call(sandbox_id, count, snapshot_id))
 
     async def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """See ``Client.pause_sandbox``."""
@@ -328,6 +358,27 @@ class AsyncSandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    async def snapshot(self, kind: str = "full") -> SnapshotInfo:
+        """Take a ``disk`` or ``full`` snapshot of this sandbox; returns it when ready."""
+        return await self._client.snapshot_sandbox(self.id, kind)
+
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """This sandbox's ready snapshots, newest first."""
+        return await self._client.list_snapshots(self.id)
+
+    async def diff(self, from_snapshot_id: str, to_snapshot_id: str) -> SnapshotDiff:
+        """What changed between two snapshots of this sandbox (path, change, kind, size)."""
+        return await self._client.diff_snapshots(self.id, from_snapshot_id, to_snapshot_id)
+
+    async def restore(self, snapshot_id: str) -> SandboxInfo:
+        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot)."""
+        self.info = await self._client.restore_sandbox(self.id, snapshot_id)
+        return self.info
+
+    async def fork(self, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
+        """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``."""
+        return await self._client.fork_sandbox(self.id, count, snapshot_id)
 
     async def pause(self, wait: bool = True) -> SandboxInfo:
         """See ``Sandbox.pause``."""

@@ -20,6 +20,13 @@ from pydantic import BaseModel, ValidationError
 
 from podbay.contracts.api import (
     ExecRequest,
+    ForkRequest,
+    ForkResult,
+    RestoreRequest,
+    SnapshotCreate,
+    SnapshotDiff,
+    SnapshotInfo,
+    SnapshotList,
     ExecResult,
     FileInfo,
     FileList,
@@ -192,6 +199,42 @@ def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
 def lifecycle_call(sandbox_id: str, verb: str, *, wait: bool) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/<verb>?wait=`` for ``pause`` and ``resume``; 200 (or 202 with ``operation_id``)."""
     return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _model(SandboxInfo), params={"wait": _bool(wait)})
+
+
+def snapshot_call(sandbox_id: str, kind: str) -> Call[SnapshotInfo]:
+    """``POST /v1/sandboxes/{id}/snapshots`` {"kind": "disk"|"full"} -> 201 ``SnapshotInfo``."""
+    body = _validate(SnapshotCreate, {"kind": kind}, "snapshot request")
+    return Call("POST", _sandbox_path(sandbox_id, "/snapshots"), _model(SnapshotInfo), json=body.model_dump(),
+                long_running=True, read_timeout_s=None)
+
+
+def list_snapshots_call(sandbox_id: str) -> Call[builtins.list[SnapshotInfo]]:
+    """``GET /v1/sandboxes/{id}/snapshots`` -> the sandbox's ready snapshots, newest first."""
+    return Call("GET", _sandbox_path(sandbox_id, "/snapshots"), lambda r: _model(SnapshotList)(r).snapshots)
+
+
+def diff_call(sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> Call[SnapshotDiff]:
+    """``GET /v1/sandboxes/{id}/snapshots/{a}/diff/{b}`` -> files added, changed and removed from a to b."""
+    a, b = (quote(check_id(x), safe="") for x in (from_snapshot_id, to_snapshot_id))
+    return Call("GET", _sandbox_path(sandbox_id, f"/snapshots/{a}/diff/{b}"), _model(SnapshotDiff),
+                long_running=True, read_timeout_s=None)
+
+
+def restore_call(sandbox_id: str, snapshot_id: str) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/restore`` {"snapshot_id"} -> ``SandboxInfo`` (a new generation)."""
+    body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id)}, "restore request")
+    return Call("POST", _sandbox_path(sandbox_id, "/restore"), _model(SandboxInfo), json=body.model_dump(),
+                long_running=True, read_timeout_s=None)
+
+
+def fork_call(sandbox_id: str, count: int, snapshot_id: str | None) -> Call[ForkResult]:
+    """``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?} -> ``ForkResult`` (one outcome per child)."""
+    fields: dict[str, Any] = {"count": count}
+    if snapshot_id is not None:
+        fields["snapshot_id"] = check_id(snapshot_id)
+    body = _validate(ForkRequest, fields, "fork request")
+    return Call("POST", _sandbox_path(sandbox_id, "/fork"), _model(ForkResult),
+                json=body.model_dump(exclude_none=True), long_running=True, read_timeout_s=None)
 
 
 class ExecOptions(TypedDict, total=False):

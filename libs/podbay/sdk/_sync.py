@@ -21,7 +21,17 @@ from typing import IO, Any, TypeVar, Unpack
 
 import httpx
 
-from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.contracts.api import (
+    ExecEvent,
+    ExecResult,
+    FileInfo,
+    ForkResult,
+    OperationInfo,
+    SandboxInfo,
+    SnapshotDiff,
+    SnapshotInfo,
+    TemplateInfo,
+)
 from podbay.errors import NotFound, PodbayError
 from podbay.sdk import _calls as calls
 from podbay.sdk._calls import Call, Command, ExecOptions
@@ -116,6 +126,26 @@ class Client:
     def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
         return self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+    def snapshot_sandbox(self, sandbox_id: str, kind: str = "full") -> SnapshotInfo:
+        """Take a ``disk`` or ``full`` snapshot now; returns it when ready (409 unless running or paused)."""
+        return self._call(calls.snapshot_call(sandbox_id, kind))
+
+    def list_snapshots(self, sandbox_id: str) -> builtins.list[SnapshotInfo]:
+        """The sandbox's ready snapshots, newest first."""
+        return self._call(calls.list_snapshots_call(sandbox_id))
+
+    def diff_snapshots(self, sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> SnapshotDiff:
+        """Files added, changed and removed between two of the sandbox's snapshots."""
+        return self._call(calls.diff_call(sandbox_id, from_snapshot_id, to_snapshot_id))
+
+    def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Roll back to one of the sandbox's snapshots (same id, next generation)."""
+        return self._call(calls.restore_call(sandbox_id, snapshot_id))
+
+    def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
+        """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child."""
+        return self._call(calls.fork_call(sandbox_id, count, snapshot_id))
 
     def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
@@ -353,6 +383,27 @@ class Sandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    def snapshot(self, kind: str = "full") -> SnapshotInfo:
+        """Take a ``disk`` or ``full`` snapshot of this sandbox; returns it when ready."""
+        return self._client.snapshot_sandbox(self.id, kind)
+
+    def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """This sandbox's ready snapshots, newest first."""
+        return self._client.list_snapshots(self.id)
+
+    def diff(self, from_snapshot_id: str, to_snapshot_id: str) -> SnapshotDiff:
+        """What changed between two snapshots of this sandbox (path, change, kind, size)."""
+        return self._client.diff_snapshots(self.id, from_snapshot_id, to_snapshot_id)
+
+    def restore(self, snapshot_id: str) -> SandboxInfo:
+        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot)."""
+        self.info = self._client.restore_sandbox(self.id, snapshot_id)
+        return self.info
+
+    def fork(self, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
+        """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``."""
+        return self._client.fork_sandbox(self.id, count, snapshot_id)
 
     def pause(self, wait: bool = True) -> SandboxInfo:
         """Pause the sandbox in memory: its processes stop and carry on after ``resume()``."""

@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     restore_timeout_s: float = Field(30.0)
     restore_retries: int = Field(2)
     qemu_binary: str = Field("qemu-system-x86_64")
+    snapshot_disk_interval_s: float = Field(60.0, description="Disk snapshot cadence when the disk changed; 0 = off.")
+    snapshot_full_interval_s: float = Field(900.0, description="Full snapshot cadence; 0 = off.")
+    retain_disk_snapshots: int = Field(10, ge=1, description="Disk snapshots kept per sandbox (K).")
+    retain_full_snapshots: int = Field(3, ge=1, description="Full snapshots kept per sandbox (M).")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

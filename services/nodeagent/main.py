@@ -32,6 +32,7 @@ from podbay.contracts.messages import (
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
+from .cadence import cadence_loop
 from .dataplane import create_dataplane_app
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
@@ -110,12 +111,13 @@ async def _serve(stop: asyncio.Event) -> None:
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
+    cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     manager.ready = True
     log.info("node agent %s ready: accel=%s, templates=%s, sandboxes=%d", settings.node_id, driver.accel,
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http}, timeout=60)
+    await asyncio.wait({consumer, hb, http, cadence}, timeout=60)
     await manager.close()
     relay_task.cancel()
     try:

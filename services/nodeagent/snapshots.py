@@ -110,7 +110,62 @@ class SnapshotOps:
         m.relay.kick()
         LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", f"snapshot_{kind}", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("nodeagent", f"snapshot_{kind}", "ok").inc()
+        try:
+            await self.retain(sandbox_id)
+        except Exception:  # retention is housekeeping; the snapshot itself succeeded
+            log.exception("retention for %s failed", sandbox_id)
         return None
+
+    async def retain(self, sandbox_id: str) -> list[str]:
+        """Keep the newest K disk and M full snapshots (``retain_disk_snapshots``/``retain_full_snapshots``);
+        reclaim the rest unless still referenced: the source of a fork child that is not gone yet, or the
+        parent of a snapshot being taken, or any snapshot while the sandbox is being rolled back. Returns
+        the ids reclaimed."""
+        m = self.m
+        keep = {"disk": m.settings.retain_disk_snapshots, "full": m.settings.retain_full_snapshots}
+        async with m.pool.acquire() as conn, conn.transaction():
+            state = await conn.fetchval("SELECT state FROM sandboxes WHERE id=$1 FOR UPDATE", sandbox_id)
+            if state == "starting":
+                return []  # a rollback may be reading one of them
+            rows = await conn.fetch(
+                "SELECT s.id, s.kind FROM snapshots s WHERE s.sandbox_id=$1 AND s.state='ready'"
+                " AND NOT EXISTS (SELECT 1 FROM sandboxes c WHERE c.source_snapshot_id = s.id"
+                "                 AND c.state NOT IN ('deleted', 'failed'))"
+                " AND NOT EXISTS (SELECT 1 FROM snapshots p WHERE p.parent_id = s.id AND p.state = 'creating')"
+                " ORDER BY s.created_at DESC", sandbox_id)
+            seen = {"disk": 0, "full": 0}
+            drop: list[str] = []
+            for r in rows:
+                seen[r["kind"]] += 1
+                if seen[r["kind"]] > keep[r["kind"]]:
+                    drop.append(r["id"])
+            if drop:
+                await conn.execute("UPDATE snapshots SET state='deleted' WHERE id = ANY($1::text[])", drop)
+        for sid in drop:
+            await asyncio.to_thread(shutil.rmtree, snapshot_dir(m, sandbox_id, sid), True)
+        if drop:
+            log.info("retention reclaimed %d snapshot(s) of %s", len(drop), sandbox_id)
+        return drop
+
+    async def take_scheduled(self, sandbox_id: str, kind: str) -> str | None:
+        """Take a cadence snapshot (no API call behind it): insert its row, then take it under the lock."""
+        from podbay.outbox import new_id
+
+        m = self.m
+        snap_id = new_id("snap")
+        async with m.lock(sandbox_id):
+            row = await m.pool.fetchrow("SELECT tenant_id, generation, state FROM sandboxes WHERE id=$1 AND node_id=$2",
+                                        sandbox_id, m.node_id)
+            if row is None or row["state"] not in ("running", "paused"):
+                return "not running here"
+            parent = await m.pool.fetchval(
+                "SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC LIMIT 1",
+                sandbox_id)
+            await m.pool.execute(
+                "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+                " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, row["tenant_id"], sandbox_id, m.node_id, kind,
+                parent, row["generation"])
+            return await self._take(sandbox_id, row["generation"], snap_id, kind)
 
     async def _disk_snapshot(self, vm: object, dest: Path, *, frozen: bool) -> float:
         from .vmm import reflink_or_copy

@@ -132,3 +132,23 @@ def test_disk_snapshot_while_writing_is_a_clean_filesystem(stack: Any) -> None:
             assert _sh(c, sid, "touch /tmp/after && echo ok") == "ok\n"
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_retention_keeps_the_newest_full_snapshots(stack: Any) -> None:
+    # Defaults: keep 3 full snapshots per sandbox (PODBAY_RETAIN_FULL_SNAPSHOTS).
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            ids = []
+            for _ in range(4):
+                r = c.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "full"})
+                assert r.status_code == 201, r.text
+                ids.append(r.json()["id"])
+            listed = [s["id"] for s in c.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"]]
+            assert listed == list(reversed(ids[1:]))
+            root = next(Path(stack.data_dir).glob(f"nodes/*/store/snapshots/{sid}"))
+            assert not (root / ids[0]).exists() and all((root / i / "state").exists() for i in ids[1:])
+            # the reclaimed snapshot can no longer be restored
+            assert c.post(f"/v1/sandboxes/{sid}/restore", json={"snapshot_id": ids[0]}).status_code == 409
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -39,9 +39,17 @@ _PASS_HEADERS = ("content-type", "content-length", "content-disposition", "x-pod
 async def _target(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand) -> tuple[str, int]:
     """(node data-plane URL, generation) of a running sandbox of the caller's tenant."""
     t = time.perf_counter()
+    # Every data-plane call renews the lease, in the same round trip as the lookup.
     row = await ctx.pool.fetchrow(
-        "SELECT s.state, s.generation, n.dataplane_url FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
-        " WHERE s.id = $1 AND s.tenant_id = $2", sandbox_id, who.tenant_id)
+        "WITH s AS (UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
+        "           WHERE id = $1 AND tenant_id = $2 AND state = 'running'"
+        "           RETURNING state, generation, node_id)"
+        " SELECT s.state, s.generation, n.dataplane_url FROM s LEFT JOIN nodes n ON n.id = s.node_id", sandbox_id,
+        who.tenant_id)
+    if row is None:
+        row = await ctx.pool.fetchrow(
+            "SELECT s.state, s.generation, n.dataplane_url FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
+            " WHERE s.id = $1 AND s.tenant_id = $2", sandbox_id, who.tenant_id)
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t)
     if row is None:
         raise NotFound(f"sandbox {sandbox_id} does not exist", details={"sandbox_id": sandbox_id})

@@ -16,7 +16,7 @@ import asyncpg
 from fastapi import APIRouter, Depends, Query, Response
 
 from podbay.contracts import subjects
-from podbay.contracts.api import OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
+from podbay.contracts.api import LeaseUpdate, OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import InvalidRequest, InvalidState, NotFound, SandboxFailed
@@ -37,7 +37,7 @@ PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
 _SANDBOX_COLS = (
     "id, tenant_id, template, state, desired_state, node_id, generation, memory_mib, vcpus, hostname, "
-    "failure_reason, metadata, created_at, updated_at"
+    "failure_reason, metadata, created_at, updated_at, lease_s, lease_expires_at, lease_action"
 )
 
 
@@ -55,6 +55,9 @@ def sandbox_info(row: asyncpg.Record, operation_id: str | None = None) -> Sandbo
         hostname=row["hostname"],
         failure_reason=row["failure_reason"],
         metadata=row["metadata"] or {},
+        lease_s=row["lease_s"],
+        lease_expires_at=row["lease_expires_at"],
+        on_lease_expiry=row["lease_action"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         operation_id=operation_id,
@@ -116,9 +119,10 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     async with ctx.pool.acquire() as conn, conn.transaction():
         await conn.execute(
             "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib, vcpus,"
-            " hostname, metadata) VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8)",
+            " hostname, metadata, lease_s, lease_action, lease_expires_at)"
+            " VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8,$9,$10, now() + $9::integer * interval '1 second')",
             sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], tpl["memory_mib"], tpl["vcpus"], hostname,
-            body.metadata,
+            body.metadata, body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action,
         )
         await conn.execute(
             "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','pending')",
@@ -231,6 +235,8 @@ async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, comm
         await conn.execute(
             "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,$4,'pending')",
             op_id, who.tenant_id, sandbox_id, command.value)
+        await conn.execute("UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
+                           " WHERE id=$1", sandbox_id)
         await audit(conn, who, f"sandbox.{command.value}", sandbox_id)
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(
@@ -262,6 +268,22 @@ async def resume_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
                          wait: bool = Query(True)) -> SandboxInfo:
     """Resume a paused sandbox (QMP ``cont``) and correct its clock. 409 ``invalid_state`` unless paused."""
     return await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, response, wait)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)
+async def set_timeout(sandbox_id: str, body: LeaseUpdate, ctx: CtxDep, who: PrincipalDep) -> SandboxInfo:
+    """Renew the sandbox's lease: it now runs out ``lease_s`` seconds from now (and every later call on the
+    sandbox renews it again). When it runs out while the guest is idle, ``on_lease_expiry`` applies."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        if row["state"] in ("deleting", "deleted"):
+            raise InvalidState(f"sandbox {sandbox_id} is {row['state']}", details={"state": row["state"]})
+        await conn.execute(
+            "UPDATE sandboxes SET lease_s=$2, lease_action=COALESCE($3, lease_action),"
+            " lease_expires_at = now() + $2::integer * interval '1 second', updated_at=now() WHERE id=$1",
+            sandbox_id, body.lease_s, body.on_lease_expiry)
+        await audit(conn, who, "sandbox.timeout", sandbox_id)
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id))
 
 
 @router.get("/operations/{operation_id}", response_model=OperationInfo)

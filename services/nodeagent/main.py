@@ -36,6 +36,7 @@ from .cadence import cadence_loop
 from .dataplane import create_dataplane_app
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
+from .lease import lease_loop
 from .sandboxes import SandboxManager
 from .store import NodeStore
 from .vmdriver import VmDriver
@@ -112,12 +113,13 @@ async def _serve(stop: asyncio.Event) -> None:
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
+    leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
     manager.ready = True
     log.info("node agent %s ready: accel=%s, templates=%s, sandboxes=%d", settings.node_id, driver.accel,
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http, cadence}, timeout=60)
+    await asyncio.wait({consumer, hb, http, cadence, leases}, timeout=60)
     await manager.close()
     relay_task.cancel()
     try:

@@ -232,7 +232,28 @@ class SandboxManager:
         """Resume (QMP ``cont``), correct the guest clock, record ``running``; idempotent and fenced."""
         await self._pause_resume(cmd, pause=False)
 
-    async def _pause_resume(self, cmd: SandboxOpCmd, *, pause: bool) -> None:
+    async def lease_expired(self, sandbox_id: str, action: str) -> None:
+        """Apply a lease's action to an idle sandbox: pause it, or delete it (an operation of its own)."""
+        from podbay.outbox import new_id
+
+        op_id = new_id("op")
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow("SELECT tenant_id, generation, state FROM sandboxes WHERE id=$1 FOR UPDATE",
+                                      sandbox_id)
+            if row is None or row["state"] != "running":
+                return
+            await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                               " ($1,$2,$3,$4,'pending')", op_id, row["tenant_id"], sandbox_id, action)
+            if action == "delete":
+                await conn.execute("UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now()"
+                                   " WHERE id=$1", sandbox_id)
+        if action == "delete":
+            await self.delete(DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]))
+        else:
+            await self._pause_resume(SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
+                                                  generation=row["generation"]), pause=True, reason="lease expired")
+
+    async def _pause_resume(self, cmd: SandboxOpCmd, *, pause: bool, reason: str | None = None) -> None:
         verb, target, source = ("pause", "paused", "running") if pause else ("resume", "running", "paused")
         t0 = time.perf_counter()
         async with self.lock(cmd.sandbox_id):
@@ -270,7 +291,7 @@ class SandboxManager:
                     " RETURNING id", cmd.sandbox_id, cmd.generation, source, target)
                 if done:
                     await emit_sandbox_event(conn, cmd.sandbox_id, "paused" if pause else "resumed", state=target,
-                                             node_id=self.node_id, tenant_id=row["tenant_id"],
+                                             reason=reason, node_id=self.node_id, tenant_id=row["tenant_id"],
                                              generation=cmd.generation, data={"operation_id": cmd.operation_id})
                 await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
                                    cmd.operation_id)

@@ -126,3 +126,16 @@ def fork(
             print(f"error: child {child.sandbox_id} is {child.state}: {child.failure_reason}", file=sys.stderr)
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("timeout")
+@handle_errors
+def timeout(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    seconds: int = typer.Argument(..., metavar="SECONDS", help="New lease, from now (10 .. 2592000)."),
+    on_expiry: str | None = typer.Option(None, "--on-expiry", help="pause (default) or delete."),
+) -> None:
+    """Renew a sandbox's lease; prints when it now runs out."""
+    info = client(ctx).set_timeout(sandbox_id, seconds, on_expiry)
+    print(info.lease_expires_at.isoformat(timespec="seconds") if info.lease_expires_at else "")

@@ -24,6 +24,7 @@ __all__ = [
     "ErrorBody",
     "TemplateInfo",
     "SnapshotCreate",
+    "LeaseUpdate",
     "SnapshotInfo",
     "SnapshotList",
     "RestoreRequest",
@@ -48,6 +49,16 @@ class SandboxCreate(_In):
     memory_mib: int | None = Field(None, ge=128, le=16384, description="Must match the template's snapshot.")
     vcpus: int | None = Field(None, ge=1, le=16)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    lease_s: int | None = Field(None, ge=10, le=30 * 86400, description="Lease in seconds; default from the server.")
+    on_lease_expiry: Literal["pause", "delete"] | None = Field(
+        None, description="What happens when the lease runs out and the guest is idle (default: pause).")
+
+
+class LeaseUpdate(_In):
+    """``POST /v1/sandboxes/{id}/timeout``: renew the lease for ``lease_s`` seconds from now."""
+
+    lease_s: int = Field(ge=10, le=30 * 86400)
+    on_lease_expiry: Literal["pause", "delete"] | None = None
 
 
 class SandboxInfo(BaseModel):
@@ -62,6 +73,9 @@ class SandboxInfo(BaseModel):
     hostname: str
     failure_reason: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    lease_s: int | None = None
+    lease_expires_at: datetime | None = None
+    on_lease_expiry: str | None = None
     created_at: datetime
     updated_at: datetime
     operation_id: str | None = Field(None, description="The operation that this call started, if any.")

@@ -119,6 +119,10 @@ class AsyncClient:
         """See ``Client.delete_sandbox``."""
         return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
 
+    async def set_timeout(self, sandbox_id: str, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
+        """Renew the lease for ``lease_s`` seconds (10..30 days); ``on_lease_expiry``: ``pause`` or ``delete``."""
+        return await self._call(calls.timeout_call(sandbox_id, lease_s, on_lease_expiry))
+
     async def snapshot_sandbox(self, sandbox_id: str, kind: str = "full") -> SnapshotInfo:
         """Take a ``disk`` or ``full`` snapshot now; returns it when ready (409 unless running or paused)."""
         return await self._call(calls.snapshot_call(sandbox_id, kind))
@@ -358,6 +362,12 @@ class AsyncSandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    async def set_timeout(self, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
+        """Renew this sandbox's lease (every call on it renews it too); when it runs out while the guest is
+        idle, the sandbox is paused (or deleted with ``on_lease_expiry="delete"``)."""
+        self.info = await self._client.set_timeout(self.id, lease_s, on_lease_expiry)
+        return self.info
 
     async def snapshot(self, kind: str = "full") -> SnapshotInfo:
         """Take a ``disk`` or ``full`` snapshot of this sandbox; returns it when ready."""

@@ -31,6 +31,7 @@ from podbay.contracts.api import (
     FileInfo,
     FileList,
     OperationInfo,
+    LeaseUpdate,
     SandboxCreate,
     SandboxInfo,
     SandboxList,
@@ -199,6 +200,15 @@ def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
 def lifecycle_call(sandbox_id: str, verb: str, *, wait: bool) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/<verb>?wait=`` for ``pause`` and ``resume``; 200 (or 202 with ``operation_id``)."""
     return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _model(SandboxInfo), params={"wait": _bool(wait)})
+
+
+def timeout_call(sandbox_id: str, lease_s: int, on_lease_expiry: str | None) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/timeout`` {"lease_s", "on_lease_expiry"?} -> ``SandboxInfo`` with the new lease."""
+    fields: dict[str, Any] = {"lease_s": lease_s}
+    if on_lease_expiry is not None:
+        fields["on_lease_expiry"] = on_lease_expiry
+    body = _validate(LeaseUpdate, fields, "timeout request")
+    return Call("POST", _sandbox_path(sandbox_id, "/timeout"), _model(SandboxInfo), json=body.model_dump(exclude_none=True))
 
 
 def snapshot_call(sandbox_id: str, kind: str) -> Call[SnapshotInfo]:

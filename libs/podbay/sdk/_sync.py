@@ -127,6 +127,10 @@ class Client:
         """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
         return self._call(calls.delete_sandbox(sandbox_id, wait=wait))
 
+    def set_timeout(self, sandbox_id: str, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
+        """Renew the lease for ``lease_s`` seconds (10..30 days); ``on_lease_expiry``: ``pause`` or ``delete``."""
+        return self._call(calls.timeout_call(sandbox_id, lease_s, on_lease_expiry))
+
     def snapshot_sandbox(self, sandbox_id: str, kind: str = "full") -> SnapshotInfo:
         """Take a ``disk`` or ``full`` snapshot now; returns it when ready (409 unless running or paused)."""
         return self._call(calls.snapshot_call(sandbox_id, kind))
@@ -383,6 +387,12 @@ class Sandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    def set_timeout(self, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
+        """Renew this sandbox's lease (every call on it renews it too); when it runs out while the guest is
+        idle, the sandbox is paused (or deleted with ``on_lease_expiry="delete"``)."""
+        self.info = self._client.set_timeout(self.id, lease_s, on_lease_expiry)
+        return self.info
 
     def snapshot(self, kind: str = "full") -> SnapshotInfo:
         """Take a ``disk`` or ``full`` snapshot of this sandbox; returns it when ready."""

@@ -234,3 +234,39 @@ def test_format_mode() -> None:
     assert format_mode(0o4755) == "4755"
     with pytest.raises(InvalidRequest):
         format_mode(0o10000)
+
+
+def test_lifecycle_requests_have_the_documented_shapes() -> None:
+    import json as _json
+
+    seen: list[tuple[str, str, dict[str, object] | None]] = []
+    info = {"id": "sbx_1", "template": "base", "state": "running", "desired_state": "running", "generation": 2,
+            "memory_mib": 256, "vcpus": 1, "hostname": "h", "created_at": "2026-01-01T00:00:00Z",
+            "updated_at": "2026-01-01T00:00:00Z", "lease_s": 60, "lease_expires_at": "2026-01-01T00:01:00Z"}
+    snap = {"id": "snap_1", "sandbox_id": "sbx_1", "kind": "disk", "state": "ready", "created_at": "2026-01-01T00:00:00Z"}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = _json.loads(req.content) if req.content else None
+        seen.append((req.method, req.url.path, body))
+        if req.url.path.endswith("/snapshots") and req.method == "POST":
+            return httpx.Response(201, json=snap)
+        if req.url.path.endswith("/fork"):
+            return httpx.Response(200, json={"snapshot_id": "snap_1", "operation_id": "op_1",
+                                             "children": [{"sandbox_id": "sbx_2", "state": "running"}]})
+        return httpx.Response(200, json=info)
+
+    with _client(handler) as c:
+        assert c.set_timeout("sbx_1", 60, "delete").lease_s == 60
+        assert c.snapshot_sandbox("sbx_1", "disk").kind == "disk"
+        assert c.restore_sandbox("sbx_1", "snap_1").generation == 2
+        assert c.fork_sandbox("sbx_1", 1, "snap_1").children[0].sandbox_id == "sbx_2"
+        with pytest.raises(InvalidRequest):
+            c.set_timeout("sbx_1", 1)  # below the 10 s minimum: refused before sending
+        with pytest.raises(InvalidRequest):
+            c.snapshot_sandbox("sbx_1", "bogus")
+    assert seen == [
+        ("POST", "/v1/sandboxes/sbx_1/timeout", {"lease_s": 60, "on_lease_expiry": "delete"}),
+        ("POST", "/v1/sandboxes/sbx_1/snapshots", {"kind": "disk"}),
+        ("POST", "/v1/sandboxes/sbx_1/restore", {"snapshot_id": "snap_1"}),
+        ("POST", "/v1/sandboxes/sbx_1/fork", {"count": 1, "snapshot_id": "snap_1"}),
+    ]

@@ -132,6 +132,8 @@ def stack(test_root: Path) -> Iterator[Stack]:
         ports=StackPorts.free(),
         external=External.from_env(),
         durable=False,
+        # Paused sandboxes release their RAM after 6 s here (default 60 s), so tests can see it happen.
+        base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6")},
     )
     running.start()
     try:

@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     restore_timeout_s: float = Field(30.0)
     restore_retries: int = Field(2)
     qemu_binary: str = Field("qemu-system-x86_64")
+    paused_release_s: float = Field(60.0, description="A sandbox paused this long has its RAM written back to its "
+                                    "file and released (QEMU exits; resume restores it); 0 = never.")
     lease_s: int = Field(3600, ge=10, description="Default sandbox lease; renewed by every call on the sandbox.")
     lease_action: Literal["pause", "delete"] = Field("pause", description="What happens when a lease runs out.")
     idle_cpu_percent: float = Field(2.0, description="A guest using more CPU than this (% of a core) is busy.")

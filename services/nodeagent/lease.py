@@ -1,5 +1,6 @@
 """Lease and idle policy (DESIGN.md §5): a sandbox whose lease ran out is paused (or deleted), but only
-when its guest is idle — never a silent kill, and never while it works.
+when its guest is idle — never a silent kill, and never while it works. The same loop releases the RAM
+of sandboxes paused for longer than ``paused_release_s`` (``SandboxManager.hibernate``).
 
 Every ``TICK_S`` the node samples the CPU time of each of its QEMU processes (``/proc/<pid>/stat``
 utime + stime): that is the guest's own activity, running processes included. A running sandbox past
@@ -66,6 +67,15 @@ async def lease_loop(manager: SandboxManager, stop: asyncio.Event) -> None:
         for gone in set(samples) - set(manager.vms):
             samples.pop(gone, None)
             usage.pop(gone, None)
+        release_s = manager.settings.paused_release_s
+        if release_s > 0:
+            now = time.monotonic()
+            for sid, vm in list(manager.vms.items()):
+                if vm.paused_at is not None and not vm.stopping and now - vm.paused_at >= release_s:
+                    try:
+                        await manager.hibernate(sid)
+                    except Exception:
+                        log.exception("releasing the RAM of paused sandbox %s failed", sid)
         try:
             rows = await manager.pool.fetch(
                 "SELECT id, lease_action FROM sandboxes WHERE node_id=$1 AND state='running'"

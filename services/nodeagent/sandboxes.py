@@ -47,7 +47,17 @@ class RunningVm:
     handle: VmHandle
     channel: GuestChannel | None
     stopping: bool = False
+    paused_at: float | None = None
     monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+@dataclass
+class HibernatedVm:
+    """A paused sandbox whose QEMU exited after writing its state to ``vm_dir/hib`` (RAM released)."""
+
+    sandbox_id: str
+    generation: int
+    resources: Resources
 
 
 class SandboxManager:
@@ -62,6 +72,7 @@ class SandboxManager:
         self.store = store
         self.driver = driver
         self.vms: dict[str, RunningVm] = {}
+        self.hibernated: dict[str, HibernatedVm] = {}
         self.templates: dict[str, TemplateImage] = {}
         self.ready = False
         self._locks: dict[str, asyncio.Lock] = {}
@@ -232,6 +243,46 @@ class SandboxManager:
         """Resume (QMP ``cont``), correct the guest clock, record ``running``; idempotent and fenced."""
         await self._pause_resume(cmd, pause=False)
 
+    async def hibernate(self, sandbox_id: str) -> bool:
+        """Release a paused sandbox's RAM (DESIGN.md §7: ≥ 1,000 paused per node): save its device state,
+        move RAM and disk into ``vm_dir/hib`` (reflinks, which also write dirty pages back), and let QEMU
+        exit. ``resume`` restores it from there. Returns True when it was hibernated."""
+        async with self.lock(sandbox_id):
+            vm = self.vms.get(sandbox_id)
+            state = await self.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
+            if vm is None or vm.stopping or state != "paused":
+                return False
+            vm_dir = self.store.sandbox_dir(sandbox_id)
+            part, hib = vm_dir / "hib.part", vm_dir / "hib"
+            await asyncio.to_thread(shutil.rmtree, part, True)
+            t = time.perf_counter()
+            await self.driver.snapshot_full(vm.handle, part, leave_stopped=True)
+            os.replace(part, hib)
+            self.vms.pop(sandbox_id, None)
+            vm.stopping = True
+            await self._teardown(vm.handle, vm.channel, None)
+            for name in ("ram", "disk.img"):
+                (vm_dir / name).unlink(missing_ok=True)  # the page cache of the live RAM file goes with it
+            self.hibernated[sandbox_id] = HibernatedVm(sandbox_id, vm.generation, vm.resources)
+            HOP_SECONDS.labels("nodeagent", "hibernate").observe(time.perf_counter() - t)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "hibernate", "ok").inc()
+            log.info("sandbox %s paused for long: RAM released (%.0f ms)", sandbox_id, (time.perf_counter() - t) * 1000)
+            return True
+
+    async def _wake(self, sandbox_id: str) -> None:
+        """Restore a hibernated sandbox, still paused, into ``self.vms`` (caller holds the lock)."""
+        hv = self.hibernated[sandbox_id]
+        row = await self.pool.fetchrow("SELECT template, template_digest FROM sandboxes WHERE id=$1", sandbox_id)
+        tpl = self.templates[row["template"]]
+        vm_dir = self.store.sandbox_dir(sandbox_id)
+        handle = await self.driver.restore_from(vm_dir / "hib", tpl, vm_dir, memory_mib=hv.resources.memory_mib,
+                                                vcpus=hv.resources.vcpus, paused=True)
+        await asyncio.to_thread(shutil.rmtree, vm_dir / "hib", True)
+        del self.hibernated[sandbox_id]
+        vm = RunningVm(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic())
+        self.vms[sandbox_id] = vm
+        vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+
     async def lease_expired(self, sandbox_id: str, action: str) -> None:
         """Apply a lease's action to an idle sandbox: pause it, or delete it (an operation of its own)."""
         from podbay.outbox import new_id
@@ -265,6 +316,13 @@ class SandboxManager:
             if row["state"] == target:
                 await self.finish_op(cmd.operation_id, None)  # a repeated call: already done
                 return
+            if not pause and cmd.sandbox_id in self.hibernated:
+                try:
+                    await self._wake(cmd.sandbox_id)
+                except Exception as exc:
+                    reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+                    await self.finish_op(cmd.operation_id, f"could not wake the sandbox: {reason}")
+                    return
             vm = self.vms.get(cmd.sandbox_id)
             if row["state"] != source or vm is None:
                 await self.finish_op(cmd.operation_id, f"the sandbox is {row['state']}")
@@ -273,7 +331,9 @@ class SandboxManager:
                 t = time.perf_counter()
                 if pause:
                     await vm.handle.pause()
+                    vm.paused_at = time.monotonic()
                 else:
+                    vm.paused_at = None
                     await vm.handle.resume()
                     if vm.channel is None or vm.channel.closed:
                         vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
@@ -322,6 +382,7 @@ class SandboxManager:
     # ------------------------------------------------------------------ helpers
 
     async def stop_vm(self, sandbox_id: str) -> None:
+        self.hibernated.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         if vm is None:
             return
@@ -445,6 +506,10 @@ class SandboxManager:
                         paused: bool = False) -> None:
         vm_dir = self.store.sandbox_dir(sandbox_id)
         channel: GuestChannel | None = None
+        if paused and (vm_dir / "hib" / "state").exists():
+            self.hibernated[sandbox_id] = HibernatedVm(sandbox_id, generation, res)
+            log.info("sandbox %s stays hibernated (paused, RAM released)", sandbox_id)
+            return
         try:
             handle = await self.driver.attach(vm_dir)
             if paused:
@@ -461,7 +526,7 @@ class SandboxManager:
             await self._discard_vm_dir(vm_dir)
             await self.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused"))
             return
-        vm = RunningVm(sandbox_id, generation, res, handle, channel)
+        vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None)
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
         async with self.pool.acquire() as conn, conn.transaction():

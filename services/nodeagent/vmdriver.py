@@ -159,10 +159,10 @@ class VmDriver:
         return VmHandle(self.vmm, inner)
 
     async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                           vcpus: int) -> VmHandle:
+                           vcpus: int, paused: bool = False) -> VmHandle:
         """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config))
+        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused))
 
     async def boot_disk(self, disk: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
                         vcpus: int) -> VmHandle:

@@ -62,3 +62,40 @@ def test_counter_process_carries_on_after_pause(stack: Any) -> None:
             c.delete(f"/v1/sandboxes/{sid}")
 
     from nats.aio.client import Client  # noqa: F401  # events are checked in test_sandbox_api
+
+
+def test_long_paused_sandbox_releases_its_ram_and_resumes_intact(stack: Any) -> None:
+    import os
+    from pathlib import Path
+
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo kept > /root/kept.txt; " + COUNTER.replace("/tmp/counter", "/root/counter"))
+            pid = _sh(c, sid, "cat /root/counter.pid").strip()
+            time.sleep(1.0)
+            vm_dir = next(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}"))
+            qemu_pid = int((vm_dir / "qemu.pid").read_text())
+            assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+            # After the grace period (6 s in the test stack) QEMU exits and the state waits on disk.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (vm_dir / "hib" / "state").exists():
+                time.sleep(0.5)
+            assert (vm_dir / "hib" / "state").exists()
+            assert not Path(f"/proc/{qemu_pid}").exists() or b"qemu" not in Path(f"/proc/{qemu_pid}/cmdline").read_bytes()
+            assert not (vm_dir / "ram").exists()
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+            assert c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}).status_code == 409
+
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert not (vm_dir / "hib").exists()
+            assert _sh(c, sid, "cat /root/kept.txt") == "kept\n"
+            assert _sh(c, sid, f"kill -0 {pid} && echo alive").strip() == "alive"
+            time.sleep(0.5)
+            lines = [ln.split() for ln in _sh(c, sid, "cat /root/counter").splitlines() if ln.strip()]
+            counts = [int(n) for n, _ in lines]
+            assert counts == list(range(1, len(counts) + 1))  # the same process went on counting
+            assert os.path.exists(vm_dir / "qemu.pid")
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -356,7 +356,7 @@ class SandboxManager:
                 await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
                                    cmd.operation_id)
             self.relay.kick()
-            await self._notify_op(cmd.operation_id, None)
+            await self.notify_op(cmd.operation_id, None)
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", verb, "ok").observe(time.perf_counter() - t0)
             LIFECYCLE_OPERATIONS.labels("nodeagent", verb, "ok").inc()
 
@@ -370,9 +370,9 @@ class SandboxManager:
             await self.pool.execute(
                 "UPDATE operations SET state='failed', error_code='invalid_state', error_message=$2,"
                 " finished_at=now() WHERE id=$1", operation_id, error)
-        await self._notify_op(operation_id, error)
+        await self.notify_op(operation_id, error)
 
-    async def _notify_op(self, operation_id: str, error: str | None) -> None:
+    async def notify_op(self, operation_id: str, error: str | None) -> None:
         body = OperationDone(operation_id=operation_id, state="failed" if error else "succeeded", error=error)
         try:
             await self.bus.nc.publish(subjects.operation_done(operation_id), body.model_dump_json().encode())
@@ -518,6 +518,13 @@ class SandboxManager:
                 if status != "paused":
                     await handle.pause()
             else:
+                # A crash in the middle of a full snapshot leaves QEMU stopped (``paused``/``postmigrate``):
+                # the sandbox is meant to run, so let it go on before talking to the guest.
+                status = await handle.status()
+                if status in ("paused", "postmigrate"):
+                    log.info("sandbox %s was left stopped (%s) by an interrupted operation: continuing it",
+                             sandbox_id, status)
+                    await handle.resume()
                 channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
                 await channel.ping(timeout_s=5.0)
         except (PodbayError, OSError, GuestError) as exc:

@@ -264,6 +264,14 @@ class SnapshotOps:
                                   " WHERE node_id=$1 AND state='creating' RETURNING id, sandbox_id", m.node_id)
         for r in rows:
             shutil.rmtree(snapshot_dir(m, r["sandbox_id"], r["id"]).with_name(r["id"] + ".part"), ignore_errors=True)
+        # Their snapshot operations end now rather than when JetStream redelivers the command (whose
+        # handler then finds the snapshot failed and does nothing more).
+        ops = await m.pool.fetch(
+            "UPDATE operations SET state='failed', error_code='interrupted', error_message=$2, finished_at=now()"
+            " WHERE kind='snapshot' AND state IN ('pending', 'running') AND sandbox_id = ANY($1::text[]) RETURNING id",
+            list({r["sandbox_id"] for r in rows}), "interrupted by a node agent restart")
+        for op in ops:
+            await m.notify_op(op["id"], "interrupted by a node agent restart")
 
     async def discard(self, sandbox_id: str) -> None:
         """Remove a deleted sandbox's snapshot files and mark its snapshots deleted."""

@@ -66,7 +66,8 @@ class Settings(BaseSettings):
     node_host: str = Field("127.0.0.1", description="Address the node's data plane listens on.")
     node_port: int = Field(8090, description="Data plane port.")
     node_memory_mib: int = Field(0, description="Memory offered to sandboxes; 0 means 80% of host RAM.")
-    node_vcpus: int = Field(0, description="vCPUs offered; 0 means 4x host cores.")
+    node_vcpus: int = Field(0, description="vCPUs offered to running sandboxes; 0 means 32x host cores (idle "
+                            "guests use next to no CPU; paused ones none).")
     node_store_size_gib: int = Field(40, description="Size of the loop-backed btrfs file when DATA_DIR is not btrfs.")
     node_heartbeat_s: float = Field(2.0)
     node_heartbeat_ttl_s: float = Field(10.0)

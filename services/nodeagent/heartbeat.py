@@ -25,12 +25,12 @@ log = logging.getLogger("podbay.nodeagent.heartbeat")
 
 
 def node_capacity(settings: Settings) -> tuple[int, int]:
-    """(memory MiB, vCPUs) offered to sandboxes: the settings, or 80% of host RAM and 4 vCPUs per core."""
+    """(memory MiB, vCPUs) offered to sandboxes: the settings, or 80% of host RAM and 32 vCPUs per core."""
     mem = settings.node_memory_mib
     if mem <= 0:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         mem = int(total * 0.8) >> 20
-    cpus = settings.node_vcpus if settings.node_vcpus > 0 else 4 * (os.cpu_count() or 1)
+    cpus = settings.node_vcpus if settings.node_vcpus > 0 else 32 * (os.cpu_count() or 1)
     return mem, cpus
 
 

@@ -82,7 +82,10 @@ class Scheduler:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
                 loads = {r["node_id"]: r for r in await conn.fetch(
-                    "SELECT node_id, sum(memory_mib)::int AS mem, sum(vcpus)::int AS cpu FROM sandboxes"
+                    # Paused sandboxes use no CPU; their memory still counts (until released, which the
+                    # scheduler does not see).
+                    "SELECT node_id, sum(memory_mib)::int AS mem,"
+                    " coalesce(sum(vcpus) FILTER (WHERE state <> 'paused'), 0)::int AS cpu FROM sandboxes"
                     " WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed') GROUP BY node_id")}
                 candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
                                        int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)

@@ -11,6 +11,7 @@ The machine calls sit behind ``System`` so that tests on a host use ``FakeSystem
 
 from __future__ import annotations
 
+import abc
 import base64
 import binascii
 import errno
@@ -39,28 +40,34 @@ FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
 
 
-class System:
+class System(abc.ABC):
     """Machine-level calls used by the operations."""
 
     def hostname(self) -> str:
         return socket.gethostname()
 
+    @abc.abstractmethod
     def set_hostname(self, name: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def add_entropy(self, seed: bytes) -> bool:
         """Mix ``seed`` into the kernel RNG; True when it was also credited as entropy."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def set_clock(self, time_ns: int) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def sync(self) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def freeze(self, mount: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def thaw(self, mount: str) -> None:
         raise NotImplementedError
 

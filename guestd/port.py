@@ -18,6 +18,7 @@ Three kinds, all with the same two calls, ``read(timeout_s) -> bytes | None`` (N
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
 import logging
@@ -41,15 +42,18 @@ _IDLE_SLEEP_S = 0.05
 log = logging.getLogger("guestd.port")
 
 
-class Port:
+class Port(abc.ABC):
     """Interface of a transport. ``read`` returns bytes, or None when nothing arrived within ``timeout_s``."""
 
+    @abc.abstractmethod
     def read(self, timeout_s: float) -> bytes | None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def write(self, data: bytes) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
         raise NotImplementedError
 

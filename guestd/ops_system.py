@@ -2,7 +2,9 @@
 
 ``after_restore`` runs after every restore or fork (no vmgenid on microvm, DESIGN.md §3): a new hostname
 (sethostname), a seed mixed into and credited to the kernel RNG (ioctl RNDADDENTROPY on /dev/urandom; a
-plain write, which mixes without crediting, when the ioctl is refused), the wall clock
+plain write, which mixes without crediting, when the ioctl is refused) followed by a forced reseed of the CRNG
+(ioctl RNDRESEEDCRNG: since Linux 5.18 added entropy only reaches /dev/urandom at the next scheduled reseed,
+up to 60 s later, so without it forked children would read the same stream), the wall clock
 (clock_settime(CLOCK_REALTIME)), and env vars for later execs. ``freeze`` syncs then FIFREEZEs mount
 points, arming a timer that thaws them if no ``thaw`` arrives in time.
 
@@ -34,8 +36,9 @@ __all__ = ["System", "RealSystem", "FakeSystem", "GuestState", "guest_info", "SY
 
 log = logging.getLogger("guestd.system")
 
-# <linux/random.h>: _IOW('R', 0x03, int[2]); <linux/fs.h>: _IOWR('X', 119/120, int).
+# <linux/random.h>: _IOW('R', 0x03, int[2]) and _IO('R', 0x07); <linux/fs.h>: _IOWR('X', 119/120, int).
 RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
 
@@ -53,6 +56,11 @@ class System(abc.ABC):
     @abc.abstractmethod
     def add_entropy(self, seed: bytes) -> bool:
         """Mix ``seed`` into the kernel RNG; True when it was also credited as entropy."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def reseed_crng(self) -> bool:
+        """Make /dev/urandom draw from the input pool now; False when the kernel refused."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -93,6 +101,17 @@ class RealSystem(System):
                 log.warning("RNDADDENTROPY refused (%s): mixing without credit", exc)
                 os.write(fd, seed)
                 return False
+        finally:
+            os.close(fd)
+
+    def reseed_crng(self) -> bool:
+        fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+            return True
+        except OSError as exc:
+            log.error("RNDRESEEDCRNG refused (%s): /dev/urandom keeps its stream until the next reseed", exc)
+            return False
         finally:
             os.close(fd)
 
@@ -144,6 +163,10 @@ class FakeSystem(System):
 
     def add_entropy(self, seed: bytes) -> bool:
         self._record("add_entropy", base64.b64encode(seed).decode())
+        return True
+
+    def reseed_crng(self) -> bool:
+        self._record("reseed_crng", None)
         return True
 
     def set_clock(self, time_ns: int) -> None:
@@ -229,13 +252,14 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise OpError("invalid", "env must map strings to strings")
-    credited = clock_set = False
+    credited = clock_set = reseeded = False
     try:
         if time_ns is not None:
             state.system.set_clock(time_ns)
             clock_set = True
         if seed:
             credited = state.system.add_entropy(seed)
+            reseeded = state.system.reseed_crng()
         if hostname is not None:
             state.system.set_hostname(hostname)
     except OSError as exc:
@@ -245,6 +269,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     return {
         "hostname": state.system.hostname(),
         "entropy_credited": credited,
+        "crng_reseeded": reseeded,
         "clock_set": clock_set,
         "env_keys": sorted(state.extra_env),
     }

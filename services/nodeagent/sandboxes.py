@@ -165,8 +165,12 @@ class SandboxManager:
             HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
             t = time.perf_counter()
             channel = await GuestChannel.connect(handle.channel_path, timeout_s=connect_timeout)
-            await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
-                                        env={"PODBAY_SANDBOX_ID": sandbox_id})
+            hygiene = await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
+                                                  env={"PODBAY_SANDBOX_ID": sandbox_id})
+            if not hygiene.crng_reseeded:
+                # Older guests or a refused ioctl: the seed still lands at the kernel's next reseed.
+                log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "
+                            "the kernel's next reseed", sandbox_id)
             HOP_SECONDS.labels("nodeagent", "guest_hygiene").observe(time.perf_counter() - t)
             (vm_dir / "meta.json").write_text(json.dumps(
                 {"sandbox_id": sandbox_id, "generation": generation,

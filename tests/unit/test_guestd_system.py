@@ -54,10 +54,18 @@ async def test_after_restore(ch: GuestChannel, guestd: tuple[Path, Path]) -> Non
     seed = os.urandom(64)
     clock = 1_800_000_000_000_000_000
     res = await ch.after_restore(hostname="sb-42", seed=seed, time_ns=clock, env={"SANDBOX_ID": "sb-42"})
-    assert (res.hostname, res.entropy_credited, res.clock_set, res.env_keys) == ("sb-42", True, True, ["SANDBOX_ID"])
+    assert (res.hostname, res.entropy_credited, res.crng_reseeded, res.clock_set, res.env_keys) == (
+        "sb-42",
+        True,
+        True,
+        True,
+        ["SANDBOX_ID"],
+    )
     calls = _calls(log)
     assert ["set_clock", clock] in calls
-    assert ["add_entropy", base64.b64encode(seed).decode()] in calls
+    # the seed must reach /dev/urandom now, not at the kernel's next scheduled reseed
+    added = calls.index(["add_entropy", base64.b64encode(seed).decode()])
+    assert calls.index(["reseed_crng", None]) > added
     assert ["set_hostname", "sb-42"] in calls
     assert (await ch.ping())["hostname"] == "sb-42"
     out, _, _ = await ch.run(ExecSpec(shell='echo "$SANDBOX_ID"'))

@@ -235,6 +235,8 @@ class AfterRestoreRequest(_Strict):
 class AfterRestoreResult(_Lenient):
     hostname: str
     entropy_credited: bool
+    #: the CRNG was reseeded from the input pool, so /dev/urandom already differs from the snapshot's
+    crng_reseeded: bool = False
     clock_set: bool
     env_keys: list[str] = Field(default_factory=list)
 

@@ -18,6 +18,8 @@ import sys
 from . import __version__
 from .ops_exec import op_exec
 from .ops_files import FILE_OPS
+from .ops_watch import WATCH_OPS
+from .procs import PROC_OPS
 from .ops_system import SYSTEM_OPS, FakeSystem, GuestState, RealSystem, System, guest_info
 from .port import open_port
 from .ops_exec import resolve_user
@@ -28,7 +30,7 @@ __all__ = ["main", "build_server"]
 
 def build_server(port_path: str | None, listen: str | None, system: System) -> Server:
     """A ``Server`` with every operation registered, on the chosen transport."""
-    handlers: dict[str, Handler] = {"exec": op_exec, **FILE_OPS, **SYSTEM_OPS}
+    handlers: dict[str, Handler] = {"exec": op_exec, **FILE_OPS, **WATCH_OPS, **PROC_OPS, **SYSTEM_OPS}
     state = GuestState(system)
     server = Server(open_port(port_path, listen), handlers, state)
     server.info = lambda session: guest_info(state, session)

@@ -6,11 +6,16 @@ The process starts in its own session and process group; SIGNAL frames, the time
 on the whole group. When the process exits while something it started still holds its stdout/stderr, the
 output is forwarded until the pipes go quiet (or POST_EXIT_BYTES more arrive), then drained and discarded
 in the background so that such daemons neither block the result nor die of SIGPIPE.
+
+``keep`` registers the process (``guestd/procs.py``): it outlives its stream and the host session, its
+stdin is fed with ``proc_input`` instead of DATA fd 0, and ``attach`` moves its output to another stream.
+``pty {cols, rows}`` runs it on a pseudo-terminal (needs ``keep``): the terminal's output is DATA fd 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pwd
@@ -24,6 +29,7 @@ from podbay.channel import frames
 from podbay.channel.frames import FrameType
 
 from .errors import OpError, from_oserror
+from .procs import REGISTRY, Kept
 from .server import Stream
 from .spawn import Child, spawn
 
@@ -138,9 +144,26 @@ def _parse(args: dict[str, Any]) -> tuple[list[str], dict[str, str], str | None,
     return cmd, env, cwd, args.get("user"), timeout, stdin
 
 
+def _parse_keep(args: dict[str, Any]) -> tuple[bool, str | None, tuple[int, int] | None]:
+    keep, tag, pty = args.get("keep", False), args.get("tag"), args.get("pty")
+    if not isinstance(keep, bool):
+        raise OpError("invalid", "keep must be a boolean")
+    if tag is not None and (not isinstance(tag, str) or not keep or len(tag) > 256):
+        raise OpError("invalid", "tag must be a string of at most 256 characters, with keep")
+    size = None
+    if pty is not None:
+        cols, rows = (pty.get("cols"), pty.get("rows")) if isinstance(pty, dict) else (None, None)
+        if not keep or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 10000
+                               for v in (cols, rows)):
+            raise OpError("invalid", "pty must be {cols, rows} (integers in 1..10000), with keep")
+        size = (cols, rows)
+    return keep, tag, size
+
+
 def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     """Run one process (see the module docstring). Args: the fields of ``ExecSpec``."""
     cmd, env_req, cwd, user, timeout, want_stdin = _parse(args)
+    keep, tag, pty = _parse_keep(args)
     uid, gid, groups, home, name = resolve_user(user)
     env = base_env(home, name)
     env.update(getattr(stream.server.state, "extra_env", {}))
@@ -148,7 +171,7 @@ def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     try:
         child = spawn(
             cmd, env, cwd or (home if os.path.isdir(home) else "/"), want_stdin=want_stdin,
-            user=None if user is None else (uid, gid, groups),
+            user=None if user is None else (uid, gid, groups), pty=pty,
         )
     except OSError as exc:
         raise from_oserror(exc) from exc
@@ -156,9 +179,16 @@ def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         raise OpError("invalid", str(exc)) from exc
     log.debug("exec pid %d: %s", child.pid, cmd[:3])
 
+    kept: Kept | None = None
+    if keep:
+        kept = Kept(child, stream, {"tag": tag, "argv": cmd, "env": env_req, "cwd": cwd,
+                                    "pty": None if pty is None else {"cols": pty[0], "rows": pty[1]}})
+        REGISTRY.add(kept)
+
     def on_cancel(orphan: bool) -> None:
-        # An abandoned session leaves the process running; an explicit CANCEL kills its group.
-        if not orphan:
+        # An abandoned session leaves the process running; an explicit CANCEL kills its group, unless it
+        # is kept (only a signal ends a kept process).
+        if not orphan and kept is None:
             child.signal_group(signal.SIGKILL)
 
     stream.on_signal = child.signal_group
@@ -166,13 +196,22 @@ def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     if stream.cancelled.is_set():
         on_cancel(stream.orphaned)
     stream.send_json(FrameType.STARTED, {"pid": child.pid})
-    if want_stdin:
+    if want_stdin and kept is None:
         stream.server.spawn(_pump_stdin, stream, child)
+    result: dict[str, Any] = {"exit_code": None, "timed_out": False, "pid": child.pid}
     try:
-        timed_out = _pump(stream, child, timeout)
+        result["timed_out"] = _pump(stream, child, timeout, kept)
     finally:
         stream.inbox.put(None)  # wake the stdin pump if the host never sent EOF
-    return {"exit_code": child.returncode, "timed_out": timed_out, "pid": child.pid}
+        result["exit_code"] = child.returncode
+        if kept is not None:
+            REGISTRY.remove(child.pid)
+            if child.stdin is not None:
+                with contextlib.suppress(OSError):
+                    os.close(child.stdin)
+                child.stdin = None
+            kept.finish(result)
+    return result
 
 
 def _pump_stdin(stream: Stream, child: Child) -> None:
@@ -201,12 +240,14 @@ def _pump_stdin(stream: Stream, child: Child) -> None:
             os.close(fd)
 
 
-def _pump(stream: Stream, child: Child, timeout: float | None) -> bool:
+def _pump(stream: Stream, child: Child, timeout: float | None, kept: Kept | None = None) -> bool:
     """Forward stdout/stderr as DATA frames within the send window and wait for the exit, in one loop
     (pipes and the pidfd in one poll): until both pipes are at EOF and the process is reaped, or the
     pipes stay quiet for POST_EXIT_IDLE_S (or POST_EXIT_BYTES more arrived) after the exit. Kills the
     group at the timeout. Returns whether it timed out."""
-    pipes = {child.stdout: frames.FD_STDOUT, child.stderr: frames.FD_STDERR}
+    pipes = {child.stdout: frames.FD_STDOUT}
+    if child.stderr is not None:
+        pipes[child.stderr] = frames.FD_STDERR
     for fd in pipes:
         os.set_blocking(fd, False)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -215,6 +256,8 @@ def _pump(stream: Stream, child: Child, timeout: float | None) -> bool:
     quiet_since: float | None = None
     try:
         while True:
+            if kept is not None:
+                stream = kept.target  # attach may have moved the output to another stream
             exited = child.returncode is not None or child.reap() is not None
             if exited and not pipes:
                 break
@@ -244,6 +287,8 @@ def _pump(stream: Stream, child: Child, timeout: float | None) -> bool:
             else:
                 wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - now))
             events = poller.poll(wait_s * 1000)
+            if kept is not None and kept.target is not stream:
+                continue  # attached while polling: read again with the new stream's window
             read_any = False
             for fd, _ in events:
                 if fd not in pipes:
@@ -252,6 +297,10 @@ def _pump(stream: Stream, child: Child, timeout: float | None) -> bool:
                     data = os.read(fd, want or frames.CHUNK_SIZE)
                 except BlockingIOError:
                     continue
+                except OSError as exc:
+                    if exc.errno != errno.EIO:  # a terminal's master reads EIO once every slave is closed
+                        raise
+                    data = b""
                 if not data:
                     del pipes[fd]
                     os.close(fd)
@@ -295,6 +344,8 @@ def _drain_discard(fds: list[int]) -> None:
                 data = os.read(fd, 65536)
             except BlockingIOError:
                 continue
+            except OSError:
+                data = b""  # EIO: a terminal whose every slave is closed
             if not data:
                 poller.unregister(fd)
                 left.discard(fd)

@@ -1,4 +1,4 @@
-"""File operations: stat, list, read, write, mkdir, remove. Paths must be absolute.
+"""File operations: stat, list, read, write, mkdir, move, remove. Paths must be absolute.
 
 ``read`` streams DATA fd 3 chunks (within the host's credit) then RESULT ``{"size"}``; ``list`` streams its
 entries as JSON lines in DATA fd 3 chunks then RESULT ``{"count"}``; ``write`` takes DATA fd 3 chunks and
@@ -23,7 +23,7 @@ from .errors import OpError, from_oserror
 from .ops_exec import resolve_user
 from .server import Stream
 
-__all__ = ["stat_dict", "op_stat", "op_list", "op_read", "op_write", "op_mkdir", "op_remove", "FILE_OPS"]
+__all__ = ["stat_dict", "op_stat", "op_list", "op_read", "op_write", "op_mkdir", "op_move", "op_remove", "FILE_OPS"]
 
 
 def _path(args: dict[str, Any], key: str = "path") -> str:
@@ -248,6 +248,21 @@ def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     return _lstat(path)
 
 
+def op_move(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
+    """``move {source, destination}`` -> FileStat of ``destination`` (rename(2): same filesystem only).
+
+    An existing destination file is replaced, as rename does; a non-empty destination directory is
+    ``invalid``; a missing source or destination parent ``not_found``."""
+    source, destination = _path(args, "source"), _path(args, "destination")
+    if source == "/":
+        raise OpError("invalid", "refusing to move /")
+    try:
+        os.rename(source, destination)
+    except OSError as exc:
+        raise from_oserror(exc, f"{source} -> {destination}") from exc
+    return _lstat(destination)
+
+
 def op_remove(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     """``remove {path, recursive=False}`` -> ``{"removed": true}``. Refuses ``/``."""
     path = _path(args)
@@ -274,5 +289,6 @@ FILE_OPS = {
     "read": op_read,
     "write": op_write,
     "mkdir": op_mkdir,
+    "move": op_move,
     "remove": op_remove,
 }

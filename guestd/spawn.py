@@ -8,19 +8,26 @@ to its user's home at start, the default exec cwd), and ``subprocess.Popen`` oth
 directories). Either way the caller gets a ``Child``: pid, the parent's pipe ends as raw fds, a pidfd
 (when the kernel has pidfd_open, Linux >= 5.3) that becomes readable when the process exits, and
 ``reap``. Every fd guestd opens is close-on-exec (PEP 446), so nothing of guestd leaks into the child.
+
+With ``pty=(cols, rows)`` the process gets a pseudo-terminal as stdin, stdout and stderr (its controlling
+terminal, through util-linux ``setsid --ctty``, which needs no code between fork and exec); the parent
+keeps the master as ``stdout`` (read output, write input) and ``stderr`` is None.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import stat
+import struct
 import subprocess
+import termios
 import threading
 from typing import Any
 
-__all__ = ["Child", "spawn", "find_program"]
+__all__ = ["Child", "spawn", "find_program", "set_winsize"]
 
 _RESTORED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, n))
 
@@ -31,12 +38,14 @@ class Child:
     ``reap`` saw the exit (``-N`` when killed by signal N)."""
 
     def __init__(
-        self, pid: int, stdin: int | None, stdout: int, stderr: int, popen: subprocess.Popen[bytes] | None
+        self, pid: int, stdin: int | None, stdout: int, stderr: int | None, popen: subprocess.Popen[bytes] | None,
+        *, pty: bool = False,
     ) -> None:
         self.pid = pid
         self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr
+        self.pty = pty
         self.returncode: int | None = None
         self._popen = popen
         self._lock = threading.Lock()
@@ -107,6 +116,33 @@ def _same_dir(a: str, b: str) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+def set_winsize(fd: int, cols: int, rows: int) -> None:
+    """Set a terminal's size (TIOCSWINSZ); the kernel sends SIGWINCH to its foreground process group."""
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _start_pty(cmd: list[str], env: dict[str, str], cwd: str, size: tuple[int, int],
+               user: tuple[int, int, list[int]] | None) -> Child:
+    master, slave = os.openpty()
+    try:
+        set_winsize(master, *size)
+        kwargs: dict[str, Any] = {}
+        if user is not None:
+            kwargs.update(user=user[0], group=user[1], extra_groups=user[2])
+        # Not start_new_session: setsid(1) must not be a group leader, so it calls setsid() itself
+        # (same pid, no fork), makes stdin (the pty) its controlling terminal and execs the command.
+        popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
+            ["setsid", "--ctty", "--", find_program(cmd[0], env), *cmd[1:]],
+            stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env, close_fds=True, **kwargs,
+        )
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    return Child(popen.pid, None, master, None, popen, pty=True)
+
+
 def _start(
     cmd: list[str], env: dict[str, str], cwd: str, want_stdin: bool, user: tuple[int, int, list[int]] | None
 ) -> Child:
@@ -161,12 +197,16 @@ def _start(
 
 
 def spawn(
-    cmd: list[str], env: dict[str, str], cwd: str, *, want_stdin: bool, user: tuple[int, int, list[int]] | None
+    cmd: list[str], env: dict[str, str], cwd: str, *, want_stdin: bool, user: tuple[int, int, list[int]] | None,
+    pty: tuple[int, int] | None = None,
 ) -> Child:
     """Start ``cmd`` (``argv[0]`` looked up in ``env["PATH"]``) in a new session, with pipes for stdout,
-    stderr and (``want_stdin``) stdin, else stdin from /dev/null; ``user`` is ``(uid, gid, groups)`` or
-    None for guestd's own user. Raises ``OSError`` (missing program or cwd, permission) or
-    ``subprocess.SubprocessError`` / ``ValueError`` (bad arguments)."""
+    stderr and (``want_stdin``) stdin, else stdin from /dev/null; or, with ``pty=(cols, rows)``, on a new
+    pseudo-terminal. ``user`` is ``(uid, gid, groups)`` or None for guestd's own user. Raises ``OSError``
+    (missing program or cwd, permission) or ``subprocess.SubprocessError`` / ``ValueError`` (bad
+    arguments)."""
+    if pty is not None:
+        return _start_pty(cmd, env, cwd, pty, user)
     return _start(cmd, env, cwd, want_stdin, user)
 
 

@@ -50,11 +50,13 @@ from podbay.contracts.channel import (
     GuestInfo,
     ListResult,
     MkdirRequest,
+    MoveRequest,
     Op,
     ReadResult,
     RemoveRequest,
     RemoveResult,
 )
+from podbay.channel.procs import ProcOps
 from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, PodbayError, Timeout
 
 __all__ = ["GuestChannel", "ExecProcess", "ExecExit", "ExecSpec", "ChannelClosed", "DEFAULT_RUN_OUTPUT_LIMIT"]
@@ -121,8 +123,9 @@ class _Stream:
         self.ended = False
 
 
-class GuestChannel:
-    """One connection to guestd; many concurrent streams. Create with ``await GuestChannel.connect(...)``."""
+class GuestChannel(ProcOps):
+    """One connection to guestd; many concurrent streams. Create with ``await GuestChannel.connect(...)``.
+    Kept processes and watches: ``podbay.channel.procs``."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, request_timeout_s: float) -> None:
         self._reader = reader
@@ -522,6 +525,12 @@ class GuestChannel:
         InvalidRequest (not_a_directory: a file on the way), GuestError."""
         req = MkdirRequest(path=path, parents=parents, exist_ok=exist_ok, mode=mode)
         return await self._unary(Op.MKDIR, req.model_dump(), FileStat)
+
+    async def move(self, source: str, destination: str) -> FileStat:
+        """Rename ``source`` to ``destination`` (rename(2)) -> FileStat of the destination. Raises
+        NotFound (source or destination parent), InvalidRequest (non-empty directory in the way, ...)."""
+        req = MoveRequest(source=source, destination=destination)
+        return await self._unary(Op.MOVE, req.model_dump(), FileStat)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, link or directory (``recursive`` for a non-empty one). Raises NotFound."""

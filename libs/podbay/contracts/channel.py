@@ -19,7 +19,10 @@ __all__ = [
     "OpenRequest",
     "HelloRequest",
     "GuestInfo",
+    "PtySize",
     "ExecSpec",
+    "KeptProcess",
+    "ProcsResult",
     "ExecStarted",
     "ExecExit",
     "FileStat",
@@ -31,6 +34,10 @@ __all__ = [
     "MkdirRequest",
     "RemoveRequest",
     "RemoveResult",
+    "MoveRequest",
+    "WatchRequest",
+    "WatchEvent",
+    "WatchResult",
     "AfterRestoreRequest",
     "AfterRestoreResult",
     "FreezeRequest",
@@ -52,7 +59,15 @@ class Op(StrEnum):
     READ = "read"
     WRITE = "write"
     MKDIR = "mkdir"
+    MOVE = "move"
     REMOVE = "remove"
+    WATCH = "watch"
+    PROCS = "procs"
+    ATTACH = "attach"
+    PROC_INPUT = "proc_input"
+    PROC_CLOSE_STDIN = "proc_close_stdin"
+    PROC_SIGNAL = "proc_signal"
+    PROC_RESIZE = "proc_resize"
     AFTER_RESTORE = "after_restore"
     FREEZE = "freeze"
     THAW = "thaw"
@@ -110,6 +125,13 @@ class GuestInfo(_Lenient):
     session: str | None = None
 
 
+class PtySize(_Strict):
+    """A terminal's size in characters."""
+
+    cols: int = Field(ge=1, le=10000)
+    rows: int = Field(ge=1, le=10000)
+
+
 class ExecSpec(_Strict):
     """Arguments of ``exec``. Give ``argv`` or ``shell`` (run as ``/bin/sh -c``), not both.
 
@@ -125,11 +147,16 @@ class ExecSpec(_Strict):
     user: str | int | None = None
     timeout_s: float | None = Field(None, gt=0)
     stdin: bool = False
+    keep: bool = Field(False, description="Register the process: it outlives this stream (docs/channel.md).")
+    tag: str | None = Field(None, max_length=256, description="A name for a kept process.")
+    pty: PtySize | None = Field(None, description="Run a kept process on a pseudo-terminal of this size.")
 
     @model_validator(mode="after")
     def _one_command(self) -> ExecSpec:
         if (self.argv is None) == (self.shell is None):
             raise ValueError("give exactly one of argv or shell")
+        if (self.tag is not None or self.pty is not None) and not self.keep:
+            raise ValueError("tag and pty need keep=True")
         return self
 
 
@@ -258,3 +285,50 @@ class ChannelErrorBody(_Lenient):
 
     code: str
     message: str = ""
+
+
+class MoveRequest(_Strict):
+    """Arguments of ``move``: rename ``source`` to ``destination`` (both absolute, same filesystem)."""
+
+    source: str = Field(min_length=1, max_length=4096)
+    destination: str = Field(min_length=1, max_length=4096)
+
+
+class WatchRequest(_Strict):
+    """Arguments of ``watch``: report changes under directory ``path`` every ``interval_s`` seconds."""
+
+    path: str = Field(min_length=1, max_length=4096)
+    recursive: bool = False
+    interval_s: float = Field(0.1, ge=0.01, le=10)
+
+
+class WatchEvent(_Lenient):
+    """One change seen by ``watch`` (a JSON line in DATA fd 3): ``name`` relative to the watched directory,
+    ``stat`` of the entry after the change (None for ``remove``)."""
+
+    name: str = Field(max_length=4096)
+    type: Literal["create", "write", "remove", "chmod"]
+    stat: FileStat | None = None
+
+
+class WatchResult(_Lenient):
+    """RESULT of ``watch``, sent when the watched directory went away: events reported in all."""
+
+    events: int
+
+
+class KeptProcess(_Lenient):
+    """A running kept process, as ``procs`` lists it: how it was started."""
+
+    pid: int
+    tag: str | None = None
+    argv: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    pty: PtySize | None = None
+
+
+class ProcsResult(_Lenient):
+    """RESULT of ``procs``."""
+
+    processes: list[KeptProcess]

@@ -230,10 +230,18 @@ def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``mkdir {path, parents=True, exist_ok=True, mode=0o755}`` -> FileStat of the directory."""
+    """``mkdir {path, parents=True, exist_ok=True, mode=0o755, user=None}`` -> FileStat of the directory.
+    With ``user`` the directories this call creates belong to that user (and its group)."""
     path = _path(args)
     parents, exist_ok = _flag(args, "parents", True), _flag(args, "exist_ok", True)
     mode = _mode(args, 0o755)
+    owner = resolve_user(args["user"]) if args.get("user") is not None else None
+    created: list[str] = []
+    if owner is not None:
+        d = path
+        while d != "/" and not os.path.lexists(d):
+            created.append(d)
+            d = os.path.dirname(d)
     try:
         if parents:
             os.makedirs(path, mode, exist_ok=exist_ok)
@@ -243,6 +251,9 @@ def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
             except FileExistsError:
                 if not (exist_ok and os.path.isdir(path)):
                     raise
+        for d in created if owner is not None else []:
+            with contextlib.suppress(FileNotFoundError):  # without parents only the leaf was made
+                os.lchown(d, owner[0], owner[1])
     except OSError as exc:
         raise from_oserror(exc, path) from exc
     return _lstat(path)

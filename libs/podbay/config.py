@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
     exec_timeout_s: float = Field(300.0, description="Default exec timeout when the request gives none.")
     internal_token: str = Field("", description="Shared secret between the API and node data planes.")
+    e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
+                                   "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
 
     # node agent
     node_id: str = Field("node-1", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")

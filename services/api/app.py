@@ -18,7 +18,7 @@ from podbay.config import Settings
 from podbay.outbox import Relay
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
-from . import dataplane, sandboxes, snapshots
+from . import dataplane, e2b, e2b_envd, sandboxes, snapshots
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -59,6 +59,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(sandboxes.router)
     app.include_router(dataplane.router)
     app.include_router(snapshots.router)
+    # E2B SDK compatibility (docs/e2b.md): its REST API under /e2b, its envd traffic routed by header or host.
+    app.include_router(e2b.router)
+    app.include_router(e2b_envd.router)
+    app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Any) -> Response:

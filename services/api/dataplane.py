@@ -25,7 +25,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router"]
+__all__ = ["router", "proxy", "target"]
 
 log = logging.getLogger("podbay.api.dataplane")
 
@@ -61,8 +61,11 @@ async def _target(ctx: ApiContext, who: Principal, sandbox_id: str, command: San
 
 async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *, method: str,
                  params: dict[str, str] | None = None, json_body: object | None = None,
-                 stream_body: bool = False, stream_response: bool = False) -> Response:
-    headers = {"x-podbay-internal-token": ctx.settings.internal_token, "x-podbay-generation": str(generation)}
+                 stream_body: bool = False, stream_response: bool = False,
+                 extra_headers: dict[str, str] | None = None,
+                 pass_headers: tuple[str, ...] = _PASS_HEADERS) -> Response:
+    headers = {**(extra_headers or {}), "x-podbay-internal-token": ctx.settings.internal_token,
+               "x-podbay-generation": str(generation)}
     content: AsyncIterator[bytes] | None = None
     if stream_body:
         content = request.stream()
@@ -78,7 +81,7 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
         log.warning("node data plane %s did not answer: %r", url, exc)
         raise Unavailable(f"the sandbox's node did not answer ({type(exc).__name__}); retry shortly",
                           details={"retryable": True}) from exc
-    out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
+    out_headers = {k: v for k, v in resp.headers.items() if k.lower() in pass_headers}
     if not stream_response or resp.status_code >= 400:
         body = await resp.aread()
         await resp.aclose()
@@ -175,3 +178,8 @@ async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who
     base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/mkdir"), gen, method="POST",
                         params={"path": path, "parents": str(parents).lower()})
+
+
+# Other routers (the E2B envd proxy) reach the node through the same two steps.
+proxy = _proxy
+target = _target

@@ -25,6 +25,8 @@ from podbay.errors import PodbayError, Unauthorized
 from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
 
 from .diff import diff_snapshots
+from .envd import PREFIX as ENVD_PREFIX
+from .envd import EnvdApp
 
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
@@ -185,6 +187,10 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         ch = manager.channel(sandbox_id, _gen(request))
         res = await ch.mkdir(path, parents=parents)
         return _file_info(path, res if res else await ch.stat(path))
+
+    # E2B's in-sandbox API (envd), behind the same token check and generation fencing.
+    app.state.envd = EnvdApp(manager)
+    app.mount(ENVD_PREFIX, app.state.envd)
 
     @app.get(base + "/snapshots/{snapshot_a}/diff/{snapshot_b}")
     async def snapshot_diff(sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:

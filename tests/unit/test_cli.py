@@ -360,3 +360,10 @@ def test_template_build_passes_output_and_exit_code(
 
 def test_exit_status() -> None:
     assert [exit_status(c) for c in (0, 3, -9, -15, 256)] == [0, 3, 137, 143, 0]
+
+
+def test_env_e2b_prints_the_e2b_variables(clean_env: None) -> None:
+    result = CliRunner().invoke(app, ["--api-url", "http://h:1/", "--api-key", "pb_k", "env", "--e2b"])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines() == ["export E2B_API_URL=http://h:1/e2b", "export E2B_SANDBOX_URL=http://h:1",
+                                          "export E2B_API_KEY=pb_k"]

@@ -158,3 +158,11 @@ def test_scan_is_recursive_only_when_asked(tmp_path: Path) -> None:
     (tmp_path / ".x.podbay-tmp").write_text("t")
     assert set(scan(str(tmp_path), recursive=False)) == {"a"}
     assert set(scan(str(tmp_path), recursive=True)) == {"a", "a/b"}
+
+
+async def test_mkdir_with_user_owns_the_directories_it_creates(ch: GuestChannel, tmp_path: Path) -> None:
+    st = await ch.mkdir(str(tmp_path / "a" / "b"), user="nobody")
+    nobody = __import__("pwd").getpwnam("nobody")
+    assert (st.uid, st.gid) == (nobody.pw_uid, nobody.pw_gid)
+    assert (tmp_path / "a").stat().st_uid == nobody.pw_uid
+    assert tmp_path.stat().st_uid != nobody.pw_uid  # existing parents keep their owner

@@ -520,11 +520,12 @@ class GuestChannel(ProcOps):
             raise GuestError(f"guest listed {len(entries)} entries but counted {result.count}")
         return entries
 
-    async def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int = 0o755) -> FileStat:
-        """Create a directory (with parents by default). Raises Conflict (exists), NotFound,
-        InvalidRequest (not_a_directory: a file on the way), GuestError."""
-        req = MkdirRequest(path=path, parents=parents, exist_ok=exist_ok, mode=mode)
-        return await self._unary(Op.MKDIR, req.model_dump(), FileStat)
+    async def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int = 0o755,
+                    user: str | int | None = None) -> FileStat:
+        """Create a directory (with parents by default; owned by ``user`` when given). Raises Conflict
+        (exists), NotFound, InvalidRequest (not_a_directory: a file on the way), GuestError."""
+        req = MkdirRequest(path=path, parents=parents, exist_ok=exist_ok, mode=mode, user=user)
+        return await self._unary(Op.MKDIR, req.model_dump(exclude_none=True), FileStat)
 
     async def move(self, source: str, destination: str) -> FileStat:
         """Rename ``source`` to ``destination`` (rename(2)) -> FileStat of the destination. Raises

@@ -235,6 +235,7 @@ class MkdirRequest(_Strict):
     parents: bool = True
     exist_ok: bool = True
     mode: int = Field(0o755, ge=0, le=0o7777)
+    user: str | int | None = Field(None, description="Owner of the directories this call creates.")
 
 
 class RemoveRequest(_Strict):

@@ -1,0 +1,360 @@
+"""E2B's sandbox REST API, mounted at ``/e2b``: the unmodified ``e2b`` SDK works against podbay with
+``E2B_API_URL=<api>/e2b`` (docs/e2b.md).
+
+Paths, JSON fields and status codes follow the endpoints the pinned SDK calls (v1 and v2):
+
+    POST /sandboxes, /v2/sandboxes                 201 Sandbox          create (waits until it runs)
+    GET  /sandboxes, /v2/sandboxes                 200 [ListedSandbox]  list; v2: state, metadata, limit, nextToken
+    GET  /sandboxes/{id}                           200 SandboxDetail
+    DELETE /sandboxes/{id}                         204                  kill
+    POST /sandboxes/{id}/timeout                   204                  {"timeout": s}: lease from now
+    POST /sandboxes/{id}/refreshes                 204                  {"duration": s}: lease from now
+    POST /sandboxes/{id}/pause                     204                  409 when already paused
+    POST /sandboxes/{id}/resume                    201 Sandbox          (deprecated by E2B) resume a paused one
+    POST /sandboxes/{id}/connect, /v2/.../connect  200 running, 201 resumed; Sandbox
+    GET  /sandboxes/{id}/metrics                   200 [SandboxMetric]  one sample taken now
+
+``X-API-KEY`` carries a podbay API key. Errors are E2B's ``{"code": <HTTP status>, "message"}``. Each
+sandbox's envd access token is an HMAC of its id with the internal token, so the envd proxy
+(``e2b_envd.py``) checks it without a database lookup. The routes stay out of podbay's OpenAPI document:
+they are E2B's contract, not podbay's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import urllib.parse
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import httpx
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from podbay.contracts.api import LeaseUpdate, SandboxCreate
+from podbay.contracts.states import SandboxCommand
+from podbay.errors import InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
+
+from . import dataplane, sandboxes
+from .auth import Principal, authenticate
+from .context import ApiContext
+from .deps import ctx_dep
+
+__all__ = ["router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
+
+# The envd protocol version podbay's envd API speaks: the SDK enables features by it (default user,
+# closing stdin, octet-stream uploads, entries in watch events).
+ENVD_VERSION = "0.6.3"
+CLIENT_ID = "podbay"
+# podbay states -> E2B's two; the others are not listed (and answer 404 where E2B has no word for them).
+E2B_STATES = {"pending": "running", "starting": "running", "running": "running", "paused": "paused",
+              "suspending": "paused", "suspended": "paused", "resuming": "running"}
+MIN_TIMEOUT_S = 10  # podbay's shortest lease
+
+
+def error_body(status: int, message: str) -> JSONResponse:
+    """E2B's error shape."""
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class _E2bRoute(APIRoute):
+    """Answers every error of these routes in E2B's shape (validation errors are 400, as E2B's are)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        inner = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await inner(request)
+            except PodbayError as exc:
+                return error_body(exc.http_status, exc.message)
+            except RequestValidationError as exc:
+                first = exc.errors()[0] if exc.errors() else {}
+                where = ".".join(str(p) for p in first.get("loc", ()))
+                return error_body(400, f"{where}: {first.get('msg', 'invalid request')}")
+
+        return handler
+
+
+router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+
+
+async def _principal(request: Request) -> Principal:
+    """401 unless ``X-API-KEY`` (or a bearer header) holds a valid podbay API key."""
+    ctx: ApiContext = request.app.state.ctx
+    key = request.headers.get("x-api-key")
+    return await authenticate(ctx.pool, f"Bearer {key}" if key else request.headers.get("authorization"))
+
+
+WhoDep = Annotated[Principal, Depends(_principal)]
+
+
+def envd_access_token(internal_token: str, sandbox_id: str) -> str:
+    """The token the SDK sends to a sandbox's envd API (``X-Access-Token``): hex HMAC-SHA256."""
+    return hmac.new(internal_token.encode(), f"e2b-envd:{sandbox_id}".encode(), hashlib.sha256).hexdigest()
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NewSandbox(_Body):
+    """E2B's ``NewSandbox`` / ``NewSandboxV2`` (fields podbay does not use are accepted and ignored)."""
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=128)
+    timeout: int | None = Field(None, ge=0, le=30 * 86400, description="Seconds until the lease runs out.")
+    auto_pause: bool = Field(False, alias="autoPause")
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+
+
+class TimeoutBody(_Body):
+    timeout: int = Field(ge=0, le=30 * 86400)
+
+
+class RefreshBody(_Body):
+    duration: int | None = Field(None, ge=0, le=3600)
+
+
+class ConnectBody(_Body):
+    timeout: int | None = Field(None, ge=0, le=30 * 86400)
+
+
+def _lease(timeout: int | None, ctx: ApiContext) -> int:
+    return max(MIN_TIMEOUT_S, timeout) if timeout is not None else ctx.settings.lease_s
+
+
+def _iso(ts: datetime | None) -> str:
+    return (ts or datetime.now(UTC)).astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _sandbox(ctx: ApiContext, sandbox_id: str, template: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"templateID": template, "sandboxID": sandbox_id, "alias": template,
+                            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
+                            "envdAccessToken": envd_access_token(ctx.settings.internal_token, sandbox_id)}
+    if ctx.settings.e2b_domain:
+        body["domain"] = ctx.settings.e2b_domain
+    return body
+
+
+def _listed(row: Any) -> dict[str, Any]:
+    return {"templateID": row["template"], "alias": row["template"], "sandboxID": row["id"], "clientID": CLIENT_ID,
+            "startedAt": _iso(row["created_at"]), "endAt": _iso(row["lease_expires_at"]),
+            "cpuCount": row["vcpus"], "memoryMB": row["memory_mib"], "diskSizeMB": 0,
+            "state": E2B_STATES[row["state"]], "envdVersion": ENVD_VERSION, "metadata": row["metadata"] or {}}
+
+
+async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
+    """The caller's sandbox in a state E2B knows; NotFound ("... was not found") otherwise."""
+    try:
+        row = await sandboxes.load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
+    except NotFound:
+        row = None
+    if row is None or row["state"] not in E2B_STATES:
+        raise NotFound(f"sandbox {sandbox_id} was not found")
+    return row
+
+
+async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
+    req = SandboxCreate(template=body.template_id, metadata=body.metadata or {}, lease_s=_lease(body.timeout, ctx),
+                        on_lease_expiry="pause" if body.auto_pause else "delete")
+    info = await sandboxes.create_sandbox(req, ctx, who, Response(), wait=True)
+    return JSONResponse(_sandbox(ctx, info.id, info.template), status_code=201)
+
+
+@router.post("/sandboxes")
+async def create_v1(body: NewSandbox, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """Create a sandbox from ``templateID`` and wait until it runs -> 201 ``Sandbox``."""
+    return await _create(body, ctx, who)
+
+
+@router.post("/v2/sandboxes")
+async def create_v2(body: NewSandbox, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """Create a sandbox (v2 body) -> 201 ``Sandbox``."""
+    return await _create(body, ctx, who)
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    """E2B's metadata query: url-encoded ``k=v&k2=v2``."""
+    return dict(urllib.parse.parse_qsl(raw, keep_blank_values=True)) if raw else {}
+
+
+def _cursor(raw: str | None) -> tuple[datetime, str] | None:
+    if not raw:
+        return None
+    try:
+        ts, sid = json.loads(base64.urlsafe_b64decode(raw.encode()))
+        return datetime.fromisoformat(ts), str(sid)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("nextToken is not one this server issued") from exc
+
+
+async def _list(ctx: ApiContext, who: Principal, states: list[str], metadata: dict[str, str], limit: int,
+                cursor: tuple[datetime, str] | None) -> tuple[list[dict[str, Any]], str | None]:
+    podbay_states = [s for s, e in E2B_STATES.items() if e in states]
+    sql = ("SELECT id, template, state, vcpus, memory_mib, metadata, created_at, lease_expires_at FROM sandboxes"
+           " WHERE tenant_id = $1 AND state = ANY($2::text[]) AND metadata @> $3::jsonb")
+    args: list[Any] = [who.tenant_id, podbay_states, metadata]
+    if cursor is not None:
+        sql += " AND (created_at, id) < ($5, $6)"
+    sql += " ORDER BY created_at DESC, id DESC LIMIT $4"
+    args.append(limit + 1)
+    if cursor is not None:
+        args += [cursor[0], cursor[1]]
+    rows = await ctx.pool.fetch(sql, *args)
+    token = None
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        token = base64.urlsafe_b64encode(json.dumps([last["created_at"].isoformat(), last["id"]]).encode()).decode()
+        rows = rows[:limit]
+    return [_listed(r) for r in rows], token
+
+
+@router.get("/sandboxes")
+async def list_v1(ctx: CtxDep, who: WhoDep, metadata: str | None = Query(None)) -> JSONResponse:
+    """Running sandboxes of the caller (v1: no pagination) -> 200 ``[ListedSandbox]``."""
+    items, _ = await _list(ctx, who, ["running"], _metadata_filter(metadata), 1000, None)
+    return JSONResponse(items)
+
+
+@router.get("/v2/sandboxes")
+async def list_v2(ctx: CtxDep, who: WhoDep, metadata: str | None = Query(None), state: str | None = Query(None),
+                  limit: int = Query(100, ge=1, le=1000), next_token: str | None = Query(None, alias="nextToken"),
+                  ) -> JSONResponse:
+    """Sandboxes by state (``running,paused`` by default), newest first, ``limit`` per page; the next page's
+    token is in the ``x-next-token`` header."""
+    states = [s for s in (state or "running,paused").split(",") if s]
+    if not states or any(s not in ("running", "paused") for s in states):
+        raise InvalidRequest("state must list running and/or paused")
+    items, token = await _list(ctx, who, states, _metadata_filter(metadata), limit, _cursor(next_token))
+    return JSONResponse(items, headers={"x-next-token": token} if token else None)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_info(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """One sandbox -> 200 ``SandboxDetail``; 404 unless running or paused."""
+    row = await _row(ctx, who, sandbox_id)
+    detail = _listed(row)
+    detail["envdAccessToken"] = envd_access_token(ctx.settings.internal_token, sandbox_id)
+    if ctx.settings.e2b_domain:
+        detail["domain"] = ctx.settings.e2b_domain
+    return JSONResponse(detail)
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
+    """Delete the sandbox -> 204; 404 when it does not exist (or is already gone)."""
+    await _row(ctx, who, sandbox_id)
+    await sandboxes.delete_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    return Response(status_code=204)
+
+
+async def _set_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds: int) -> None:
+    await _row(ctx, who, sandbox_id)
+    await sandboxes.set_timeout(sandbox_id, LeaseUpdate(lease_s=max(MIN_TIMEOUT_S, seconds)), ctx, who)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutBody, ctx: CtxDep, who: WhoDep) -> Response:
+    """The sandbox's lease now runs out ``timeout`` seconds from now (at least 10) -> 204."""
+    await _set_lease(ctx, who, sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: RefreshBody | None = None) -> Response:
+    """Keep the sandbox alive ``duration`` seconds more (default: its lease length) -> 204."""
+    row = await _row(ctx, who, sandbox_id)
+    await _set_lease(ctx, who, sandbox_id, body.duration if body and body.duration else int(row["lease_s"] or 0))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
+    """Pause a running sandbox (memory and processes kept) -> 204; 409 when it is already paused."""
+    row = await _row(ctx, who, sandbox_id)
+    if E2B_STATES[row["state"]] == "paused":
+        raise InvalidState(f"sandbox {sandbox_id} is already paused", details={"state": row["state"]})
+    await sandboxes.pause_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    return Response(status_code=204)
+
+
+async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: Principal) -> JSONResponse:
+    row = await _row(ctx, who, sandbox_id)
+    status = 200
+    if row["state"] == "paused":
+        await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+        status = 201
+    if timeout is not None:
+        await sandboxes.set_timeout(sandbox_id, LeaseUpdate(lease_s=max(MIN_TIMEOUT_S, timeout)), ctx, who)
+    return JSONResponse(_sandbox(ctx, sandbox_id, row["template"]), status_code=status)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect_v1(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
+    """Connect to a sandbox, resuming it when paused -> 200 (was running) or 201 (resumed) ``Sandbox``."""
+    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_v2(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
+    """As ``/sandboxes/{id}/connect``."""
+    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume")
+async def resume(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
+    """Resume a paused sandbox -> 201 ``Sandbox``; 409 when it is not paused."""
+    row = await _row(ctx, who, sandbox_id)
+    if row["state"] != "paused":
+        raise InvalidState(f"sandbox {sandbox_id} is not paused", details={"state": row["state"]})
+    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+
+
+# One sample of the guest's own counters: CPU over 0.2 s from /proc/stat, memory from /proc/meminfo, the root
+# filesystem from df. Output: "cpus busy total memtotal_kib memavail_kib cached_kib disk_used disk_total".
+_METRICS_SCRIPT = (
+    "read -r _ a b c d e f g h _ < /proc/stat; sleep 0.2; read -r _ A B C D E F G H _ < /proc/stat; "
+    "busy=$(( (A+B+C+F+G+H) - (a+b+c+f+g+h) )); total=$(( busy + (D+E) - (d+e) )); "
+    "mt=$(awk '/^MemTotal:/{print $2}' /proc/meminfo); ma=$(awk '/^MemAvailable:/{print $2}' /proc/meminfo); "
+    "ca=$(awk '/^Cached:/{print $2}' /proc/meminfo); set -- $(df -B1 --output=used,size / | tail -1); "
+    "echo $(nproc) $busy $total $mt $ma $ca $1 $2"
+)
+
+
+def parse_metrics(line: str, now: datetime) -> dict[str, Any]:
+    """A ``SandboxMetric`` from the metrics script's output line (bytes, percent of all vCPUs)."""
+    cpus, busy, total, mem_total, mem_avail, cached, disk_used, disk_total = (int(x) for x in line.split())
+    return {"timestamp": _iso(now), "timestampUnix": int(now.timestamp()), "cpuCount": cpus,
+            "cpuUsedPct": round(100.0 * busy / total, 2) if total > 0 else 0.0,
+            "memUsed": (mem_total - mem_avail) * 1024, "memTotal": mem_total * 1024, "memCache": cached * 1024,
+            "diskUsed": disk_used, "diskTotal": disk_total}
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """One sample taken now in the guest -> 200 ``[SandboxMetric]`` (an empty list while it is paused)."""
+    row = await _row(ctx, who, sandbox_id)
+    if row["state"] != "running":
+        return JSONResponse([])
+    base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
+    try:
+        resp = await ctx.nodes_http.post(
+            f"{base}/internal/v1/sandboxes/{sandbox_id}/exec",
+            json={"shell": _METRICS_SCRIPT, "timeout_s": 10},
+            headers={"x-podbay-internal-token": ctx.settings.internal_token, "x-podbay-generation": str(gen)})
+    except httpx.HTTPError as exc:
+        raise Unavailable("the sandbox's node did not answer; retry shortly") from exc
+    result = resp.json() if resp.status_code == 200 else {}
+    try:
+        return JSONResponse([parse_metrics(str(result.get("stdout", "")), datetime.now(UTC))])
+    except ValueError as exc:
+        raise Unavailable("the guest did not report its metrics") from exc

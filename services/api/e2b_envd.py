@@ -1,0 +1,120 @@
+"""The E2B SDK's in-sandbox traffic (envd API) through the API, to the sandbox's node.
+
+One endpoint serves every sandbox. The SDK reaches it in one of two ways:
+
+* ``E2B_SANDBOX_URL`` pointing at the API: every envd request carries ``E2b-Sandbox-Id``;
+* wildcard DNS ``*.PODBAY_E2B_DOMAIN`` pointing at the API: the host is ``{port}-{sandboxID}.{domain}``.
+
+``EnvdRouting`` (ASGI middleware) rewrites such a request to ``/e2b/envd/{sandbox_id}/<path>``, which this
+router authorises with ``X-Access-Token`` (the sandbox's envd access token, ``e2b.envd_access_token``),
+checks that the sandbox runs (renewing its lease, like every data-plane call) and streams through to the
+node's ``/internal/e2b/{sandbox_id}/<path>`` with ``dataplane.proxy``. Only envd's port (49983) exists:
+another port answers 502 "port is not open". A sandbox that is gone or paused answers 502 "... was not
+found", which the SDK reports as a sandbox that is not running.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from podbay.contracts.states import SandboxCommand
+from podbay.errors import InvalidState, NotFound, PodbayError
+
+from . import dataplane
+from .auth import Principal
+from .context import ApiContext
+from .e2b import envd_access_token, error_body
+
+__all__ = ["router", "EnvdRouting", "ENVD_PORT", "PREFIX", "parse_host"]
+
+ENVD_PORT = 49983
+PREFIX = "/e2b/envd"
+_HOST = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[A-Za-z0-9_]{1,64})\.(?P<domain>[A-Za-z0-9.-]+?)(:\d+)?$")
+# Request headers the envd API reads; everything else (API keys, cookies, hop-by-hop headers) stays here.
+_FORWARD = ("content-type", "content-encoding", "connect-protocol-version", "connect-timeout-ms",
+            "connect-content-encoding", "connect-accept-encoding", "authorization", "keepalive-ping-interval",
+            "user-agent")
+_RETURN = ("content-type", "content-length", "content-encoding", "content-disposition", "connect-content-encoding",
+           "connect-accept-encoding", "grpc-status", "grpc-message")
+
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+
+def parse_host(host: str, domain: str | None) -> tuple[int, str] | None:
+    """``(port, sandbox_id)`` of a ``{port}-{sandboxID}.{domain}`` host, None for any other host (or when
+    no domain is configured)."""
+    if not domain:
+        return None
+    m = _HOST.match(host)
+    if m is None or m.group("domain").lower() != domain.lower().rstrip("."):
+        return None
+    return int(m.group("port")), m.group("sandbox")
+
+
+class EnvdRouting:
+    """ASGI middleware: a request with ``E2b-Sandbox-Id``, or for ``{port}-{id}.{domain}``, goes to this
+    router (path rewritten); every other request passes through unchanged."""
+
+    def __init__(self, app: ASGIApp, domain: str | None) -> None:
+        self.app = app
+        self.domain = domain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            sandbox_id = headers.get("e2b-sandbox-id")
+            port = ENVD_PORT
+            by_host = parse_host(headers.get("host", ""), self.domain)
+            if by_host is not None:
+                port, host_sandbox = by_host
+                sandbox_id = sandbox_id or host_sandbox
+            if sandbox_id and not scope["path"].startswith(("/e2b/", "/v1/")):
+                if port != ENVD_PORT:
+                    await error_body(502, f"The sandbox {sandbox_id} is running but port {port} is not open")(
+                        scope, receive, send)
+                    return
+                path = f"{PREFIX}/{sandbox_id}{scope['path']}"
+                scope = dict(scope, path=path, raw_path=path.encode())
+        await self.app(scope, receive, send)
+
+
+async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
+    ctx: ApiContext = request.app.state.ctx
+    token = request.headers.get("x-access-token", "")
+    expected = envd_access_token(ctx.settings.internal_token, sandbox_id)
+    if not hmac.compare_digest(token.encode(), expected.encode()):
+        return error_body(401, "missing or invalid X-Access-Token for this sandbox")
+    tenant = await ctx.pool.fetchval("SELECT tenant_id FROM sandboxes WHERE id = $1", sandbox_id)
+    if tenant is None:
+        return error_body(502, f"The sandbox {sandbox_id} was not found")
+    try:
+        base, gen = await dataplane.target(ctx, Principal(tenant_id=tenant, key_id="envd-token"), sandbox_id,
+                                           SandboxCommand.EXEC)
+    except (NotFound, InvalidState) as exc:
+        return error_body(502, f"The sandbox {sandbox_id} was not found: {exc.message}")
+    except PodbayError as exc:
+        return error_body(exc.http_status, exc.message)
+    headers: dict[str, Any] = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+    # The node must not compress for us unless the client asked (bytes are relayed as they are).
+    headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
+    url = f"{base}/internal/e2b/{sandbox_id}/{path}"
+    if request.url.query:
+        url += "?" + request.url.query
+    try:
+        return await dataplane.proxy(ctx, request, url, gen, method=request.method, stream_body=True,
+                                     stream_response=True, extra_headers=headers, pass_headers=_RETURN)
+    except PodbayError as exc:
+        return error_body(502 if exc.retryable else exc.http_status, exc.message)
+
+
+@router.api_route("/{sandbox_id}/{path:path}", methods=["GET", "POST"])
+async def envd(sandbox_id: str, path: str, request: Request) -> Response:
+    """Any envd request (Connect RPC, ``/files``, ``/health``) for ``sandbox_id``, streamed both ways."""
+    return await _envd(sandbox_id, path, request)
+

@@ -1,0 +1,242 @@
+"""envd's ``filesystem.Filesystem`` service on a sandbox's guest channel.
+
+Paths may be absolute, or relative to the user's home (``~`` too). Directories made here belong to the
+caller's user (default ``user``). ``WatchDir`` streams guestd ``watch`` events; the polling watchers
+(``CreateWatcher``, ``GetWatcherEvents``, ``RemoveWatcher``, used by the synchronous SDK) keep a guestd
+watch open on the node and buffer its events (at most ``MAX_BUFFERED_EVENTS``) until they are fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from protobuf import Oneof
+
+from podbay.channel.client import GuestChannel
+from podbay.channel.watch import DirWatch
+from podbay.errors import InvalidRequest, NotFound, PodbayError
+
+from .proto.filesystem import filesystem_pb as pb
+from .translate import DEFAULT_USER, connect_error, entry_info, filesystem_event, user_from_authorization
+
+__all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH"]
+
+MAX_BUFFERED_EVENTS = 10000
+MAX_LIST_DEPTH = 16
+_KEEPALIVE_S = 30.0
+
+
+def home_of(user: str) -> str:
+    """The home directory of ``user`` in podbay's templates (``/root`` for root, else ``/home/<user>``)."""
+    return "/root" if user in ("root", "0") else f"/home/{user}"
+
+
+def resolve_path(path: str, user: str) -> str:
+    """An absolute, normalised path: relative ones (and ``~``) are taken from ``user``'s home.
+    Raises ``InvalidRequest`` for an empty path or one with a NUL byte."""
+    if not path or "\0" in path:
+        raise InvalidRequest("path must be a non-empty string without NUL bytes")
+    if path == "~" or path.startswith("~/"):
+        path = home_of(user) + path[1:]
+    elif not path.startswith("/"):
+        path = f"{home_of(user)}/{path}"
+    return posixpath.normpath(path) if path != "/" else "/"
+
+
+@dataclass
+class _Watcher:
+    sandbox_id: str
+    watch: DirWatch
+    include_entry: bool
+    events: list[pb.FilesystemEvent] = field(default_factory=list)
+    error: ConnectError | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class FilesystemService:
+    """The ``filesystem.Filesystem`` RPCs for every sandbox of a node. ``channel_for(ctx)`` returns
+    ``(sandbox_id, channel)`` or raises ``PodbayError``."""
+
+    def __init__(self, channel_for: Callable[[RequestContext[Any, Any]], tuple[str, GuestChannel]]) -> None:
+        self._channel_for = channel_for
+        self._watchers: dict[str, _Watcher] = {}
+
+    def _ctx(self, ctx: RequestContext[Any, Any]) -> tuple[str, GuestChannel, str]:
+        try:
+            sandbox_id, ch = self._channel_for(ctx)
+            user = user_from_authorization(ctx.request_headers.get("authorization")) or DEFAULT_USER
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        return sandbox_id, ch, user
+
+    async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any]) -> pb.StatResponse:
+        """Metadata of a path (NOT_FOUND when missing)."""
+        _, ch, user = self._ctx(ctx)
+        try:
+            return pb.StatResponse(entry=entry_info(await ch.stat(resolve_path(request.path, user))))
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any]) -> pb.MakeDirResponse:
+        """Create a directory and its parents, owned by the user; ALREADY_EXISTS when it exists."""
+        _, ch, user = self._ctx(ctx)
+        try:
+            st = await ch.mkdir(resolve_path(request.path, user), parents=True, exist_ok=False, user=user)
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        return pb.MakeDirResponse(entry=entry_info(st))
+
+    async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any]) -> pb.MoveResponse:
+        """Rename ``source`` to ``destination``."""
+        _, ch, user = self._ctx(ctx)
+        try:
+            st = await ch.move(resolve_path(request.source, user), resolve_path(request.destination, user))
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        return pb.MoveResponse(entry=entry_info(st))
+
+    async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext[Any, Any]) -> pb.ListDirResponse:
+        """Entries under a directory down to ``depth`` levels (0 and 1: its own entries), by path."""
+        _, ch, user = self._ctx(ctx)
+        depth = min(max(int(request.depth), 1), MAX_LIST_DEPTH)
+        root = resolve_path(request.path, user)
+        out: list[pb.EntryInfo] = []
+        try:
+            level = [root]
+            for _ in range(depth):
+                nxt: list[str] = []
+                for d in level:
+                    try:
+                        entries = await ch.list_dir(d)
+                    except NotFound:
+                        if d == root:
+                            raise
+                        continue  # removed while listing
+                    out.extend(entry_info(e) for e in entries)
+                    nxt.extend(e.path for e in entries if e.type == "dir")
+                level = nxt
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        return pb.ListDirResponse(entries=sorted(out, key=lambda e: e.path))
+
+    async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> pb.RemoveResponse:
+        """Remove a file or a directory with its contents."""
+        _, ch, user = self._ctx(ctx)
+        try:
+            await ch.remove(resolve_path(request.path, user), recursive=True)
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        return pb.RemoveResponse()
+
+    async def _open_watch(self, ch: GuestChannel, path: str, recursive: bool) -> DirWatch:
+        watch = ch.watch(path, recursive=recursive)
+        try:
+            await watch.started()
+        except BaseException:
+            await watch.close()
+            raise
+        return watch
+
+    async def watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext[Any, Any]
+                        ) -> AsyncIterator[pb.WatchDirResponse]:
+        """A start event once the watch is armed, then one event per change, keepalives in between."""
+        _, ch, user = self._ctx(ctx)
+        try:
+            watch = await self._open_watch(ch, resolve_path(request.path, user), request.recursive)
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        it = watch.__aiter__()
+        pending: asyncio.Future[Any] | None = None
+        try:
+            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+            while True:
+                pending = pending or asyncio.ensure_future(it.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=_KEEPALIVE_S)
+                if not done:
+                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                    continue
+                try:
+                    ev = pending.result()
+                except StopAsyncIteration:
+                    return
+                except PodbayError as exc:
+                    raise connect_error(exc) from exc
+                finally:
+                    pending = None
+                yield pb.WatchDirResponse(event=Oneof("filesystem", filesystem_event(ev, request.include_entry)))
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await watch.close()
+
+    async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]
+                             ) -> pb.CreateWatcherResponse:
+        """Start a watch whose events are fetched with GetWatcherEvents."""
+        sandbox_id, ch, user = self._ctx(ctx)
+        try:
+            watch = await self._open_watch(ch, resolve_path(request.path, user), request.recursive)
+        except PodbayError as exc:
+            raise connect_error(exc) from exc
+        wid = "w_" + secrets.token_hex(12)
+        w = _Watcher(sandbox_id, watch, request.include_entry)
+        w.task = asyncio.create_task(self._collect(w), name=f"envd-watcher-{wid}")
+        self._watchers[wid] = w
+        return pb.CreateWatcherResponse(watcher_id=wid)
+
+    async def _collect(self, w: _Watcher) -> None:
+        try:
+            async for ev in w.watch:
+                if len(w.events) >= MAX_BUFFERED_EVENTS:
+                    w.error = ConnectError(Code.RESOURCE_EXHAUSTED, "too many unread watch events")
+                    break
+                w.events.append(filesystem_event(ev, w.include_entry))
+            else:
+                w.error = ConnectError(Code.NOT_FOUND, "the watched directory went away")
+        except PodbayError as exc:
+            w.error = connect_error(exc)
+        finally:
+            await w.watch.close()
+
+    def _watcher(self, ctx: RequestContext[Any, Any], wid: str) -> _Watcher:
+        sandbox_id, _, _ = self._ctx(ctx)
+        w = self._watchers.get(wid)
+        if w is None or w.sandbox_id != sandbox_id:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {wid} not found")
+        return w
+
+    async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
+                                 ) -> pb.GetWatcherEventsResponse:
+        """Events since the last call; the watcher's error once it stopped and every event was read."""
+        w = self._watcher(ctx, request.watcher_id)
+        events, w.events = w.events, []
+        if not events and w.error is not None:
+            self._watchers.pop(request.watcher_id, None)
+            raise w.error
+        return pb.GetWatcherEventsResponse(events=events)
+
+    async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
+                             ) -> pb.RemoveWatcherResponse:
+        """Stop a watcher."""
+        w = self._watcher(ctx, request.watcher_id)
+        self._watchers.pop(request.watcher_id, None)
+        if w.task is not None:
+            w.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await w.task
+        return pb.RemoveWatcherResponse()
+
+    def close(self) -> None:
+        """Stop every watcher (node shutdown)."""
+        for w in self._watchers.values():
+            if w.task is not None:
+                w.task.cancel()
+        self._watchers.clear()

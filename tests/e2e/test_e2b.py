@@ -1,0 +1,227 @@
+"""The unmodified ``e2b`` SDK (pinned in pyproject's test extra) against the real stack and microVMs.
+
+The SDK is pointed at podbay the way docs/e2b.md says: ``E2B_API_URL=<api>/e2b``, ``E2B_SANDBOX_URL=<api>``
+(envd traffic routed by the ``E2b-Sandbox-Id`` header) and a podbay API key as ``E2B_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+e2b = pytest.importorskip("e2b")
+
+
+@pytest.fixture(scope="module")
+def e2b_env(stack: Any) -> Iterator[dict[str, str]]:
+    """The E2B_* variables that point the SDK at the stack (what ``podbay env --e2b`` prints)."""
+    env = {"E2B_API_URL": f"{stack.api_url}/e2b", "E2B_SANDBOX_URL": stack.api_url, "E2B_API_KEY": stack.api_key}
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    yield env
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env: dict[str, str]) -> Iterator[Any]:
+    sb = e2b.Sandbox.create(template="base", timeout=600)
+    try:
+        yield sb
+    finally:
+        try:
+            sb.kill()
+        except Exception:  # noqa: BLE001 - a test may have killed it already
+            pass
+
+
+def test_commands_run_stdout_stderr_and_exit_codes(sbx: Any) -> None:
+    r = sbx.commands.run("echo hello; echo oops >&2; whoami; pwd; echo $0")
+    assert r.exit_code == 0
+    assert r.stdout.splitlines() == ["hello", "user", "/home/user", "/bin/bash"]
+    assert r.stderr == "oops\n"
+    with pytest.raises(e2b.CommandExitException) as err:
+        sbx.commands.run("echo partial; exit 3")
+    assert err.value.exit_code == 3 and err.value.stdout == "partial\n"
+    root = sbx.commands.run("id -u", user="root")
+    assert root.stdout.strip() == "0"
+    seen: list[str] = []
+    sbx.commands.run("for i in 1 2 3; do echo line$i; done", on_stdout=seen.append)
+    assert "".join(seen) == "line1\nline2\nline3\n"
+    env = sbx.commands.run("echo $FOO", envs={"FOO": "bar"}, cwd="/tmp")
+    assert env.stdout == "bar\n"
+
+
+def test_background_command_stdin_list_and_kill(sbx: Any) -> None:
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    assert handle.pid in [p.pid for p in sbx.commands.list()]
+    sbx.commands.send_stdin(handle.pid, "from stdin\n")
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.exit_code == 0 and result.stdout == "from stdin\n"
+
+    sleeper = sbx.commands.run("sleep 300", background=True)
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert listed[sleeper.pid].cmd == "/bin/bash" and listed[sleeper.pid].args == ["-l", "-c", "sleep 300"]
+    # A second client attaches to the running process.
+    other = sbx.commands.connect(sleeper.pid)
+    assert sbx.commands.kill(sleeper.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        other.wait()
+    assert sleeper.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(sleeper.pid) is False  # NOT_FOUND
+
+
+def test_pty_create_input_resize_and_exit(sbx: Any) -> None:
+    handle = sbx.pty.create(e2b.PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(handle.pid, b"stty size; tty; whoami; echo mark-$((40+2))\n")
+    out = bytearray()
+    for _, _, pty in handle:  # the first command's answer before the resize
+        out.extend(pty or b"")
+        if b"mark-42" in out:
+            break
+    sbx.pty.resize(handle.pid, e2b.PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(handle.pid, b"stty size; exit 5\n")
+    with pytest.raises(e2b.CommandExitException) as err:
+        handle.wait(on_pty=out.extend)
+    assert err.value.exit_code == 5
+    text = out.decode(errors="replace")
+    assert "30 100" in text and "40 120" in text and "/dev/pts/" in text and "\nuser\r" in text
+
+
+def test_files(sbx: Any) -> None:
+    info = sbx.files.write("notes/a.txt", "hello files")
+    assert info.path == "/home/user/notes/a.txt"
+    assert sbx.files.read("/home/user/notes/a.txt") == "hello files"
+    assert sbx.files.read("notes/a.txt", format="bytes") == b"hello files"
+    owner = sbx.commands.run("stat -c %U /home/user/notes /home/user/notes/a.txt")
+    assert owner.stdout.split() == ["user", "user"]
+    assert sbx.files.exists("notes/a.txt") and not sbx.files.exists("notes/missing.txt")
+    assert sbx.files.make_dir("/home/user/dir/sub") is True
+    assert sbx.files.make_dir("/home/user/dir/sub") is False  # ALREADY_EXISTS
+    sbx.files.write_files([{"path": "/home/user/dir/x.bin", "data": bytes(range(256))},
+                           {"path": "/home/user/dir/sub/y.txt", "data": "y"}])
+    names = sorted(e.name for e in sbx.files.list("/home/user/dir"))
+    assert names == ["sub", "x.bin"]
+    deep = sorted(e.path for e in sbx.files.list("/home/user/dir", depth=2))
+    assert deep == ["/home/user/dir/sub", "/home/user/dir/sub/y.txt", "/home/user/dir/x.bin"]
+    x = sbx.files.get_info("/home/user/dir/x.bin")
+    assert x.size == 256 and x.type == e2b.FileType.FILE and x.owner == "user"
+    moved = sbx.files.rename("/home/user/dir/x.bin", "/home/user/dir/z.bin")
+    assert moved.path == "/home/user/dir/z.bin"
+    assert sbx.files.read("/home/user/dir/z.bin", format="bytes") == bytes(range(256))
+    sbx.files.remove("/home/user/dir")
+    assert not sbx.files.exists("/home/user/dir")
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.read("/home/user/dir/z.bin")
+    with pytest.raises(e2b.NotFoundException):
+        sbx.files.get_info("/nope")
+
+
+def test_watch_dir_sync_and_async(sbx: Any) -> None:
+    sbx.files.make_dir("/home/user/watched")
+    handle = sbx.files.watch_dir("/home/user/watched")
+    sbx.files.write("/home/user/watched/new.txt", "x")
+    events: list[Any] = []
+    for _ in range(100):
+        events += handle.get_new_events()
+        if any(e.name == "new.txt" and e.type == e2b.FilesystemEventType.CREATE for e in events):
+            break
+        time.sleep(0.1)
+    handle.stop()
+    assert any(e.name == "new.txt" and e.type == e2b.FilesystemEventType.CREATE for e in events)
+
+    async def go() -> list[Any]:
+        sb = await e2b.AsyncSandbox.connect(sbx.sandbox_id)
+        got: list[Any] = []
+        done = asyncio.Event()
+
+        def on_event(ev: Any) -> None:
+            got.append(ev)
+            if ev.name == "async.txt":
+                done.set()
+
+        w = await sb.files.watch_dir("/home/user/watched", on_event=on_event)
+        await sb.files.write("/home/user/watched/async.txt", "y")
+        await asyncio.wait_for(done.wait(), 30)
+        await w.stop()
+        return got
+
+    got = asyncio.run(go())
+    assert any(e.name == "async.txt" for e in got)
+
+
+def test_envd_access_needs_the_sandbox_token(sbx: Any, e2b_env: dict[str, str]) -> None:
+    import httpx
+
+    url = f"{e2b_env['E2B_SANDBOX_URL']}/filesystem.Filesystem/Stat"
+    body = {"path": "/home/user"}
+    ok = httpx.post(url, json=body, headers={"E2b-Sandbox-Id": sbx.sandbox_id,
+                                             "X-Access-Token": sbx._envd_access_token})
+    assert ok.status_code == 200 and ok.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+    bad = httpx.post(url, json=body, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "x"})
+    assert bad.status_code == 401
+
+
+def test_pause_then_connect_resumes_with_files_and_processes(e2b_env: dict[str, str]) -> None:
+    sb = e2b.Sandbox.create(template="base", timeout=600)
+    try:
+        sb.files.write("/home/user/keep.txt", "still here")
+        bg = sb.commands.run("sleep 600", background=True)
+        sb.pause()
+        info = e2b.Sandbox.get_info(sb.sandbox_id)
+        assert info.state == e2b.SandboxState.PAUSED
+        # Long enough for the node to release the paused VM's RAM (PODBAY_PAUSED_RELEASE_S=6 in tests):
+        # the guest channel is new after the resume, and the node finds the process again in guestd.
+        time.sleep(8)
+        again = e2b.Sandbox.connect(sb.sandbox_id)
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.RUNNING
+        assert again.files.read("/home/user/keep.txt") == "still here"
+        assert bg.pid in [p.pid for p in again.commands.list()]
+        assert again.commands.run("echo alive").stdout == "alive\n"
+        assert again.commands.kill(bg.pid) is True
+    finally:
+        sb.kill()
+
+
+def test_list_get_info_timeout_and_kill(e2b_env: dict[str, str]) -> None:
+    a = e2b.Sandbox.create(template="base", metadata={"suite": "e2b-list"})
+    b = e2b.Sandbox.create(template="base", metadata={"suite": "e2b-list"})
+    try:
+        page = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "e2b-list"}), limit=1)
+        first = page.next_items()
+        assert len(first) == 1 and page.has_next
+        second = page.next_items()
+        assert {s.sandbox_id for s in first + second} == {a.sandbox_id, b.sandbox_id}
+        info = a.get_info()
+        assert info.template_id == "base" and info.metadata == {"suite": "e2b-list"}
+        before = info.end_at
+        a.set_timeout(7200)
+        assert a.get_info().end_at > before  # the lease now runs out later
+        assert a.is_running()
+        sample = a.get_metrics()
+        assert len(sample) == 1 and sample[0].cpu_count >= 1
+        assert 0 < sample[0].mem_used < sample[0].mem_total and 0 < sample[0].disk_used < sample[0].disk_total
+        a.kill()
+        with pytest.raises(e2b.NotFoundException):
+            e2b.Sandbox.get_info(a.sandbox_id)
+        assert e2b.Sandbox.kill(a.sandbox_id) is False
+    finally:
+        for s in (a, b):
+            try:
+                s.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def test_bad_key_and_unknown_template(e2b_env: dict[str, str]) -> None:
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.create(template="base", api_key="pb_00000000_" + "0" * 40)
+    with pytest.raises(e2b.SandboxException):
+        e2b.Sandbox.create(template="no-such-template")

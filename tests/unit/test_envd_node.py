@@ -1,0 +1,133 @@
+"""The node's envd API (services/nodeagent/envd) in-process over ASGI, on a real guestd run on this host
+(the fixtures of test_guestd), with a fake sandbox manager: Connect unary and streaming calls with the JSON
+codec, and the plain /files API."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from podbay.channel.client import GuestChannel
+from podbay.errors import NotFound
+from podbay_nodeagent.envd import EnvdApp
+from test_guestd import ch, guestd_socket  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="guestd tests switch users and need root")
+
+SBX = "sbx_test"
+
+
+class _Manager:
+    def __init__(self, channel: GuestChannel) -> None:
+        self._ch = channel
+
+    def channel(self, sandbox_id: str, generation: int | None) -> GuestChannel:
+        if sandbox_id != SBX:
+            raise NotFound(f"sandbox {sandbox_id} is not running on node test")
+        return self._ch
+
+
+@pytest.fixture
+async def client(ch: GuestChannel) -> AsyncIterator[httpx.AsyncClient]:  # noqa: F811
+    app = EnvdApp(_Manager(ch))  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as c:
+        yield c
+    app.close()
+
+
+def _root_auth() -> dict[str, str]:
+    return {"authorization": "Basic " + base64.b64encode(b"root:").decode()}
+
+
+async def _unary(c: httpx.AsyncClient, method: str, body: dict[str, Any], user_root: bool = True,
+                 sandbox: str = SBX) -> httpx.Response:
+    return await c.post(f"/internal/e2b/{sandbox}/{method}", json=body,
+                        headers={"connect-protocol-version": "1", **(_root_auth() if user_root else {})})
+
+
+async def _stream(c: httpx.AsyncClient, method: str, body: dict[str, Any], stop: Any) -> list[dict[str, Any]]:
+    """Messages of a server-streaming call until ``stop(msg)`` is true (or the stream ends)."""
+    payload = json.dumps(body).encode()
+    out: list[dict[str, Any]] = []
+    async with c.stream("POST", f"/internal/e2b/{SBX}/{method}", content=struct.pack(">BI", 0, len(payload)) + payload,
+                        headers={"content-type": "application/connect+json", **_root_auth()}) as r:
+        assert r.status_code == 200
+        buf = b""
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            while len(buf) >= 5:
+                flags, n = struct.unpack(">BI", buf[:5])
+                if len(buf) < 5 + n:
+                    break
+                msg, buf = json.loads(buf[5:5 + n]), buf[5 + n:]
+                if flags & 2:
+                    out.append({"_end": msg})
+                    return out
+                out.append(msg)
+                if stop(msg):
+                    return out
+    return out
+
+
+async def test_filesystem_unary_calls_and_errors(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    d = tmp_path / "made" / "deep"
+    r = await _unary(client, "filesystem.Filesystem/MakeDir", {"path": str(d)})
+    assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+    r = await _unary(client, "filesystem.Filesystem/MakeDir", {"path": str(d)})
+    assert r.status_code == 409 and r.json()["code"] == "already_exists"
+    (d / "f.txt").write_text("abc")
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(d / "f.txt")})
+    entry = r.json()["entry"]
+    assert (entry["name"], entry["size"], entry["permissions"], entry["owner"]) == ("f.txt", "3", "-rw-r--r--", "root")
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(d / "missing")})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = await _unary(client, "filesystem.Filesystem/ListDir", {"path": str(tmp_path), "depth": 3})
+    assert [e["path"] for e in r.json()["entries"]] == [str(tmp_path / "made"), str(d), str(d / "f.txt")]
+    r = await _unary(client, "filesystem.Filesystem/Move", {"source": str(d / "f.txt"), "destination": str(d / "g")})
+    assert r.json()["entry"]["path"] == str(d / "g")
+    r = await _unary(client, "filesystem.Filesystem/Remove", {"path": str(tmp_path / "made")})
+    assert r.status_code == 200 and not (tmp_path / "made").exists()
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": "/"}, sandbox="sbx_other")
+    assert r.status_code == 404
+
+
+async def test_files_upload_download(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    target = tmp_path / "up" / "a.bin"
+    r = await client.post(f"/internal/e2b/{SBX}/files", params={"path": str(target), "username": "root"},
+                          files=[("file", (str(target), b"\x00\x01data"))])
+    assert r.status_code == 200, r.text
+    assert r.json() == [{"name": "a.bin", "type": "file", "path": str(target)}]
+    assert target.read_bytes() == b"\x00\x01data"
+    r = await client.post(f"/internal/e2b/{SBX}/files", params={"path": str(tmp_path / "raw.txt"), "username": "root"},
+                          content=b"raw body", headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and (tmp_path / "raw.txt").read_bytes() == b"raw body"
+    r = await client.get(f"/internal/e2b/{SBX}/files", params={"path": str(target), "username": "root"})
+    assert r.status_code == 200 and r.content == b"\x00\x01data"
+    r = await client.get(f"/internal/e2b/{SBX}/files", params={"path": str(tmp_path / "nope")})
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = await client.get(f"/internal/e2b/{SBX}/files", params={"path": str(tmp_path)})
+    assert r.status_code == 400
+    assert (await client.get(f"/internal/e2b/{SBX}/health")).status_code == 204
+
+
+async def test_process_start_streams_and_list(client: httpx.AsyncClient) -> None:
+    msgs = await _stream(client, "process.Process/Start",
+                         {"process": {"cmd": "/bin/sh", "args": ["-c", "echo out; echo err >&2; exit 4"]}},
+                         lambda m: "end" in m.get("event", {}))
+    events = [m["event"] for m in msgs]
+    assert "start" in events[0] and events[0]["start"]["pid"] > 0
+    out = b"".join(base64.b64decode(e["data"].get("stdout", "")) for e in events if "data" in e)
+    err = b"".join(base64.b64decode(e["data"].get("stderr", "")) for e in events if "data" in e)
+    assert (out, err) == (b"out\n", b"err\n")
+    assert events[-1]["end"]["exitCode"] == 4 and events[-1]["end"]["status"] == "exit status 4"
+    r = await _unary(client, "process.Process/List", {})
+    assert r.status_code == 200
+    r = await _unary(client, "process.Process/SendSignal", {"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"

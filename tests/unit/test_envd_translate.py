@@ -4,6 +4,7 @@ the E2B routing helpers of the API (host names, access tokens)."""
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import pytest
 from connectrpc.code import Code
@@ -121,3 +122,41 @@ def test_parse_metrics_line() -> None:
                  "diskUsed": 1000, "diskTotal": 4000}
     with pytest.raises(ValueError):
         parse_metrics("garbage", now)
+
+
+async def _route(headers: dict[str, str], path: str = "/process.Process/Start",
+                 domain: str | None = "sbx.example") -> tuple[str | None, int | None]:
+    """(path the app saw, or None) and the status answered by the middleware itself (or None)."""
+    from podbay_api.e2b_envd import EnvdRouting
+
+    seen: list[str] = []
+    sent: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    await EnvdRouting(app, domain)(scope, receive, send)
+    return (seen[0] if seen else None), (sent[0] if sent else None)
+
+
+async def test_envd_routing_by_header_and_by_host() -> None:
+    assert await _route({"E2b-Sandbox-Id": "sbx_a", "host": "127.0.0.1:8080"}) == (
+        "/e2b/envd/sbx_a/process.Process/Start", None)
+    assert await _route({"host": "49983-sbx_b.sbx.example"}, "/files") == ("/e2b/envd/sbx_b/files", None)
+    # The header wins over the host; other hosts and the API's own paths pass through unchanged.
+    assert (await _route({"E2b-Sandbox-Id": "sbx_a", "host": "49983-sbx_b.sbx.example"}))[0] == (
+        "/e2b/envd/sbx_a/process.Process/Start")
+    assert await _route({"host": "api.sbx.example"}, "/e2b/sandboxes") == ("/e2b/sandboxes", None)
+    assert await _route({"host": "49983-sbx_b.other"}, "/v1/sandboxes") == ("/v1/sandboxes", None)
+    assert await _route({"host": "49983-sbx_b.sbx.example"}, "/files", domain=None) == ("/files", None)
+    # Only envd's port is served: another one is 502 "port is not open".
+    assert await _route({"host": "8080-sbx_b.sbx.example"}, "/") == (None, 502)

@@ -14,7 +14,8 @@ Paths, JSON fields and status codes follow the endpoints the pinned SDK calls (v
     POST /sandboxes/{id}/connect, /v2/.../connect  200 running, 201 resumed; Sandbox
     GET  /sandboxes/{id}/metrics                   200 [SandboxMetric]  one sample taken now
 
-``X-API-KEY`` carries a podbay API key. Errors are E2B's ``{"code": <HTTP status>, "message"}``. Each
+``envVars`` of a create are kept in ``e2b_sandboxes`` and become the default environment of every command
+started through envd (the envd proxy passes them to the node). ``X-API-KEY`` carries a podbay API key. Errors are E2B's ``{"code": <HTTP status>, "message"}``. Each
 sandbox's envd access token is an HMAC of its id with the internal token, so the envd proxy
 (``e2b_envd.py``) checks it without a database lookup. The routes stay out of podbay's OpenAPI document:
 they are E2B's contract, not podbay's.
@@ -113,7 +114,7 @@ class NewSandbox(_Body):
     timeout: int | None = Field(None, ge=0, le=30 * 86400, description="Seconds until the lease runs out.")
     auto_pause: bool = Field(False, alias="autoPause")
     metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
 
 
 class TimeoutBody(_Body):
@@ -167,6 +168,9 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
     req = SandboxCreate(template=body.template_id, metadata=body.metadata or {}, lease_s=_lease(body.timeout, ctx),
                         on_lease_expiry="pause" if body.auto_pause else "delete")
     info = await sandboxes.create_sandbox(req, ctx, who, Response(), wait=True)
+    if body.env_vars:
+        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars) VALUES ($1, $2)",
+                               info.id, body.env_vars)
     return JSONResponse(_sandbox(ctx, info.id, info.template), status_code=201)
 
 

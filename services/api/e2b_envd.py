@@ -7,7 +7,8 @@ One endpoint serves every sandbox. The SDK reaches it in one of two ways:
 
 ``EnvdRouting`` (ASGI middleware) rewrites such a request to ``/e2b/envd/{sandbox_id}/<path>``, which this
 router authorises with ``X-Access-Token`` (the sandbox's envd access token, ``e2b.envd_access_token``),
-checks that the sandbox runs (renewing its lease, like every data-plane call) and streams through to the
+checks that the sandbox runs (renewing its lease, like every data-plane call), adds the sandbox's default
+command environment (``x-podbay-e2b-env``, from the create call's ``envVars``) and streams through to the
 node's ``/internal/e2b/{sandbox_id}/<path>`` with ``dataplane.proxy``. Only envd's port (49983) exists:
 another port answers 502 "port is not open". A sandbox that is gone or paused answers 502 "... was not
 found", which the SDK reports as a sandbox that is not running.
@@ -15,7 +16,9 @@ found", which the SDK reports as a sandbox that is not running.
 
 from __future__ import annotations
 
+import base64
 import hmac
+import json
 import re
 from typing import Any
 
@@ -31,10 +34,12 @@ from .auth import Principal
 from .context import ApiContext
 from .e2b import envd_access_token, error_body
 
-__all__ = ["router", "EnvdRouting", "ENVD_PORT", "PREFIX", "parse_host"]
+__all__ = ["router", "EnvdRouting", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
 
 ENVD_PORT = 49983
 PREFIX = "/e2b/envd"
+# The sandbox's default command environment (E2B's envVars) for the node: base64 of a JSON object.
+ENV_HEADER = "x-podbay-e2b-env"
 _HOST = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[A-Za-z0-9_]{1,64})\.(?P<domain>[A-Za-z0-9.-]+?)(:\d+)?$")
 # Request headers the envd API reads; everything else (API keys, cookies, hop-by-hop headers) stays here.
 _FORWARD = ("content-type", "content-encoding", "connect-protocol-version", "connect-timeout-ms",
@@ -90,9 +95,12 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     expected = envd_access_token(ctx.settings.internal_token, sandbox_id)
     if not hmac.compare_digest(token.encode(), expected.encode()):
         return error_body(401, "missing or invalid X-Access-Token for this sandbox")
-    tenant = await ctx.pool.fetchval("SELECT tenant_id FROM sandboxes WHERE id = $1", sandbox_id)
-    if tenant is None:
+    row = await ctx.pool.fetchrow(
+        "SELECT s.tenant_id, e.env_vars FROM sandboxes s LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
+        " WHERE s.id = $1", sandbox_id)
+    if row is None:
         return error_body(502, f"The sandbox {sandbox_id} was not found")
+    tenant = row["tenant_id"]
     try:
         base, gen = await dataplane.target(ctx, Principal(tenant_id=tenant, key_id="envd-token"), sandbox_id,
                                            SandboxCommand.EXEC)
@@ -103,6 +111,8 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     headers: dict[str, Any] = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
     # The node must not compress for us unless the client asked (bytes are relayed as they are).
     headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
+    if row["env_vars"]:
+        headers[ENV_HEADER] = base64.b64encode(json.dumps(row["env_vars"]).encode()).decode()
     url = f"{base}/internal/e2b/{sandbox_id}/{path}"
     if request.url.query:
         url += "?" + request.url.query

@@ -190,8 +190,8 @@ def test_pause_then_connect_resumes_with_files_and_processes(e2b_env: dict[str, 
         sb.kill()
 
 
-def test_list_get_info_timeout_and_kill(e2b_env: dict[str, str]) -> None:
-    a = e2b.Sandbox.create(template="base", metadata={"suite": "e2b-list"})
+def test_list_get_info_envs_timeout_metrics_and_kill(e2b_env: dict[str, str]) -> None:
+    a = e2b.Sandbox.create(template="base", metadata={"suite": "e2b-list"}, envs={"GREETING": "hello"})
     b = e2b.Sandbox.create(template="base", metadata={"suite": "e2b-list"})
     try:
         page = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "e2b-list"}), limit=1)
@@ -205,6 +205,10 @@ def test_list_get_info_timeout_and_kill(e2b_env: dict[str, str]) -> None:
         a.set_timeout(7200)
         assert a.get_info().end_at > before  # the lease now runs out later
         assert a.is_running()
+        # envVars of the create are every command's default environment; a command's own envs win.
+        assert a.commands.run("echo $GREETING").stdout == "hello\n"
+        assert a.commands.run("echo $GREETING", envs={"GREETING": "own"}).stdout == "own\n"
+        assert b.commands.run("echo ${GREETING:-unset}").stdout == "unset\n"
         sample = a.get_metrics()
         assert len(sample) == 1 and sample[0].cpu_count >= 1
         assert 0 < sample[0].mem_used < sample[0].mem_total and 0 < sample[0].disk_used < sample[0].disk_total

@@ -52,12 +52,13 @@ async def _unary(c: httpx.AsyncClient, method: str, body: dict[str, Any], user_r
                         headers={"connect-protocol-version": "1", **(_root_auth() if user_root else {})})
 
 
-async def _stream(c: httpx.AsyncClient, method: str, body: dict[str, Any], stop: Any) -> list[dict[str, Any]]:
+async def _stream(c: httpx.AsyncClient, method: str, body: dict[str, Any], stop: Any,
+                  headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Messages of a server-streaming call until ``stop(msg)`` is true (or the stream ends)."""
     payload = json.dumps(body).encode()
     out: list[dict[str, Any]] = []
     async with c.stream("POST", f"/internal/e2b/{SBX}/{method}", content=struct.pack(">BI", 0, len(payload)) + payload,
-                        headers={"content-type": "application/connect+json", **_root_auth()}) as r:
+                        headers={"content-type": "application/connect+json", **_root_auth(), **(headers or {})}) as r:
         assert r.status_code == 200
         buf = b""
         async for chunk in r.aiter_bytes():
@@ -131,3 +132,12 @@ async def test_process_start_streams_and_list(client: httpx.AsyncClient) -> None
     assert r.status_code == 200
     r = await _unary(client, "process.Process/SendSignal", {"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
     assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+async def test_start_uses_the_sandbox_default_env_under_the_requests_own(client: httpx.AsyncClient) -> None:
+    default = {"x-podbay-e2b-env": base64.b64encode(json.dumps({"A": "sandbox", "B": "sandbox"}).encode()).decode()}
+    msgs = await _stream(client, "process.Process/Start",
+                         {"process": {"cmd": "/bin/sh", "args": ["-c", "echo $A $B"], "envs": {"B": "call"}}},
+                         lambda m: "end" in m.get("event", {}), headers=default)
+    out = b"".join(base64.b64decode(m["event"]["data"].get("stdout", "")) for m in msgs if "data" in m["event"])
+    assert out == b"sandbox call\n"

@@ -160,3 +160,13 @@ async def test_envd_routing_by_header_and_by_host() -> None:
     assert await _route({"host": "49983-sbx_b.sbx.example"}, "/files", domain=None) == ("/files", None)
     # Only envd's port is served: another one is 502 "port is not open".
     assert await _route({"host": "8080-sbx_b.sbx.example"}, "/") == (None, 502)
+
+
+def test_default_env_header() -> None:
+    from podbay_nodeagent.envd.translate import default_env
+
+    assert default_env(None) == {}
+    assert default_env(base64.b64encode(b'{"A": "1"}').decode()) == {"A": "1"}
+    for bad in ("!!", base64.b64encode(b"[1]").decode(), base64.b64encode(b'{"A": 1}').decode()):
+        with pytest.raises(InvalidRequest):
+            default_env(bad)

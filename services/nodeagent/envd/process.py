@@ -29,7 +29,15 @@ from podbay.contracts.channel import ExecSpec, KeptProcess, PtySize
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .proto.process import process_pb as pb
-from .translate import DEFAULT_USER, connect_error, end_status, selector, user_from_authorization
+from .translate import (
+    DEFAULT_USER,
+    ENV_HEADER,
+    connect_error,
+    default_env,
+    end_status,
+    selector,
+    user_from_authorization,
+)
 
 __all__ = ["ProcessService", "ProcessTable", "Proc", "close_tables", "KEEPALIVE_HEADER", "MAX_QUEUED_EVENTS"]
 
@@ -201,7 +209,8 @@ class ProcessService:
         return pb.ListResponse(processes=out)
 
     async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.StartResponse]:
-        """Start a process (as ``user`` by default, in its home) and stream start, data and end events."""
+        """Start a process (as ``user`` by default, in its home; the sandbox's default environment from the
+        ``x-podbay-e2b-env`` header under the request's ``envs``) and stream start, data and end events."""
         ch, table = await self._table(ctx)
         cfg = request.process or pb.ProcessConfig()
         try:
@@ -209,7 +218,8 @@ class ProcessService:
                 raise InvalidRequest("process.cmd is empty")
             user = user_from_authorization(ctx.request_headers.get("authorization")) or DEFAULT_USER
             pty = request.pty.size if request.pty is not None else None
-            spec = ExecSpec(argv=[cfg.cmd, *cfg.args], env=dict(cfg.envs), cwd=cfg.cwd, user=user,
+            env = {**default_env(ctx.request_headers.get(ENV_HEADER)), **dict(cfg.envs)}
+            spec = ExecSpec(argv=[cfg.cmd, *cfg.args], env=env, cwd=cfg.cwd, user=user,
                             stdin=bool(request.stdin), keep=True, tag=request.tag,
                             pty=PtySize(cols=pty.cols or 80, rows=pty.rows or 24) if pty is not None else None)
             handle = ch.exec(spec)

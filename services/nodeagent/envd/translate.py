@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import signal
 import stat as stat_mod
 from typing import Any
@@ -33,6 +34,8 @@ from .proto.filesystem import filesystem_pb as fs_pb
 
 __all__ = [
     "DEFAULT_USER",
+    "ENV_HEADER",
+    "default_env",
     "KNOWN_OWNERS",
     "entry_info",
     "permissions",
@@ -49,6 +52,8 @@ __all__ = [
 # The user commands and file operations run as when the caller names none (E2B's default user, which the
 # base template has: uid 1000, home /home/user).
 DEFAULT_USER = "user"
+# Set by the API's envd proxy: the sandbox's default command environment, base64 of a JSON object.
+ENV_HEADER = "x-podbay-e2b-env"
 # uid -> name in the base template; others are shown as their number (the guest's passwd is not read
 # for every listing).
 KNOWN_OWNERS = {0: "root", 1000: "user"}
@@ -161,3 +166,17 @@ def end_status(exit_code: int) -> str:
     except ValueError:
         name = None
     return f"signal: {(name or str(-exit_code)).lower()}"
+
+
+def default_env(header: str | None) -> dict[str, str]:
+    """The sandbox's default command environment from ``ENV_HEADER`` ({} without one). Raises
+    ``InvalidRequest`` when it is not base64 of a JSON object of strings."""
+    if not header:
+        return {}
+    try:
+        env = json.loads(base64.b64decode(header, validate=True))
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest("malformed default environment") from exc
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise InvalidRequest("malformed default environment")
+    return env

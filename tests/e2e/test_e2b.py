@@ -229,3 +229,24 @@ def test_bad_key_and_unknown_template(e2b_env: dict[str, str]) -> None:
         e2b.Sandbox.create(template="base", api_key="pb_00000000_" + "0" * 40)
     with pytest.raises(e2b.SandboxException):
         e2b.Sandbox.create(template="no-such-template")
+
+
+def test_rest_error_shape_and_status_codes(stack: Any) -> None:
+    import httpx
+
+    api = httpx.Client(base_url=f"{stack.api_url}/e2b", headers={"X-API-KEY": stack.api_key}, timeout=60)
+    r = httpx.get(f"{stack.api_url}/e2b/v2/sandboxes", headers={"X-API-KEY": "pb_00000000_" + "0" * 40})
+    assert r.status_code == 401 and r.json()["code"] == 401 and r.json()["message"]
+    r = api.get("/sandboxes/sbx_missing")
+    assert r.status_code == 404 and r.json() == {"code": 404, "message": "sandbox sbx_missing was not found"}
+    r = api.post("/v2/sandboxes", json={"timeout": 60})
+    assert r.status_code == 400 and r.json()["code"] == 400 and "templateID" in r.json()["message"]
+    r = api.get("/v2/sandboxes", params={"state": "deleted"})
+    assert r.status_code == 400
+    r = api.get("/v2/sandboxes", params={"nextToken": "garbage"})
+    assert r.status_code == 400
+    r = api.post("/sandboxes/sbx_missing/pause")
+    assert r.status_code == 404
+    envd = httpx.post(f"{stack.api_url}/filesystem.Filesystem/Stat", json={"path": "/"},
+                      headers={"E2b-Sandbox-Id": "sbx_missing", "X-Access-Token": "x"})
+    assert envd.status_code == 401

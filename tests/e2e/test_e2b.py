@@ -56,6 +56,8 @@ def test_commands_run_stdout_stderr_and_exit_codes(sbx: Any) -> None:
     assert "".join(seen) == "line1\nline2\nline3\n"
     env = sbx.commands.run("echo $FOO", envs={"FOO": "bar"}, cwd="/tmp")
     assert env.stdout == "bar\n"
+    with pytest.raises(e2b.TimeoutException):
+        sbx.commands.run("echo started; sleep 120", timeout=3)
 
 
 def test_background_command_stdin_list_and_kill(sbx: Any) -> None:

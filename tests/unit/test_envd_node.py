@@ -27,19 +27,25 @@ SBX = "sbx_test"
 class _Manager:
     def __init__(self, channel: GuestChannel) -> None:
         self._ch = channel
+        self.vms = {SBX: object()}
 
     def channel(self, sandbox_id: str, generation: int | None) -> GuestChannel:
-        if sandbox_id != SBX:
+        if sandbox_id not in self.vms:
             raise NotFound(f"sandbox {sandbox_id} is not running on node test")
         return self._ch
 
 
 @pytest.fixture
-async def client(ch: GuestChannel) -> AsyncIterator[httpx.AsyncClient]:  # noqa: F811
+async def envd_app(ch: GuestChannel) -> AsyncIterator[EnvdApp]:  # noqa: F811
     app = EnvdApp(_Manager(ch))  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as c:
-        yield c
+    yield app
     app.close()
+
+
+@pytest.fixture
+async def client(envd_app: EnvdApp) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=envd_app), base_url="http://node") as c:
+        yield c
 
 
 def _root_auth() -> dict[str, str]:
@@ -141,3 +147,49 @@ async def test_start_uses_the_sandbox_default_env_under_the_requests_own(client:
                          lambda m: "end" in m.get("event", {}), headers=default)
     out = b"".join(base64.b64decode(m["event"]["data"].get("stdout", "")) for m in msgs if "data" in m["event"])
     assert out == b"sandbox call\n"
+
+
+async def test_polling_watchers_buffer_events_and_expire_when_nobody_fetches(
+        envd_app: EnvdApp, client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from podbay_nodeagent.envd import filesystem
+
+    r = await _unary(client, "filesystem.Filesystem/CreateWatcher", {"path": str(tmp_path), "includeEntry": True})
+    wid = r.json()["watcherId"]
+    (tmp_path / "n.txt").write_text("x")
+    events: list[dict[str, Any]] = []
+    for _ in range(200):
+        r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        events += r.json().get("events", [])
+        if any(e["name"] == "n.txt" and e["type"] == "EVENT_TYPE_CREATE" for e in events):
+            break
+        await asyncio.sleep(0.05)
+    created = next(e for e in events if e["name"] == "n.txt" and e["type"] == "EVENT_TYPE_CREATE")
+    assert created["entry"]["path"] == str(tmp_path / "n.txt")
+    r = await _unary(client, "filesystem.Filesystem/RemoveWatcher", {"watcherId": wid})
+    assert r.status_code == 200
+    r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+    assert r.status_code == 404
+
+    monkeypatch.setattr(filesystem, "WATCHER_IDLE_S", 0.3)
+    monkeypatch.setattr(filesystem, "_IDLE_CHECK_S", 0.05)
+    r = await _unary(client, "filesystem.Filesystem/CreateWatcher", {"path": str(tmp_path)})
+    idle = r.json()["watcherId"]
+    assert idle in envd_app.filesystem.watcher_ids()
+    for _ in range(200):  # nobody fetches: the watcher stops and is forgotten
+        if idle not in envd_app.filesystem.watcher_ids():
+            break
+        await asyncio.sleep(0.05)
+    assert idle not in envd_app.filesystem.watcher_ids()
+    r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": idle})
+    assert r.status_code == 404
+
+
+async def test_process_tables_of_deleted_sandboxes_are_dropped(envd_app: EnvdApp, client: httpx.AsyncClient) -> None:
+    envd_app.manager.vms["sbx_two"] = object()
+    assert (await _unary(client, "process.Process/List", {}, sandbox="sbx_two")).status_code == 200
+    assert "sbx_two" in envd_app.tables
+    del envd_app.manager.vms["sbx_two"]
+    assert (await _unary(client, "process.Process/List", {})).status_code == 200
+    assert set(envd_app.tables) == {SBX}

@@ -70,6 +70,8 @@ class EnvdApp:
         headers = ctx.request_headers
         sandbox_id = headers.get(SANDBOX_HEADER, "")
         ch = self._channel(sandbox_id, headers.get(_GENERATION_HEADER))
+        for gone in [s for s in self.tables if s not in self.manager.vms]:
+            close_tables({gone: self.tables.pop(gone)})  # deleted sandboxes leave nothing behind
         return ch, self.tables.setdefault(sandbox_id, ProcessTable())
 
     def _fs_channel(self, ctx: RequestContext[Any, Any]) -> tuple[str, GuestChannel]:

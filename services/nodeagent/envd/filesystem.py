@@ -3,7 +3,8 @@
 Paths may be absolute, or relative to the user's home (``~`` too). Directories made here belong to the
 caller's user (default ``user``). ``WatchDir`` streams guestd ``watch`` events; the polling watchers
 (``CreateWatcher``, ``GetWatcherEvents``, ``RemoveWatcher``, used by the synchronous SDK) keep a guestd
-watch open on the node and buffer its events (at most ``MAX_BUFFERED_EVENTS``) until they are fetched.
+watch open on the node and buffer its events (at most ``MAX_BUFFERED_EVENTS``) until they are fetched; a
+watcher not fetched for ``WATCHER_IDLE_S`` is stopped.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import posixpath
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +30,12 @@ from podbay.errors import InvalidRequest, NotFound, PodbayError
 from .proto.filesystem import filesystem_pb as pb
 from .translate import DEFAULT_USER, connect_error, entry_info, filesystem_event, user_from_authorization
 
-__all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH"]
+__all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH", "WATCHER_IDLE_S"]
 
 MAX_BUFFERED_EVENTS = 10000
+# A polling watcher nobody fetched for this long is stopped and forgotten.
+WATCHER_IDLE_S = 60.0
+_IDLE_CHECK_S = 5.0
 MAX_LIST_DEPTH = 16
 _KEEPALIVE_S = 30.0
 
@@ -60,6 +65,7 @@ class _Watcher:
     events: list[pb.FilesystemEvent] = field(default_factory=list)
     error: ConnectError | None = None
     task: asyncio.Task[None] | None = None
+    last_poll: float = field(default_factory=time.monotonic)
 
 
 class FilesystemService:
@@ -188,23 +194,36 @@ class FilesystemService:
             raise connect_error(exc) from exc
         wid = "w_" + secrets.token_hex(12)
         w = _Watcher(sandbox_id, watch, request.include_entry)
-        w.task = asyncio.create_task(self._collect(w), name=f"envd-watcher-{wid}")
+        w.task = asyncio.create_task(self._collect(wid, w), name=f"envd-watcher-{wid}")
         self._watchers[wid] = w
         return pb.CreateWatcherResponse(watcher_id=wid)
 
-    async def _collect(self, w: _Watcher) -> None:
+    async def _collect(self, wid: str, w: _Watcher) -> None:
+        """Buffer the watch's events; stop (and forget the watcher) once nobody fetched them for
+        WATCHER_IDLE_S, so a client that went away leaves no scan running in the guest."""
+        it = w.watch.__aiter__()
         try:
-            async for ev in w.watch:
+            while time.monotonic() - w.last_poll < WATCHER_IDLE_S:
+                try:
+                    ev = await asyncio.wait_for(it.__anext__(), _IDLE_CHECK_S)
+                except TimeoutError:
+                    continue
+                except StopAsyncIteration:
+                    w.error = ConnectError(Code.NOT_FOUND, "the watched directory went away")
+                    break
                 if len(w.events) >= MAX_BUFFERED_EVENTS:
                     w.error = ConnectError(Code.RESOURCE_EXHAUSTED, "too many unread watch events")
                     break
                 w.events.append(filesystem_event(ev, w.include_entry))
-            else:
-                w.error = ConnectError(Code.NOT_FOUND, "the watched directory went away")
         except PodbayError as exc:
             w.error = connect_error(exc)
         finally:
             await w.watch.close()
+        # Keep the outcome for the client's next fetch, but not forever.
+        while time.monotonic() - w.last_poll < WATCHER_IDLE_S and wid in self._watchers:
+            await asyncio.sleep(_IDLE_CHECK_S)
+        if self._watchers.get(wid) is w:
+            del self._watchers[wid]
 
     def _watcher(self, ctx: RequestContext[Any, Any], wid: str) -> _Watcher:
         sandbox_id, _, _ = self._ctx(ctx)
@@ -217,6 +236,7 @@ class FilesystemService:
                                  ) -> pb.GetWatcherEventsResponse:
         """Events since the last call; the watcher's error once it stopped and every event was read."""
         w = self._watcher(ctx, request.watcher_id)
+        w.last_poll = time.monotonic()
         events, w.events = w.events, []
         if not events and w.error is not None:
             self._watchers.pop(request.watcher_id, None)
@@ -233,6 +253,10 @@ class FilesystemService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await w.task
         return pb.RemoveWatcherResponse()
+
+    def watcher_ids(self) -> list[str]:
+        """Ids of the polling watchers this node keeps."""
+        return list(self._watchers)
 
     def close(self) -> None:
         """Stop every watcher (node shutdown)."""

@@ -133,7 +133,9 @@ def stack(test_root: Path) -> Iterator[Stack]:
         external=External.from_env(),
         durable=False,
         # Paused sandboxes release their RAM after 6 s here (default 60 s), so tests can see it happen.
-        base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6")},
+        # PODBAY_E2B_DOMAIN: E2B envd traffic is also routed by host name (tests/e2e/test_e2b.py).
+        base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6"),
+                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test")},
     )
     running.start()
     try:

@@ -159,13 +159,21 @@ def test_watch_dir_sync_and_async(sbx: Any) -> None:
     assert any(e.name == "async.txt" for e in got)
 
 
-def test_envd_access_needs_the_sandbox_token(sbx: Any, e2b_env: dict[str, str]) -> None:
+def _envd_token(stack: Any, sandbox_id: str) -> str:
+    """The sandbox's envd access token, as E2B's REST API hands it out."""
+    import httpx
+
+    r = httpx.get(f"{stack.api_url}/e2b/sandboxes/{sandbox_id}", headers={"X-API-KEY": stack.api_key})
+    return str(r.json()["envdAccessToken"])
+
+
+def test_envd_access_needs_the_sandbox_token(sbx: Any, e2b_env: dict[str, str], stack: Any) -> None:
     import httpx
 
     url = f"{e2b_env['E2B_SANDBOX_URL']}/filesystem.Filesystem/Stat"
     body = {"path": "/home/user"}
     ok = httpx.post(url, json=body, headers={"E2b-Sandbox-Id": sbx.sandbox_id,
-                                             "X-Access-Token": sbx._envd_access_token})
+                                             "X-Access-Token": _envd_token(stack, sbx.sandbox_id)})
     assert ok.status_code == 200 and ok.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
     bad = httpx.post(url, json=body, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "x"})
     assert bad.status_code == 401
@@ -252,3 +260,19 @@ def test_rest_error_shape_and_status_codes(stack: Any) -> None:
     envd = httpx.post(f"{stack.api_url}/filesystem.Filesystem/Stat", json={"path": "/"},
                       headers={"E2b-Sandbox-Id": "sbx_missing", "X-Access-Token": "x"})
     assert envd.status_code == 401
+
+
+def test_envd_routing_by_host_name(sbx: Any, stack: Any) -> None:
+    import httpx
+
+    host = f"49983-{sbx.sandbox_id}.e2b.podbay.test"
+    token = {"X-Access-Token": _envd_token(stack, sbx.sandbox_id)}
+    r = httpx.post(f"{stack.api_url}/filesystem.Filesystem/Stat", json={"path": "/home/user"},
+                   headers={"Host": host, **token})
+    assert r.status_code == 200 and r.json()["entry"]["path"] == "/home/user"
+    r = httpx.get(f"{stack.api_url}/health", headers={"Host": host, **token})
+    assert r.status_code == 204
+    r = httpx.get(f"{stack.api_url}/health", headers={"Host": f"3000-{sbx.sandbox_id}.e2b.podbay.test", **token})
+    assert r.status_code == 502 and "port 3000 is not open" in r.json()["message"]
+    # The API itself still answers on its own host names.
+    assert httpx.get(f"{stack.api_url}/healthz").status_code == 200

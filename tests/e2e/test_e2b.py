@@ -276,3 +276,28 @@ def test_envd_routing_by_host_name(sbx: Any, stack: Any) -> None:
     assert r.status_code == 502 and "port 3000 is not open" in r.json()["message"]
     # The API itself still answers on its own host names.
     assert httpx.get(f"{stack.api_url}/healthz").status_code == 200
+
+
+def test_v1_paths(stack: Any) -> None:
+    import httpx
+
+    api = httpx.Client(base_url=f"{stack.api_url}/e2b", headers={"X-API-KEY": stack.api_key}, timeout=120)
+    r = api.post("/sandboxes", json={"templateID": "base", "timeout": 300, "metadata": {"suite": "v1"}})
+    assert r.status_code == 201
+    created = r.json()
+    sid = created["sandboxID"]
+    assert created["templateID"] == "base" and created["envdVersion"] and created["envdAccessToken"]
+    try:
+        listed = api.get("/sandboxes", params={"metadata": "suite=v1"}).json()
+        assert [s["sandboxID"] for s in listed] == [sid] and listed[0]["state"] == "running"
+        assert api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300}).status_code == 200  # running
+        assert api.post(f"/sandboxes/{sid}/resume", json={}).status_code == 409  # not paused
+        assert api.post(f"/sandboxes/{sid}/refreshes", json={"duration": 60}).status_code == 204
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 409  # already paused
+        assert api.get(f"/sandboxes/{sid}/metrics").json() == []  # no sample while paused
+        r = api.post(f"/sandboxes/{sid}/resume", json={})
+        assert r.status_code == 201 and r.json()["sandboxID"] == sid
+    finally:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.delete(f"/sandboxes/{sid}").status_code == 404

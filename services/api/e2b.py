@@ -15,10 +15,10 @@ Paths, JSON fields and status codes follow the endpoints the pinned SDK calls (v
     GET  /sandboxes/{id}/metrics                   200 [SandboxMetric]  one sample taken now
 
 ``envVars`` of a create are kept in ``e2b_sandboxes`` and become the default environment of every command
-started through envd (the envd proxy passes them to the node). ``X-API-KEY`` carries a podbay API key. Errors are E2B's ``{"code": <HTTP status>, "message"}``. Each
-sandbox's envd access token is an HMAC of its id with the internal token, so the envd proxy
-(``e2b_envd.py``) checks it without a database lookup. The routes stay out of podbay's OpenAPI document:
-they are E2B's contract, not podbay's.
+started through envd (the envd proxy passes them to the node). ``X-API-KEY`` carries a podbay API key. Errors
+are E2B's ``{"code": <HTTP status>, "message"}``. Each sandbox's envd access token is an HMAC of its id with
+the internal token, so no token is stored and the envd proxy (``e2b_envd.py``) recomputes it. The routes stay
+out of podbay's OpenAPI document: they are E2B's contract, not podbay's.
 """
 
 from __future__ import annotations

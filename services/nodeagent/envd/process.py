@@ -126,7 +126,8 @@ class ProcessTable:
             async with handle:
                 async for kind, data in handle:
                     key = "pty" if proc.pty else kind
-                    proc.publish(pb.ProcessEvent(event=Oneof("data", pb.ProcessEvent.DataEvent(output=Oneof(key, data)))))
+                    data_event = pb.ProcessEvent.DataEvent(output=Oneof(key, data))
+                    proc.publish(pb.ProcessEvent(event=Oneof("data", data_event)))
                 ex = await handle.wait()
             end = pb.ProcessEvent(event=Oneof("end", pb.ProcessEvent.EndEvent(
                 exit_code=ex.exit_code, exited=ex.exit_code >= 0, status=end_status(ex.exit_code))))

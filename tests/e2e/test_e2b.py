@@ -7,6 +7,7 @@ The SDK is pointed at podbay the way docs/e2b.md says: ``E2B_API_URL=<api>/e2b``
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -118,6 +119,11 @@ def test_files(sbx: Any) -> None:
     moved = sbx.files.rename("/home/user/dir/x.bin", "/home/user/dir/z.bin")
     assert moved.path == "/home/user/dir/z.bin"
     assert sbx.files.read("/home/user/dir/z.bin", format="bytes") == bytes(range(256))
+    # A file-like body goes up as application/octet-stream (streamed), and gzip-compressed when asked.
+    sbx.files.write("/home/user/dir/stream.bin", io.BytesIO(b"\x00" * 100_000 + b"end"))
+    sbx.files.write("/home/user/dir/zipped.txt", "compressed " * 1000, gzip=True)
+    assert sbx.files.read("/home/user/dir/stream.bin", format="bytes") == b"\x00" * 100_000 + b"end"
+    assert sbx.files.read("/home/user/dir/zipped.txt") == "compressed " * 1000
     sbx.files.remove("/home/user/dir")
     assert not sbx.files.exists("/home/user/dir")
     with pytest.raises(e2b.FileNotFoundException):

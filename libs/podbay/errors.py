@@ -11,7 +11,9 @@
     ├── Unavailable           503  unavailable     retryable
     ├── StaleGeneration       409  stale_generation
     ├── GuestError            502  guest_error     (the guest answered badly or not at all)
-    └── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
+    ├── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
+    ├── SnapshotCorrupt       502  snapshot_corrupt (an object failed its checksum or is missing)
+    └── StorageError          503  storage_error   retryable (the object store failed or did not answer)
 
 On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``.
 Lower-level errors (asyncpg, nats-py, QEMU) are converted at the boundary with ``raise ... from exc``.
@@ -34,6 +36,8 @@ __all__ = [
     "StaleGeneration",
     "GuestError",
     "SandboxFailed",
+    "SnapshotCorrupt",
+    "StorageError",
     "error_from_wire",
 ]
 
@@ -118,6 +122,21 @@ class SandboxFailed(PodbayError):
     http_status = 500
 
 
+class SnapshotCorrupt(PodbayError):
+    """A promoted snapshot's object is missing or fails its checksum; it is never restored silently."""
+
+    code = "snapshot_corrupt"
+    http_status = 502
+
+
+class StorageError(PodbayError):
+    """The object store failed or did not answer (converted from botocore errors at the boundary)."""
+
+    code = "storage_error"
+    http_status = 503
+    retryable = True
+
+
 _BY_CODE: dict[str, type[PodbayError]] = {
     cls.code: cls
     for cls in (
@@ -133,6 +152,8 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         StaleGeneration,
         GuestError,
         SandboxFailed,
+        SnapshotCorrupt,
+        StorageError,
     )
 }
 

@@ -1,0 +1,314 @@
+"""Suspend to object storage and resume anywhere, with real microVMs, PostgreSQL, JetStream and SeaweedFS.
+
+- a counter process and a file survive suspend and resume (same pid, count goes on); no QEMU is left
+  while suspended and the snapshot's objects are in the bucket;
+- a second suspend of an idle sandbox uploads a small fraction of the first snapshot;
+- a corrupt chunk in the bucket makes the resume refuse with ``snapshot_corrupt`` and leaves the sandbox
+  suspended; once the object is whole again the resume works;
+- the resume lands on a second node agent (own data directory and node id) while the first is stopped;
+- SIGKILL of the snapshotter, the node agent or the API at named steps (``PODBAY_FAULT_STEP``) ends with
+  the operation completed after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from podbay.chunks import chunk_key
+from podbay.config import Settings
+from podbay.devstack.procs import free_port, stop_process
+from podbay.objstore import open_store
+
+pytestmark = pytest.mark.e2e
+
+COUNTER = (
+    "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.tmp; mv /tmp/count.tmp /tmp/count;"
+    " sleep 0.2; done' </dev/null >/dev/null 2>&1 & echo $! > /tmp/counter.pid"
+)
+OP_DEADLINE_S = 300.0
+
+
+def _client(stack: Any) -> httpx.Client:
+    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=600)
+
+
+def _sh(c: httpx.Client, sid: str, script: str) -> str:
+    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
+    assert r.status_code == 200, r.text
+    return str(r.json()["stdout"])
+
+
+def _qemu_for(sid: str) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu" in cmd and sid.encode() in cmd:
+                out.append(int(p.name))
+    return out
+
+
+def _wait_state(c: httpx.Client, sid: str, states: set[str], deadline_s: float = OP_DEADLINE_S) -> dict[str, Any]:
+    deadline = time.monotonic() + deadline_s
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = c.get(f"/v1/sandboxes/{sid}").json()
+        if body["state"] in states:
+            return body
+        time.sleep(0.5)
+    raise AssertionError(f"sandbox {sid} did not reach {states}: {body}")
+
+
+def _suspend_snapshot(c: httpx.Client, sid: str) -> dict[str, Any]:
+    snaps = [s for s in c.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"] if s["promotion"] == "promoted"]
+    assert snaps, "no promoted snapshot listed"
+    return snaps[0]
+
+
+def _s3(stack: Any) -> Settings:
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", stack.env["AWS_ACCESS_KEY_ID"])
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", stack.env["AWS_SECRET_ACCESS_KEY"])
+    return Settings(s3_url=stack.env["PODBAY_S3_URL"], s3_bucket=stack.env["PODBAY_S3_BUCKET"])
+
+
+async def _manifest(stack: Any, snapshot_id: str) -> dict[str, Any]:
+    import asyncpg
+
+    conn = await asyncpg.connect(stack.pg_dsn)
+    try:
+        import json
+
+        return json.loads(await conn.fetchval("SELECT manifest::text FROM snapshots WHERE id=$1", snapshot_id))
+    finally:
+        await conn.close()
+
+
+def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo kept > /root/note; " + COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            time.sleep(1.0)
+            before = int(_sh(c, sid, "cat /tmp/count"))
+
+            r = c.post(f"/v1/sandboxes/{sid}/suspend")
+            assert r.status_code == 200, r.text
+            assert r.json()["state"] == "suspended" and r.json()["node_id"] is None
+            assert _qemu_for(sid) == []
+            assert not list(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}"))
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+            assert r.status_code == 409 and r.json()["error"]["details"]["state"] == "suspended"
+            snap = _suspend_snapshot(c, sid)
+            manifest = asyncio.run(_manifest(stack, snap["id"]))
+            assert {f["name"] for f in manifest["files"]} == {"state", "ram", "disk.img"}
+
+            async def heads() -> list[int | None]:
+                async with open_store(_s3(stack)) as st:
+                    return [await st.head(chunk_key(f["chunks"][0])) for f in manifest["files"]]
+
+            assert all(h is not None for h in asyncio.run(heads()))
+
+            # Auto-resume on an exec call: the process carries on with its memory.
+            r = c.post(f"/v1/sandboxes/{sid}/exec", params={"auto_resume": "true"},
+                       json={"shell": f"cat /tmp/counter.pid; cat /root/note; kill -0 {pid} && echo alive"})
+            assert r.status_code == 200, r.text
+            assert r.json()["stdout"].split() == [pid, "kept", "alive"]
+            time.sleep(1.0)
+            after = int(_sh(c, sid, "cat /tmp/count"))
+            assert after > before
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            first = _suspend_snapshot(c, sid)
+            assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            second = _suspend_snapshot(c, sid)
+            assert second["id"] != first["id"]
+            total = sum(f["size"] for f in asyncio.run(_manifest(stack, first["id"]))["files"])
+            assert second["uploaded_bytes"] < 0.10 * total, (first, second, total)
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo whole > /root/w")
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            snap = _suspend_snapshot(c, sid)
+            manifest = asyncio.run(_manifest(stack, snap["id"]))
+            victim = next(f for f in manifest["files"] if f["name"] == "state")["chunks"][0]
+
+            async def swap(data: bytes | None) -> bytes:
+                async with open_store(_s3(stack)) as st:
+                    old = await st.get(chunk_key(victim))
+                    assert old is not None
+                    await st.put(chunk_key(victim), data if data is not None else old[:-8] + b"corrupt!")
+                    return old
+
+            original = asyncio.run(swap(None))
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["code"] == "snapshot_corrupt" and victim[:16] in err["message"]
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "suspended"
+            op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
+            assert op["state"] == "failed" and op["error"]["code"] == "snapshot_corrupt"
+
+            asyncio.run(swap(original))
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert _sh(c, sid, "cat /root/w") == "whole\n"
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path: Path) -> None:
+    node2_dir = Path(stack.data_dir) / "node2"
+    port = free_port()
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        node2: subprocess.Popen[bytes] | None = None
+        try:
+            # The second node gets the build cache's copy of this sandbox's template (the cache may hold newer
+            # builds of "base", and a node takes the newest).
+            digest = next(t["digest"] for t in c.get("/v1/templates").json()["templates"] if t["name"] == "base")
+            cache = tmp_path / "cache"
+            (cache / "templates").mkdir(parents=True)
+            for meta in (Path(stack.env["PODBAY_CACHE_DIR"]) / "templates").glob("*/template.json"):
+                if f'"{digest}"' in meta.read_text() or meta.parent.name.endswith(digest[:16]):
+                    (cache / "templates" / meta.parent.name).symlink_to(meta.parent)
+            env = {**stack.env, "PODBAY_NODE_ID": "node-2", "PODBAY_NODE_PORT": str(port),
+                   "PODBAY_DATA_DIR": str(node2_dir), "PODBAY_CACHE_DIR": str(cache),
+                   "PODBAY_SNAPSHOT_DISK_INTERVAL_S": "0"}
+            first_node = c.get(f"/v1/sandboxes/{sid}").json()["node_id"]
+            _sh(c, sid, "echo travelled > /root/t; " + COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            stack.kill("nodeagent", signal.SIGTERM)
+            log = open(tmp_path / "node2.log", "wb")
+            node2 = subprocess.Popen([str(Path(stack.bin_dir) / "podbay-nodeagent")], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert node2.poll() is None, (tmp_path / "node2.log").read_text()[-3000:]
+                time.sleep(0.5)
+            time.sleep(12)  # the first node's heartbeat expires (TTL), so only node-2 has room
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200, r.text + (tmp_path / "node2.log").read_text()[-3000:]
+            assert r.json()["node_id"] == "node-2" != first_node
+            assert _sh(c, sid, f"cat /root/t; kill -0 {pid} && echo alive").split() == ["travelled", "alive"]
+            c.delete(f"/v1/sandboxes/{sid}")
+        finally:
+            if node2 is not None:
+                stop_process(node2, grace_s=10)
+            stack.restart("nodeagent")
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _with_fault(stack: Any, service: str, step: str) -> None:
+    svc = stack.services[service]
+    svc.env = {**stack.env, "PODBAY_FAULT_STEP": step}
+    stack.restart(service)
+
+
+def _without_fault(stack: Any, service: str) -> None:
+    svc = stack.services[service]
+    svc.env = stack.env
+    if svc.alive():
+        stack.kill(service, signal.SIGKILL)
+    stack.restart(service)
+
+
+@pytest.mark.parametrize("service,step", [
+    ("snapshotter", "promote.uploading"),
+    ("snapshotter", "promote.verified"),
+    ("nodeagent", "suspend.snapshotted"),
+    ("nodeagent", "suspend.promoted"),
+])
+def test_sigkill_during_suspend_then_restart_completes_it(stack: Any, service: str, step: str) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo survived > /root/s; " + COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            _with_fault(stack, service, step)
+            r = c.post(f"/v1/sandboxes/{sid}/suspend", params={"wait": "false"})
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + OP_DEADLINE_S
+            while stack.services[service].alive():
+                assert time.monotonic() < deadline, f"{service} never reached {step}"
+                time.sleep(0.2)
+            _without_fault(stack, service)
+            body = _wait_state(c, sid, {"suspended", "paused", "failed"})
+            assert body["state"] == "suspended", body
+            assert _qemu_for(sid) == []
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200, r.text
+            assert _sh(c, sid, f"cat /root/s; kill -0 {pid} && echo alive").split() == ["survived", "alive"]
+        finally:
+            stack.services[service].env = stack.env
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_sigkill_of_the_node_during_resume_then_restart_completes_it(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo back > /root/b")
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            _with_fault(stack, "nodeagent", "resume.fetched")
+            r = c.post(f"/v1/sandboxes/{sid}/resume", params={"wait": "false"})
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + OP_DEADLINE_S
+            while stack.services["nodeagent"].alive():
+                assert time.monotonic() < deadline, "the node agent never reached resume.fetched"
+                time.sleep(0.2)
+            _without_fault(stack, "nodeagent")
+            body = _wait_state(c, sid, {"running", "failed"})
+            assert body["state"] == "running", body
+            assert _sh(c, sid, "cat /root/b") == "back\n"
+        finally:
+            stack.services["nodeagent"].env = stack.env
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_sigkill_of_the_api_during_suspend_leaves_the_work_to_finish(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            r = c.post(f"/v1/sandboxes/{sid}/suspend", params={"wait": "false"})
+            assert r.status_code == 202, r.text
+            op = r.json()["operation_id"]
+            stack.kill("api", signal.SIGKILL)
+            stack.restart("api")
+            assert _wait_state(c, sid, {"suspended", "paused", "failed"})["state"] == "suspended"
+            assert c.get(f"/v1/operations/{op}").json()["state"] == "succeeded"
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     retain_disk_snapshots: int = Field(10, ge=1, description="Disk snapshots kept per sandbox (K).")
     retain_full_snapshots: int = Field(3, ge=1, description="Full snapshots kept per sandbox (M).")
     # promotion to object storage, suspend and resume (snapshotter, node agent)
-    chunk_size_kib: int = Field(1024, ge=64, le=65536, description="Content-addressed chunk size of promoted "
+    chunk_size_kib: int = Field(256, ge=64, le=65536, description="Content-addressed chunk size of promoted "
                                 "snapshot files; changing it stops dedup against chunks already stored.")
     s3_concurrency: int = Field(8, ge=1, le=64, description="Object requests in flight per process.")
     s3_bandwidth_mib_s: float = Field(0.0, ge=0, description="Upload and download bandwidth cap per process "

@@ -10,8 +10,9 @@ Promotion of snapshot S (idempotent; a crash at any step is finished by running 
 2. Upload the chunks the bucket lacks (``chunks`` rows, read ``FOR SHARE`` so a collection deleting one at
    that moment finishes first and the chunk is uploaded again), compressed, at most ``s3_concurrency``
    at a time; each upload is followed by its ``chunks`` row.
-3. Verify every object S references (it exists with its recorded size), then one transaction marks S
-   ``promoted`` with its event. Nothing may rely on S before that.
+3. Verify every object this promotion wrote (it exists with the size sent) and only then write its
+   ``chunks`` row, so a row means "stored and verified"; then one transaction marks S ``promoted`` with
+   its event. Nothing may rely on S before that.
 
 Fetch rebuilds a promoted snapshot's files in ``<dest>.part`` (renamed when complete): a file that a local
 base (the template's snapshot) has with the same size is reflinked from it first and only the chunks that
@@ -84,6 +85,9 @@ FETCH_SECONDS = Histogram("podbay_snapshot_fetch_seconds", "Time to fetch one pr
 TRANSFER_BYTES = Histogram("podbay_object_transfer_bytes", "Bytes sent to (up) or read from (down) object "
                            "storage per promotion or fetch (compressed, as on the wire).", ["direction"],
                            buckets=_BYTES_BUCKETS)
+TRANSFER_SECONDS = Histogram("podbay_object_transfer_seconds", "Time spent moving chunks to (up) or from (down) "
+                             "object storage per promotion or fetch (hashing and verification excluded).",
+                             ["direction"], buckets=_SECONDS_BUCKETS)
 CHUNK_REUSE_RATIO = Histogram("podbay_chunk_reuse_ratio", "Share of a snapshot's chunks not transferred "
                               "(already stored, or already on the node), per promotion or fetch.", ["op"],
                               buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0))
@@ -108,6 +112,9 @@ class PromoteResult:
     uploaded_bytes: int = 0
     stored_bytes: int = 0
     seconds: float = 0.0
+    hash_seconds: float = 0.0
+    upload_seconds: float = 0.0
+    verify_seconds: float = 0.0
     already: bool = False
 
 
@@ -121,6 +128,7 @@ class FetchResult:
     chunks_downloaded: int = 0
     downloaded_bytes: int = 0
     seconds: float = 0.0
+    download_seconds: float = 0.0
 
 
 @dataclass
@@ -191,7 +199,9 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
         return res
     if row["state"] != "ready":
         raise PodbayError(f"snapshot {snapshot_id} is {row['state']}, not ready")
+    t = time.perf_counter()
     manifest, where = await asyncio.to_thread(build_manifest, snapshot_dir, settings.chunk_size_kib << 10)
+    res.hash_seconds = time.perf_counter() - t
     hashes = sorted(manifest.hashes())
     res.total_bytes, res.chunks = manifest.total_bytes(), len(hashes)
     async with pool.acquire() as conn, conn.transaction():
@@ -214,6 +224,19 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
     done = [0]
     sizes = {h: where[h][1].size for h in hashes}
 
+    fresh: list[tuple[str, int, int]] = []
+
+    async def record(rows: list[tuple[str, int, int]]) -> None:
+        # A row is written only after its object was read back, so a row means "stored and verified"; an
+        # object whose row a crash lost is uploaded again by the retry, or deleted by garbage collection
+        # after the grace period.
+        batch = rows[:]
+        rows.clear()
+        if batch:
+            await pool.executemany(
+                "INSERT INTO chunks (hash, size, stored_size) VALUES ($1,$2,$3)"
+                " ON CONFLICT (hash) DO UPDATE SET stored_size=EXCLUDED.stored_size, last_ref_at=now()", batch)
+
     async def upload(h: str) -> None:
         path, ref = where[h]
         data = await asyncio.to_thread(read_chunk, path, ref.offset, ref.size)
@@ -221,10 +244,7 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
             raise PodbayError(f"{path.name} changed while being promoted")
         blob = await asyncio.to_thread(compress, data, settings.compression_level)
         await store.put(chunk_key(h), blob)
-        await pool.execute(
-            "INSERT INTO chunks (hash, size, stored_size) VALUES ($1,$2,$3)"
-            " ON CONFLICT (hash) DO UPDATE SET stored_size=EXCLUDED.stored_size, last_ref_at=now()",
-            h, ref.size, len(blob))
+        fresh.append((h, ref.size, len(blob)))
         stored[h] = len(blob)
         res.chunks_uploaded += 1
         res.uploaded_bytes += ref.size
@@ -235,23 +255,31 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
         if res.chunks_uploaded == max(1, len(missing) // 2):
             fault_point("promote.uploading")
 
+    t = time.perf_counter()
     await _pool_map(missing, upload, settings.s3_concurrency * 2)
+    res.upload_seconds = time.perf_counter() - t
     fault_point("promote.uploaded")
-    # Verify: every referenced object exists with the size recorded; one re-upload for any that does not.
+    t = time.perf_counter()
+    # Verify every object this promotion wrote (it exists with the size sent; one re-upload for any that does
+    # not). The others have rows, written only after their own verification, and the manifest committed
+    # above keeps garbage collection off them; a fetch checks every chunk's SHA-256 in any case.
     bad: list[str] = []
 
     async def verify(h: str) -> None:
         if await store.head(chunk_key(h)) != stored.get(h):
             bad.append(h)
 
-    await _pool_map(hashes, verify, settings.s3_concurrency * 2)
+    await _pool_map(missing, verify, settings.s3_concurrency * 2)
     if bad:
         log.warning("snapshot %s: %d object(s) missing or of the wrong size; uploading them again", snapshot_id, len(bad))
+        fresh[:] = [r for r in fresh if r[0] not in set(bad)]
         await _pool_map(list(bad), upload, settings.s3_concurrency)
         still = [h for h in bad if await store.head(chunk_key(h)) != stored.get(h)]
         if still:
             raise SnapshotCorrupt(f"{len(still)} object(s) of snapshot {snapshot_id} fail verification",
                                   details={"chunks": still[:10]})
+    await record(fresh)
+    res.verify_seconds = time.perf_counter() - t
     fault_point("promote.verified")
     async with pool.acquire() as conn, conn.transaction():
         marked = await conn.fetchval(
@@ -265,10 +293,12 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
     res.seconds = time.perf_counter() - t0
     PROMOTION_SECONDS.labels("ok").observe(res.seconds)
     TRANSFER_BYTES.labels("up").observe(res.stored_bytes)
+    TRANSFER_SECONDS.labels("up").observe(res.upload_seconds)
     CHUNK_REUSE_RATIO.labels("promote").observe(1 - res.chunks_uploaded / max(1, res.chunks))
-    log.info("promoted %s: %d chunks, %d uploaded (%.1f MiB of %.1f MiB, %.1f MiB stored) in %.1f s", snapshot_id,
-             res.chunks, res.chunks_uploaded, res.uploaded_bytes / 2**20, res.total_bytes / 2**20,
-             res.stored_bytes / 2**20, res.seconds)
+    log.info("promoted %s: %d chunks, %d uploaded (%.1f MiB of %.1f MiB, %.1f MiB stored) in %.1f s (hash %.1f s,"
+             " upload %.1f s, verify %.1f s)", snapshot_id, res.chunks, res.chunks_uploaded, res.uploaded_bytes / 2**20,
+             res.total_bytes / 2**20, res.stored_bytes / 2**20, res.seconds, res.hash_seconds, res.upload_seconds,
+             res.verify_seconds)
     return res
 
 
@@ -355,7 +385,9 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
             if progress:
                 progress(done[0], res.total_bytes)
 
+        t = time.perf_counter()
         await _pool_map(list(todo), get, settings.s3_concurrency * 2)
+        res.download_seconds = time.perf_counter() - t
         if dest.exists():
             await asyncio.to_thread(shutil.rmtree, dest, True)
         os.replace(part, dest)
@@ -366,6 +398,7 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
     res.seconds = time.perf_counter() - t0
     FETCH_SECONDS.labels("ok").observe(res.seconds)
     TRANSFER_BYTES.labels("down").observe(res.downloaded_bytes)
+    TRANSFER_SECONDS.labels("down").observe(res.download_seconds)
     CHUNK_REUSE_RATIO.labels("fetch").observe(1 - res.chunks_downloaded / max(1, res.chunks))
     log.info("fetched %s: %d chunks, %d downloaded (%.1f MiB) in %.1f s", snapshot_id, res.chunks,
              res.chunks_downloaded, res.downloaded_bytes / 2**20, res.seconds)

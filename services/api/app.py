@@ -41,6 +41,7 @@ def create_app(settings: Settings) -> FastAPI:
         await ctx.waiter.start(bus)
         relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
         app.state.ctx = ctx
+        await suspend.republish_unfinished(ctx)
         try:
             yield
         finally:

@@ -26,6 +26,7 @@ from podbay.contracts.api import SandboxInfo
 from podbay.contracts.messages import PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
 from podbay.errors import Conflict, InvalidState, NotFound, PodbayError, SandboxFailed, SnapshotCorrupt, Unavailable
+from podbay.faults import fault_point
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -34,7 +35,7 @@ from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 from .sandboxes import audit, load_sandbox, sandbox_info
 
-__all__ = ["router", "resume_suspended", "auto_resume"]
+__all__ = ["router", "resume_suspended", "auto_resume", "republish_unfinished"]
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -89,6 +90,7 @@ async def suspend_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respo
                                  data={"operation_id": op_id, "snapshot_id": snap_id})
         await audit(conn, who, "sandbox.suspend", sandbox_id)
     ctx.relay.kick()
+    fault_point("suspend.recorded")
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "suspend"),
                                   SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
@@ -133,6 +135,7 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
                                  data={"operation_id": op_id, "fallback": fallback})
         await audit(conn, who, "sandbox.resume", sandbox_id)
     ctx.relay.kick()
+    fault_point("resume.recorded")
     fut = ctx.waiter.expect(sandbox_id, {"resumed", "suspended", "failed"}) if wait else None
     await ctx.bus.publish_command(subjects.SCHEDULER_PLACE, PlaceSandbox(
         operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl,
@@ -170,3 +173,23 @@ async def auto_resume(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
         from .sandboxes import resume_sandbox
 
         await resume_sandbox(sandbox_id, ctx, who, Response(), wait=True, fallback=False)
+
+
+async def republish_unfinished(ctx: ApiContext) -> int:
+    """At start-up: publish again the command of each suspend or resume that an API which died between its
+    commit and its publish left without one (the same ``Nats-Msg-Id``, so a command that did go out is
+    dropped as a duplicate or found done by its idempotent handler). Returns how many."""
+    rows = await ctx.pool.fetch(
+        "SELECT s.id, s.state, s.node_id, s.generation, s.tenant_id, s.template, s.memory_mib, s.vcpus, o.id AS op_id"
+        " FROM sandboxes s JOIN LATERAL (SELECT id FROM operations WHERE sandbox_id = s.id AND kind IN"
+        " ('suspend', 'resume') AND state IN ('pending', 'running') ORDER BY created_at DESC LIMIT 1) o ON true"
+        " WHERE s.state = 'suspending' OR (s.state = 'resuming' AND s.node_id IS NULL)")
+    for r in rows:
+        if r["state"] == "suspending" and r["node_id"]:
+            await ctx.bus.publish_command(subjects.node_cmd(r["node_id"], "suspend"), SandboxOpCmd(
+                operation_id=r["op_id"], sandbox_id=r["id"], generation=r["generation"]), msg_id=r["op_id"])
+        elif r["state"] == "resuming":
+            await ctx.bus.publish_command(subjects.SCHEDULER_PLACE, PlaceSandbox(
+                operation_id=r["op_id"], sandbox_id=r["id"], tenant_id=r["tenant_id"], template=r["template"],
+                resources=Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"]), wake=True), msg_id=r["op_id"])
+    return len(rows)

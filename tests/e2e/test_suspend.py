@@ -299,6 +299,36 @@ def test_sigkill_of_the_node_during_resume_then_restart_completes_it(stack: Any)
             c.delete(f"/v1/sandboxes/{sid}")
 
 
+@pytest.mark.parametrize("step", ["suspend.recorded", "resume.recorded"])
+def test_sigkill_of_the_api_between_commit_and_publish_is_finished_by_its_restart(stack: Any, step: str) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo api > /root/a")
+            if step == "resume.recorded":
+                assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            _with_fault(stack, "api", step)
+            verb = step.split(".")[0]
+            with pytest.raises(httpx.HTTPError):
+                c.post(f"/v1/sandboxes/{sid}/{verb}")
+            deadline = time.monotonic() + 30
+            while stack.services["api"].alive():  # the client may see the reset before the process is reaped
+                assert time.monotonic() < deadline, "the API did not die at its fault step"
+                time.sleep(0.1)
+            _without_fault(stack, "api")
+            want = "suspended" if verb == "suspend" else "running"
+            body = _wait_state(c, sid, {want, "failed", "paused"})
+            assert body["state"] == want, body
+            if want == "running":
+                assert _sh(c, sid, "cat /root/a") == "api\n"
+        finally:
+            stack.services["api"].env = stack.env
+            if not stack.services["api"].alive():
+                stack.restart("api")
+            with _client(stack) as fresh:  # the old client's pooled connection went with the killed API
+                fresh.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_sigkill_of_the_api_during_suspend_leaves_the_work_to_finish(stack: Any) -> None:
     with _client(stack) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]

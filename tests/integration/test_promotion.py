@@ -241,3 +241,40 @@ async def test_sigkill_at_each_promotion_step_then_retry_completes(
     await fetch(pool, store, settings, snap, out)
     for name in ("ram", "disk.img", "state"):
         assert (out / name).read_bytes() == (tmp_path / snap / name).read_bytes(), name
+
+
+class _NoRelay:
+    def kick(self) -> None:
+        pass
+
+
+async def test_disk_snapshots_are_promoted_on_their_cadence(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings, tmp_path: Path) -> None:
+    from podbay_snapshotter.main import Snapshotter
+
+    node = "node-cadence"
+    s = settings.model_copy(update={"data_dir": tmp_path, "node_id": node, "promote_disk_interval_s": 300.0})
+    await pool.execute("INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel) VALUES ($1,'x',1,1,'tcg')"
+                       " ON CONFLICT DO NOTHING", node)
+    tenant, sandbox = await _sandbox(pool)
+    ids = []
+    for _ in range(2):
+        snap = new_id("snap")
+        await pool.execute("INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, generation)"
+                           " VALUES ($1,$2,$3,$4,'disk','ready',1)", snap, tenant, sandbox, node)
+        d = tmp_path / "nodes" / node / "store" / "snapshots" / sandbox / snap
+        d.mkdir(parents=True)
+        with open(d / "disk.img", "wb") as f:
+            f.truncate(16 * MIB)
+            f.write(os.urandom(MIB))
+        ids.append(snap)
+    snapshotter = Snapshotter(s, pool, None, store, _NoRelay())  # type: ignore[arg-type]
+    assert await snapshotter.cadence_once() == 1
+    rows = {r["id"]: r["promotion"] for r in await pool.fetch(
+        "SELECT id, promotion FROM snapshots WHERE id = ANY($1::text[])", ids)}
+    assert rows == {ids[0]: "local", ids[1]: "promoted"}  # the newest one
+    assert await snapshotter.cadence_once() == 0  # promoted within the interval: not due again
+    await pool.execute("UPDATE snapshots SET promoted_at = now() - interval '1 hour' WHERE id=$1", ids[1])
+    await pool.execute("UPDATE snapshots SET created_at = now() + interval '1 second' WHERE id=$1", ids[0])
+    assert await snapshotter.cadence_once() == 1  # the interval passed and a newer disk snapshot is local
+    assert await pool.fetchval("SELECT promotion FROM snapshots WHERE id=$1", ids[0]) == "promoted"

@@ -184,6 +184,37 @@ def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) 
             c.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_fallback_restores_the_newest_intact_snapshot_only_when_asked(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo one > /root/one; sync")
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            first = _suspend_snapshot(c, sid)
+            assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+            _sh(c, sid, "echo two > /root/two; sync")
+            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+            second = _suspend_snapshot(c, sid)
+            assert second["id"] != first["id"]
+            older = {h for f in asyncio.run(_manifest(stack, first["id"]))["files"] for h in f["chunks"]}
+            newer = next(f for f in asyncio.run(_manifest(stack, second["id"]))["files"] if f["name"] == "state")
+            victim = next(h for h in newer["chunks"] if h not in older)
+
+            async def corrupt() -> None:
+                async with open_store(_s3(stack)) as st:
+                    await st.put(chunk_key(victim), b"\x28\xb5\x2f\xfd" + b"not zstd at all")
+
+            asyncio.run(corrupt())
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 502 and r.json()["error"]["code"] == "snapshot_corrupt", r.text
+            r = c.post(f"/v1/sandboxes/{sid}/resume", params={"fallback": "true"})
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert _sh(c, sid, "cat /root/one; test -e /root/two && echo two-present || echo two-absent").split() == [
+                "one", "two-absent"]
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path: Path) -> None:
     node2_dir = Path(stack.data_dir) / "node2"
     port = free_port()

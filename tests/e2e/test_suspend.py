@@ -134,6 +134,27 @@ def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
             c.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_a_long_paused_sandbox_whose_ram_was_released_suspends_and_resumes(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo slept > /root/z; " + COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+            deadline = time.monotonic() + 60  # the stack fixture releases paused RAM after 6 s
+            while _qemu_for(sid):
+                assert time.monotonic() < deadline, "the paused sandbox's QEMU did not exit"
+                time.sleep(0.5)
+            r = c.post(f"/v1/sandboxes/{sid}/suspend")
+            assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+            assert _qemu_for(sid) == []
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert _sh(c, sid, f"cat /root/z; kill -0 {pid} && echo alive").split() == ["slept", "alive"]
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) -> None:
     with _client(stack) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]

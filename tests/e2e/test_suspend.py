@@ -130,6 +130,17 @@ def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
             after = int(_sh(c, sid, "cat /tmp/count"))
             assert after > before
             assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+
+            # Visible: promotion and restore durations, bytes up and down, chunk reuse as histograms.
+            up = httpx.get(f"http://127.0.0.1:{stack.ports.snapshotter}/metrics").text
+            down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics").text
+            for text, names in ((up, ("podbay_promotion_seconds_count", "podbay_object_transfer_bytes_count",
+                                       "podbay_chunk_reuse_ratio_count")),
+                                (down, ("podbay_snapshot_fetch_seconds_count", "podbay_object_transfer_bytes_count",
+                                        "podbay_chunk_reuse_ratio_count"))):
+                for name in names:
+                    counts = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{")]
+                    assert counts and max(counts) >= 1, name
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
 

@@ -26,6 +26,7 @@ Garbage collection deletes chunks that no live snapshot references once they hav
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ __all__ = [
     "fetch",
     "collect_garbage",
     "chunk_index",
+    "local_chunks",
 ]
 
 log = logging.getLogger("podbay.promotion")
@@ -320,10 +322,36 @@ def chunk_index(base_dir: Path, chunk_size: int) -> dict[str, list[str]]:
     return files
 
 
+def local_chunks(sources: Iterable[tuple[Manifest, Path]]) -> dict[str, tuple[Path, int, int]]:
+    """Where chunks already lie on this node: ``{hash: (file, offset, size)}`` from the manifests of
+    snapshots whose files are in the given directories (other sandboxes' promoted snapshots)."""
+    out: dict[str, tuple[Path, int, int]] = {}
+    for manifest, directory in sources:
+        cs = manifest.chunk_size
+        for f in manifest.files:
+            path = directory / f.name
+            if not path.exists():
+                continue
+            for i, h in enumerate(f.chunks):
+                out.setdefault(h, (path, i * cs, min(cs, f.size - i * cs)))
+    return out
+
+
+def _read_local(place: tuple[Path, int, int], digest: str) -> bytes | None:
+    """The chunk from a local file, or None when the file changed or is gone (it is then downloaded)."""
+    try:
+        data = read_chunk(*place)
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == digest else None
+
+
 async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snapshot_id: str, dest: Path, *,
-                base_dir: Path | None = None, progress: Progress | None = None) -> FetchResult:
+                base_dir: Path | None = None, local: dict[str, tuple[Path, int, int]] | None = None,
+                progress: Progress | None = None) -> FetchResult:
     """Rebuild promoted snapshot ``snapshot_id`` into ``dest`` (module docstring). ``base_dir``: a local
-    snapshot (the template's) whose same-sized files are reflinked and whose matching chunks are reused.
+    snapshot (the template's) whose same-sized files are reflinked and whose matching chunks are reused;
+    ``local``: other chunks already on the node (:func:`local_chunks`), read and checked instead of fetched.
 
     Raises ``NotFound`` (no such snapshot, or not promoted), ``SnapshotCorrupt`` (an object is missing or
     fails its checksum; ``details.chunk``, ``details.what``), ``StorageError`` (retryable)."""
@@ -369,9 +397,12 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
         async def get(h: str) -> None:
             places = todo[h]
             n = places[0][2]
+            data = None
             if h == zero_hash(n):
                 data = bytes(n)
-            else:
+            elif local and h in local:
+                data = await asyncio.to_thread(_read_local, local[h], h)  # None: changed since, so download
+            if data is None:
                 blob = await store.get(chunk_key(h))
                 if blob is None:
                     raise SnapshotCorrupt(f"chunk {h[:16]} of {places[0][0].name} is missing from object storage",

@@ -13,7 +13,8 @@ A failed snapshot or promotion puts the sandbox back to ``paused`` (its VM intac
 operation. Every step is idempotent, so a redelivered command after a crash finishes the work.
 
 Wake (``podbay.cmd.node.<node>.wake``, sandbox ``resuming`` placed here at a new generation): fetch the
-promoted snapshot (chunks the template's snapshot already has are reflinked, not downloaded; every
+promoted snapshot (chunks the template's snapshot already has are reflinked, chunks of other sandboxes'
+promoted snapshots on this node are copied, neither is downloaded; every
 downloaded chunk is checked against its SHA-256), restore it, run the after-restore hygiene, set
 ``running`` with the event ``resumed``. A corrupt or missing object puts the sandbox back to ``suspended``
 with the error (``snapshot_corrupt``) on the operation; only with ``fallback`` is the newest older intact
@@ -26,6 +27,7 @@ import asyncio
 import logging
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from podbay.contracts import subjects
@@ -34,7 +36,8 @@ from podbay.errors import PodbayError, SnapshotCorrupt
 from podbay.faults import fault_point
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
-from podbay.promotion import fetch
+from podbay.chunks import Manifest
+from podbay.promotion import fetch, local_chunks
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .snapshots import snapshot_dir
@@ -47,6 +50,7 @@ __all__ = ["SuspendOps"]
 log = logging.getLogger("podbay.nodeagent.suspend")
 
 PROMOTION_POLL_S = 0.25
+LOCAL_SOURCES = 8  # other sandboxes' snapshots on this node searched for chunks before downloading
 
 
 class SuspendOps:
@@ -203,12 +207,13 @@ class SuspendOps:
                     " AND state='ready' AND id <> $2 ORDER BY created_at DESC", cmd.sandbox_id, cmd.snapshot_id)]
             tpl = m.templates.get(row["template"])
             base = tpl.snapshot.dir if tpl is not None and tpl.digest == row["template_digest"] else None
+            local = await self._local_chunks(cmd.sandbox_id)
             chosen: str | None = None
             errors: list[str] = []
             for snap_id in candidates:
                 try:
                     await fetch(m.pool, self.store, m.settings, snap_id, snapshot_dir(m, cmd.sandbox_id, snap_id),
-                                base_dir=base)
+                                base_dir=base, local=local)
                     chosen = snap_id
                     break
                 except SnapshotCorrupt as exc:
@@ -234,6 +239,16 @@ class SuspendOps:
             await m.finish_op(cmd.operation_id, None if ok else "the restore failed; see the sandbox's failure_reason")
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "wake", "ok" if ok else "failed").observe(
                 time.perf_counter() - t0)
+
+    async def _local_chunks(self, sandbox_id: str) -> dict[str, tuple[Path, int, int]]:
+        """Chunks of other sandboxes' promoted snapshots whose files are on this node (newest first, a few)."""
+        m = self.m
+        rows = await m.pool.fetch(
+            "SELECT id, sandbox_id, manifest FROM snapshots WHERE node_id=$1 AND promotion='promoted'"
+            " AND state='ready' AND sandbox_id <> $2 ORDER BY promoted_at DESC LIMIT $3",
+            m.node_id, sandbox_id, LOCAL_SOURCES)
+        sources = [(Manifest.model_validate(r["manifest"]), snapshot_dir(m, r["sandbox_id"], r["id"])) for r in rows]
+        return await asyncio.to_thread(local_chunks, [(mf, d) for mf, d in sources if d.exists()])
 
     async def _back_to_suspended(self, cmd: WakeCmd, tenant_id: str, code: str, error: str) -> None:
         m = self.m

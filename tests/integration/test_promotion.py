@@ -18,13 +18,13 @@ import asyncpg
 import pytest
 
 from podbay import db
-from podbay.chunks import chunk_key, compress
+from podbay.chunks import Manifest, chunk_key, compress
 from podbay.config import Settings
 from podbay.devstack.servers import S3Endpoint
 from podbay.errors import SnapshotCorrupt
 from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import new_id
-from podbay.promotion import collect_garbage, fetch, promote
+from podbay.promotion import collect_garbage, fetch, local_chunks, promote
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +122,32 @@ async def test_second_snapshot_uploads_a_small_fraction_and_fetch_rebuilds_it(
     res2 = await fetch(pool, store, settings, second, out2, base_dir=tmp_path / first)
     assert (out2 / "ram").read_bytes() == (tmp_path / second / "ram").read_bytes()
     assert res2.chunks_downloaded < res.chunks_downloaded / 4, (res, res2)
+
+
+async def test_fetch_reuses_chunks_of_other_snapshots_on_the_node_and_checks_them(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings, tmp_path: Path) -> None:
+    tenant, sandbox = await _sandbox(pool)
+    other, wanted = await _snapshot(pool, tenant, sandbox), await _snapshot(pool, tenant, sandbox)
+    _make_files(tmp_path / other, other.encode())
+    _change(tmp_path / other, tmp_path / wanted, ram_bytes=512 * 1024)
+    await promote(pool, store, settings, other, tmp_path / other)
+    await promote(pool, store, settings, wanted, tmp_path / wanted)
+    manifest = Manifest.model_validate(await pool.fetchval("SELECT manifest FROM snapshots WHERE id=$1", other))
+
+    plain = await fetch(pool, store, settings, wanted, tmp_path / "plain")
+    local = local_chunks([(manifest, tmp_path / other)])
+    reused = await fetch(pool, store, settings, wanted, tmp_path / "reused", local=local)
+    for name in ("ram", "disk.img", "state"):
+        assert (tmp_path / "reused" / name).read_bytes() == (tmp_path / wanted / name).read_bytes(), name
+    assert reused.chunks_downloaded < plain.chunks_downloaded / 4, (plain, reused)
+
+    # A local file that changed since is not trusted: its chunks are downloaded and the result is still right.
+    with open(tmp_path / other / "disk.img", "r+b") as f:
+        f.seek(8 * MIB)
+        f.write(os.urandom(4 * MIB))
+    again = await fetch(pool, store, settings, wanted, tmp_path / "again", local=local)
+    assert (tmp_path / "again" / "disk.img").read_bytes() == (tmp_path / wanted / "disk.img").read_bytes()
+    assert again.chunks_downloaded > reused.chunks_downloaded
 
 
 async def test_large_objects_go_up_in_parts(pool: asyncpg.Pool, store: ObjectStore, settings: Settings,

@@ -5,7 +5,8 @@
     ├── Unauthorized          401  unauthorized
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
-    │   └── InvalidState      409  invalid_state (carries the current state)
+    │   ├── InvalidState      409  invalid_state (carries the current state)
+    │   └── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
@@ -30,6 +31,7 @@ __all__ = [
     "NotFound",
     "Conflict",
     "InvalidState",
+    "SuspendFailed",
     "Unprocessable",
     "Timeout",
     "Unavailable",
@@ -86,6 +88,13 @@ class InvalidState(Conflict):
     """A lifecycle call not allowed in the sandbox's current state; ``details.state`` names it."""
 
     code = "invalid_state"
+
+
+class SuspendFailed(Conflict):
+    """A suspend whose snapshot or promotion failed; the sandbox is paused and intact
+    (``details.operation_id`` has the error)."""
+
+    code = "suspend_failed"
 
 
 class Unprocessable(PodbayError):
@@ -146,6 +155,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         NotFound,
         Conflict,
         InvalidState,
+        SuspendFailed,
         Unprocessable,
         Timeout,
         Unavailable,

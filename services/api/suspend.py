@@ -25,7 +25,15 @@ from podbay.contracts import subjects
 from podbay.contracts.api import SandboxInfo
 from podbay.contracts.messages import PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
-from podbay.errors import Conflict, InvalidState, NotFound, PodbayError, SandboxFailed, SnapshotCorrupt, Unavailable
+from podbay.errors import (
+    InvalidState,
+    NotFound,
+    PodbayError,
+    SandboxFailed,
+    SnapshotCorrupt,
+    SuspendFailed,
+    Unavailable,
+)
 from podbay.faults import fault_point
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -102,15 +110,11 @@ async def suspend_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respo
         code, message = await _op_error(ctx, op_id)
         if code is not None:
             LIFECYCLE_OPERATIONS.labels("api", "suspend", "failed").inc()
-            raise _SuspendFailed(f"could not suspend sandbox {sandbox_id}: {message}",
+            raise SuspendFailed(f"could not suspend sandbox {sandbox_id}: {message}",
                                  details={"operation_id": op_id, "snapshot_id": snap_id})
     else:
         response.status_code = 202
     return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
-
-
-class _SuspendFailed(Conflict):
-    code = "suspend_failed"
 
 
 async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool, fallback: bool,

@@ -166,6 +166,30 @@ def test_a_long_paused_sandbox_whose_ram_was_released_suspends_and_resumes(stack
             c.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_a_failed_promotion_leaves_the_sandbox_paused_and_intact_with_the_error(stack: Any) -> None:
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo intact > /root/i; " + COUNTER)
+            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+            stack.kill("s3")  # the object store is gone for the whole promotion and its retries
+            try:
+                r = c.post(f"/v1/sandboxes/{sid}/suspend")
+            finally:
+                stack.restart("s3")
+            assert r.status_code == 409, r.text
+            err = r.json()["error"]
+            assert err["code"] == "suspend_failed" and "promotion failed" in err["message"]
+            op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
+            assert op["state"] == "failed" and op["error"]["code"] == "suspend_failed"
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert _sh(c, sid, f"cat /root/i; kill -0 {pid} && echo alive").split() == ["intact", "alive"]
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) -> None:
     with _client(stack) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]

@@ -82,3 +82,16 @@ def test_async_client_suspends_and_auto_resumes() -> None:
             assert json.loads(seen[-1].content)["argv"] == ["true"]
 
     asyncio.run(run())
+
+
+def test_a_failed_suspend_raises_suspend_failed() -> None:
+    from podbay.errors import Conflict, SuspendFailed
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(409, json={"error": {"code": "suspend_failed", "message": "promotion failed: S3 down",
+                                                   "details": {"operation_id": "op_9"}}})
+
+    with Client("http://api.test", "pb_k_s", transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(SuspendFailed, match="S3 down") as err:
+            c.suspend_sandbox(SID)
+    assert isinstance(err.value, Conflict) and err.value.details["operation_id"] == "op_9"

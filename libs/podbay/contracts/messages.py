@@ -163,7 +163,7 @@ class NodeHeartbeat(_Msg):
 
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
-                    "suspended", "promoted", "snapshotted", "restored", "forked"]
+                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked"]
 
 
 class Event(_Msg):

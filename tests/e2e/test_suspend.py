@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,18 @@ OP_DEADLINE_S = 300.0
 
 def _client(stack: Any) -> httpx.Client:
     return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=600)
+
+
+@contextlib.contextmanager
+def _sandbox(c: httpx.Client) -> Iterator[str]:
+    """A new sandbox of the base template, deleted afterwards."""
+    r = c.post("/v1/sandboxes", json={"template": "base"})
+    assert r.status_code == 201, r.text
+    sid = str(r.json()["id"])
+    try:
+        yield sid
+    finally:
+        c.delete(f"/v1/sandboxes/{sid}")
 
 
 def _sh(c: httpx.Client, sid: str, script: str) -> str:
@@ -96,179 +110,155 @@ async def _manifest(stack: Any, snapshot_id: str) -> dict[str, Any]:
 
 
 def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            _sh(c, sid, "echo kept > /root/note; " + COUNTER)
-            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
-            time.sleep(1.0)
-            before = int(_sh(c, sid, "cat /tmp/count"))
+    with _client(stack) as c, _sandbox(c) as sid:
+        _sh(c, sid, "echo kept > /root/note; " + COUNTER)
+        pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+        time.sleep(1.0)
+        before = int(_sh(c, sid, "cat /tmp/count"))
 
-            r = c.post(f"/v1/sandboxes/{sid}/suspend")
-            assert r.status_code == 200, r.text
-            assert r.json()["state"] == "suspended" and r.json()["node_id"] is None
-            assert _qemu_for(sid) == []
-            assert not list(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}"))
-            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
-            assert r.status_code == 409 and r.json()["error"]["details"]["state"] == "suspended"
-            snap = _suspend_snapshot(c, sid)
-            manifest = asyncio.run(_manifest(stack, snap["id"]))
-            assert {f["name"] for f in manifest["files"]} == {"state", "ram", "disk.img"}
+        r = c.post(f"/v1/sandboxes/{sid}/suspend")
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "suspended" and r.json()["node_id"] is None
+        assert _qemu_for(sid) == []
+        assert not list(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}"))
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+        assert r.status_code == 409 and r.json()["error"]["details"]["state"] == "suspended"
+        snap = _suspend_snapshot(c, sid)
+        manifest = asyncio.run(_manifest(stack, snap["id"]))
+        assert {f["name"] for f in manifest["files"]} == {"state", "ram", "disk.img"}
 
-            async def heads() -> list[int | None]:
-                async with open_store(_s3(stack)) as st:
-                    return [await st.head(chunk_key(f["chunks"][0])) for f in manifest["files"]]
+        async def heads() -> list[int | None]:
+            async with open_store(_s3(stack)) as st:
+                return [await st.head(chunk_key(f["chunks"][0])) for f in manifest["files"]]
 
-            assert all(h is not None for h in asyncio.run(heads()))
+        assert all(h is not None for h in asyncio.run(heads()))
 
-            # Auto-resume on an exec call: the process carries on with its memory.
-            r = c.post(f"/v1/sandboxes/{sid}/exec", params={"auto_resume": "true"},
-                       json={"shell": f"cat /tmp/counter.pid; cat /root/note; kill -0 {pid} && echo alive"})
-            assert r.status_code == 200, r.text
-            assert r.json()["stdout"].split() == [pid, "kept", "alive"]
-            time.sleep(1.0)
-            after = int(_sh(c, sid, "cat /tmp/count"))
-            assert after > before
-            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        # Auto-resume on an exec call: the process carries on with its memory.
+        r = c.post(f"/v1/sandboxes/{sid}/exec", params={"auto_resume": "true"},
+                   json={"shell": f"cat /tmp/counter.pid; cat /root/note; kill -0 {pid} && echo alive"})
+        assert r.status_code == 200, r.text
+        assert r.json()["stdout"].split() == [pid, "kept", "alive"]
+        time.sleep(1.0)
+        after = int(_sh(c, sid, "cat /tmp/count"))
+        assert after > before
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
 
-            # Visible: promotion and restore durations, bytes up and down, chunk reuse as histograms.
-            up = httpx.get(f"http://127.0.0.1:{stack.ports.snapshotter}/metrics").text
-            down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics").text
-            for text, names in ((up, ("podbay_promotion_seconds_count", "podbay_object_transfer_bytes_count",
-                                       "podbay_chunk_reuse_ratio_count")),
-                                (down, ("podbay_snapshot_fetch_seconds_count", "podbay_object_transfer_bytes_count",
-                                        "podbay_chunk_reuse_ratio_count"))):
-                for name in names:
-                    counts = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{")]
-                    assert counts and max(counts) >= 1, name
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+        # Visible: promotion and restore durations, bytes up and down, chunk reuse as histograms.
+        up = httpx.get(f"http://127.0.0.1:{stack.ports.snapshotter}/metrics").text
+        down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics").text
+        for text, names in ((up, ("podbay_promotion_seconds_count", "podbay_object_transfer_bytes_count",
+                                   "podbay_chunk_reuse_ratio_count")),
+                            (down, ("podbay_snapshot_fetch_seconds_count", "podbay_object_transfer_bytes_count",
+                                    "podbay_chunk_reuse_ratio_count"))):
+            for name in names:
+                counts = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{")]
+                assert counts and max(counts) >= 1, name
 
 
 def test_a_long_paused_sandbox_whose_ram_was_released_suspends_and_resumes(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            _sh(c, sid, "echo slept > /root/z; " + COUNTER)
-            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
-            assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
-            deadline = time.monotonic() + 60  # the stack fixture releases paused RAM after 6 s
-            while _qemu_for(sid):
-                assert time.monotonic() < deadline, "the paused sandbox's QEMU did not exit"
-                time.sleep(0.5)
-            r = c.post(f"/v1/sandboxes/{sid}/suspend")
-            assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
-            assert _qemu_for(sid) == []
-            r = c.post(f"/v1/sandboxes/{sid}/resume")
-            assert r.status_code == 200 and r.json()["state"] == "running", r.text
-            assert _sh(c, sid, f"cat /root/z; kill -0 {pid} && echo alive").split() == ["slept", "alive"]
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+    with _client(stack) as c, _sandbox(c) as sid:
+        _sh(c, sid, "echo slept > /root/z; " + COUNTER)
+        pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+        assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+        deadline = time.monotonic() + 60  # the stack fixture releases paused RAM after 6 s
+        while _qemu_for(sid):
+            assert time.monotonic() < deadline, "the paused sandbox's QEMU did not exit"
+            time.sleep(0.5)
+        r = c.post(f"/v1/sandboxes/{sid}/suspend")
+        assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+        assert _qemu_for(sid) == []
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert _sh(c, sid, f"cat /root/z; kill -0 {pid} && echo alive").split() == ["slept", "alive"]
 
 
 def test_a_failed_promotion_leaves_the_sandbox_paused_and_intact_with_the_error(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+    with _client(stack) as c, _sandbox(c) as sid:
+        _sh(c, sid, "echo intact > /root/i; " + COUNTER)
+        pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
+        stack.kill("s3")  # the object store is gone for the whole promotion and its retries
         try:
-            _sh(c, sid, "echo intact > /root/i; " + COUNTER)
-            pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
-            stack.kill("s3")  # the object store is gone for the whole promotion and its retries
-            try:
-                r = c.post(f"/v1/sandboxes/{sid}/suspend")
-            finally:
-                stack.restart("s3")
-            assert r.status_code == 409, r.text
-            err = r.json()["error"]
-            assert err["code"] == "suspend_failed" and "promotion failed" in err["message"]
-            op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
-            assert op["state"] == "failed" and op["error"]["code"] == "suspend_failed"
-            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
-            r = c.post(f"/v1/sandboxes/{sid}/resume")
-            assert r.status_code == 200 and r.json()["state"] == "running", r.text
-            assert _sh(c, sid, f"cat /root/i; kill -0 {pid} && echo alive").split() == ["intact", "alive"]
+            r = c.post(f"/v1/sandboxes/{sid}/suspend")
         finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+            stack.restart("s3")
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert err["code"] == "suspend_failed" and "promotion failed" in err["message"]
+        op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
+        assert op["state"] == "failed" and op["error"]["code"] == "suspend_failed"
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert _sh(c, sid, f"cat /root/i; kill -0 {pid} && echo alive").split() == ["intact", "alive"]
 
 
 def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
-            first = _suspend_snapshot(c, sid)
-            assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
-            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
-            second = _suspend_snapshot(c, sid)
-            assert second["id"] != first["id"]
-            total = sum(f["size"] for f in asyncio.run(_manifest(stack, first["id"]))["files"])
-            assert second["uploaded_bytes"] < 0.10 * total, (first, second, total)
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+    with _client(stack) as c, _sandbox(c) as sid:
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        first = _suspend_snapshot(c, sid)
+        assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        second = _suspend_snapshot(c, sid)
+        assert second["id"] != first["id"]
+        total = sum(f["size"] for f in asyncio.run(_manifest(stack, first["id"]))["files"])
+        assert second["uploaded_bytes"] < 0.10 * total, (first, second, total)
 
 
 def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            _sh(c, sid, "echo whole > /root/w")
-            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
-            snap = _suspend_snapshot(c, sid)
-            manifest = asyncio.run(_manifest(stack, snap["id"]))
-            victim = next(f for f in manifest["files"] if f["name"] == "state")["chunks"][0]
+    with _client(stack) as c, _sandbox(c) as sid:
+        _sh(c, sid, "echo whole > /root/w")
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        snap = _suspend_snapshot(c, sid)
+        manifest = asyncio.run(_manifest(stack, snap["id"]))
+        victim = next(f for f in manifest["files"] if f["name"] == "state")["chunks"][0]
 
-            async def swap(data: bytes | None) -> bytes:
-                async with open_store(_s3(stack)) as st:
-                    old = await st.get(chunk_key(victim))
-                    assert old is not None
-                    await st.put(chunk_key(victim), data if data is not None else old[:-8] + b"corrupt!")
-                    return old
+        async def swap(data: bytes | None) -> bytes:
+            async with open_store(_s3(stack)) as st:
+                old = await st.get(chunk_key(victim))
+                assert old is not None
+                await st.put(chunk_key(victim), data if data is not None else old[:-8] + b"corrupt!")
+                return old
 
-            original = asyncio.run(swap(None))
-            r = c.post(f"/v1/sandboxes/{sid}/resume")
-            assert r.status_code == 502, r.text
-            err = r.json()["error"]
-            assert err["code"] == "snapshot_corrupt" and victim[:16] in err["message"]
-            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "suspended"
-            op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
-            assert op["state"] == "failed" and op["error"]["code"] == "snapshot_corrupt"
+        original = asyncio.run(swap(None))
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "snapshot_corrupt" and victim[:16] in err["message"]
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "suspended"
+        op = c.get(f"/v1/operations/{err['details']['operation_id']}").json()
+        assert op["state"] == "failed" and op["error"]["code"] == "snapshot_corrupt"
 
-            asyncio.run(swap(original))
-            r = c.post(f"/v1/sandboxes/{sid}/resume")
-            assert r.status_code == 200 and r.json()["state"] == "running", r.text
-            assert _sh(c, sid, "cat /root/w") == "whole\n"
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+        asyncio.run(swap(original))
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert _sh(c, sid, "cat /root/w") == "whole\n"
 
 
 def test_fallback_restores_the_newest_intact_snapshot_only_when_asked(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            _sh(c, sid, "echo one > /root/one; sync")
-            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
-            first = _suspend_snapshot(c, sid)
-            assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
-            _sh(c, sid, "echo two > /root/two; sync")
-            assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
-            second = _suspend_snapshot(c, sid)
-            assert second["id"] != first["id"]
-            older = {h for f in asyncio.run(_manifest(stack, first["id"]))["files"] for h in f["chunks"]}
-            newer = next(f for f in asyncio.run(_manifest(stack, second["id"]))["files"] if f["name"] == "state")
-            victim = next(h for h in newer["chunks"] if h not in older)
+    with _client(stack) as c, _sandbox(c) as sid:
+        _sh(c, sid, "echo one > /root/one; sync")
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        first = _suspend_snapshot(c, sid)
+        assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+        _sh(c, sid, "echo two > /root/two; sync")
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        second = _suspend_snapshot(c, sid)
+        assert second["id"] != first["id"]
+        older = {h for f in asyncio.run(_manifest(stack, first["id"]))["files"] for h in f["chunks"]}
+        newer = next(f for f in asyncio.run(_manifest(stack, second["id"]))["files"] if f["name"] == "state")
+        victim = next(h for h in newer["chunks"] if h not in older)
 
-            async def corrupt() -> None:
-                async with open_store(_s3(stack)) as st:
-                    await st.put(chunk_key(victim), b"\x28\xb5\x2f\xfd" + b"not zstd at all")
+        async def corrupt() -> None:
+            async with open_store(_s3(stack)) as st:
+                await st.put(chunk_key(victim), b"\x28\xb5\x2f\xfd" + b"not zstd at all")
 
-            asyncio.run(corrupt())
-            r = c.post(f"/v1/sandboxes/{sid}/resume")
-            assert r.status_code == 502 and r.json()["error"]["code"] == "snapshot_corrupt", r.text
-            r = c.post(f"/v1/sandboxes/{sid}/resume", params={"fallback": "true"})
-            assert r.status_code == 200 and r.json()["state"] == "running", r.text
-            assert _sh(c, sid, "cat /root/one; test -e /root/two && echo two-present || echo two-absent").split() == [
-                "one", "two-absent"]
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+        asyncio.run(corrupt())
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "snapshot_corrupt", r.text
+        r = c.post(f"/v1/sandboxes/{sid}/resume", params={"fallback": "true"})
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert _sh(c, sid, "cat /root/one; test -e /root/two && echo two-present || echo two-absent").split() == [
+            "one", "two-absent"]
 
 
 def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path: Path) -> None:
@@ -417,15 +407,11 @@ def test_sigkill_of_the_api_between_commit_and_publish_is_finished_by_its_restar
 
 
 def test_sigkill_of_the_api_during_suspend_leaves_the_work_to_finish(stack: Any) -> None:
-    with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
-        try:
-            r = c.post(f"/v1/sandboxes/{sid}/suspend", params={"wait": "false"})
-            assert r.status_code == 202, r.text
-            op = r.json()["operation_id"]
-            stack.kill("api", signal.SIGKILL)
-            stack.restart("api")
-            assert _wait_state(c, sid, {"suspended", "paused", "failed"})["state"] == "suspended"
-            assert c.get(f"/v1/operations/{op}").json()["state"] == "succeeded"
-        finally:
-            c.delete(f"/v1/sandboxes/{sid}")
+    with _client(stack) as c, _sandbox(c) as sid:
+        r = c.post(f"/v1/sandboxes/{sid}/suspend", params={"wait": "false"})
+        assert r.status_code == 202, r.text
+        op = r.json()["operation_id"]
+        stack.kill("api", signal.SIGKILL)
+        stack.restart("api")
+        assert _wait_state(c, sid, {"suspended", "paused", "failed"})["state"] == "suspended"
+        assert c.get(f"/v1/operations/{op}").json()["state"] == "succeeded"

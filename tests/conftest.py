@@ -66,6 +66,7 @@ def test_root() -> Iterator[Path]:
     """One temporary directory for every server and stack of this test session."""
     root = Path(tempfile.mkdtemp(prefix="podbay-test-"))
     os.chmod(root, 0o711)
+    (root / "logs").mkdir()  # server fixtures write their logs here, whichever starts first
     try:
         yield root
     finally:

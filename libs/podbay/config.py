@@ -88,6 +88,23 @@ class Settings(BaseSettings):
     snapshot_full_interval_s: float = Field(900.0, description="Full snapshot cadence; 0 = off.")
     retain_disk_snapshots: int = Field(10, ge=1, description="Disk snapshots kept per sandbox (K).")
     retain_full_snapshots: int = Field(3, ge=1, description="Full snapshots kept per sandbox (M).")
+    # promotion to object storage, suspend and resume (snapshotter, node agent)
+    chunk_size_kib: int = Field(256, ge=64, le=65536, description="Content-addressed chunk size of promoted "
+                                "snapshot files; changing it stops dedup against chunks already stored.")
+    s3_concurrency: int = Field(8, ge=1, le=64, description="Object requests in flight per process.")
+    s3_bandwidth_mib_s: float = Field(0.0, ge=0, description="Upload and download bandwidth cap per process "
+                                      "(MiB/s of bytes on the wire); 0 = unlimited.")
+    s3_multipart_threshold_mib: int = Field(8, ge=5, description="Objects larger than this go up as multipart "
+                                            "uploads of this part size.")
+    compression_level: int = Field(3, ge=1, le=19, description="zstd level of uploaded chunks.")
+    promote_disk_interval_s: float = Field(300.0, ge=0, description="The newest disk snapshot of each sandbox "
+                                           "is promoted this often (a lost node loses at most this much "
+                                           "disk work); 0 = off.")
+    gc_interval_s: float = Field(600.0, gt=0, description="Snapshotter garbage-collection cycle.")
+    gc_grace_s: float = Field(3600.0, ge=0, description="A chunk unreferenced for this long is deleted.")
+    suspend_timeout_s: float = Field(900.0, gt=0, description="Bound on a suspend's promotion.")
+    fault_step: str = Field("", description="Testing only: SIGKILL this process when it reaches the named step "
+                            "(e.g. promote.uploaded, suspend.promoted, resume.fetched); empty = never.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

@@ -5,13 +5,16 @@
     ├── Unauthorized          401  unauthorized
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
-    │   └── InvalidState      409  invalid_state (carries the current state)
+    │   ├── InvalidState      409  invalid_state (carries the current state)
+    │   └── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
     ├── StaleGeneration       409  stale_generation
     ├── GuestError            502  guest_error     (the guest answered badly or not at all)
-    └── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
+    ├── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
+    ├── SnapshotCorrupt       502  snapshot_corrupt (an object failed its checksum or is missing)
+    └── StorageError          503  storage_error   retryable (the object store failed or did not answer)
 
 On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``.
 Lower-level errors (asyncpg, nats-py, QEMU) are converted at the boundary with ``raise ... from exc``.
@@ -28,12 +31,15 @@ __all__ = [
     "NotFound",
     "Conflict",
     "InvalidState",
+    "SuspendFailed",
     "Unprocessable",
     "Timeout",
     "Unavailable",
     "StaleGeneration",
     "GuestError",
     "SandboxFailed",
+    "SnapshotCorrupt",
+    "StorageError",
     "error_from_wire",
 ]
 
@@ -84,6 +90,13 @@ class InvalidState(Conflict):
     code = "invalid_state"
 
 
+class SuspendFailed(Conflict):
+    """A suspend whose snapshot or promotion failed; the sandbox is paused and intact
+    (``details.operation_id`` has the error)."""
+
+    code = "suspend_failed"
+
+
 class Unprocessable(PodbayError):
     code = "validation_error"
     http_status = 422
@@ -118,6 +131,21 @@ class SandboxFailed(PodbayError):
     http_status = 500
 
 
+class SnapshotCorrupt(PodbayError):
+    """A promoted snapshot's object is missing or fails its checksum; it is never restored silently."""
+
+    code = "snapshot_corrupt"
+    http_status = 502
+
+
+class StorageError(PodbayError):
+    """The object store failed or did not answer (converted from botocore errors at the boundary)."""
+
+    code = "storage_error"
+    http_status = 503
+    retryable = True
+
+
 _BY_CODE: dict[str, type[PodbayError]] = {
     cls.code: cls
     for cls in (
@@ -127,12 +155,15 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         NotFound,
         Conflict,
         InvalidState,
+        SuspendFailed,
         Unprocessable,
         Timeout,
         Unavailable,
         StaleGeneration,
         GuestError,
         SandboxFailed,
+        SnapshotCorrupt,
+        StorageError,
     )
 }
 

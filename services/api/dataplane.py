@@ -29,9 +29,20 @@ __all__ = ["router", "proxy", "target"]
 
 log = logging.getLogger("podbay.api.dataplane")
 
-router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+
+async def _auto_resume(sandbox_id: str, ctx: CtxDep, who: PrincipalDep,
+                       auto_resume: bool = Query(False, description="Resume a suspended or paused sandbox first "
+                                                 "(waits for it, bounded).")) -> None:
+    if auto_resume:
+        from .suspend import auto_resume as resume_first
+
+        await resume_first(ctx, who, sandbox_id)
+
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", dependencies=[Depends(_auto_resume)])
 
 _PASS_HEADERS = ("content-type", "content-length", "content-disposition", "x-podbay-file-size")
 

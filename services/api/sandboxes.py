@@ -193,6 +193,9 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
                 "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
                 " VALUES ($1,$2,$3,'delete','succeeded',now())", op_id, who.tenant_id, sandbox_id)
             await emit_sandbox_event(conn, sandbox_id, "deleted", state="deleted", tenant_id=who.tenant_id)
+            # A suspended sandbox's promoted snapshots go too (their chunks at the next collection).
+            await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'",
+                               sandbox_id)
         else:
             await conn.execute(
                 "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1",
@@ -265,8 +268,21 @@ async def pause_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respons
 
 @router.post("/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
 async def resume_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, response: Response,
-                         wait: bool = Query(True)) -> SandboxInfo:
-    """Resume a paused sandbox (QMP ``cont``) and correct its clock. 409 ``invalid_state`` unless paused."""
+                         wait: bool = Query(True),
+                         fallback: bool = Query(False, description="Suspended only: when its snapshot is corrupt, "
+                                                "restore the newest older intact one instead.")) -> SandboxInfo:
+    """Resume a paused sandbox (QMP ``cont``) and correct its clock, or wake a suspended one on a node with
+    room (services/api/suspend.py). 409 ``invalid_state`` unless paused or suspended; 502
+    ``snapshot_corrupt`` when a suspended sandbox's snapshot fails its checksums (it stays suspended)."""
+    state = await ctx.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1 AND tenant_id=$2", sandbox_id,
+                                    who.tenant_id)
+    if state == SandboxState.SUSPENDED:
+        from .suspend import resume_suspended
+
+        info, finished = await resume_suspended(ctx, who, sandbox_id, wait=wait, fallback=fallback)
+        if not finished:
+            response.status_code = 202
+        return info
     return await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, response, wait)
 
 

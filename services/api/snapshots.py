@@ -48,7 +48,8 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
-_COLS = "id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at"
+_COLS = ("id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at, promotion,"
+         " promoted_at, promotion_error, uploaded_bytes, stored_bytes")
 
 
 def _info(row: asyncpg.Record, operation_id: str | None = None) -> SnapshotInfo:

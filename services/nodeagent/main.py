@@ -28,7 +28,9 @@ from podbay.contracts.messages import (
     RestoreCmd,
     SandboxOpCmd,
     SnapshotCmd,
+    WakeCmd,
 )
+from podbay.objstore import open_store
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
@@ -39,6 +41,7 @@ from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
 from .sandboxes import SandboxManager
 from .store import NodeStore
+from .suspend import SuspendOps
 from .vmdriver import VmDriver
 
 __all__ = ["main"]
@@ -68,6 +71,10 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.pause(SandboxOpCmd.model_validate_json(data))
             elif verb == "resume":
                 await manager.resume(SandboxOpCmd.model_validate_json(data))
+            elif verb == "suspend":
+                await manager.suspend_ops.suspend(SandboxOpCmd.model_validate_json(data))
+            elif verb == "wake":
+                await manager.suspend_ops.wake(WakeCmd.model_validate_json(data))
             else:
                 log.error("unknown node command %s; dropping", verb)
                 await msg.term()  # type: ignore[attr-defined]
@@ -101,6 +108,8 @@ async def _serve(stop: asyncio.Event) -> None:
     relay = Relay(pool, bus)
     driver = await VmDriver.create(settings, store)
     manager = SandboxManager(settings, pool, bus, relay, store, driver)
+    objstore_cm = open_store(settings)
+    manager.suspend_ops = SuspendOps(manager, await objstore_cm.__aenter__())
     manager.templates = await driver.import_templates(pool)
     if not manager.templates:
         log.warning("no template is built: run `podbay template build base`")
@@ -126,6 +135,7 @@ async def _serve(stop: asyncio.Event) -> None:
         await relay.flush()
     except Exception:
         pass
+    await objstore_cm.__aexit__(None, None, None)
     await bus.close()
     await pool.close()
 

@@ -79,6 +79,9 @@ class SandboxManager:
         from .snapshots import SnapshotOps
 
         self.snapshots = SnapshotOps(self)
+        from .suspend import SuspendOps
+
+        self.suspend_ops: SuspendOps  # set by main once the node's object store is open
 
     @property
     def node_id(self) -> str:
@@ -135,10 +138,10 @@ class SandboxManager:
     async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
                        *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
                        event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
-                       ) -> bool:
+                       from_state: str = "starting") -> bool:
         """Start the sandbox's VM from ``snapshot_dir`` (a full snapshot: the template's or its own) or, with
         ``boot_disk``, by a fresh boot on that disk; run the after-restore hygiene; mark it running with
-        ``event``. Called under the sandbox's lock with the row in ``starting`` at ``generation``. On failure
+        ``event``. Called under the sandbox's lock with the row in ``from_state`` at ``generation``. On failure
         the sandbox becomes ``failed`` with the reason. Returns True when it runs."""
         t0 = time.perf_counter()
         vm_dir = self.store.sandbox_dir(sandbox_id)
@@ -179,8 +182,8 @@ class SandboxManager:
             async with self.pool.acquire() as conn, conn.transaction():
                 updated = await conn.fetchval(
                     "UPDATE sandboxes SET state='running', failure_reason=NULL, updated_at=now()"
-                    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING id",
-                    sandbox_id, generation, self.node_id)
+                    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state=$4 RETURNING id",
+                    sandbox_id, generation, self.node_id, from_state)
                 if updated is None:
                     raise _Superseded()
                 if operation_id and kind == "create":
@@ -209,7 +212,7 @@ class SandboxManager:
             LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "failed").inc()
             await self.mark_failed(sandbox_id, generation, reason,
                                     operation_id=operation_id if kind == "create" else None,
-                                    from_states=("starting",))
+                                    from_states=(from_state,))
             return False
 
     # ------------------------------------------------------------------ delete
@@ -475,7 +478,7 @@ class SandboxManager:
         """
         rows = await self.pool.fetch(
             "SELECT s.id, s.state, s.generation, s.tenant_id, s.template, s.template_digest, s.hostname,"
-            " s.memory_mib, s.vcpus, s.source_snapshot_id,"
+            " s.memory_mib, s.vcpus, s.source_snapshot_id, s.suspended_snapshot_id,"
             " (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1) AS op_id,"
             " (SELECT o.kind FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1)"
             " AS op_kind"
@@ -489,8 +492,13 @@ class SandboxManager:
             sid = r["id"]
             res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
             try:
-                if r["state"] in ("running", "paused"):
-                    await self._reattach(sid, r["generation"], r["tenant_id"], res, paused=r["state"] == "paused")
+                promoted = r["state"] == "suspending" and await self.pool.fetchval(
+                    "SELECT promotion = 'promoted' FROM snapshots WHERE id=$1", r["suspended_snapshot_id"])
+                if promoted:
+                    pass  # the suspend only has to free what is left of the VM
+                elif r["state"] in ("running", "paused", "suspending"):
+                    # A suspending sandbox's VM is stopped; its suspend carries on below.
+                    await self._reattach(sid, r["generation"], r["tenant_id"], res, paused=r["state"] != "running")
                 elif r["state"] == "starting" and (r["op_kind"] != "create" or r["source_snapshot_id"]):
                     # A rollback or a fork child: its command is redelivered and its handler is idempotent.
                     log.info("sandbox %s: waiting for its %s command to be redelivered", sid, r["op_kind"] or "fork")
@@ -500,6 +508,9 @@ class SandboxManager:
                             operation_id=r["op_id"] or "", sandbox_id=sid, tenant_id=r["tenant_id"],
                             template=r["template"], template_digest=r["template_digest"],
                             generation=r["generation"], resources=res, hostname=r["hostname"]))
+                if r["state"] in ("suspending", "resuming") and r["op_id"]:
+                    # Finish now rather than when JetStream redelivers the command (both are idempotent).
+                    self.suspend_ops.kick(r["state"], sid, r["op_id"], r["generation"], r["suspended_snapshot_id"])
                 elif r["state"] == "deleting":
                     await self.delete(DeleteSandboxCmd(operation_id=r["op_id"] or "", sandbox_id=sid,
                                                        generation=r["generation"]))
@@ -535,7 +546,7 @@ class SandboxManager:
             reason = f"the VM is gone after a node agent restart ({exc})"
             log.warning("sandbox %s: %s", sandbox_id, reason)
             await self._discard_vm_dir(vm_dir)
-            await self.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused"))
+            await self.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused", "suspending"))
             return
         vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None)
         self.vms[sandbox_id] = vm

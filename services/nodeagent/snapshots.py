@@ -92,13 +92,13 @@ class SnapshotOps:
             return f"snapshot is {snap['state']}"
         vm = m.vms.get(sandbox_id)
         if row["node_id"] != m.node_id or row["generation"] != generation or vm is None or \
-                row["state"] not in ("running", "paused"):
+                row["state"] not in ("running", "paused", "suspending"):
             return await self._fail_snapshot(snapshot_id, f"the sandbox is {row['state']} (generation {row['generation']})")
         final = snapshot_dir(m, sandbox_id, snapshot_id)
         part = final.with_name(final.name + ".part")
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
-        paused = row["state"] == "paused"
+        paused = row["state"] in ("paused", "suspending")  # a suspend stopped the guest before
         try:
             if kind == "full":
                 if not paused:
@@ -146,6 +146,7 @@ class SnapshotOps:
                 " AND NOT EXISTS (SELECT 1 FROM sandboxes c WHERE c.source_snapshot_id = s.id"
                 "                 AND c.state NOT IN ('deleted', 'failed'))"
                 " AND NOT EXISTS (SELECT 1 FROM snapshots p WHERE p.parent_id = s.id AND p.state = 'creating')"
+                " AND s.promotion <> 'promoting'"  # the snapshotter is reading its files
                 " ORDER BY s.created_at DESC", sandbox_id)
             seen = {"disk": 0, "full": 0}
             drop: list[str] = []

@@ -3,7 +3,8 @@
 Consumes ``podbay.cmd.scheduler.place`` (durable consumer ``scheduler``, explicit ack). For each command, in
 one transaction serialised by an advisory lock: read live nodes from the ``podbay_nodes`` KV bucket and
 their committed load from PostgreSQL, choose a node, move the sandbox ``pending -> starting`` with a new
-generation; then publish ``podbay.cmd.node.<node>.create``. A redelivered command finds the sandbox already
+generation; then publish ``podbay.cmd.node.<node>.create``. A ``wake`` command places a ``resuming`` (suspended)
+sandbox the same way, on any node with room and its template, and sends ``wake`` (see ``wake.py``). A redelivered command finds the sandbox already
 ``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
 When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason.
 """
@@ -26,6 +27,7 @@ from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .placement import NodeLoad, NoCapacity, choose_node
+from .wake import wake_command, wake_unplaceable
 
 __all__ = ["main"]
 
@@ -76,9 +78,11 @@ class Scheduler:
             if row is None:
                 log.warning("place: sandbox %s does not exist; dropping", cmd.sandbox_id)
                 return True
-            if row["state"] == "starting" and row["node_id"]:
+            want = "resuming" if cmd.wake else "pending"
+            placed = "resuming" if cmd.wake else "starting"
+            if row["state"] == placed and row["node_id"]:
                 node_id = row["node_id"]  # redelivery after we placed it: re-send the same node command
-            elif row["state"] != "pending":
+            elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
                 loads = {r["node_id"]: r for r in await conn.fetch(
@@ -97,22 +101,32 @@ class Scheduler:
                     if time.monotonic() - first_seen < NO_NODE_GRACE_S:
                         log.info("place %s: %s; retrying", cmd.sandbox_id, exc)
                         return False
-                    await self._fail(conn, cmd, str(exc))
+                    if cmd.wake:
+                        await wake_unplaceable(conn, cmd, str(exc))
+                    else:
+                        await self._fail(conn, cmd, str(exc))
+                    self.relay.kick()
                     LIFECYCLE_OPERATIONS.labels("scheduler", "place", "failed").inc()
                     return True
                 node_id = chosen.node_id
                 await conn.execute(
-                    "UPDATE sandboxes SET state='starting', node_id=$2, generation=generation+1, updated_at=now()"
-                    " WHERE id=$1", cmd.sandbox_id, node_id)
+                    "UPDATE sandboxes SET state=$3, node_id=$2, generation=generation+1, updated_at=now()"
+                    " WHERE id=$1", cmd.sandbox_id, node_id, placed)
                 await conn.execute("UPDATE operations SET state='running' WHERE id=$1", cmd.operation_id)
             gen = await conn.fetchval("SELECT generation FROM sandboxes WHERE id=$1", cmd.sandbox_id)
+            if cmd.wake:
+                wake = await wake_command(conn, cmd, int(gen))
             create = CreateSandboxCmd(
                 operation_id=cmd.operation_id, sandbox_id=cmd.sandbox_id, tenant_id=cmd.tenant_id,
                 template=cmd.template, template_digest=row["template_digest"], generation=int(gen),
                 resources=cmd.resources, hostname=row["hostname"])
         assert node_id is not None and create is not None
-        await self.bus.publish_command(subjects.node_cmd(node_id, "create"), create,
-                                       msg_id=f"{cmd.operation_id}.g{create.generation}")
+        if cmd.wake:
+            await self.bus.publish_command(subjects.node_cmd(node_id, "wake"), wake,
+                                           msg_id=f"{cmd.operation_id}.g{create.generation}")
+        else:
+            await self.bus.publish_command(subjects.node_cmd(node_id, "create"), create,
+                                           msg_id=f"{cmd.operation_id}.g{create.generation}")
         LIFECYCLE_OPERATION_SECONDS.labels("scheduler", "place", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("scheduler", "place", "ok").inc()
         log.info("placed %s on %s (generation %d)", cmd.sandbox_id, node_id, create.generation)

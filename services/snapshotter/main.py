@@ -1,62 +1,202 @@
-"""``podbay-snapshotter``: one per node; will promote snapshots to S3 (DESIGN.md §5).
+"""``podbay-snapshotter``: one per node; promotes that node's snapshots to S3 and collects garbage (DESIGN.md §5).
 
-For now it connects to PostgreSQL, NATS and S3 (creating the bucket if missing), reports health (all three
-answer) and metrics, and stops cleanly. Promotion, fetch and garbage collection land with the suspend work.
+- Commands: ``podbay.cmd.snapshotter.<node>.promote`` (durable consumer ``snapshotter-<node>``, explicit
+  ack). Each promotes one snapshot (:func:`podbay.promotion.promote`, idempotent), at most two at a time;
+  the message is kept alive with ``in_progress`` while it runs and acked after the outcome is in the row
+  (``promoted``, or ``failed`` with ``promotion_error``). A crash leaves it unacked, so JetStream
+  redelivers it and the promotion is finished; a start-up also resumes this node's ``promoting`` rows.
+  An error is retried on redelivery up to ``MAX_DELIVERIES`` times, then the promotion is ``failed``.
+- Cadence: every ``promote_disk_interval_s`` the newest ready disk snapshot of each live sandbox on this
+  node is promoted, unless one of its snapshots was promoted more recently (a lost node loses at most that
+  much disk work).
+- Garbage collection every ``gc_interval_s`` (:func:`podbay.promotion.collect_garbage`).
+
+Serves ``/healthz`` (PostgreSQL, NATS and S3 answer) and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
+from typing import Any
 
-from aiobotocore.session import get_session
-from botocore.exceptions import BotoCoreError, ClientError
+import asyncpg
 
 from podbay import db
-from podbay.bus import connect_bus
-from podbay.config import get_settings
+from podbay.bus import Bus, connect_bus, consume
+from podbay.config import Settings, get_settings
+from podbay.contracts import subjects
+from podbay.contracts.messages import PromoteCmd
+from podbay.errors import PodbayError, StorageError
+from podbay.objstore import ObjectStore, open_store
+from podbay.outbox import Relay
+from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_path
 from podbay.service import health_app, run_service, serve_http
 
-__all__ = ["main"]
+__all__ = ["main", "Snapshotter"]
 
 log = logging.getLogger("podbay.snapshotter")
+
+MAX_DELIVERIES = 3
+PROMOTIONS_AT_ONCE = 2
+ACK_WAIT_S = 60.0
+
+
+class Snapshotter:
+    """Promotion, cadence and garbage collection for one node."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, store: ObjectStore, relay: Relay) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.bus = bus
+        self.store = store
+        self.relay = relay
+        self.slots = asyncio.Semaphore(PROMOTIONS_AT_ONCE)
+        self._running: dict[str, asyncio.Task[PromoteResult]] = {}
+
+    async def promote_one(self, snapshot_id: str) -> PromoteResult:
+        """Promote ``snapshot_id`` (one task per snapshot even when asked twice). Raises what ``promote`` does."""
+        task = self._running.get(snapshot_id)
+        if task is None:
+            task = asyncio.create_task(self._promote(snapshot_id))
+            self._running[snapshot_id] = task
+            task.add_done_callback(lambda _t: self._running.pop(snapshot_id, None))
+        return await asyncio.shield(task)
+
+    async def _promote(self, snapshot_id: str) -> PromoteResult:
+        async with self.slots:
+            row = await self.pool.fetchrow("SELECT sandbox_id, node_id FROM snapshots WHERE id=$1", snapshot_id)
+            if row is None:
+                raise PodbayError(f"snapshot {snapshot_id} does not exist")
+            node = row["node_id"] or self.settings.node_id
+            path = snapshot_path(self.settings.data_dir, node, row["sandbox_id"], snapshot_id)
+            res = await promote(self.pool, self.store, self.settings, snapshot_id, path)
+            self.relay.kick()
+            return res
+
+    async def fail(self, snapshot_id: str, reason: str) -> None:
+        await self.pool.execute(
+            "UPDATE snapshots SET promotion='failed', promotion_error=$2 WHERE id=$1 AND promotion <> 'promoted'",
+            snapshot_id, reason[:2000])
+
+    async def handle(self, msg: Any) -> None:
+        """One promote command: ack on an outcome, nak to retry a retryable error, term a malformed one."""
+        try:
+            cmd = PromoteCmd.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("dropping malformed promote command: %s", exc)
+            await msg.term()
+            return
+        keepalive = asyncio.create_task(_keep_alive(msg))
+        try:
+            await self.promote_one(cmd.snapshot_id)
+        except Exception as exc:
+            reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+            deliveries = getattr(getattr(msg, "metadata", None), "num_delivered", 1) or 1
+            if (isinstance(exc, StorageError) or not isinstance(exc, PodbayError)) and deliveries < MAX_DELIVERIES:
+                log.warning("promotion of %s failed (try %d): %s; retrying", cmd.snapshot_id, deliveries, reason)
+                await msg.nak(delay=2.0 * deliveries)
+                return
+            log.warning("promotion of %s failed: %s", cmd.snapshot_id, reason)
+            await self.fail(cmd.snapshot_id, reason)
+        finally:
+            keepalive.cancel()
+        await msg.ack()
+
+    async def resume_interrupted(self) -> None:
+        """Finish this node's promotions that a crash left ``promoting`` (their commands may be acked already)."""
+        rows = await self.pool.fetch("SELECT id FROM snapshots WHERE node_id=$1 AND promotion='promoting'",
+                                     self.settings.node_id)
+        for r in rows:
+            await self.bus.publish_command(subjects.snapshotter_promote(self.settings.node_id),
+                                           await self._cmd_for(r["id"]), msg_id=f"promote.{r['id']}.resume")
+
+    async def _cmd_for(self, snapshot_id: str) -> PromoteCmd:
+        sandbox_id = await self.pool.fetchval("SELECT sandbox_id FROM snapshots WHERE id=$1", snapshot_id)
+        return PromoteCmd(snapshot_id=snapshot_id, sandbox_id=sandbox_id, reason="request")
+
+    async def cadence_once(self) -> int:
+        """Promote the newest ready disk snapshot of each live sandbox here that is due. Returns how many."""
+        interval = self.settings.promote_disk_interval_s
+        rows = await self.pool.fetch(
+            "SELECT DISTINCT ON (s.sandbox_id) s.id FROM snapshots s JOIN sandboxes b ON b.id = s.sandbox_id"
+            " WHERE s.node_id=$1 AND s.kind='disk' AND s.state='ready' AND s.promotion='local'"
+            " AND b.state IN ('running', 'paused')"
+            " AND NOT EXISTS (SELECT 1 FROM snapshots p WHERE p.sandbox_id = s.sandbox_id"
+            "                 AND (p.promotion = 'promoting' OR (p.promotion = 'promoted'"
+            "                      AND p.promoted_at > now() - make_interval(secs => $2))))"
+            " ORDER BY s.sandbox_id, s.created_at DESC", self.settings.node_id, float(interval))
+        for r in rows:
+            try:
+                await self.promote_one(r["id"])
+            except Exception as exc:
+                log.warning("cadence promotion of %s failed: %s", r["id"], exc)
+                await self.fail(r["id"], str(exc))
+        return len(rows)
+
+
+async def _keep_alive(msg: Any) -> None:
+    """Tell JetStream a long promotion is still being worked on, so it is not redelivered meanwhile."""
+    while True:
+        await asyncio.sleep(ACK_WAIT_S / 3)
+        with contextlib.suppress(Exception):
+            await msg.in_progress()
+
+
+async def _every(seconds: float, stop: asyncio.Event, what: str, fn: Any) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=seconds)
+        if stop.is_set():
+            return
+        try:
+            await fn()
+        except Exception as exc:
+            log.warning("%s failed: %s", what, exc)
 
 
 async def _main(stop: asyncio.Event) -> None:
     settings = get_settings()
-    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=4)
+    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=8)
     await db.migrate(pool)
     bus = await connect_bus(settings.nats_url, name=f"podbay-snapshotter-{settings.node_id}")
+    relay = Relay(pool, bus)
     state: dict[str, object] = {"ok": False, "s3": "unknown"}
-    session = get_session()
-    async with session.create_client(
-        "s3", endpoint_url=settings.s3_url, region_name=settings.s3_region,
-        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "podbay"),
-        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "podbay-secret"),
-    ) as s3:
+    async with open_store(settings) as store:
 
         async def check_s3() -> None:
             try:
-                try:
-                    await s3.head_bucket(Bucket=settings.s3_bucket)
-                except ClientError:
-                    await s3.create_bucket(Bucket=settings.s3_bucket)
+                await store.ensure_bucket()
                 state["s3"] = "ok"
-            except (BotoCoreError, ClientError, OSError) as exc:
-                state["s3"] = f"error: {exc}"
+            except StorageError as exc:
+                state["s3"] = f"error: {exc.message}"
             state["ok"] = state["s3"] == "ok" and bus.nc.is_connected
 
         await check_s3()
+        snap = Snapshotter(settings, pool, bus, store, relay)
         app = health_app("snapshotter", lambda: dict(state))
-        http = asyncio.create_task(serve_http(app, "127.0.0.1", settings.snapshotter_port, stop))
+        sub = await bus.pull_subscribe(subjects.snapshotter_consumer(settings.node_id),
+                                       subjects.snapshotter_promote(settings.node_id), ack_wait_s=ACK_WAIT_S)
+        tasks = [
+            asyncio.create_task(relay.run()),
+            asyncio.create_task(serve_http(app, "127.0.0.1", settings.snapshotter_port, stop)),
+            asyncio.create_task(consume(sub, snap.handle, stop, finish_timeout_s=30)),
+            asyncio.create_task(_every(10.0, stop, "S3 health check", check_s3)),
+            asyncio.create_task(_every(settings.gc_interval_s, stop, "garbage collection",
+                                       lambda: collect_garbage(pool, store, settings.gc_grace_s))),
+        ]
+        if settings.promote_disk_interval_s > 0:
+            tasks.append(asyncio.create_task(_every(min(settings.promote_disk_interval_s, 30.0), stop,
+                                                    "disk promotion cadence", snap.cadence_once)))
+        try:
+            await snap.resume_interrupted()
+        except Exception as exc:
+            log.warning("resuming interrupted promotions failed: %s", exc)
         log.info("snapshotter ready (node %s, bucket %s: %s)", settings.node_id, settings.s3_bucket, state["s3"])
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=10)
-            except TimeoutError:
-                await check_s3()
-        await http
+        await stop.wait()
+        await asyncio.wait(tasks[1:], timeout=40)
+        tasks[0].cancel()
     await bus.close()
     await pool.close()
 

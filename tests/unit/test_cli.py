@@ -367,3 +367,19 @@ def test_env_e2b_prints_the_e2b_variables(clean_env: None) -> None:
     assert result.exit_code == 0
     assert result.stdout.splitlines() == ["export E2B_API_URL=http://h:1/e2b", "export E2B_SANDBOX_URL=http://h:1",
                                           "export E2B_API_KEY=pb_k"]
+def test_suspend_resume_and_snapshot_promotion_are_shown(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-s")
+    result = run(fake_api, "sandbox", "suspend", "sb-s")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "sb-s" and fake_api.sandboxes["sb-s"].state == "suspended"
+    assert fake_api.last("/v1/sandboxes/sb-s/suspend").query == {"wait": "true"}
+    result = run(fake_api, "sandbox", "resume", "sb-s", "--fallback")
+    assert result.exit_code == 0, result.output
+    assert fake_api.last("/v1/sandboxes/sb-s/resume").query == {"wait": "true", "fallback": "true"}
+    assert fake_api.sandboxes["sb-s"].state == "running"
+    table = run(fake_api, "snapshot", "list", "sb-s")
+    assert "PROMOTION" in table.stdout and "promoted" in table.stdout
+    shown = run(fake_api, "snapshot", "show", "sb-s", "snap-1")
+    assert shown.exit_code == 0 and "uploaded_bytes" in shown.stdout and "1048576" in shown.stdout
+    missing = run(fake_api, "snapshot", "show", "sb-s", "snap-2")
+    assert missing.exit_code != 0 and "snap-2" in missing.output

@@ -163,6 +163,26 @@ def build_app(fake: FakeApi) -> FastAPI:
         info = info.model_copy(update={"state": "deleting", "operation_id": "op-delete-1"})
         return JSONResponse(info.model_dump(mode="json"), status_code=202)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/suspend")
+    async def suspend(sandbox_id: str, wait: bool = True) -> Response:
+        info = box(sandbox_id)
+        info.state, info.node_id = "suspended", None
+        return JSONResponse(info.model_dump(mode="json"))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume")
+    async def resume(sandbox_id: str, wait: bool = True, fallback: bool = False) -> Response:
+        info = box(sandbox_id)
+        info.state = "running"
+        return JSONResponse(info.model_dump(mode="json"))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/snapshots")
+    async def snapshots(sandbox_id: str) -> dict[str, Any]:
+        box(sandbox_id)
+        now = datetime.now(timezone.utc).isoformat()
+        return {"snapshots": [{"id": "snap-1", "sandbox_id": sandbox_id, "kind": "full", "state": "ready",
+                               "created_at": now, "promotion": "promoted", "promoted_at": now,
+                               "uploaded_bytes": 1 << 20, "stored_bytes": 1 << 19}]}
+
     @app.get("/v1/operations/{op_id}")
     async def operation(op_id: str) -> dict[str, Any]:
         now = datetime.now(timezone.utc).isoformat()

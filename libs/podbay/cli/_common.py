@@ -28,6 +28,7 @@ from podbay.errors import PodbayError
 from podbay.sdk import Client
 
 __all__ = [
+    "with_progress",
     "OneLineErrorsGroup",
     "usage_message",
     "CliState",
@@ -215,6 +216,25 @@ def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     for row in rows:
         table.add_row(*("-" if v is None else str(v) for v in row))
     console().print(table)
+
+
+def with_progress(what: str, fn: Callable[[], R]) -> R:
+    """Run the blocking ``fn`` while a terminal on stderr shows ``what`` and the seconds elapsed (long
+    transfers such as suspend and resume); without a terminal it just runs ``fn``."""
+    if not sys.stderr.isatty():
+        return fn()
+    import concurrent.futures
+    import time
+
+    err = Console(file=sys.stderr, highlight=False)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, err.status(what) as status:
+        fut = pool.submit(fn)
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                status.update(f"{what} ({time.monotonic() - t0:.0f} s)")
 
 
 def parse_pairs(values: Sequence[str], option: str) -> dict[str, str]:

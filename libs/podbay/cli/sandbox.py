@@ -1,4 +1,4 @@
-"""``podbay sandbox create|list|get|rm``."""
+"""``podbay sandbox create|list|get|rm|pause|resume|suspend|...``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import sys
 
 import typer
 
-from podbay.cli._common import client, handle_errors, parse_pairs, print_json, print_record, print_table
+from podbay.cli._common import (
+    client,
+    handle_errors,
+    parse_pairs,
+    print_json,
+    print_record,
+    print_table,
+    with_progress,
+)
 
 __all__ = ["app"]
 
@@ -87,9 +95,33 @@ def pause(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID"
 
 @app.command("resume")
 @handle_errors
-def resume(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
-    """Resume a paused sandbox; prints its id when it runs again."""
-    print(client(ctx).resume_sandbox(sandbox_id).id)
+def resume(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    fallback: bool = typer.Option(False, "--fallback", help="Suspended only: if its snapshot is corrupt, restore "
+                                  "the newest older intact one."),
+) -> None:
+    """Resume a paused sandbox, or wake a suspended one on a node with room; prints its id when it runs."""
+    c = client(ctx)
+    print(with_progress(f"resuming {sandbox_id}", lambda: c.resume_sandbox(sandbox_id, fallback=fallback)).id)
+
+
+@app.command("suspend")
+@handle_errors
+def suspend(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
+) -> None:
+    """Suspend to object storage (full snapshot, promoted, then the VM is freed); prints its id when suspended."""
+    c = client(ctx)
+    if no_wait:
+        info = c.suspend_sandbox(sandbox_id, wait=False)
+        print(info.id)
+        if info.operation_id:
+            print(f"operation {info.operation_id}", file=sys.stderr)
+        return
+    print(with_progress(f"suspending {sandbox_id}", lambda: c.suspend_sandbox(sandbox_id)).id)
 
 
 @app.command("restore")

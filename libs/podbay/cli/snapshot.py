@@ -1,4 +1,4 @@
-"""``podbay snapshot create|list|diff``."""
+"""``podbay snapshot create|list|show|diff``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import sys
 
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_table
+from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+from podbay.errors import NotFound
 
 __all__ = ["app"]
 
@@ -31,14 +32,33 @@ def list_(
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """The sandbox's snapshots, newest first: kind, time, size, parent, held ms."""
+    """The sandbox's snapshots, newest first: kind, time, size, parent, held ms, promotion to object storage."""
     snaps = client(ctx).list_snapshots(sandbox_id)
     if as_json:
         print_json(snaps)
         return
-    print_table(["ID", "KIND", "CREATED", "SIZE_MIB", "PARENT", "HELD_MS"], [
+    print_table(["ID", "KIND", "CREATED", "SIZE_MIB", "PARENT", "HELD_MS", "PROMOTION"], [
         (s.id, s.kind, s.created_at.isoformat(timespec="seconds"),
-         f"{(s.size_bytes or 0) / (1 << 20):.1f}", s.parent_id or "-", f"{s.paused_ms or 0:.1f}") for s in snaps])
+         f"{(s.size_bytes or 0) / (1 << 20):.1f}", s.parent_id or "-", f"{s.paused_ms or 0:.1f}", s.promotion)
+        for s in snaps])
+
+
+@app.command("show")
+@handle_errors
+def show(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """One snapshot: kind, sizes, and its promotion (state, time, bytes uploaded and stored, error)."""
+    found = [s for s in client(ctx).list_snapshots(sandbox_id) if s.id == snapshot_id]
+    if not found:
+        raise NotFound(f"snapshot {snapshot_id} of sandbox {sandbox_id} does not exist")
+    if as_json:
+        print_json(found[0])
+        return
+    print_record(found[0])
 
 
 @app.command("diff")

@@ -187,6 +187,14 @@ class SnapshotInfo(BaseModel):
     error: str | None = None
     created_at: datetime
     ready_at: datetime | None = None
+    promotion: Literal["local", "promoting", "promoted", "failed"] = Field(
+        "local", description="Object storage: only on the node, being promoted, promoted (restorable on any "
+        "node), or failed (``promotion_error``).")
+    promoted_at: datetime | None = None
+    promotion_error: str | None = None
+    uploaded_bytes: int | None = Field(None, description="Bytes this promotion uploaded (before compression; "
+                                       "chunks already stored are not sent again).")
+    stored_bytes: int | None = Field(None, description="Bytes this promotion sent (compressed).")
     operation_id: str | None = None
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "ForkChild",
     "ForkCmd",
     "NodeHeartbeat",
+    "PromoteCmd",
+    "WakeCmd",
     "Event",
     "EventType",
 ]
@@ -45,6 +47,9 @@ class PlaceSandbox(_Msg):
     tenant_id: str
     template: str
     resources: Resources
+    wake: bool = False
+    """True: the sandbox is ``resuming`` from its promoted snapshot (send ``wake``, not ``create``)."""
+    fallback: bool = False
 
 
 class CreateSandboxCmd(_Msg):
@@ -112,6 +117,27 @@ class ForkCmd(_Msg):
     children: list[ForkChild] = Field(min_length=1, max_length=100)
 
 
+class PromoteCmd(_Msg):
+    """``podbay.cmd.snapshotter.<node>.promote``: promote ready snapshot ``snapshot_id`` (files on that node).
+
+    ``Nats-Msg-Id`` is ``promote.<snapshot id>``; the outcome is the row's ``promotion`` column."""
+
+    snapshot_id: str
+    sandbox_id: str
+    reason: Literal["suspend", "cadence", "request"] = "request"
+
+
+class WakeCmd(_Msg):
+    """``podbay.cmd.node.<node>.wake``: fetch promoted ``snapshot_id`` and restore the ``resuming`` sandbox
+    from it at ``generation``; with ``fallback``, an older intact promoted full snapshot when it is corrupt."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    snapshot_id: str
+    fallback: bool = False
+
+
 class OperationDone(_Msg):
     """Body of the ``podbay.ops.<id>`` notice."""
 
@@ -136,7 +162,8 @@ class NodeHeartbeat(_Msg):
     at: datetime
 
 
-EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached"]
+EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
+                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked"]
 
 
 class Event(_Msg):

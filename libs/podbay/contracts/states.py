@@ -34,6 +34,7 @@ class SandboxCommand(StrEnum):
     SNAPSHOT = "snapshot"
     RESTORE = "restore"
     FORK = "fork"
+    SUSPEND = "suspend"
     DELETE = "delete"
 
 
@@ -52,10 +53,11 @@ ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
     SandboxCommand.EXEC: frozenset({S.RUNNING}),
     SandboxCommand.FILES: frozenset({S.RUNNING}),
     SandboxCommand.PAUSE: frozenset({S.RUNNING}),
-    SandboxCommand.RESUME: frozenset({S.PAUSED}),
+    SandboxCommand.RESUME: frozenset({S.PAUSED, S.SUSPENDED}),
     SandboxCommand.SNAPSHOT: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.RESTORE: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.FORK: frozenset({S.RUNNING, S.PAUSED}),
+    SandboxCommand.SUSPEND: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.DELETE: frozenset(set(S) - {S.DELETED}),
 }
 

@@ -15,6 +15,8 @@ __all__ = [
     "node_event",
     "operation_done",
     "OPERATIONS_DONE_WILDCARD",
+    "snapshotter_promote",
+    "snapshotter_consumer",
 ]
 
 CMD_STREAM = "PODBAY_CMD"
@@ -50,6 +52,15 @@ def sandbox_event(sandbox_id: str, event_type: str) -> str:
 
 def node_event(node_id: str, event_type: str) -> str:
     return f"podbay.evt.node.{node_id}.{event_type}"
+
+
+def snapshotter_promote(node_id: str) -> str:
+    """``podbay.cmd.snapshotter.<node>.promote``: promote a snapshot whose files are on ``node_id``."""
+    return f"podbay.cmd.snapshotter.{node_id}.promote"
+
+
+def snapshotter_consumer(node_id: str) -> str:
+    return f"snapshotter-{node_id}"
 
 
 OPERATIONS_DONE_WILDCARD = "podbay.ops.*"

@@ -59,11 +59,14 @@ class AsyncClient:
         api_key: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        auto_resume: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         opts = client_options(api_url, api_key, timeout_s)
         self.api_url: str = opts["base_url"]
         self._timeout_s = timeout_s
+        #: Exec and file calls resume a suspended or paused sandbox first (``?auto_resume=true``).
+        self.auto_resume = auto_resume
         self._http = httpx.AsyncClient(transport=transport, **opts)
 
     async def aclose(self) -> None:
@@ -77,6 +80,8 @@ class AsyncClient:
         await self.aclose()
 
     async def _call(self, call: Call[T]) -> T:
+        if self.auto_resume:
+            call = calls.with_auto_resume(call)
         with network_errors(self.api_url):
             resp = await self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
         if resp.is_error:
@@ -85,6 +90,8 @@ class AsyncClient:
 
     @asynccontextmanager
     async def _stream(self, call: Call[Any]) -> AsyncIterator[httpx.Response]:
+        if self.auto_resume:
+            call = calls.with_auto_resume(call)
         opts = request_options(call, self._timeout_s)
         with network_errors(self.api_url):
             async with self._http.stream(call.method, call.path, **opts) as resp:
@@ -147,9 +154,16 @@ class AsyncClient:
         """See ``Client.pause_sandbox``."""
         return await self._call(calls.lifecycle_call(sandbox_id, "pause", wait=wait))
 
-    async def resume_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
-        """See ``Client.resume_sandbox``."""
-        return await self._call(calls.lifecycle_call(sandbox_id, "resume", wait=wait))
+    async def resume_sandbox(self, sandbox_id: str, *, wait: bool = True, fallback: bool = False) -> SandboxInfo:
+        """Resume a paused sandbox, or wake a suspended one on a node with room (409 ``InvalidState``
+        otherwise). ``SnapshotCorrupt`` when a suspended sandbox's snapshot fails its checksums (it stays
+        suspended); ``fallback`` restores the newest older intact snapshot instead."""
+        return await self._call(calls.resume_call(sandbox_id, wait=wait, fallback=fallback))
+
+    async def suspend_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """Suspend a running or paused sandbox to object storage (state ``suspended``: no VM, no node files).
+        409 ``InvalidState`` otherwise; 409 ``suspend_failed`` when the promotion failed (it stays paused)."""
+        return await self._call(calls.suspend_call(sandbox_id, wait=wait))
 
     async def get_operation(self, operation_id: str) -> OperationInfo:
         """See ``Client.get_operation``."""
@@ -395,9 +409,15 @@ class AsyncSandbox:
         self.info = await self._client.pause_sandbox(self.id, wait=wait)
         return self.info
 
-    async def resume(self, wait: bool = True) -> SandboxInfo:
-        """See ``Sandbox.resume``."""
-        self.info = await self._client.resume_sandbox(self.id, wait=wait)
+    async def resume(self, wait: bool = True, fallback: bool = False) -> SandboxInfo:
+        """Resume a paused sandbox, or wake a suspended one (see ``Client.resume_sandbox``)."""
+        self.info = await self._client.resume_sandbox(self.id, wait=wait, fallback=fallback)
+        return self.info
+
+    async def suspend(self, wait: bool = True) -> SandboxInfo:
+        """Suspend to object storage: it costs nothing while it waits; ``resume()`` (or an exec with the client's
+        ``auto_resume``) brings it back, processes and files intact, on any node."""
+        self.info = await self._client.suspend_sandbox(self.id, wait=wait)
         return self.info
 
     async def delete(self, wait: bool = True) -> SandboxInfo:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypedDict, TypeVar
 from urllib.parse import quote
 
@@ -59,6 +59,9 @@ __all__ = [
     "remove_file",
     "get_operation",
     "list_templates",
+    "suspend_call",
+    "resume_call",
+    "with_auto_resume",
     "format_mode",
     "ID_PATTERN",
     "PATH_MAX_CHARS",
@@ -200,6 +203,35 @@ def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
 def lifecycle_call(sandbox_id: str, verb: str, *, wait: bool) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/<verb>?wait=`` for ``pause`` and ``resume``; 200 (or 202 with ``operation_id``)."""
     return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _model(SandboxInfo), params={"wait": _bool(wait)})
+
+
+def suspend_call(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/suspend?wait=``: snapshot, promote to object storage, free the VM; 200 when
+    ``suspended`` (or 202 with ``operation_id``). No read timeout: the server bounds it."""
+    return Call("POST", _sandbox_path(sandbox_id, "/suspend"), _model(SandboxInfo), params={"wait": _bool(wait)},
+                long_running=True, read_timeout_s=None)
+
+
+def resume_call(sandbox_id: str, *, wait: bool, fallback: bool = False) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/resume?wait=&fallback=``: a paused sandbox continues, a suspended one is
+    woken on a node with room (``fallback``: an older intact snapshot when its own is corrupt)."""
+    params = {"wait": _bool(wait)}
+    if fallback:
+        params["fallback"] = "true"
+    return Call("POST", _sandbox_path(sandbox_id, "/resume"), _model(SandboxInfo), params=params,
+                long_running=True, read_timeout_s=None)
+
+
+_DATA_PLANE = re.compile(r"^/v1/sandboxes/[^/]+/(exec|files)")
+
+
+def with_auto_resume(call: Call[T]) -> Call[T]:
+    """``call`` with ``auto_resume=true`` when it is an exec or file call (a suspended or paused sandbox is
+    resumed first, so the wait is unbounded on the client side); other calls unchanged."""
+    if not _DATA_PLANE.match(call.path):
+        return call
+    return replace(call, params={**(call.params or {}), "auto_resume": "true"}, long_running=True,
+                   read_timeout_s=None)
 
 
 def timeout_call(sandbox_id: str, lease_s: int, on_lease_expiry: str | None) -> Call[SandboxInfo]:

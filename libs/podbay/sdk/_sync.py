@@ -65,11 +65,14 @@ class Client:
         api_key: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        auto_resume: bool = False,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         opts = client_options(api_url, api_key, timeout_s)
         self.api_url: str = opts["base_url"]
         self._timeout_s = timeout_s
+        #: Exec and file calls resume a suspended or paused sandbox first (``?auto_resume=true``).
+        self.auto_resume = auto_resume
         self._http = httpx.Client(transport=transport, **opts)
 
     def close(self) -> None:
@@ -83,6 +86,8 @@ class Client:
         self.close()
 
     def _call(self, call: Call[T]) -> T:
+        if self.auto_resume:
+            call = calls.with_auto_resume(call)
         with network_errors(self.api_url):
             resp = self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
         if resp.is_error:
@@ -91,6 +96,8 @@ class Client:
 
     @contextmanager
     def _stream(self, call: Call[Any]) -> Iterator[httpx.Response]:
+        if self.auto_resume:
+            call = calls.with_auto_resume(call)
         opts = request_options(call, self._timeout_s)
         with network_errors(self.api_url), self._http.stream(call.method, call.path, **opts) as resp:
             if resp.is_error:
@@ -155,9 +162,16 @@ class Client:
         """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
         return self._call(calls.lifecycle_call(sandbox_id, "pause", wait=wait))
 
-    def resume_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
-        """Resume a paused sandbox (409 ``InvalidState`` unless paused)."""
-        return self._call(calls.lifecycle_call(sandbox_id, "resume", wait=wait))
+    def resume_sandbox(self, sandbox_id: str, *, wait: bool = True, fallback: bool = False) -> SandboxInfo:
+        """Resume a paused sandbox, or wake a suspended one on a node with room (409 ``InvalidState``
+        otherwise). ``SnapshotCorrupt`` when a suspended sandbox's snapshot fails its checksums (it stays
+        suspended); ``fallback`` restores the newest older intact snapshot instead."""
+        return self._call(calls.resume_call(sandbox_id, wait=wait, fallback=fallback))
+
+    def suspend_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
+        """Suspend a running or paused sandbox to object storage (state ``suspended``: no VM, no node files).
+        409 ``InvalidState`` otherwise; 409 ``suspend_failed`` when the promotion failed (it stays paused)."""
+        return self._call(calls.suspend_call(sandbox_id, wait=wait))
 
     def get_operation(self, operation_id: str) -> OperationInfo:
         """The state of an operation started with ``wait=False``."""
@@ -420,9 +434,15 @@ class Sandbox:
         self.info = self._client.pause_sandbox(self.id, wait=wait)
         return self.info
 
-    def resume(self, wait: bool = True) -> SandboxInfo:
-        """Resume a paused sandbox."""
-        self.info = self._client.resume_sandbox(self.id, wait=wait)
+    def resume(self, wait: bool = True, fallback: bool = False) -> SandboxInfo:
+        """Resume a paused sandbox, or wake a suspended one (see ``Client.resume_sandbox``)."""
+        self.info = self._client.resume_sandbox(self.id, wait=wait, fallback=fallback)
+        return self.info
+
+    def suspend(self, wait: bool = True) -> SandboxInfo:
+        """Suspend to object storage: it costs nothing while it waits; ``resume()`` (or an exec with the client's
+        ``auto_resume``) brings it back, processes and files intact, on any node."""
+        self.info = self._client.suspend_sandbox(self.id, wait=wait)
         return self.info
 
     def delete(self, wait: bool = True) -> SandboxInfo:

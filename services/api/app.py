@@ -18,7 +18,7 @@ from podbay.config import Settings
 from podbay.outbox import Relay
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
-from . import dataplane, sandboxes, snapshots
+from . import dataplane, pools, sandboxes, snapshots
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -59,6 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(sandboxes.router)
     app.include_router(dataplane.router)
     app.include_router(snapshots.router)
+    app.include_router(pools.router)
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Any) -> Response:

@@ -14,6 +14,7 @@ the node fences its late answer by generation, so the pool never makes a create 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -24,7 +25,7 @@ from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import PlaceSandbox, Resources, WarmClaim, WarmClaimReply
 from podbay.errors import SandboxFailed
-from podbay.outbox import emit_sandbox_event, new_id
+from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .auth import Principal
@@ -34,11 +35,26 @@ __all__ = ["warm_create", "CLAIM_SQL"]
 
 log = logging.getLogger("podbay.api.warm")
 
-#: Claims the oldest ready slot of a template at a digest; a slot locked by another claim is skipped.
+#: One statement, so one round trip and one transaction: claim the oldest ready slot of the template at its
+#: digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with the
+#: slot's id (``starting``, generation 1, the slot's node, event seq 1), its operation, the audit record and
+#: the ``created`` event (its payload patched with the id, which is known only here). Nothing is written
+#: when no slot is ready.
 CLAIM_SQL = (
-    "UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM ("
-    " SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
-    " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED) c WHERE w.id = c.id RETURNING w.id, w.node_id"
+    "WITH c AS (SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
+    " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED),"
+    " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
+    " RETURNING w.id, w.node_id),"
+    " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
+    " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq)"
+    " SELECT id, $3, $1, $2, 'starting', 'running', node_id, 1, $4, $5, 'sbx-' || substr(id, 5, 12), $6, $7, $8,"
+    " now() + $7::integer * interval '1 second', 1 FROM slot RETURNING *),"
+    " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
+    " SELECT $9, $3, id, 'create', 'running' FROM sbx),"
+    " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target) SELECT $3, $10, 'sandbox.create', id FROM sbx),"
+    " ev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $11, $12 || id || $13,"
+    " jsonb_set(jsonb_set($14::jsonb, '{sandbox_id}', to_jsonb(id)), '{node_id}', to_jsonb(node_id)) FROM sbx)"
+    " SELECT * FROM sbx"
 )
 
 
@@ -49,37 +65,28 @@ async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body
     Returns the running sandbox (also after a fallback to a restore), or raises ``SandboxFailed``.
     Hops recorded in ``podbay_hop_seconds{service="api"}``: ``warm_claim_db``, ``warm_node``.
     """
-    from .sandboxes import audit, load_sandbox, sandbox_info  # sandboxes imports this module
+    from .sandboxes import load_sandbox, sandbox_info  # sandboxes imports this module
 
     op_id = new_id("op")
+    event = sandbox_event("", "created", seq=1, state="starting", tenant_id=who.tenant_id, generation=1,
+                          data={"template": tpl["name"], "operation_id": op_id, "warm": True})
+    subject_head, subject_tail = subjects.sandbox_event("\x00", "created").split("\x00")
     t = time.perf_counter()
-    async with ctx.pool.acquire() as conn, conn.transaction():
-        slot = await conn.fetchrow(CLAIM_SQL, tpl["name"], tpl["digest"])
-        if slot is None:
-            return None
-        sandbox_id, node_id = slot["id"], slot["node_id"]
-        hostname = "sbx-" + sandbox_id[4:16]
-        await conn.execute(
-            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
-            " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at)"
-            " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11,"
-            " now() + $10::integer * interval '1 second')",
-            sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], node_id, tpl["memory_mib"], tpl["vcpus"],
-            hostname, body.metadata, body.lease_s or ctx.settings.lease_s,
-            body.on_lease_expiry or ctx.settings.lease_action)
-        await conn.execute(
-            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','running')",
-            op_id, who.tenant_id, sandbox_id)
-        await emit_sandbox_event(conn, sandbox_id, "created", state="starting", tenant_id=who.tenant_id,
-                                 node_id=node_id, generation=1,
-                                 data={"template": tpl["name"], "operation_id": op_id, "warm": True})
-        await audit(conn, who, "sandbox.create", sandbox_id)
+    row = await ctx.pool.fetchrow(
+        CLAIM_SQL, tpl["name"], tpl["digest"], who.tenant_id, tpl["memory_mib"], tpl["vcpus"], body.metadata,
+        body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
+        event.id, subject_head, subject_tail, json.loads(event.model_dump_json()))
+    if row is None:
+        return None
+    sandbox_id, node_id, hostname = row["id"], row["node_id"], row["hostname"]
     HOP_SECONDS.labels("api", "warm_claim_db").observe(time.perf_counter() - t)
     ctx.relay.kick()
     reply = await _ask_node(ctx, node_id, WarmClaim(operation_id=op_id, sandbox_id=sandbox_id,
                                                     tenant_id=who.tenant_id, generation=1, hostname=hostname))
     if reply.ok:
-        info = sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
+        # The row as the node left it, without reading it back: running since the node's commit.
+        info = sandbox_info({**dict(row), "state": "running", "updated_at": reply.updated_at or row["updated_at"]},
+                            op_id)
         LIFECYCLE_OPERATION_SECONDS.labels("api", "create_warm", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("api", "create_warm", "ok").inc()
         return info

@@ -4,18 +4,20 @@ create to claim them (DESIGN.md §5, warm pools).
 Why restored-and-paused rather than QEMUs pre-started with ``-incoming defer``: a deferred QEMU still has
 to load the migration state and a cold guest has to answer its first channel HELLO (DESIGN.md §3: ~65 ms
 to running, ~160 ms until the guest answers under TCG), while a paused slot whose channel is already
-connected needs one QMP ``cont`` (< 1 ms) and one guestd round trip for the hygiene.
+connected needs one QMP ``cont`` (< 1 ms) and one guestd round trip for the clock.
 
 Life of a slot (``warm_slots`` row, id = the id of the sandbox it becomes):
 
-    preparing --restore, HELLO, ping, stop--> ready --claim (API, row lock)--> claimed --> a running sandbox
-        \\________________________________________/ \\--VM died / failed check--> failed (discarded)
+    preparing --restore, HELLO, identity, stop--> ready --claim (API, row lock)--> claimed --> running sandbox
+        \\____________________________________________/ \\--VM died / failed check--> failed (discarded)
 
-The API claims a ready row with ``FOR UPDATE SKIP LOCKED`` in the transaction that inserts the sandbox
-(``starting``, generation 1, this node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its
-open NATS connection. Here the claim resumes the VM, runs the after-restore hygiene (hostname, RNG seed,
-clock, env, access token), and in one transaction records the sandbox ``running`` with its ``started``
-event. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a
+Preparing restores the template snapshot at the lowest CPU priority, then runs the after-restore hygiene
+for the sandbox the slot will become (its id is the sandbox id): hostname, a fresh RNG seed with the CRNG
+reseeded, env and access token; then one exec, and QMP ``stop``. The API claims a ready row with
+``FOR UPDATE SKIP LOCKED`` in the statement that inserts the sandbox (``starting``, generation 1, this
+node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its open NATS connection. Here the
+claim resumes the VM, sets the guest clock (it stood still while the slot waited), and in one statement
+records the sandbox ``running`` with its ``started`` event. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a
 restore, so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one
 slot at a time, within the node's memory; every ``warm_interval_s`` it also checks that each waiting VM is
 alive and stopped (its QEMU's exit is also noticed at once through the pidfd).
@@ -36,9 +38,10 @@ from prometheus_client import Counter, Gauge
 
 from podbay.channel.client import GuestChannel
 from podbay.contracts import subjects
+from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import Resources, WarmClaim, WarmClaimReply
 from podbay.errors import PodbayError
-from podbay.outbox import emit_sandbox_event, new_id
+from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .heartbeat import node_capacity
@@ -47,7 +50,7 @@ from .vmdriver import TemplateImage, VmHandle
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
-__all__ = ["WarmSlot", "WarmPool", "WARM_SLOTS", "WARM_SLOT_EVENTS"]
+__all__ = ["WarmSlot", "WarmPool", "WARM_SLOTS", "WARM_SLOT_EVENTS", "STARTED_SQL", "slot_hostname"]
 
 log = logging.getLogger("podbay.nodeagent.warm")
 
@@ -55,6 +58,20 @@ WARM_SLOTS = Gauge("podbay_warm_slots", "Warm slots on this node, by template an
 WARM_SLOT_EVENTS = Counter("podbay_warm_slot_events_total",
                            "Warm slot events: prepared, claimed, discarded (with why), claim_refused.",
                            ["template", "event"])
+
+#: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (fenced by
+#: generation and node), its operation finished, and its ``started`` event in the outbox with the next seq.
+STARTED_SQL = (
+    "WITH s AS (UPDATE sandboxes SET state='running', updated_at=now(), event_seq=event_seq+1"
+    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING event_seq, updated_at),"
+    " o AS (UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$4 AND EXISTS (SELECT 1 FROM s)),"
+    " e AS (INSERT INTO outbox (event_id, subject, payload)"
+    " SELECT $5, $6, jsonb_set($7::jsonb, '{data,seq}', to_jsonb(s.event_seq)) FROM s)"
+    " SELECT updated_at FROM s"
+)
+
+#: CPU priority of a slot's QEMU while it is prepared (19: the lowest); claims set it back to 0.
+PREPARE_NICE = 19
 
 #: Bound of the hygiene call on a claimed slot: a guest that does not answer this fast is not healthy.
 CLAIM_GUEST_TIMEOUT_S = 5.0
@@ -157,41 +174,38 @@ class WarmPool:
         async with self.m.lock(slot.id):
             try:
                 t = time.perf_counter()
+                _set_nice(slot.handle.pid, 0)
                 await slot.handle.resume()
                 hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
                 t = time.perf_counter()
-                hygiene = await asyncio.wait_for(slot.channel.after_restore(
-                    hostname=req.hostname, seed=os.urandom(64), time_ns=time.time_ns(),
-                    env={"PODBAY_SANDBOX_ID": slot.id}, access_token=secrets.token_urlsafe(32)),
+                # Identity and randomness were set when the slot was prepared; only the clock is stale.
+                await asyncio.wait_for(slot.channel.after_restore(
+                    time_ns=time.time_ns(), hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
                     CLAIM_GUEST_TIMEOUT_S)
                 hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
-                if not hygiene.crng_reseeded:
-                    log.warning("sandbox %s: guest CRNG not reseeded", slot.id)
                 t = time.perf_counter()
-                async with self.m.pool.acquire() as conn, conn.transaction():
-                    done = await conn.fetchval(
-                        "UPDATE sandboxes SET state='running', updated_at=now() WHERE id=$1 AND generation=$2"
-                        " AND node_id=$3 AND state='starting' RETURNING id", slot.id, req.generation, self.m.node_id)
-                    if done is None:
-                        raise _Moved()
-                    await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                                       req.operation_id)
-                    await emit_sandbox_event(conn, slot.id, "started", state="running", node_id=self.m.node_id,
-                                             tenant_id=req.tenant_id, generation=req.generation,
-                                             data={"warm": True, "ms": round((time.perf_counter() - t0) * 1000, 1)})
+                event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
+                                      tenant_id=req.tenant_id, generation=req.generation,
+                                      data={"warm": True, "ms": round((time.perf_counter() - t0) * 1000, 1)})
+                updated_at = await self.m.pool.fetchval(
+                    STARTED_SQL, slot.id, req.generation, self.m.node_id, req.operation_id, event.id,
+                    subjects.sandbox_event(slot.id, "started"), json.loads(event.model_dump_json()))
+                if updated_at is None:
+                    raise _Moved()
                 hops["db"] = _lap(t, "warm_db")
+                # Inside the lock, so a delete that follows at once finds the VM.
+                self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
             except Exception as exc:
                 why = "the sandbox moved on" if isinstance(exc, _Moved) else _reason(exc)
                 log.warning("claim of warm slot %s refused: %s", slot.id, why)
                 await self._discard(slot, f"claim: {why}", event="claim_refused")
                 return WarmClaimReply(ok=False, error=why, hops_ms=hops)
         self.m.relay.kick()
-        self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
         WARM_SLOT_EVENTS.labels(slot.template, "claimed").inc()
         LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "warm_claim", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("nodeagent", "warm_claim", "ok").inc()
         self.kick()
-        return WarmClaimReply(ok=True, hops_ms=hops)
+        return WarmClaimReply(ok=True, hops_ms=hops, updated_at=updated_at)
 
     # ------------------------------------------------------------------ refill and health
 
@@ -264,9 +278,23 @@ class WarmPool:
             async with self.m.restore_slots:
                 handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir,
                                                           memory_mib=res.memory_mib, vcpus=res.vcpus)
+                # A slot being prepared must not slow the guests of claims and sandboxes: it runs at the
+                # lowest CPU priority until it is claimed (the guest's restore and warm-up take ~1 s of a core).
+                _set_nice(handle.pid, PREPARE_NICE)
                 channel = await GuestChannel.connect(handle.channel_path,
                                                      timeout_s=self.m.settings.restore_timeout_s)
-            await channel.ping(timeout_s=5.0)
+            # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
+            # env and access token are set here, with a seed of its own (the CRNG is reseeded, so its
+            # /dev/urandom already differs from every other guest restored from the template). The claim
+            # then only fixes the clock, which stood still while the slot waited. Doing this (and one
+            # exec) here also faults those guest paths in from the RAM file, which costs ~40-70 ms each on
+            # first use under TCG.
+            hygiene = await channel.after_restore(hostname=slot_hostname(slot_id), seed=os.urandom(64),
+                                                  time_ns=time.time_ns(), env={"PODBAY_SANDBOX_ID": slot_id},
+                                                  access_token=secrets.token_urlsafe(32))
+            if not hygiene.crng_reseeded:
+                raise PodbayError("the guest did not reseed its CRNG")
+            await channel.run(ExecSpec(argv=["true"]))
             await handle.pause()
             # What a re-attach after a restart reads; a claimed slot always starts at generation 1.
             (vm_dir / "meta.json").write_text(json.dumps(
@@ -343,6 +371,24 @@ class WarmPool:
         for name in self.m.templates:
             for state in ("ready", "preparing"):
                 WARM_SLOTS.labels(name, state).set(counts.get((name, state), 0))
+
+
+def slot_hostname(slot_id: str) -> str:
+    """The hostname of the sandbox a slot becomes (the API derives it from the id the same way)."""
+    return "sbx-" + slot_id[4:16]
+
+
+def _set_nice(pid: int, nice: int) -> None:
+    """Give every thread of process ``pid`` the nice value ``nice`` (on Linux, nice is per thread)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:  # a thread that just ended, or no privilege to raise priority: both harmless
+            pass
 
 
 class _Moved(Exception):

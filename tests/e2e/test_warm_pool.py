@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -38,6 +39,20 @@ def _slots(stack: Any, state: str = "ready") -> list[str]:
         try:
             rows = await conn.fetch("SELECT id FROM warm_slots WHERE template='base' AND state=$1 ORDER BY id", state)
             return [r["id"] for r in rows]
+        finally:
+            await conn.close()
+
+    return asyncio.run(q())
+
+
+def _events(stack: Any, sandbox_id: str) -> list[tuple[str, dict[str, Any], bool]]:
+    """The sandbox's outbox rows in order: (subject, payload, relayed to JetStream yet)."""
+    async def q() -> list[tuple[str, dict[str, Any], bool]]:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT subject, payload::text AS p, published_at IS NOT NULL AS pub FROM outbox"
+                                    " WHERE payload->>'sandbox_id' = $1 ORDER BY id", sandbox_id)
+            return [(r["subject"], json.loads(r["p"]), r["pub"]) for r in rows]
         finally:
             await conn.close()
 
@@ -134,6 +149,13 @@ def test_claimed_sandboxes_differ_in_randomness_hostname_and_token(stack: Any, p
     ids = [m["id"] for m in made]
     try:
         assert set(ids) == slots  # all three came from the pool
+        for m in made:
+            assert (m["state"], m["generation"], m["hostname"]) == ("running", 1, "sbx-" + m["id"][4:16])
+            assert c.get(f"/v1/sandboxes/{m['id']}").json()["updated_at"] == m["updated_at"]
+            events = _events(stack, m["id"])
+            assert [(e[0].rsplit(".", 1)[-1], e[1]["data"]["seq"], e[1]["generation"]) for e in events] == [
+                ("created", 1, 1), ("started", 2, 1)]
+            assert events[1][1]["data"]["warm"] is True and events[1][1]["node_id"] == m["node_id"]
         seen = [_sh(c, sid, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo;"
                             " hostname; cat /run/podbay/access_token; echo;"
                             " stat -c %a /run/podbay/access_token").split("\n") for sid in ids]

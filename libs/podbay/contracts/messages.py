@@ -137,11 +137,13 @@ class WarmClaim(_Msg):
 class WarmClaimReply(_Msg):
     """Answer to ``WarmClaim``. ``ok`` False: the slot was not usable (gone, failed its health check, or the
     sandbox moved on); it is discarded and the caller falls back to a restore. ``hops_ms``: time per hop
-    on the node (``qemu_cont``, ``guest_hygiene``, ``db``), for the benchmark's breakdown."""
+    on the node (``qemu_cont``, ``guest_hygiene``, ``db``), for logs and the benchmark's breakdown."""
 
     ok: bool
     error: str | None = None
     hops_ms: dict[str, float] = Field(default_factory=dict)
+    #: ``updated_at`` of the sandbox row after the node's commit (so the API need not read it back).
+    updated_at: datetime | None = None
 
 
 class NodeHeartbeat(_Msg):

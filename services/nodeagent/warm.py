@@ -11,7 +11,7 @@ Life of a slot (``warm_slots`` row, id = the id of the sandbox it becomes):
     preparing --restore, HELLO, identity, stop--> ready --claim (API, row lock)--> claimed --> running sandbox
         \\____________________________________________/ \\--VM died / failed check--> failed (discarded)
 
-Preparing restores the template snapshot at the lowest CPU priority, then runs the after-restore hygiene
+Preparing restores the template snapshot, then runs the after-restore hygiene
 for the sandbox the slot will become (its id is the sandbox id): hostname, a fresh RNG seed with the CRNG
 reseeded, env and access token; then one exec, and QMP ``stop``. The API claims a ready row with
 ``FOR UPDATE SKIP LOCKED`` in the statement that inserts the sandbox (``starting``, generation 1, this
@@ -69,9 +69,6 @@ STARTED_SQL = (
     " SELECT $5, $6, jsonb_set($7::jsonb, '{data,seq}', to_jsonb(s.event_seq)) FROM s)"
     " SELECT updated_at FROM s"
 )
-
-#: CPU priority of a slot's QEMU while it is prepared (19: the lowest); claims set it back to 0.
-PREPARE_NICE = 19
 
 #: Bound of the hygiene call on a claimed slot: a guest that does not answer this fast is not healthy.
 CLAIM_GUEST_TIMEOUT_S = 5.0
@@ -174,7 +171,6 @@ class WarmPool:
         async with self.m.lock(slot.id):
             try:
                 t = time.perf_counter()
-                _set_nice(slot.handle.pid, 0)
                 await slot.handle.resume()
                 hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
                 t = time.perf_counter()
@@ -278,9 +274,6 @@ class WarmPool:
             async with self.m.restore_slots:
                 handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir,
                                                           memory_mib=res.memory_mib, vcpus=res.vcpus)
-                # A slot being prepared must not slow the guests of claims and sandboxes: it runs at the
-                # lowest CPU priority until it is claimed (the guest's restore and warm-up take ~1 s of a core).
-                _set_nice(handle.pid, PREPARE_NICE)
                 channel = await GuestChannel.connect(handle.channel_path,
                                                      timeout_s=self.m.settings.restore_timeout_s)
             # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
@@ -376,19 +369,6 @@ class WarmPool:
 def slot_hostname(slot_id: str) -> str:
     """The hostname of the sandbox a slot becomes (the API derives it from the id the same way)."""
     return "sbx-" + slot_id[4:16]
-
-
-def _set_nice(pid: int, nice: int) -> None:
-    """Give every thread of process ``pid`` the nice value ``nice`` (on Linux, nice is per thread)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:  # a thread that just ended, or no privilege to raise priority: both harmless
-            pass
 
 
 class _Moved(Exception):

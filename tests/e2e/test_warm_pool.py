@@ -197,3 +197,33 @@ def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pool
             assert _sh(c, sid, "echo ok") == "ok\n"
     finally:
         _delete_all(c, ids)
+
+
+def test_a_slot_the_node_does_not_have_falls_back_to_a_restore(stack: Any, pooled: httpx.Client) -> None:
+    """The pool never makes a create fail: a ready row whose node does not hand the slot over (here a row
+    with no VM behind it, the oldest, so it is claimed first) ends in a restore of the same sandbox."""
+    c = pooled
+    ghost = "sbx_" + os.urandom(10).hex()
+
+    async def insert() -> None:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            await conn.execute(
+                "INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus, state, created_at)"
+                " SELECT $1, n.id, t.name, t.digest, t.memory_mib, t.vcpus, 'ready', now() - interval '1 day'"
+                " FROM templates t, nodes n WHERE t.name='base' LIMIT 1", ghost)
+        finally:
+            await conn.close()
+
+    asyncio.run(insert())
+    r = c.post("/v1/sandboxes", json={"template": "base"})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    try:
+        assert info["id"] == ghost and info["state"] == "running"
+        assert info["generation"] == 2  # placed again by the scheduler after the refused claim
+        assert _sh(c, ghost, "echo $PODBAY_SANDBOX_ID") == ghost + "\n"
+        types = [e[0].rsplit(".", 1)[-1] for e in _events(stack, ghost)]
+        assert types == ["created", "started"]
+    finally:
+        _delete_all(c, [ghost])

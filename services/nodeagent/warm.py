@@ -292,9 +292,13 @@ class WarmPool:
             # What a re-attach after a restart reads; a claimed slot always starts at generation 1.
             (vm_dir / "meta.json").write_text(json.dumps(
                 {"sandbox_id": slot_id, "generation": 1, "memory_mib": res.memory_mib, "vcpus": res.vcpus}))
+            # Listed before its row says ready: a claim may arrive as soon as that commits.
+            slot = WarmSlot(slot_id, tpl.name, tpl.digest, res, handle, channel)
+            self.slots[slot_id] = slot
             await self.m.pool.execute("UPDATE warm_slots SET state='ready', ready_at=now() WHERE id=$1", slot_id)
         except Exception as exc:
             log.warning("warm slot %s of %s not prepared: %s", slot_id, tpl.name, _reason(exc))
+            self.slots.pop(slot_id, None)
             self.preparing.pop(slot_id, None)
             await self.m._teardown(handle, channel, vm_dir)  # noqa: SLF001  # the manager's own teardown
             await self._mark_failed(slot_id, f"prepare: {_reason(exc)}")
@@ -302,9 +306,8 @@ class WarmPool:
             self._gauge()
             return False
         self.preparing.pop(slot_id, None)
-        slot = WarmSlot(slot_id, tpl.name, tpl.digest, res, handle, channel)
-        slot.monitor = asyncio.create_task(self._watch(slot), name=f"warm-{slot_id}")
-        self.slots[slot_id] = slot
+        if not slot.taken:  # not claimed already in the moment since the row turned ready
+            slot.monitor = asyncio.create_task(self._watch(slot), name=f"warm-{slot_id}")
         HOP_SECONDS.labels("nodeagent", "warm_prepare").observe(time.perf_counter() - t0)
         WARM_SLOT_EVENTS.labels(tpl.name, "prepared").inc()
         self._gauge()
@@ -315,7 +318,7 @@ class WarmPool:
         slots whose row is gone or failed (the warm-pool service drops the rows of a node it lost). A
         ``claimed`` row is left alone: its claim request is on its way."""
         listed = {r["id"] for r in await self.m.pool.fetch(
-            "SELECT id FROM warm_slots WHERE id = ANY($1::text[]) AND state IN ('ready', 'claimed')", list(self.slots))}
+            "SELECT id FROM warm_slots WHERE id = ANY($1::text[]) AND state IN ('preparing', 'ready', 'claimed')", list(self.slots))}
         for slot in list(self.slots.values()):
             if slot.id not in listed and not slot.taken and self.slots.get(slot.id) is slot:
                 await self._discard(slot, "its row is gone", event="unlisted")

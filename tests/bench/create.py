@@ -15,13 +15,14 @@ Metrics:
   hygiene), one client, a ready slot waiting before each create (the wait is not timed);
 - ``create_warm_8clients``: the same with 8 clients at once, in rounds of 8 with 8 slots ready;
 - ``create_cold``: the same call with no pool (restore from the template snapshot);
-- ``warm_share``: share of the warm creates that got a slot (the others fell back to a restore);
+- ``warm_share`` (and ``..._8clients``): share of the warm creates served from a slot (the API's
+  ``create_warm`` counter; the others fell back to a restore);
 - ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
   (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile);
 - ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory (PSS of
   each QEMU, which includes its guest RAM file's pages) per idle running sandbox, and per paused one before
-  its RAM is released; ``paused_released_host_MiB_each`` and ``paused_released_disk_MiB_each`` after the
-  release (QEMU gone, state on disk).
+  its RAM is released; ``paused_released_host_MiB_each`` and ``paused_released_disk_MiB_each`` (extents
+  not shared with the template) after the release (QEMU gone, state on disk).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 
 from podbay.channel.client import GuestChannel
@@ -120,16 +121,12 @@ def _hop_means(suffix: str, before: dict[str, tuple[float, float]],
     return out
 
 
-def _claimed(dsn: str, ids: list[str]) -> int:
-    async def q() -> int:
-        conn = await asyncpg.connect(dsn)
-        try:
-            return int(await conn.fetchval("SELECT count(*) FROM warm_slots WHERE state='claimed' AND id = ANY($1)",
-                                           ids))
-        finally:
-            await conn.close()
-
-    return asyncio.run(q())
+def _warm_ok(api_metrics_url: str) -> float:
+    """The API's count of creates served from a warm slot (``create_warm`` operations that succeeded)."""
+    text = httpx.get(api_metrics_url, timeout=10).text
+    m = re.search(r'^podbay_lifecycle_operations_total\{kind="create_warm",outcome="ok",service="api"\} (\S+)$',
+                  text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def _qemu_pss_mib(ids: list[str]) -> list[float]:
@@ -181,6 +178,13 @@ async def _floor(store: Path, runs: int) -> list[float]:
     return samples
 
 
+def _exclusive_mib(path: Path) -> float:
+    """MiB of ``path`` held by no other file (``btrfs filesystem du``: extents not shared by reflink)."""
+    out = subprocess.run(["btrfs", "filesystem", "du", "-s", "--raw", str(path)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    return int(out[-1].split()[1]) / 2**20
+
+
 def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[str, dict[str, Any]]:
     ids = [_create(c, template)[0] for _ in range(count)]
     try:
@@ -191,8 +195,7 @@ def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[st
         paused = _qemu_pss_mib(ids)
         _wait("paused sandboxes to release their RAM", lambda: not _qemu_pss_mib(ids), RELEASE_S * 10 + 60)
         left = _qemu_pss_mib(ids)
-        disk = [sum(f.stat().st_blocks * 512 for f in (store / "sandboxes" / sid).rglob("*") if f.is_file())
-                / 2**20 for sid in ids]
+        disk = [_exclusive_mib(store / "sandboxes" / sid) for sid in ids]
     finally:
         _delete(c, ids)
     per = lambda xs: round(1024 / (sum(xs) / len(xs)), 2) if xs else None  # noqa: E731
@@ -200,7 +203,7 @@ def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[st
         "idle_running_sandboxes_per_GiB": {"value": per(running), "n": len(running)},
         "paused_sandboxes_per_GiB": {"value": per(paused), "n": len(paused)},
         "paused_released_host_MiB_each": {"value": round(sum(left) / count, 2), "n": count},
-        # Apparent blocks: reflinked extents shared with the template are counted in full here.
+        # Exclusive extents only: what the sandbox's files do not share with the template by reflink.
         "paused_released_disk_MiB_each": {"value": round(sum(disk) / count, 1), "n": count},
     }
 
@@ -243,7 +246,7 @@ def main() -> None:
             # Warm, one client.
             c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
             _wait("the pool to fill", lambda: _ready(c, args.template) >= args.pool)
-            before = _scrape(metrics)
+            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
             warm, ids = [], []
             for _ in range(args.runs):
                 _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
@@ -252,12 +255,12 @@ def main() -> None:
                 ids.append(sid)
                 _delete(c, [sid])
             results["create_warm"] = summarise(warm)
-            results["warm_share"] = {"value": round(_claimed(stack.pg_dsn, ids) / len(ids), 3), "n": len(ids)}
+            results["warm_share"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids), 3), "n": len(ids)}
             results.update(_hop_means("", before, _scrape(metrics)))
 
             # Warm, 8 clients at once, in rounds of 8 with 8 slots ready.
             warm8, ids8 = [], []
-            before = _scrape(metrics)
+            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
             with ThreadPoolExecutor(8) as ex:
                 while len(warm8) < args.runs:
                     _wait("8 ready slots", lambda: _ready(c, args.template) >= 8)
@@ -267,7 +270,7 @@ def main() -> None:
                     _delete(c, [sid for sid, _ in got])
             results["create_warm_8clients"] = summarise(warm8)
             results.update(_hop_means("_8clients", before, _scrape(metrics)))
-            results["warm_share_8clients"] = {"value": round(_claimed(stack.pg_dsn, ids8) / len(ids8), 3),
+            results["warm_share_8clients"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids8), 3),
                                               "n": len(ids8)}
             c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
             _wait("the pool to drain", lambda: _ready(c, args.template) == 0)

@@ -227,3 +227,38 @@ def test_a_slot_the_node_does_not_have_falls_back_to_a_restore(stack: Any, poole
         assert types == ["created", "started"]
     finally:
         _delete_all(c, [ghost])
+
+
+def test_a_slot_that_fails_its_health_check_is_replaced(stack: Any, pooled: httpx.Client) -> None:
+    """A waiting slot whose QEMU stops answering QMP (SIGSTOP: alive, but no answer) is discarded by the
+    periodic check and replaced; creates get other slots."""
+    c = pooled
+    c.put("/v1/pools/base", json={"size": 2})
+    victim = _wait_ready(stack, c, 2)[0]
+    pid = _qemu_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _wait_ready(stack, c, 2, exclude=frozenset({victim}))
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert victim in _slots(stack, "failed")
+
+    async def reason() -> str:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            return str(await conn.fetchval("SELECT reason FROM warm_slots WHERE id=$1", victim))
+        finally:
+            await conn.close()
+
+    assert asyncio.run(reason()).startswith("health check: QEMU is unreachable")
+    made = _create_many(c, 2, workers=2)
+    ids = [m["id"] for m in made]
+    try:
+        assert victim not in ids
+        for sid in ids:
+            assert _sh(c, sid, "echo ok") == "ok\n"
+    finally:
+        _delete_all(c, ids)

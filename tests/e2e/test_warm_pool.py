@@ -168,6 +168,17 @@ def test_claimed_sandboxes_differ_in_randomness_hostname_and_token(stack: Any, p
         _delete_all(c, ids)
 
 
+def _creates_avoid(c: httpx.Client, victim: str, n: int) -> None:
+    """``n`` creates (two at a time) all run, answer exec, and none of them is ``victim``."""
+    ids = [m["id"] for m in _create_many(c, n, workers=2)]
+    try:
+        assert victim not in ids
+        for sid in ids:
+            assert _sh(c, sid, "echo ok") == "ok\n"
+    finally:
+        _delete_all(c, ids)
+
+
 def _qemu_pid(slot_id: str) -> int:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -189,14 +200,7 @@ def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pool
     _wait_ready(stack, c, 2, exclude=frozenset({victim}))
     assert victim in _slots(stack, "failed")
     assert any(n["failing"] >= 1 for n in _pool(c)["nodes"])
-    made = _create_many(c, 4, workers=2)
-    ids = [m["id"] for m in made]
-    try:
-        assert victim not in ids
-        for sid in ids:
-            assert _sh(c, sid, "echo ok") == "ok\n"
-    finally:
-        _delete_all(c, ids)
+    _creates_avoid(c, victim, 4)
 
 
 def test_a_slot_the_node_does_not_have_falls_back_to_a_restore(stack: Any, pooled: httpx.Client) -> None:
@@ -254,11 +258,4 @@ def test_a_slot_that_fails_its_health_check_is_replaced(stack: Any, pooled: http
             await conn.close()
 
     assert asyncio.run(reason()).startswith("health check: QEMU is unreachable")
-    made = _create_many(c, 2, workers=2)
-    ids = [m["id"] for m in made]
-    try:
-        assert victim not in ids
-        for sid in ids:
-            assert _sh(c, sid, "echo ok") == "ok\n"
-    finally:
-        _delete_all(c, ids)
+    _creates_avoid(c, victim, 2)

@@ -41,6 +41,8 @@ RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
+#: Where ``after_restore`` puts the sandbox's access token (mode 0600).
+ACCESS_TOKEN_PATH = "/run/podbay/access_token"
 
 
 class System(abc.ABC):
@@ -65,6 +67,11 @@ class System(abc.ABC):
 
     @abc.abstractmethod
     def set_clock(self, time_ns: int) -> None:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def set_access_token(self, token: str) -> None:
+        """Store the sandbox's access token where root processes in the guest can read it."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -117,6 +124,17 @@ class RealSystem(System):
 
     def set_clock(self, time_ns: int) -> None:
         time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
+
+    def set_access_token(self, token: str) -> None:
+        # Written beside and renamed over, so a reader never sees half a token; root-only, like a key file.
+        os.makedirs(os.path.dirname(ACCESS_TOKEN_PATH), mode=0o755, exist_ok=True)
+        tmp = ACCESS_TOKEN_PATH + ".new"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, ACCESS_TOKEN_PATH)
 
     def sync(self) -> None:
         os.sync()
@@ -171,6 +189,9 @@ class FakeSystem(System):
 
     def set_clock(self, time_ns: int) -> None:
         self._record("set_clock", time_ns)
+
+    def set_access_token(self, token: str) -> None:
+        self._record("set_access_token", token)
 
     def sync(self) -> None:
         self._record("sync", None)
@@ -232,10 +253,14 @@ def op_ping(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``after_restore {hostname?, seed_b64?, time_ns?, env?}`` -> ``{hostname, entropy_credited,
-    clock_set, env_keys}``. Everything is validated before anything is changed."""
+    """``after_restore {hostname?, seed_b64?, time_ns?, env?, access_token?}`` -> ``{hostname,
+    entropy_credited, clock_set, env_keys, access_token_set}``. Everything is validated before anything is
+    changed."""
     state = _state(stream)
-    hostname, seed_b64, time_ns, env = (args.get(k) for k in ("hostname", "seed_b64", "time_ns", "env"))
+    hostname, seed_b64, time_ns, env, token = (
+        args.get(k) for k in ("hostname", "seed_b64", "time_ns", "env", "access_token"))
+    if token is not None and (not isinstance(token, str) or not 16 <= len(token) <= 256 or not token.isprintable()):
+        raise OpError("invalid", "access_token must be 16..256 printable characters")
     if hostname is not None and (not isinstance(hostname, str) or not 0 < len(hostname) <= 64):
         raise OpError("invalid", "hostname must be 1..64 characters")
     seed = b""
@@ -252,7 +277,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise OpError("invalid", "env must map strings to strings")
-    credited = clock_set = reseeded = False
+    credited = clock_set = reseeded = token_set = False
     try:
         if time_ns is not None:
             state.system.set_clock(time_ns)
@@ -262,6 +287,9 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
             reseeded = state.system.reseed_crng()
         if hostname is not None:
             state.system.set_hostname(hostname)
+        if token is not None:
+            state.system.set_access_token(token)
+            token_set = True
     except OSError as exc:
         raise from_oserror(exc) from exc
     if env is not None:
@@ -272,6 +300,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         "crng_reseeded": reseeded,
         "clock_set": clock_set,
         "env_keys": sorted(state.extra_env),
+        "access_token_set": token_set,
     }
 
 

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podbay.contracts import subjects
+from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
 
 __all__ = ["Bus", "connect_bus", "consume"]
@@ -93,6 +94,23 @@ class Bus:
                     KeyValueConfig(bucket=subjects.NODES_KV, ttl=self._heartbeat_ttl_s, history=1)
                 )
         return self._nodes_kv
+
+    async def live_nodes(self) -> list[NodeHeartbeat]:
+        """Heartbeats now in the ``podbay_nodes`` bucket (a silent node's key expired by TTL)."""
+        kv = await self.nodes_kv()
+        out: list[NodeHeartbeat] = []
+        try:
+            keys = await kv.keys()
+        except Exception:  # nats-py raises NoKeysError for an empty bucket
+            return out
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+                if entry.value:
+                    out.append(NodeHeartbeat.model_validate_json(entry.value))
+            except Exception as exc:
+                log.debug("skipping node %s: %s", key, exc)
+        return out
 
     async def ensure_consumer(self, durable: str, filter_subject: str, *, ack_wait_s: float = 60.0) -> None:
         """Declare a durable pull consumer on the command stream (explicit ack, redelivery after ``ack_wait_s``)."""

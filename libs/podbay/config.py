@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     boot_timeout_s: float = Field(90.0)
     restore_timeout_s: float = Field(30.0)
     restore_retries: int = Field(2)
+    restore_concurrency: int = Field(0, ge=0, description="Restores (and boots) a node runs at a time until the "
+                                     "guest answers; 0 means one per host core.")
     qemu_binary: str = Field("qemu-system-x86_64")
     paused_release_s: float = Field(60.0, description="A sandbox paused this long has its RAM written back to its "
                                     "file and released (QEMU exits; resume restores it); 0 = never.")
@@ -105,6 +107,13 @@ class Settings(BaseSettings):
     suspend_timeout_s: float = Field(900.0, gt=0, description="Bound on a suspend's promotion.")
     fault_step: str = Field("", description="Testing only: SIGKILL this process when it reaches the named step "
                             "(e.g. promote.uploaded, suspend.promoted, resume.fetched); empty = never.")
+    warm_claim_timeout_s: float = Field(5.0, gt=0, description="How long a create waits for a node to hand over a "
+                                        "claimed warm slot before it falls back to a restore.")
+    warm_interval_s: float = Field(2.0, gt=0, description="Warm pools: how often targets are recomputed and "
+                                   "slots checked (refills also start at once after a claim).")
+    warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")
+    warm_demand_horizon_s: float = Field(10.0, gt=0, description="Warm pools: keep enough slots for this many "
+                                         "seconds of recent demand (within the pool's min and max).")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

@@ -22,7 +22,7 @@ from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import Event
 
-__all__ = ["emit_sandbox_event", "emit", "Relay", "new_id"]
+__all__ = ["emit_sandbox_event", "sandbox_event", "emit", "Relay", "new_id"]
 
 log = logging.getLogger("podbay.outbox")
 
@@ -58,20 +58,20 @@ async def emit_sandbox_event(
     seq = await conn.fetchval(
         "UPDATE sandboxes SET event_seq = event_seq + 1 WHERE id = $1 RETURNING event_seq", sandbox_id
     )
-    event = Event(
-        id=new_id("evt"),
-        type=event_type,
-        sandbox_id=sandbox_id,
-        node_id=node_id,
-        tenant_id=tenant_id,
-        generation=generation,
-        state=state,
-        reason=reason,
-        at=datetime.now(UTC),
-        data={**(data or {}), "seq": int(seq or 0)},
-    )
+    event = sandbox_event(sandbox_id, event_type, seq=int(seq or 0), state=state, reason=reason, node_id=node_id,
+                          tenant_id=tenant_id, generation=generation, data=data)
     await emit(conn, subjects.sandbox_event(sandbox_id, event_type), event)
     return event
+
+
+def sandbox_event(sandbox_id: str, event_type: str, *, seq: int, state: str | None = None, reason: str | None = None,
+                  node_id: str | None = None, tenant_id: str | None = None, generation: int | None = None,
+                  data: dict[str, Any] | None = None) -> Event:
+    """A new sandbox event (``data.seq`` = ``seq``), for callers that write its outbox row themselves: a
+    single SQL statement that changes the sandbox and inserts the row in one round trip (warm creates)."""
+    return Event(id=new_id("evt"), type=event_type, sandbox_id=sandbox_id, node_id=node_id, tenant_id=tenant_id,
+                 generation=generation, state=state, reason=reason, at=datetime.now(UTC),
+                 data={**(data or {}), "seq": seq})
 
 
 class Relay:

@@ -18,7 +18,7 @@ from podbay.config import Settings
 from podbay.outbox import Relay
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
-from . import dataplane, e2b, e2b_envd, sandboxes, snapshots, suspend
+from . import dataplane, e2b, e2b_envd, pools, sandboxes, snapshots, suspend
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -65,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_envd.router)
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     app.include_router(suspend.router)
+    app.include_router(pools.router)
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Any) -> Response:

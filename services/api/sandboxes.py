@@ -26,6 +26,7 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
+from .warm import warm_create
 
 __all__ = ["router", "sandbox_info", "load_sandbox", "audit", "await_operation"]
 
@@ -93,7 +94,8 @@ async def _finish(ctx: ApiContext, tenant_id: str, sandbox_id: str, op_id: str,
 @router.post("/sandboxes", status_code=201, response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
 async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
                          wait: bool = Query(True, description="Wait until the sandbox runs (bounded).")) -> SandboxInfo:
-    """Create a sandbox from a template by restoring the template's snapshot on a node with room.
+    """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
+    and a resume), else by restoring the template's snapshot on a node with room.
 
     Errors: 404 ``not_found`` (unknown template), 400 ``invalid_request`` (resources the template's snapshot
     cannot restore with), 500 ``sandbox_failed`` (with the reason), 503 ``unavailable``.
@@ -112,6 +114,8 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
             f"template {body.template!r} is snapshotted with {tpl['vcpus']} vCPUs; vcpus must match",
             details={"template_vcpus": tpl["vcpus"]},
         )
+    if wait and (warm := await warm_create(ctx, who, tpl, body, t0)) is not None:
+        return warm
     sandbox_id = new_id("sbx")
     op_id = new_id("op")
     hostname = "sbx-" + sandbox_id[4:16]

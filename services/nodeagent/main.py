@@ -43,6 +43,7 @@ from .sandboxes import SandboxManager
 from .store import NodeStore
 from .suspend import SuspendOps
 from .vmdriver import VmDriver
+from .warm import WarmPool
 
 __all__ = ["main"]
 
@@ -117,18 +118,23 @@ async def _serve(stop: asyncio.Event) -> None:
     await register_node(pool, settings, dataplane_url, driver.accel)
     await driver.register_node_templates(pool, settings.node_id, manager.templates)
     relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
+    warm = WarmPool(manager)
+    await warm.reset()
     await manager.reconcile()
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
+    await warm.start()
+    refill = asyncio.create_task(warm.run(stop), name="warm-pool")
     manager.ready = True
     log.info("node agent %s ready: accel=%s, templates=%s, sandboxes=%d", settings.node_id, driver.accel,
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http, cadence, leases}, timeout=60)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=60)
+    await warm.close()
     await manager.close()
     relay_task.cancel()
     try:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -76,6 +77,9 @@ class SandboxManager:
         self.templates: dict[str, TemplateImage] = {}
         self.ready = False
         self._locks: dict[str, asyncio.Lock] = {}
+        # Guests restored all at once share the cores and may all miss their HELLO timeout under TCG; a
+        # bounded number at a time finish in order (creates, rollbacks, fork children, warm slots).
+        self.restore_slots = asyncio.Semaphore(settings.restore_concurrency or os.cpu_count() or 1)
         from .snapshots import SnapshotOps
 
         self.snapshots = SnapshotOps(self)
@@ -110,6 +114,15 @@ class SandboxManager:
         if vm.stopping or vm.channel is None:
             raise Unavailable(f"sandbox {sandbox_id} is stopping or paused")
         return vm.channel
+
+    def adopt(self, sandbox_id: str, generation: int, resources: Resources, handle: VmHandle,
+              channel: GuestChannel) -> RunningVm:
+        """Take a VM started elsewhere on this node (a claimed warm slot, services/nodeagent/warm.py) into
+        ``vms`` and watch it; its row is already ``running``."""
+        vm = RunningVm(sandbox_id, generation, resources, handle, channel)
+        self.vms[sandbox_id] = vm
+        vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+        return vm
 
     # ------------------------------------------------------------------ create
 
@@ -155,21 +168,23 @@ class SandboxManager:
                 raise PodbayError(f"template {template!r} on this node is {tpl.digest[:12]}, "
                                   f"the sandbox needs {template_digest[:12]}")
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
-            t = time.perf_counter()
-            if boot_disk is not None:
-                handle = await self.driver.boot_disk(boot_disk, tpl, vm_dir, memory_mib=resources.memory_mib,
-                                                     vcpus=resources.vcpus)
-                connect_timeout = self.settings.boot_timeout_s
-            else:
-                assert snapshot_dir is not None
-                handle = await self.driver.restore_from(snapshot_dir, tpl, vm_dir, memory_mib=resources.memory_mib,
-                                                        vcpus=resources.vcpus)
-                connect_timeout = self.settings.restore_timeout_s
-            HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
-            t = time.perf_counter()
-            channel = await GuestChannel.connect(handle.channel_path, timeout_s=connect_timeout)
+            async with self.restore_slots:
+                t = time.perf_counter()
+                if boot_disk is not None:
+                    handle = await self.driver.boot_disk(boot_disk, tpl, vm_dir, memory_mib=resources.memory_mib,
+                                                         vcpus=resources.vcpus)
+                    connect_timeout = self.settings.boot_timeout_s
+                else:
+                    assert snapshot_dir is not None
+                    handle = await self.driver.restore_from(snapshot_dir, tpl, vm_dir,
+                                                            memory_mib=resources.memory_mib, vcpus=resources.vcpus)
+                    connect_timeout = self.settings.restore_timeout_s
+                HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
+                t = time.perf_counter()
+                channel = await GuestChannel.connect(handle.channel_path, timeout_s=connect_timeout)
             hygiene = await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
-                                                  env={"PODBAY_SANDBOX_ID": sandbox_id})
+                                                  env={"PODBAY_SANDBOX_ID": sandbox_id},
+                                                  access_token=secrets.token_urlsafe(32))
             if not hygiene.crng_reseeded:
                 # Older guests or a refused ioctl: the seed still lands at the kernel's next reseed.
                 log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "

@@ -21,7 +21,7 @@ from podbay import db
 from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, NodeHeartbeat, PlaceSandbox
+from podbay.contracts.messages import CreateSandboxCmd, PlaceSandbox
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -37,24 +37,6 @@ PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
 NO_NODE_GRACE_S = 15.0
 
 
-async def live_nodes(bus: Bus) -> list[NodeHeartbeat]:
-    """Heartbeats currently in the KV bucket (expired keys are gone by TTL)."""
-    kv = await bus.nodes_kv()
-    out: list[NodeHeartbeat] = []
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError for an empty bucket
-        return out
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-            if entry.value:
-                out.append(NodeHeartbeat.model_validate_json(entry.value))
-        except Exception as exc:
-            log.debug("skipping node %s: %s", key, exc)
-    return out
-
-
 class Scheduler:
     def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, relay: Relay) -> None:
         self.settings = settings
@@ -66,7 +48,7 @@ class Scheduler:
         """Place one sandbox. Returns False to ask for redelivery (no node yet, within the grace period)."""
         t0 = time.perf_counter()
         t = time.perf_counter()
-        nodes = await live_nodes(self.bus)
+        nodes = await self.bus.live_nodes()
         HOP_SECONDS.labels("scheduler", "kv").observe(time.perf_counter() - t)
         create: CreateSandboxCmd | None = None
         node_id: str | None = None
@@ -87,10 +69,12 @@ class Scheduler:
             else:
                 loads = {r["node_id"]: r for r in await conn.fetch(
                     # Paused sandboxes use no CPU; their memory still counts (until released, which the
-                    # scheduler does not see).
-                    "SELECT node_id, sum(memory_mib)::int AS mem,"
-                    " coalesce(sum(vcpus) FILTER (WHERE state <> 'paused'), 0)::int AS cpu FROM sandboxes"
-                    " WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed') GROUP BY node_id")}
+                    # scheduler does not see). Warm slots wait paused: their memory counts too.
+                    "SELECT node_id, sum(mem)::int AS mem, sum(cpu)::int AS cpu FROM ("
+                    " SELECT node_id, memory_mib AS mem, CASE WHEN state <> 'paused' THEN vcpus ELSE 0 END AS cpu"
+                    " FROM sandboxes WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed')"
+                    " UNION ALL SELECT node_id, memory_mib, 0 FROM warm_slots WHERE state IN ('preparing', 'ready')"
+                    ") l GROUP BY node_id")}
                 candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
                                        int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
                               for hb in nodes]

@@ -383,3 +383,21 @@ def test_suspend_resume_and_snapshot_promotion_are_shown(fake_api: FakeApi) -> N
     assert shown.exit_code == 0 and "uploaded_bytes" in shown.stdout and "1048576" in shown.stdout
     missing = run(fake_api, "snapshot", "show", "sb-s", "snap-2")
     assert missing.exit_code != 0 and "snap-2" in missing.output
+def test_pool_set_and_list(fake_api: FakeApi) -> None:
+    done = run(fake_api, "pool", "set", "base", "--size", "3", "--max", "5")
+    assert done.exit_code == 0, done.output
+    assert done.stdout == "base: size 3, max 5, target 3, ready 3\n"
+    assert fake_api.last("/v1/pools/base").json() == {"size": 3, "max_size": 5}
+    table = run(fake_api, "pool", "list")
+    assert table.exit_code == 0
+    assert table.stdout.split("\n")[0].split() == ["TEMPLATE", "SIZE", "NODE", "TARGET", "READY", "PREPARING",
+                                                   "CLAIMED", "FAILING"]
+    assert table.stdout.split("\n")[1].split() == ["base", "3-5", "node-1", "3", "3", "0", "1", "0"]
+    listed = json.loads(run(fake_api, "pool", "list", "--json").stdout)
+    assert [(p["template"], p["max_size"]) for p in listed] == [("base", 5)]
+
+
+def test_pool_set_refuses_bad_bounds_before_sending(fake_api: FakeApi) -> None:
+    assert_error_line(run(fake_api, "pool", "set", "base", "--size", "3", "--max", "2"), "invalid_request", 2)
+    assert not [r for r in fake_api.requests if "/pools" in r.path]
+    assert_error_line(run(fake_api, "pool", "set", "nosuch", "--size", "1"), "not_found", 2)

@@ -77,6 +77,13 @@ async def test_after_restore(ch: GuestChannel, guestd: tuple[Path, Path]) -> Non
     assert out == b"unset\n"
 
 
+async def test_after_restore_hands_over_the_access_token(ch: GuestChannel, guestd: tuple[Path, Path]) -> None:
+    res = await ch.after_restore(access_token="t" * 43)
+    assert res.access_token_set
+    assert ["set_access_token", "t" * 43] in _calls(guestd[1])
+    assert not (await ch.after_restore(hostname="sb-43")).access_token_set
+
+
 async def test_freeze_thaw_and_auto_thaw(ch: GuestChannel, guestd: tuple[Path, Path]) -> None:
     log = guestd[1]
     assert await ch.freeze(["/", "/data"], timeout_s=60) == ["/", "/data"]
@@ -101,7 +108,8 @@ async def test_bad_arguments_are_invalid(ch: GuestChannel) -> None:
     with pytest.raises(InvalidRequest):
         await ch.thaw(["relative"])
     # Values the client's models would refuse, sent raw to check guestd's own validation.
-    for args in ({"seed_b64": "***"}, {"hostname": ""}, {"time_ns": -1}, {"env": {"A": 1}}):
+    for args in ({"seed_b64": "***"}, {"hostname": ""}, {"time_ns": -1}, {"env": {"A": 1}}, {"access_token": "short"},
+                 {"access_token": "x" * 20 + "\n"}):
         stream = ch._open(Op.AFTER_RESTORE, args)
         with pytest.raises(InvalidRequest):
             await ch._finish(stream, 10)

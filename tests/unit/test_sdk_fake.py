@@ -30,7 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from podbay.contracts.api import ExecRequest, FileInfo, SandboxCreate, SandboxInfo
+from podbay.contracts.api import ExecRequest, FileInfo, PoolInfo, PoolNode, PoolSet, SandboxCreate, SandboxInfo
 from podbay.errors import InvalidState, NotFound, PodbayError, Unauthorized
 
 API_KEY = "pb_test_key"
@@ -58,6 +58,7 @@ class FakeApi:
     files: dict[tuple[str, str], tuple[bytes, int]] = field(default_factory=dict)
     dirs: set[tuple[str, str]] = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
+    pools: dict[str, PoolInfo] = field(default_factory=dict)
 
     def last(self, path_suffix: str = "") -> Logged:
         return [r for r in self.requests if r.path.endswith(path_suffix)][-1]
@@ -68,6 +69,7 @@ class FakeApi:
         self.files.clear()
         self.dirs.clear()
         self.gate.clear()
+        self.pools.clear()
 
     def add_sandbox(self, sandbox_id: str | None = None, state: str = "running") -> SandboxInfo:
         now = datetime.now(timezone.utc)
@@ -188,6 +190,20 @@ def build_app(fake: FakeApi) -> FastAPI:
         now = datetime.now(timezone.utc).isoformat()
         return {"id": op_id, "kind": "create", "sandbox_id": None, "state": "succeeded", "created_at": now,
                 "finished_at": now}
+
+    @app.put("/v1/pools/{template}")
+    async def set_pool(template: str, body: PoolSet) -> dict[str, Any]:
+        if template != "base":
+            return _error(NotFound(f"template {template!r} does not exist"))  # type: ignore[return-value]
+        size, top = body.size, body.max_size if body.max_size is not None else body.size
+        fake.pools[template] = PoolInfo(template=template, size=size, max_size=top, target=size, ready=size,
+                                        nodes=[PoolNode(node_id="node-1", target=size, ready=size, preparing=0,
+                                                        claimed=1, failing=0)])
+        return fake.pools[template].model_dump(mode="json")
+
+    @app.get("/v1/pools")
+    async def pools() -> dict[str, Any]:
+        return {"pools": [p.model_dump(mode="json") for p in fake.pools.values()]}
 
     @app.get("/v1/templates")
     async def templates() -> dict[str, Any]:

@@ -544,13 +544,16 @@ class GuestChannel(ProcOps):
         seed: bytes | None = None,
         time_ns: int | None = None,
         env: dict[str, str] | None = None,
+        access_token: str | None = None,
     ) -> AfterRestoreResult:
-        """Post-restore hygiene: new hostname, RNG seed (credited), wall clock, exec env (DESIGN.md §3)."""
+        """Post-restore hygiene: new hostname, RNG seed (credited), wall clock, exec env and access token
+        (DESIGN.md §3)."""
         req = AfterRestoreRequest(
             hostname=hostname,
             seed_b64=base64.b64encode(seed).decode() if seed is not None else None,
             time_ns=time_ns,
             env=env,
+            access_token=access_token,
         )
         return await self._unary(Op.AFTER_RESTORE, req.model_dump(exclude_none=True), AfterRestoreResult)
 

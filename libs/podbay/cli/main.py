@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from podbay.cli import files, sandbox, snapshot, stack, template
+from podbay.cli import files, pool, sandbox, snapshot, stack, template
 from podbay.cli._common import CliState, OneLineErrorsGroup
 from podbay.cli.exec_cmd import exec_command
 
@@ -26,6 +26,7 @@ app = typer.Typer(
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(files.app, name="files")
 app.add_typer(snapshot.app, name="snapshot")
+app.add_typer(pool.app, name="pool")
 app.add_typer(template.template_app, name="template")
 app.add_typer(template.operation_app, name="operation")
 app.command("exec")(exec_command)

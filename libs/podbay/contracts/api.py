@@ -33,6 +33,10 @@ __all__ = [
     "ForkResult",
     "SnapshotDiffEntry",
     "SnapshotDiff",
+    "PoolSet",
+    "PoolNode",
+    "PoolInfo",
+    "PoolList",
 ]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -252,3 +256,43 @@ class SnapshotDiff(BaseModel):
     changed: int = Field(description="Paths in both whose kind, content, mode or owner differ.")
     removed: int = Field(description="Paths only in the earlier snapshot.")
     truncated: bool = False
+
+
+class PoolSet(_In):
+    """``PUT /v1/pools/{template}``: keep at least ``size`` warm slots of the template, and up to ``max_size``
+    when recent demand asks for more (default: exactly ``size``). ``size`` 0 with no ``max_size`` ends the
+    pool. Slots are spread over the nodes that carry the template and bounded by each node's memory."""
+
+    size: int = Field(ge=0, le=1000, description="Slots kept whatever the demand (the operator's floor).")
+    max_size: int | None = Field(None, ge=0, le=1000, description="Upper bound when following demand.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSet:
+        if self.max_size is not None and self.max_size < self.size:
+            raise ValueError("max_size must be at least size")
+        return self
+
+
+class PoolNode(BaseModel):
+    """One node's part of a pool. ``claimed``: slots handed to creates in the recent demand window;
+    ``failing``: slots discarded in that window (a failed health check or a VM that died)."""
+
+    node_id: str
+    target: int
+    ready: int
+    preparing: int
+    claimed: int
+    failing: int
+
+
+class PoolInfo(BaseModel):
+    template: str
+    size: int
+    max_size: int
+    target: int = Field(description="Sum of the nodes' targets: the bounds applied to recent demand.")
+    ready: int
+    nodes: list[PoolNode]
+
+
+class PoolList(BaseModel):
+    pools: list[PoolInfo]

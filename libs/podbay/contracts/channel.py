@@ -252,12 +252,14 @@ class RemoveResult(_Lenient):
 class AfterRestoreRequest(_Strict):
     """Arguments of ``after_restore``, sent after every restore or fork (there is no vmgenid on microvm,
     DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
-    clock in ns since the epoch, and env vars added to every later exec (replacing earlier ones)."""
+    clock in ns since the epoch, env vars added to every later exec (replacing earlier ones), and the
+    sandbox's access token, which guestd keeps in ``/run/podbay/access_token`` (mode 0600)."""
 
     hostname: str | None = Field(None, min_length=1, max_length=64)
     seed_b64: str | None = None
     time_ns: int | None = Field(None, ge=0)
     env: dict[str, str] | None = None
+    access_token: str | None = Field(None, min_length=16, max_length=256)
 
 
 class AfterRestoreResult(_Lenient):
@@ -267,6 +269,7 @@ class AfterRestoreResult(_Lenient):
     crng_reseeded: bool = False
     clock_set: bool
     env_keys: list[str] = Field(default_factory=list)
+    access_token_set: bool = False
 
 
 class FreezeRequest(_Strict):

@@ -25,6 +25,8 @@ __all__ = [
     "NodeHeartbeat",
     "PromoteCmd",
     "WakeCmd",
+    "WarmClaim",
+    "WarmClaimReply",
     "Event",
     "EventType",
 ]
@@ -144,6 +146,30 @@ class OperationDone(_Msg):
     operation_id: str
     state: Literal["succeeded", "failed"]
     error: str | None = None
+
+
+class WarmClaim(_Msg):
+    """Request on ``podbay.warm.<node>.claim``: the API claimed warm slot ``sandbox_id`` (slot id = sandbox
+    id) and recorded the sandbox ``starting`` at ``generation``; the node resumes the slot, runs the
+    after-restore hygiene and records it ``running``."""
+
+    operation_id: str
+    sandbox_id: str
+    tenant_id: str
+    generation: int = Field(ge=1)
+    hostname: str
+
+
+class WarmClaimReply(_Msg):
+    """Answer to ``WarmClaim``. ``ok`` False: the slot was not usable (gone, failed its health check, or the
+    sandbox moved on); it is discarded and the caller falls back to a restore. ``hops_ms``: time per hop
+    on the node (``qemu_cont``, ``guest_hygiene``, ``db``), for logs and the benchmark's breakdown."""
+
+    ok: bool
+    error: str | None = None
+    hops_ms: dict[str, float] = Field(default_factory=dict)
+    #: ``updated_at`` of the sandbox row after the node's commit (so the API need not read it back).
+    updated_at: datetime | None = None
 
 
 class NodeHeartbeat(_Msg):

@@ -17,6 +17,9 @@ __all__ = [
     "OPERATIONS_DONE_WILDCARD",
     "snapshotter_promote",
     "snapshotter_consumer",
+    "warm_claim",
+    "warm_kick",
+    "WARM_POOLS_CHANGED",
 ]
 
 CMD_STREAM = "PODBAY_CMD"
@@ -72,3 +75,19 @@ def operation_done(operation_id: str) -> str:
     The truth is the ``operations`` row; the notice only wakes an API call that waits for it.
     """
     return f"podbay.ops.{operation_id}"
+
+
+def warm_claim(node_id: str) -> str:
+    """``podbay.warm.<node>.claim``: core-NATS request/reply; the API hands a claimed warm slot to its node,
+    which resumes it and answers ``WarmClaimReply``. Not a stream: an unanswered claim falls back to a
+    restore, so nothing needs to be kept."""
+    return f"podbay.warm.{node_id}.claim"
+
+
+def warm_kick(node_id: str) -> str:
+    """``podbay.warm.<node>.kick``: core-NATS notice that the node's warm targets changed."""
+    return f"podbay.warm.{node_id}.kick"
+
+
+WARM_POOLS_CHANGED = "podbay.warm.pools.changed"
+"""Core-NATS notice (payload: template name) that a pool's bounds changed; the warm-pool service listens."""

@@ -26,6 +26,7 @@ from podbay.contracts.api import (
     FileInfo,
     ForkResult,
     OperationInfo,
+    PoolInfo,
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
@@ -172,6 +173,14 @@ class AsyncClient:
     async def list_templates(self) -> builtins.list[TemplateInfo]:
         """See ``Client.list_templates``."""
         return await self._call(calls.list_templates())
+
+    async def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
+        """See ``Client.set_pool``."""
+        return await self._call(calls.set_pool_call(template, size, max_size))
+
+    async def list_pools(self) -> builtins.list[PoolInfo]:
+        """See ``Client.list_pools``."""
+        return await self._call(calls.list_pools_call())
 
     async def exec(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
         """See ``Client.exec``."""

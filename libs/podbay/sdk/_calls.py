@@ -32,6 +32,9 @@ from podbay.contracts.api import (
     FileList,
     OperationInfo,
     LeaseUpdate,
+    PoolInfo,
+    PoolList,
+    PoolSet,
     SandboxCreate,
     SandboxInfo,
     SandboxList,
@@ -62,6 +65,8 @@ __all__ = [
     "suspend_call",
     "resume_call",
     "with_auto_resume",
+    "set_pool_call",
+    "list_pools_call",
     "format_mode",
     "ID_PATTERN",
     "PATH_MAX_CHARS",
@@ -432,3 +437,15 @@ def _templates(resp: httpx.Response) -> builtins.list[TemplateInfo]:
 def list_templates() -> Call[builtins.list[TemplateInfo]]:
     """``GET /v1/templates`` -> ``{"templates": [TemplateInfo]}``, returned as the list."""
     return Call("GET", "/v1/templates", _templates)
+
+
+def set_pool_call(template: str, size: int, max_size: int | None = None) -> Call[PoolInfo]:
+    """``PUT /v1/pools/{template}`` with ``{size, max_size?}`` -> the pool (bounds, target, ready slots)."""
+    body = _validate(PoolSet, {"size": size, "max_size": max_size}, "pool")
+    return Call("PUT", f"/v1/pools/{quote(check_id(template, 'template'), safe='')}", _model(PoolInfo),
+                json=body.model_dump(exclude_none=True))
+
+
+def list_pools_call() -> Call[builtins.list[PoolInfo]]:
+    """``GET /v1/pools`` -> ``{"pools": [PoolInfo]}``, returned as the list."""
+    return Call("GET", "/v1/pools", lambda r: _model(PoolList)(r).pools)

@@ -27,6 +27,7 @@ from podbay.contracts.api import (
     FileInfo,
     ForkResult,
     OperationInfo,
+    PoolInfo,
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
@@ -180,6 +181,15 @@ class Client:
     def list_templates(self) -> builtins.list[TemplateInfo]:
         """The templates sandboxes can be created from."""
         return self._call(calls.list_templates())
+
+    def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
+        """Keep at least ``size`` warm slots of ``template`` (up to ``max_size`` when demand asks);
+        ``size`` 0 ends the pool. Creates from the template then claim a slot instead of restoring."""
+        return self._call(calls.set_pool_call(template, size, max_size))
+
+    def list_pools(self) -> builtins.list[PoolInfo]:
+        """Every warm pool: bounds, target, and per node ready, preparing, claimed and failing slots."""
+        return self._call(calls.list_pools_call())
 
     # processes
 

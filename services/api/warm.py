@@ -1,0 +1,134 @@
+"""Create from a warm slot (DESIGN.md §5, warm pools): the short path of ``POST /v1/sandboxes``.
+
+1. One transaction: claim the oldest ready slot of the template (``FOR UPDATE SKIP LOCKED``, so two
+   creates never get the same slot), insert the sandbox with the slot's id as ``starting`` at generation 1
+   on the slot's node, its operation and the ``created`` event (outbox).
+2. One NATS request over the API's open connection to ``podbay.warm.<node>.claim``; the node resumes the
+   slot, runs the after-restore hygiene and commits ``running`` with the ``started`` event, then answers.
+
+No scheduler and no JetStream hop: the slot's node is the placement. When no slot is ready the caller
+takes the restore path. When the node refuses the slot or does not answer in ``warm_claim_timeout_s``,
+this sandbox goes back to ``pending`` without a node and through the scheduler like any other create;
+the node fences its late answer by generation, so the pool never makes a create fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import asyncpg
+
+from podbay.contracts import subjects
+from podbay.contracts.api import SandboxCreate, SandboxInfo
+from podbay.contracts.messages import PlaceSandbox, Resources, WarmClaim, WarmClaimReply
+from podbay.errors import SandboxFailed
+from podbay.outbox import new_id, sandbox_event
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .auth import Principal
+from .context import ApiContext
+
+__all__ = ["warm_create", "CLAIM_SQL"]
+
+log = logging.getLogger("podbay.api.warm")
+
+#: One statement, so one round trip and one transaction: claim the oldest ready slot of the template at its
+#: digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with the
+#: slot's id (``starting``, generation 1, the slot's node, event seq 1), its operation, the audit record and
+#: the ``created`` event (its payload patched with the id, which is known only here). Nothing is written
+#: when no slot is ready.
+CLAIM_SQL = (
+    "WITH c AS (SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
+    " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED),"
+    " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
+    " RETURNING w.id, w.node_id),"
+    " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
+    " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq)"
+    " SELECT id, $3, $1, $2, 'starting', 'running', node_id, 1, $4, $5, 'sbx-' || substr(id, 5, 12), $6, $7, $8,"
+    " now() + $7::integer * interval '1 second', 1 FROM slot RETURNING *),"
+    " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
+    " SELECT $9, $3, id, 'create', 'running' FROM sbx),"
+    " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target) SELECT $3, $10, 'sandbox.create', id FROM sbx),"
+    " ev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $11, $12 || id || $13,"
+    " jsonb_set(jsonb_set($14::jsonb, '{sandbox_id}', to_jsonb(id)), '{node_id}', to_jsonb(node_id)) FROM sbx)"
+    " SELECT * FROM sbx"
+)
+
+
+async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body: SandboxCreate,
+                      t0: float) -> SandboxInfo | None:
+    """Create the sandbox from a warm slot of ``tpl``; None when no slot is ready (nothing was written).
+
+    Returns the running sandbox (also after a fallback to a restore), or raises ``SandboxFailed``.
+    Hops recorded in ``podbay_hop_seconds{service="api"}``: ``warm_claim_db``, ``warm_node``.
+    """
+    from .sandboxes import load_sandbox, sandbox_info  # sandboxes imports this module
+
+    op_id = new_id("op")
+    event = sandbox_event("", "created", seq=1, state="starting", tenant_id=who.tenant_id, generation=1,
+                          data={"template": tpl["name"], "operation_id": op_id, "warm": True})
+    subject_head, subject_tail = subjects.sandbox_event("\x00", "created").split("\x00")
+    t = time.perf_counter()
+    row = await ctx.pool.fetchrow(
+        CLAIM_SQL, tpl["name"], tpl["digest"], who.tenant_id, tpl["memory_mib"], tpl["vcpus"], body.metadata,
+        body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
+        event.id, subject_head, subject_tail, json.loads(event.model_dump_json()))
+    if row is None:
+        return None
+    sandbox_id, node_id, hostname = row["id"], row["node_id"], row["hostname"]
+    HOP_SECONDS.labels("api", "warm_claim_db").observe(time.perf_counter() - t)
+    ctx.relay.kick()
+    reply = await _ask_node(ctx, node_id, WarmClaim(operation_id=op_id, sandbox_id=sandbox_id,
+                                                    tenant_id=who.tenant_id, generation=1, hostname=hostname))
+    if reply.ok:
+        # The row as the node left it, without reading it back: running since the node's commit.
+        info = sandbox_info({**dict(row), "state": "running", "updated_at": reply.updated_at or row["updated_at"]},
+                            op_id)
+        LIFECYCLE_OPERATION_SECONDS.labels("api", "create_warm", "ok").observe(time.perf_counter() - t0)
+        LIFECYCLE_OPERATIONS.labels("api", "create_warm", "ok").inc()
+        return info
+    log.warning("warm slot %s on %s not handed over (%s): restoring instead", sandbox_id, node_id, reply.error)
+    LIFECYCLE_OPERATIONS.labels("api", "create_warm", "fallback").inc()
+    return await _fall_back(ctx, who, tpl, sandbox_id, op_id, t0, load_sandbox, sandbox_info)
+
+
+async def _ask_node(ctx: ApiContext, node_id: str, claim: WarmClaim) -> WarmClaimReply:
+    t = time.perf_counter()
+    try:
+        msg = await ctx.bus.nc.request(subjects.warm_claim(node_id), claim.model_dump_json().encode(),
+                                       timeout=ctx.settings.warm_claim_timeout_s)
+        return WarmClaimReply.model_validate_json(msg.data)
+    except Exception as exc:  # no responder, timeout, garbage: all mean "not from this slot"
+        return WarmClaimReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        HOP_SECONDS.labels("api", "warm_node").observe(time.perf_counter() - t)
+
+
+async def _fall_back(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, sandbox_id: str, op_id: str,
+                     t0: float, load_sandbox: Any, sandbox_info: Any) -> SandboxInfo:
+    """Send the already recorded sandbox through the scheduler (restore path) and wait for it, bounded."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        back = await conn.fetchval(
+            "UPDATE sandboxes SET state='pending', node_id=NULL, updated_at=now()"
+            " WHERE id=$1 AND state='starting' AND generation=1 RETURNING id", sandbox_id)
+        if back is not None:
+            await conn.execute("UPDATE operations SET state='pending' WHERE id=$1", op_id)
+    if back is None:
+        # The node committed after all (its answer was lost or late): the sandbox runs or moved on.
+        return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)  # type: ignore[no-any-return]
+    fut = ctx.waiter.expect(sandbox_id, {"started", "failed"})
+    await ctx.bus.publish_command(
+        subjects.SCHEDULER_PLACE,
+        PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl["name"],
+                     resources=Resources(memory_mib=tpl["memory_mib"], vcpus=tpl["vcpus"])),
+        msg_id=op_id)
+    from .sandboxes import _finish
+
+    info, _ = await _finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
+    if info.state == "failed":
+        raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}",
+                            details={"sandbox_id": sandbox_id, "operation_id": op_id})
+    return info

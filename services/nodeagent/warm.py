@@ -1,0 +1,392 @@
+"""Warm slots on this node: sandboxes restored from a template snapshot, checked and paused, waiting for a
+create to claim them (DESIGN.md §5, warm pools).
+
+Why restored-and-paused rather than QEMUs pre-started with ``-incoming defer``: a deferred QEMU still has
+to load the migration state and a cold guest has to answer its first channel HELLO (DESIGN.md §3: ~65 ms
+to running, ~160 ms until the guest answers under TCG), while a paused slot whose channel is already
+connected needs one QMP ``cont`` (< 1 ms) and one guestd round trip for the clock.
+
+Life of a slot (``warm_slots`` row, id = the id of the sandbox it becomes):
+
+    preparing --restore, HELLO, identity, stop--> ready --claim (API, row lock)--> claimed --> running sandbox
+        \\____________________________________________/ \\--VM died / failed check--> failed (discarded)
+
+Preparing restores the template snapshot, then runs the after-restore hygiene
+for the sandbox the slot will become (its id is the sandbox id): hostname, a fresh RNG seed with the CRNG
+reseeded, env and access token; then one exec, and QMP ``stop``. The API claims a ready row with
+``FOR UPDATE SKIP LOCKED`` in the statement that inserts the sandbox (``starting``, generation 1, this
+node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its open NATS connection. Here the
+claim resumes the VM, sets the guest clock (it stood still while the slot waited), and in one statement
+records the sandbox ``running`` with its ``started`` event. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a
+restore, so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one
+slot at a time, within the node's memory; every ``warm_interval_s`` it also checks that each waiting VM is
+alive and stopped (its QEMU's exit is also noticed at once through the pidfd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge
+
+from podbay.channel.client import GuestChannel
+from podbay.contracts import subjects
+from podbay.contracts.channel import ExecSpec
+from podbay.contracts.messages import Resources, WarmClaim, WarmClaimReply
+from podbay.errors import PodbayError
+from podbay.outbox import new_id, sandbox_event
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .heartbeat import node_capacity
+from .vmdriver import TemplateImage, VmHandle
+
+if TYPE_CHECKING:
+    from .sandboxes import SandboxManager
+
+__all__ = ["WarmSlot", "WarmPool", "WARM_SLOTS", "WARM_SLOT_EVENTS", "STARTED_SQL", "slot_hostname"]
+
+log = logging.getLogger("podbay.nodeagent.warm")
+
+WARM_SLOTS = Gauge("podbay_warm_slots", "Warm slots on this node, by template and state.", ["template", "state"])
+WARM_SLOT_EVENTS = Counter("podbay_warm_slot_events_total",
+                           "Warm slot events: prepared, claimed, discarded (with why), claim_refused.",
+                           ["template", "event"])
+
+#: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (fenced by
+#: generation and node), its operation finished, and its ``started`` event in the outbox with the next seq.
+STARTED_SQL = (
+    "WITH s AS (UPDATE sandboxes SET state='running', updated_at=now(), event_seq=event_seq+1"
+    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING event_seq, updated_at),"
+    " o AS (UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$4 AND EXISTS (SELECT 1 FROM s)),"
+    " e AS (INSERT INTO outbox (event_id, subject, payload)"
+    " SELECT $5, $6, jsonb_set($7::jsonb, '{data,seq}', to_jsonb(s.event_seq)) FROM s)"
+    " SELECT updated_at FROM s"
+)
+
+#: Bound of the hygiene call on a claimed slot: a guest that does not answer this fast is not healthy.
+CLAIM_GUEST_TIMEOUT_S = 5.0
+
+
+@dataclass
+class WarmSlot:
+    """A prepared VM waiting paused for a claim; ``channel`` is connected and answered a ping before pausing."""
+
+    id: str
+    template: str
+    digest: str
+    resources: Resources
+    handle: VmHandle
+    channel: GuestChannel
+    monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+    taken: bool = False
+
+
+class WarmPool:
+    """The warm slots of one node; ``slots`` maps slot id to ``WarmSlot`` (ready ones only)."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+        self.slots: dict[str, WarmSlot] = {}
+        self.preparing: dict[str, str] = {}  # slot id -> template
+        self._kick = asyncio.Event()
+        self._subs: list[object] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def reset(self) -> None:
+        """Forget slots of an earlier run of this agent (before ``reconcile``, which kills their VMs as
+        directories no sandbox claims). Claimed rows stay: their sandboxes are reconciled as creates."""
+        await self.m.pool.execute("DELETE FROM warm_slots WHERE node_id=$1 AND state <> 'claimed'", self.m.node_id)
+
+    async def start(self) -> None:
+        """Answer claims and kicks on this node's subjects (core NATS, over the agent's open connection)."""
+        nc = self.m.bus.nc
+        self._subs.append(await nc.subscribe(subjects.warm_claim(self.m.node_id), cb=self._on_claim))
+        self._subs.append(await nc.subscribe(subjects.warm_kick(self.m.node_id), cb=self._on_kick))
+
+    def kick(self) -> None:
+        """Run the refill now rather than at the next interval."""
+        self._kick.set()
+
+    async def _on_kick(self, msg: object) -> None:
+        self.kick()
+
+    async def _on_claim(self, msg: object) -> None:
+        # nats-py runs one subscription's callbacks one after another; claims must not wait for each other.
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: object) -> None:
+        try:
+            req = WarmClaim.model_validate_json(msg.data)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            reply = WarmClaimReply(ok=False, error=f"malformed claim: {exc}")
+        else:
+            reply = await self.claim(req)
+        try:
+            await msg.respond(reply.model_dump_json().encode())  # type: ignore[attr-defined]
+        except Exception as exc:  # the caller gave up; its fallback fences this sandbox by generation
+            log.warning("claim answer for %s not sent: %s", getattr(reply, "error", ""), exc)
+
+    async def close(self) -> None:
+        """Stop answering; leave the slot VMs (the next start removes them)."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        for slot in self.slots.values():
+            if slot.monitor:
+                slot.monitor.cancel()
+            await slot.channel.close()
+            await slot.handle.detach()
+
+    # ------------------------------------------------------------------ claim (the hot path)
+
+    async def claim(self, req: WarmClaim) -> WarmClaimReply:
+        """Turn ready slot ``req.sandbox_id`` into the running sandbox the API recorded ``starting``.
+
+        Returns ``ok`` False (and discards the slot) when the slot is gone, its VM does not continue or its
+        guest does not answer the hygiene in ``CLAIM_GUEST_TIMEOUT_S``, or the row moved on meanwhile.
+        """
+        t0 = time.perf_counter()
+        slot = self.slots.pop(req.sandbox_id, None)
+        if slot is None or slot.taken:
+            WARM_SLOT_EVENTS.labels("unknown", "claim_refused").inc()
+            return WarmClaimReply(ok=False, error=f"warm slot {req.sandbox_id} is not ready on {self.m.node_id}")
+        slot.taken = True
+        if slot.monitor:
+            slot.monitor.cancel()
+        self._gauge()
+        hops: dict[str, float] = {}
+        async with self.m.lock(slot.id):
+            try:
+                t = time.perf_counter()
+                await slot.handle.resume()
+                hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
+                t = time.perf_counter()
+                # Identity and randomness were set when the slot was prepared; only the clock is stale.
+                await asyncio.wait_for(slot.channel.after_restore(
+                    time_ns=time.time_ns(), hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
+                    CLAIM_GUEST_TIMEOUT_S)
+                hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
+                t = time.perf_counter()
+                event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
+                                      tenant_id=req.tenant_id, generation=req.generation,
+                                      data={"warm": True, "ms": round((time.perf_counter() - t0) * 1000, 1)})
+                updated_at = await self.m.pool.fetchval(
+                    STARTED_SQL, slot.id, req.generation, self.m.node_id, req.operation_id, event.id,
+                    subjects.sandbox_event(slot.id, "started"), json.loads(event.model_dump_json()))
+                if updated_at is None:
+                    raise _Moved()
+                hops["db"] = _lap(t, "warm_db")
+                # Inside the lock, so a delete that follows at once finds the VM.
+                self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
+            except Exception as exc:
+                why = "the sandbox moved on" if isinstance(exc, _Moved) else _reason(exc)
+                log.warning("claim of warm slot %s refused: %s", slot.id, why)
+                await self._discard(slot, f"claim: {why}", event="claim_refused")
+                return WarmClaimReply(ok=False, error=why, hops_ms=hops)
+        self.m.relay.kick()
+        WARM_SLOT_EVENTS.labels(slot.template, "claimed").inc()
+        LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "warm_claim", "ok").observe(time.perf_counter() - t0)
+        LIFECYCLE_OPERATIONS.labels("nodeagent", "warm_claim", "ok").inc()
+        self.kick()
+        return WarmClaimReply(ok=True, hops_ms=hops, updated_at=updated_at)
+
+    # ------------------------------------------------------------------ refill and health
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refill towards this node's targets and check waiting slots, every ``warm_interval_s`` or on a kick."""
+        while not stop.is_set():
+            try:
+                await self.refill_once(stop)
+            except Exception:
+                log.exception("warm pool refill failed; trying again")
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout=self.m.settings.warm_interval_s)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+
+    async def refill_once(self, stop: asyncio.Event | None = None) -> None:
+        """One pass: discard unhealthy or surplus slots, then prepare missing ones one at a time."""
+        await self.check_health()
+        rows = await self.m.pool.fetch("SELECT template, target FROM warm_targets WHERE node_id=$1", self.m.node_id)
+        targets = {r["template"]: int(r["target"]) for r in rows}
+        for slot in list(self.slots.values()):
+            tpl = self.m.templates.get(slot.template)
+            if tpl is None or tpl.digest != slot.digest:
+                await self._discard(slot, "the template changed", event="stale")
+        for name in sorted(set(targets) | {s.template for s in self.slots.values()}):
+            target = targets.get(name, 0)
+            ready = [s for s in self.slots.values() if s.template == name]
+            for slot in sorted(ready, key=lambda s: s.id)[: max(0, len(ready) - target)]:
+                await self._discard(slot, "above target", event="surplus")
+        for name, target in sorted(targets.items()):
+            tpl = self.m.templates.get(name)
+            if tpl is None:
+                continue
+            while (stop is None or not stop.is_set()) and self._count(name) < target:
+                if not await self._has_room(tpl):
+                    log.info("warm pool %s: node memory is full at %d of %d slots", name, self._count(name), target)
+                    break
+                if not await self.prepare(tpl):
+                    break  # a failing template would spin; the next pass tries again
+
+    def _count(self, template: str) -> int:
+        return (sum(1 for s in self.slots.values() if s.template == template)
+                + sum(1 for t in self.preparing.values() if t == template))
+
+    async def _has_room(self, tpl: TemplateImage) -> bool:
+        """True when one more slot of ``tpl`` fits in the memory this node offers (sandboxes and slots)."""
+        mem, _ = node_capacity(self.m.settings)
+        used = await self.m.pool.fetchval(
+            "SELECT coalesce((SELECT sum(memory_mib) FROM sandboxes WHERE node_id=$1"
+            " AND state NOT IN ('deleted', 'failed')), 0) + coalesce((SELECT sum(memory_mib) FROM warm_slots"
+            " WHERE node_id=$1 AND state IN ('preparing', 'ready')), 0)", self.m.node_id)
+        return int(used) + tpl.snapshot.memory_mib <= mem
+
+    async def prepare(self, tpl: TemplateImage) -> bool:
+        """Restore one slot of ``tpl``, wait for its guest to answer, stop it, and mark it ready."""
+        slot_id = new_id("sbx")
+        res = Resources(memory_mib=tpl.snapshot.memory_mib, vcpus=tpl.snapshot.vcpus)
+        vm_dir = self.m.store.sandbox_dir(slot_id)
+        await self.m.pool.execute(
+            "INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus, state)"
+            " VALUES ($1,$2,$3,$4,$5,$6,'preparing')", slot_id, self.m.node_id, tpl.name, tpl.digest,
+            res.memory_mib, res.vcpus)
+        self.preparing[slot_id] = tpl.name
+        self._gauge()
+        handle: VmHandle | None = None
+        channel: GuestChannel | None = None
+        t0 = time.perf_counter()
+        try:
+            async with self.m.restore_slots:
+                handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir,
+                                                          memory_mib=res.memory_mib, vcpus=res.vcpus)
+                channel = await GuestChannel.connect(handle.channel_path,
+                                                     timeout_s=self.m.settings.restore_timeout_s)
+            # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
+            # env and access token are set here, with a seed of its own (the CRNG is reseeded, so its
+            # /dev/urandom already differs from every other guest restored from the template). The claim
+            # then only fixes the clock, which stood still while the slot waited. Doing this (and one
+            # exec) here also faults those guest paths in from the RAM file, which costs ~40-70 ms each on
+            # first use under TCG.
+            hygiene = await channel.after_restore(hostname=slot_hostname(slot_id), seed=os.urandom(64),
+                                                  time_ns=time.time_ns(), env={"PODBAY_SANDBOX_ID": slot_id},
+                                                  access_token=secrets.token_urlsafe(32))
+            if not hygiene.crng_reseeded:
+                raise PodbayError("the guest did not reseed its CRNG")
+            await channel.run(ExecSpec(argv=["true"]))
+            await handle.pause()
+            # What a re-attach after a restart reads; a claimed slot always starts at generation 1.
+            (vm_dir / "meta.json").write_text(json.dumps(
+                {"sandbox_id": slot_id, "generation": 1, "memory_mib": res.memory_mib, "vcpus": res.vcpus}))
+            # Listed before its row says ready: a claim may arrive as soon as that commits.
+            slot = WarmSlot(slot_id, tpl.name, tpl.digest, res, handle, channel)
+            self.slots[slot_id] = slot
+            await self.m.pool.execute("UPDATE warm_slots SET state='ready', ready_at=now() WHERE id=$1", slot_id)
+        except Exception as exc:
+            log.warning("warm slot %s of %s not prepared: %s", slot_id, tpl.name, _reason(exc))
+            self.slots.pop(slot_id, None)
+            self.preparing.pop(slot_id, None)
+            await self.m._teardown(handle, channel, vm_dir)  # noqa: SLF001  # the manager's own teardown
+            await self._mark_failed(slot_id, f"prepare: {_reason(exc)}")
+            WARM_SLOT_EVENTS.labels(tpl.name, "prepare_failed").inc()
+            self._gauge()
+            return False
+        self.preparing.pop(slot_id, None)
+        if not slot.taken:  # not claimed already in the moment since the row turned ready
+            slot.monitor = asyncio.create_task(self._watch(slot), name=f"warm-{slot_id}")
+        HOP_SECONDS.labels("nodeagent", "warm_prepare").observe(time.perf_counter() - t0)
+        WARM_SLOT_EVENTS.labels(tpl.name, "prepared").inc()
+        self._gauge()
+        return True
+
+    async def check_health(self) -> None:
+        """Discard waiting slots whose QEMU is gone or not stopped (a slot must never run unclaimed), and
+        slots whose row is gone or failed (the warm-pool service drops the rows of a node it lost). A
+        ``claimed`` row is left alone: its claim request is on its way."""
+        listed = {r["id"] for r in await self.m.pool.fetch(
+            "SELECT id FROM warm_slots WHERE id = ANY($1::text[]) AND state IN ('preparing', 'ready', 'claimed')", list(self.slots))}
+        for slot in list(self.slots.values()):
+            if slot.id not in listed and not slot.taken and self.slots.get(slot.id) is slot:
+                await self._discard(slot, "its row is gone", event="unlisted")
+        for slot in list(self.slots.values()):
+            try:
+                status = await asyncio.wait_for(slot.handle.status(), 2.0)
+            except Exception as exc:
+                status = f"unreachable ({_reason(exc)})"
+            if status != "paused" and not slot.taken and self.slots.get(slot.id) is slot:
+                await self._discard(slot, f"health check: QEMU is {status}", event="unhealthy")
+
+    async def _watch(self, slot: WarmSlot) -> None:
+        """Notice at once when a waiting slot's QEMU exits (pidfd), so no claim can receive it."""
+        code = await slot.handle.wait_exit()
+        if slot.taken or self.slots.get(slot.id) is not slot:
+            return
+        await self._discard(slot, f"the VM exited while waiting (status {code})", event="vm_exited", watched=True)
+
+    async def _discard(self, slot: WarmSlot, reason: str, *, event: str, watched: bool = False) -> None:
+        """Take ``slot`` out of service: kill its VM, remove its files, mark its row failed, refill."""
+        if self.slots.get(slot.id) is slot:
+            del self.slots[slot.id]
+        slot.taken = True
+        if slot.monitor and not watched:
+            slot.monitor.cancel()
+        log.info("warm slot %s discarded: %s", slot.id, reason)
+        # A restore of the same sandbox (the API's fallback after a late answer) may own the directory now.
+        vm_dir = None if slot.id in self.m.vms else self.m.store.sandbox_dir(slot.id)
+        await self.m._teardown(slot.handle, slot.channel, vm_dir)  # noqa: SLF001
+        await self._mark_failed(slot.id, reason)
+        WARM_SLOT_EVENTS.labels(slot.template, event).inc()
+        self._gauge()
+        self.kick()
+
+    async def _mark_failed(self, slot_id: str, reason: str) -> None:
+        # A claimed row belongs to its sandbox now (the API falls back to a restore for it).
+        await self.m.pool.execute(
+            "UPDATE warm_slots SET state='failed', reason=$2, failed_at=now() WHERE id=$1 AND state <> 'claimed'", slot_id, reason)
+
+    def _gauge(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for s in self.slots.values():
+            counts[(s.template, "ready")] = counts.get((s.template, "ready"), 0) + 1
+        for t in self.preparing.values():
+            counts[(t, "preparing")] = counts.get((t, "preparing"), 0) + 1
+        for name in self.m.templates:
+            for state in ("ready", "preparing"):
+                WARM_SLOTS.labels(name, state).set(counts.get((name, state), 0))
+
+
+def slot_hostname(slot_id: str) -> str:
+    """The hostname of the sandbox a slot becomes (the API derives it from the id the same way)."""
+    return "sbx-" + slot_id[4:16]
+
+
+class _Moved(Exception):
+    """The sandbox row is no longer ``starting`` at the claimed generation on this node."""
+
+
+def _lap(t: float, hop: str) -> float:
+    dt = time.perf_counter() - t
+    HOP_SECONDS.labels("nodeagent", hop).observe(dt)
+    return round(dt * 1000, 3)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, PodbayError):
+        return exc.message
+    if isinstance(exc, TimeoutError):
+        return "the guest did not answer in time"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,289 @@
+"""Benchmark: sandbox creation, warm (from a pool) and cold (restore), against the floor measured in the
+same run; per-hop breakdown; idle sandboxes per GiB of host memory (DESIGN.md §7, issue "warm pools").
+
+    .venv/bin/python tests/bench/create.py --runs 200 --json create.json [--keep]
+
+It starts its own stack of real processes in a temporary directory on free ports (as the tests do), so
+that it can read PostgreSQL and the node's metrics and set the stack's paused-release time; servers given
+by ``PODBAY_NATS_URL``/``PODBAY_PG_DSN``/``PODBAY_S3_URL`` are used instead of starting them.
+
+Metrics:
+
+- ``floor_resume_ping``: QMP ``cont`` of a stopped, restored guest plus one guestd ping on its already
+  connected channel (the node's own restore of the template, outside the stack's books);
+- ``create_warm``: ``POST /v1/sandboxes`` until it answers 201 (the sandbox runs and guestd answered its
+  hygiene), one client, a ready slot waiting before each create (the wait is not timed);
+- ``create_warm_8clients``: the same with 8 clients at once, in rounds of 8 with 8 slots ready;
+- ``create_cold``: the same call with no pool (restore from the template snapshot);
+- ``warm_share`` (and ``..._8clients``): share of the warm creates served from a slot (the API's
+  ``create_warm`` counter; the others fell back to a restore);
+- ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
+  (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile);
+- ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory (PSS of
+  each QEMU, which includes its guest RAM file's pages) per idle running sandbox, and per paused one before
+  its RAM is released; ``paused_released_host_MiB_each`` and ``paused_released_disk_MiB_each`` (extents
+  not shared with the template) after the release (QEMU gone, state on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from podbay.channel.client import GuestChannel
+from podbay.config import Settings
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay_nodeagent.template import TemplateSnapshot
+from podbay_nodeagent.vmm import QemuVmm
+
+try:
+    from tests.bench._stats import report, summarise
+except ImportError:  # run as a script from the repository root
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _stats import report, summarise  # type: ignore[no-redef]
+
+#: Seconds a paused sandbox waits before its RAM is released, in the benchmark's stack.
+RELEASE_S = 4
+SETTLE_S = 600.0
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _wait(what: str, cond: Callable[[], bool], timeout_s: float = SETTLE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def _ready(c: httpx.Client, template: str) -> int:
+    for p in c.get("/v1/pools").json()["pools"]:
+        if p["template"] == template:
+            return int(p["ready"])
+    return 0
+
+
+def _create(c: httpx.Client, template: str) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = c.post("/v1/sandboxes", json={"template": template})
+    ms = _ms(t0)
+    if r.status_code != 201:
+        raise SystemExit(f"create answered {r.status_code}: {r.text}")
+    return str(r.json()["id"]), ms
+
+
+def _delete(c: httpx.Client, ids: list[str]) -> None:
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda sid: c.delete(f"/v1/sandboxes/{sid}").raise_for_status(), ids))
+
+
+def _hops(text: str) -> dict[str, tuple[float, float]]:
+    """``podbay_hop_seconds`` sum and count per ``service/hop`` from a Prometheus text page."""
+    out: dict[str, list[float]] = {}
+    for m in re.finditer(r'^podbay_hop_seconds_(sum|count)\{hop="([^"]+)",service="([^"]+)"\} (\S+)$', text, re.M):
+        kind, hop, service, value = m.groups()
+        out.setdefault(f"{service}_{hop}", [0.0, 0.0])[0 if kind == "sum" else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _scrape(urls: list[str]) -> dict[str, tuple[float, float]]:
+    total: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        total.update(_hops(httpx.get(url, timeout=10).text))
+    return total
+
+
+def _hop_means(suffix: str, before: dict[str, tuple[float, float]],
+               after: dict[str, tuple[float, float]]) -> dict[str, dict[str, Any]]:
+    """``hop_<service>_<hop>_mean_ms<suffix>`` for every hop seen between two scrapes."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (s1, n1) in sorted(after.items()):
+        s0, n0 = before.get(key, (0.0, 0.0))
+        if n1 > n0:
+            out[f"hop_{key}_mean_ms{suffix}"] = {"value": round((s1 - s0) / (n1 - n0) * 1000, 2), "n": int(n1 - n0)}
+    return out
+
+
+def _warm_ok(api_metrics_url: str) -> float:
+    """The API's count of creates served from a warm slot (``create_warm`` operations that succeeded)."""
+    text = httpx.get(api_metrics_url, timeout=10).text
+    m = re.search(r'^podbay_lifecycle_operations_total\{kind="create_warm",outcome="ok",service="api"\} (\S+)$',
+                  text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _qemu_pss_mib(ids: list[str]) -> list[float]:
+    """PSS in MiB of the QEMU of each sandbox in ``ids`` (found by its VM directory in the command line)."""
+    found: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            if "qemu" not in cmd:
+                continue
+            sid = next((s for s in ids if f"/{s}/" in cmd), None)
+            if sid is None:
+                continue
+            rollup = (proc / "smaps_rollup").read_text()
+        except OSError:
+            continue
+        m = re.search(r"^Pss:\s+(\d+) kB", rollup, re.M)
+        if m:
+            found[sid] = int(m.group(1)) / 1024
+    return list(found.values())
+
+
+async def _floor(store: Path, runs: int) -> list[float]:
+    """``cont`` + one ping on a restored, stopped guest whose channel is connected, ``runs`` times."""
+    metas = sorted(store.glob("templates/*/*/template.json"), key=lambda p: p.stat().st_mtime)
+    if not metas:
+        raise SystemExit(f"no template in {store}")
+    tpl = TemplateSnapshot.load(metas[-1].parent)
+    vm_dir = store / "tmp" / "bench-floor"
+    shutil.rmtree(vm_dir, ignore_errors=True)
+    vmm = QemuVmm()
+    vm = await vmm.restore(tpl.dir, vm_dir, tpl.vm_config(Settings()))
+    samples: list[float] = []
+    try:
+        ch = await GuestChannel.connect(vm.paths.channel, timeout_s=60)
+        await ch.ping()
+        for _ in range(runs):
+            await vmm.pause(vm)
+            t0 = time.perf_counter()
+            await vmm.resume(vm)
+            await ch.ping()
+            samples.append(_ms(t0))
+        await ch.close()
+    finally:
+        await vmm.kill(vm)
+        shutil.rmtree(vm_dir, ignore_errors=True)
+    return samples
+
+
+def _exclusive_mib(path: Path) -> float:
+    """MiB of ``path`` held by no other file (``btrfs filesystem du``: extents not shared by reflink)."""
+    out = subprocess.run(["btrfs", "filesystem", "du", "-s", "--raw", str(path)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    return int(out[-1].split()[1]) / 2**20
+
+
+def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[str, dict[str, Any]]:
+    ids = [_create(c, template)[0] for _ in range(count)]
+    try:
+        time.sleep(3)  # let the guests settle after their hygiene
+        running = _qemu_pss_mib(ids)
+        for sid in ids:
+            c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+        paused = _qemu_pss_mib(ids)
+        _wait("paused sandboxes to release their RAM", lambda: not _qemu_pss_mib(ids), RELEASE_S * 10 + 60)
+        left = _qemu_pss_mib(ids)
+        disk = [_exclusive_mib(store / "sandboxes" / sid) for sid in ids]
+    finally:
+        _delete(c, ids)
+    per = lambda xs: round(1024 / (sum(xs) / len(xs)), 2) if xs else None  # noqa: E731
+    return {
+        "idle_running_sandboxes_per_GiB": {"value": per(running), "n": len(running)},
+        "paused_sandboxes_per_GiB": {"value": per(paused), "n": len(paused)},
+        "paused_released_host_MiB_each": {"value": round(sum(left) / count, 2), "n": count},
+        # Exclusive extents only: what the sandbox's files do not share with the template by reflink.
+        "paused_released_disk_MiB_each": {"value": round(sum(disk) / count, 1), "n": count},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=200, help="creates per metric (default 200)")
+    ap.add_argument("--pool", type=int, default=16, help="pool size for the warm phases (default 16)")
+    ap.add_argument("--density", type=int, default=10, help="sandboxes for the density figures (default 10)")
+    ap.add_argument("--template", default="base")
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the stack's directory")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
+    os.chmod(root, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
+    stack = Stack(data_dir=root / "stack", log_dir=root / "stack" / "logs", cache_dir=Settings().cache_dir,
+                  ports=StackPorts.free(), external=External.from_env(), durable=False,
+                  base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": str(RELEASE_S)})
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        stack.start()
+        stack.create_api_key("bench", "bench")
+        store = root / "stack" / "nodes" / Settings().node_id / "store"
+        metrics = [f"{stack.api_url}/metrics", f"http://127.0.0.1:{stack.ports.node}/metrics"]
+        headers = {"authorization": f"Bearer {stack.api_key}"}
+        with httpx.Client(base_url=stack.api_url, headers=headers, timeout=120) as c:
+            print(f"load average at start: {os.getloadavg()}")
+            results["floor_resume_ping"] = summarise(asyncio.run(_floor(store, args.runs)))
+
+            # Cold: no pool.
+            cold, ids = [], []
+            _create(c, args.template)  # warm-up, not counted
+            for _ in range(args.runs):
+                sid, ms = _create(c, args.template)
+                cold.append(ms)
+                _delete(c, [sid])
+            results["create_cold"] = summarise(cold)
+
+            # Warm, one client.
+            c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
+            _wait("the pool to fill", lambda: _ready(c, args.template) >= args.pool)
+            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
+            warm, ids = [], []
+            for _ in range(args.runs):
+                _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
+                sid, ms = _create(c, args.template)
+                warm.append(ms)
+                ids.append(sid)
+                _delete(c, [sid])
+            results["create_warm"] = summarise(warm)
+            results["warm_share"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids), 3), "n": len(ids)}
+            results.update(_hop_means("", before, _scrape(metrics)))
+
+            # Warm, 8 clients at once, in rounds of 8 with 8 slots ready.
+            warm8, ids8 = [], []
+            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
+            with ThreadPoolExecutor(8) as ex:
+                while len(warm8) < args.runs:
+                    _wait("8 ready slots", lambda: _ready(c, args.template) >= 8)
+                    got = list(ex.map(lambda _: _create(c, args.template), range(8)))
+                    warm8 += [ms for _, ms in got]
+                    ids8 += [sid for sid, _ in got]
+                    _delete(c, [sid for sid, _ in got])
+            results["create_warm_8clients"] = summarise(warm8)
+            results.update(_hop_means("_8clients", before, _scrape(metrics)))
+            results["warm_share_8clients"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids8), 3),
+                                              "n": len(ids8)}
+            c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
+            _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
+
+            results.update(_density(c, args.template, store, args.density))
+            print(f"load average at end: {os.getloadavg()}")
+    finally:
+        stack.stop(purge=True)
+        kill_strays(root / "stack")
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    report(results, args.json_path)
+
+
+if __name__ == "__main__":
+    main()

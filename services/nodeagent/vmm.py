@@ -304,7 +304,9 @@ class QemuVmm(Vmm):
                 timeout_s or (vm.config.op_timeout_s if vm.config else 10.0),
             )
         except ExecuteError as exc:
-            raise VmOperationError(f"QMP {cmd} failed: {exc.error.desc}", details={"cmd": cmd}) from exc
+            # str(ExecuteError) is QEMU's "desc"; the class (e.g. GenericError) is a QMP error class name.
+            raise VmOperationError(f"QMP {cmd} failed: {exc}",
+                                   details={"cmd": cmd, "qmp_class": exc.error_class}) from exc
         except (StateError, QMPError, EOFError, OSError) as exc:
             if not self.is_alive(vm):
                 raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc

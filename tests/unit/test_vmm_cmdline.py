@@ -8,9 +8,21 @@ import os
 from pathlib import Path
 
 import pytest
+from qemu.qmp import ExecuteError
+from qemu.qmp.message import Message
+from qemu.qmp.models import ErrorResponse
 
 from podbay_nodeagent.accel import parse_tsc_khz
-from podbay_nodeagent.vmm import VmConfig, VmPaths, build_qemu_argv, kernel_cmdline, reflink_or_copy
+from podbay_nodeagent.vmm import (
+    QemuVmm,
+    VmConfig,
+    VmHandle,
+    VmOperationError,
+    VmPaths,
+    build_qemu_argv,
+    kernel_cmdline,
+    reflink_or_copy,
+)
 
 
 def _cfg(**kw: object) -> VmConfig:
@@ -103,3 +115,17 @@ def test_copy_across_filesystems_falls_back_to_read_write(tmp_path: Path, monkey
     dst = tmp_path / "dst"
     assert reflink_or_copy(src, dst) == "copy"
     assert dst.read_bytes() == src.read_bytes()
+
+
+async def test_a_qmp_command_failure_carries_qemus_description() -> None:
+    reply = Message({"error": {"class": "GenericError", "desc": "migration is already running"}})
+
+    class RefusingQmp:
+        async def execute(self, cmd: str, args: object = None) -> object:
+            raise ExecuteError(ErrorResponse(reply), Message({"execute": cmd}), reply)
+
+    vm = VmHandle(paths=VmPaths(Path("/nonexistent")), pid=0, config=None, qmp=RefusingQmp())  # type: ignore[arg-type]
+    with pytest.raises(VmOperationError) as info:
+        await QemuVmm()._qmp(vm, "migrate")
+    assert "migration is already running" in str(info.value)
+    assert info.value.details == {"cmd": "migrate", "qmp_class": "GenericError"}

@@ -32,6 +32,7 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import asyncpg
 import httpx
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +48,7 @@ from . import dataplane, sandboxes
 from .auth import Principal, authenticate
 from .context import ApiContext
 from .deps import ctx_dep
+from .errors import BAD_TEXT_MESSAGE
 
 __all__ = ["router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
 
@@ -76,6 +78,8 @@ class _E2bRoute(APIRoute):
                 return await inner(request)
             except PodbayError as exc:
                 return error_body(exc.http_status, exc.message)
+            except asyncpg.DataError:
+                return error_body(400, BAD_TEXT_MESSAGE)
             except RequestValidationError as exc:
                 first = exc.errors()[0] if exc.errors() else {}
                 where = ".".join(str(p) for p in first.get("loc", ()))

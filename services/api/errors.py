@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import asyncpg
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -12,9 +14,12 @@ from starlette.requests import ClientDisconnect
 
 from podbay.errors import PodbayError
 
-__all__ = ["install_error_handlers"]
+__all__ = ["install_error_handlers", "BAD_TEXT_MESSAGE"]
 
 log = logging.getLogger("podbay.api")
+
+#: What PostgreSQL says when a client's value cannot be stored or compared as text (a NUL byte, bad UTF-8).
+BAD_TEXT_MESSAGE = "a value in the request is not valid text (NUL bytes and invalid UTF-8 are refused)"
 
 _HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "validation_error"}
@@ -46,6 +51,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+
+    @app.exception_handler(asyncpg.DataError)
+    async def _bad_text(_: Request, exc: asyncpg.DataError) -> JSONResponse:
+        # Ids and names from the path or body reach queries as text parameters; PostgreSQL refuses NUL there
+        # (CharacterNotInRepertoireError). That is the client's input, not a server fault.
+        log.info("refused a value PostgreSQL cannot hold: %s", exc)
+        return JSONResponse({"error": {"code": "invalid_request", "message": BAD_TEXT_MESSAGE}}, status_code=400)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:

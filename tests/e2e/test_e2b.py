@@ -263,6 +263,9 @@ def test_rest_error_shape_and_status_codes(stack: Any) -> None:
     assert r.status_code == 400
     r = api.post("/sandboxes/sbx_missing/pause")
     assert r.status_code == 404
+    for method, url in (("GET", "/sandboxes/%00"), ("DELETE", "/sandboxes/%00")):
+        r = api.request(method, url)
+        assert r.status_code == 400 and r.json()["code"] == 400 and "NUL" in r.json()["message"], (url, r.text)
     envd = httpx.post(f"{stack.api_url}/filesystem.Filesystem/Stat", json={"path": "/"},
                       headers={"E2b-Sandbox-Id": "sbx_missing", "X-Access-Token": "x"})
     assert envd.status_code == 401

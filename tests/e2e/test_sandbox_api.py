@@ -160,6 +160,14 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(stack: Any) -> None:
         # the other tenant's attempts changed nothing
         assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
 
+        # a NUL byte cannot be PostgreSQL text: the client's mistake, answered 400, never 500
+        for method, url, body in (("GET", "/v1/sandboxes/%00", None), ("DELETE", "/v1/sandboxes/a%00b", None),
+                                  ("POST", "/v1/sandboxes/%00/exec", {"argv": ["true"]}),
+                                  ("GET", "/v1/operations/%00", None),
+                                  ("POST", f"/v1/sandboxes/{sid}/restore", {"snapshot_id": "a\u0000b"})):
+            r = c.request(method, url, json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (url, r.text)
+
         assert c.delete(f"/v1/sandboxes/{sid}").status_code == 200
         r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
@@ -167,3 +175,4 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(stack: Any) -> None:
         r = c.delete(f"/v1/sandboxes/{sid}")
         assert r.status_code == 409
         assert c.get("/v1/sandboxes/sbx_doesnotexist").status_code == 404
+

@@ -401,3 +401,13 @@ def test_pool_set_refuses_bad_bounds_before_sending(fake_api: FakeApi) -> None:
     assert_error_line(run(fake_api, "pool", "set", "base", "--size", "3", "--max", "2"), "invalid_request", 2)
     assert not [r for r in fake_api.requests if "/pools" in r.path]
     assert_error_line(run(fake_api, "pool", "set", "nosuch", "--size", "1"), "not_found", 2)
+
+
+def test_a_waiting_call_the_server_could_not_finish_is_an_error_not_success(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-slow")
+    result = run(fake_api, "sandbox", "rm", "sb-slow")
+    assert_error_line(result, "timeout", 1)
+    assert "op-delete-1" in result.stderr and result.stdout == ""
+    # asked not to wait, the 202 is the expected answer
+    result = run(fake_api, "sandbox", "rm", "sb-slow", "--no-wait")
+    assert result.exit_code == 0 and "op-delete-1" in result.stderr

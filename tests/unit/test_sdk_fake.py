@@ -9,7 +9,8 @@ port) and runs a few fake commands:
 - streaming only: ``["gated"]`` writes ``first``, waits for ``FakeApi.gate`` (set by the test), then
   writes ``second``; ``["fail"]`` sends an ``error`` event; ``["cut"]`` ends without ``exit``.
 
-Special sandbox ids: ``plain-404`` answers a non-JSON 404; ``sb-paused`` refuses exec with 409.
+Special sandbox ids: ``plain-404`` answers a non-JSON 404; ``sb-paused`` refuses exec with 409;
+``sb-slow`` answers a waiting delete with 202 (the server's wait ran out).
 The fixtures ``fake_api`` (the running fake) and ``clean_env`` are imported by the other test modules.
 """
 
@@ -158,7 +159,7 @@ def build_app(fake: FakeApi) -> FastAPI:
     @app.delete("/v1/sandboxes/{sandbox_id}")
     async def delete(sandbox_id: str, wait: bool = True) -> Response:
         info = box(sandbox_id)
-        if wait:
+        if wait and sandbox_id != "sb-slow":
             del fake.sandboxes[sandbox_id]
             info = info.model_copy(update={"state": "deleted"})
             return JSONResponse(info.model_dump(mode="json"))
@@ -364,3 +365,4 @@ def test_fake_refuses_a_wrong_key(fake_api: FakeApi) -> None:
     resp = httpx.get(fake_api.url + "/v1/sandboxes", headers={"Authorization": "Bearer nope"})
     assert resp.status_code == 401
     assert resp.json()["error"]["code"] == "unauthorized"
+

@@ -40,7 +40,7 @@ from podbay.contracts.api import (
     SandboxList,
     TemplateInfo,
 )
-from podbay.errors import InvalidRequest, PodbayError
+from podbay.errors import InvalidRequest, PodbayError, Timeout
 
 __all__ = [
     "Call",
@@ -120,6 +120,24 @@ def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
     return parse
 
 
+def _settled(wait: bool) -> Callable[[httpx.Response], SandboxInfo]:
+    """Parse a lifecycle answer. With ``wait``, a 202 means the server's bounded wait ran out before the
+    operation finished (e.g. a node agent restarting mid-way): that is not success, so raise ``Timeout``
+    carrying the ``operation_id`` to follow with ``GET /v1/operations/{id}``."""
+
+    def parse(resp: httpx.Response) -> SandboxInfo:
+        info = _model(SandboxInfo)(resp)
+        if wait and resp.status_code == 202:
+            raise Timeout(
+                f"sandbox {info.id} is still {info.state}: the operation did not finish within the server's wait; "
+                f"follow it with `podbay operation get {info.operation_id}`",
+                details={"operation_id": info.operation_id, "state": str(info.state)},
+            )
+        return info
+
+    return parse
+
+
 def _validate(cls: type[M], fields: dict[str, Any], what: str) -> M:
     """Check a request body locally, so a bad value fails before any network round trip."""
     try:
@@ -180,7 +198,7 @@ def create_sandbox(
     return Call(
         "POST",
         "/v1/sandboxes",
-        _model(SandboxInfo),
+        _settled(wait),
         params={"wait": _bool(wait)},
         json=body.model_dump(mode="json", exclude_none=True),
     )
@@ -202,18 +220,18 @@ def list_sandboxes() -> Call[builtins.list[SandboxInfo]]:
 
 def delete_sandbox(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
     """``DELETE /v1/sandboxes/{id}?wait=``; 200 (or 202 with ``operation_id``)."""
-    return Call("DELETE", _sandbox_path(sandbox_id), _model(SandboxInfo), params={"wait": _bool(wait)})
+    return Call("DELETE", _sandbox_path(sandbox_id), _settled(wait), params={"wait": _bool(wait)})
 
 
 def lifecycle_call(sandbox_id: str, verb: str, *, wait: bool) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/<verb>?wait=`` for ``pause`` and ``resume``; 200 (or 202 with ``operation_id``)."""
-    return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _model(SandboxInfo), params={"wait": _bool(wait)})
+    return Call("POST", _sandbox_path(sandbox_id, f"/{verb}"), _settled(wait), params={"wait": _bool(wait)})
 
 
 def suspend_call(sandbox_id: str, *, wait: bool) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/suspend?wait=``: snapshot, promote to object storage, free the VM; 200 when
     ``suspended`` (or 202 with ``operation_id``). No read timeout: the server bounds it."""
-    return Call("POST", _sandbox_path(sandbox_id, "/suspend"), _model(SandboxInfo), params={"wait": _bool(wait)},
+    return Call("POST", _sandbox_path(sandbox_id, "/suspend"), _settled(wait), params={"wait": _bool(wait)},
                 long_running=True, read_timeout_s=None)
 
 
@@ -223,7 +241,7 @@ def resume_call(sandbox_id: str, *, wait: bool, fallback: bool = False) -> Call[
     params = {"wait": _bool(wait)}
     if fallback:
         params["fallback"] = "true"
-    return Call("POST", _sandbox_path(sandbox_id, "/resume"), _model(SandboxInfo), params=params,
+    return Call("POST", _sandbox_path(sandbox_id, "/resume"), _settled(wait), params=params,
                 long_running=True, read_timeout_s=None)
 
 
@@ -270,7 +288,7 @@ def diff_call(sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> Ca
 def restore_call(sandbox_id: str, snapshot_id: str) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/restore`` {"snapshot_id"} -> ``SandboxInfo`` (a new generation)."""
     body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id)}, "restore request")
-    return Call("POST", _sandbox_path(sandbox_id, "/restore"), _model(SandboxInfo), json=body.model_dump(),
+    return Call("POST", _sandbox_path(sandbox_id, "/restore"), _settled(True), json=body.model_dump(),
                 long_running=True, read_timeout_s=None)
 
 

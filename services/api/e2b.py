@@ -38,7 +38,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from podbay.contracts.api import LeaseUpdate, SandboxCreate
 from podbay.contracts.states import SandboxCommand
@@ -169,8 +169,13 @@ async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
 
 
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
-    req = SandboxCreate(template=body.template_id, metadata=body.metadata or {}, lease_s=_lease(body.timeout, ctx),
-                        on_lease_expiry="pause" if body.auto_pause else "delete")
+    try:
+        req = SandboxCreate(template=body.template_id, metadata=body.metadata or {},
+                            lease_s=_lease(body.timeout, ctx), on_lease_expiry="pause" if body.auto_pause else "delete")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequest(f"{where}: {first.get('msg', 'invalid')}") from exc
     info = await sandboxes.create_sandbox(req, ctx, who, Response(), wait=True)
     if body.env_vars:
         await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars) VALUES ($1, $2)",

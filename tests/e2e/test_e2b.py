@@ -257,6 +257,10 @@ def test_rest_error_shape_and_status_codes(stack: Any) -> None:
     assert r.status_code == 404 and r.json() == {"code": 404, "message": "sandbox sbx_missing was not found"}
     r = api.post("/v2/sandboxes", json={"timeout": 60})
     assert r.status_code == 400 and r.json()["code"] == 400 and "templateID" in r.json()["message"]
+    r = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": "v" * 1025}})
+    assert r.status_code == 400 and r.json()["code"] == 400 and "metadata" in r.json()["message"], r.text
+    r = api.post("/sandboxes", json={"templateID": "no/such template"})
+    assert r.status_code == 400 and r.json()["code"] == 400, r.text
     r = api.get("/v2/sandboxes", params={"state": "deleted"})
     assert r.status_code == 400
     r = api.get("/v2/sandboxes", params={"nextToken": "garbage"})

@@ -139,6 +139,9 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(stack: Any) -> None:
         assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
         r = c.post("/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 422
+        for metadata in ({"k" * 129: "v"}, {"k": "v" * 1025}, {"": "v"}):
+            r = c.post("/v1/sandboxes", json={"template": "base", "metadata": metadata})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
         assert c.get("/v1/sandboxes").json()["sandboxes"] == before
 
     for headers in ({}, {"authorization": "Bearer pb_00000000_" + "0" * 40}, {"authorization": "Basic x"}):

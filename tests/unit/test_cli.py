@@ -205,6 +205,8 @@ def test_files_commands_round_trip(fake_api: FakeApi, tmp_path: Path) -> None:
     assert out.read_bytes() == payload
     missing = run(fake_api, "files", "read", "sb-f", "/nope", "-o", str(tmp_path / "never"))
     assert_error_line(missing, "not_found", 2)
+    for bad in ("", str(tmp_path)):
+        assert_error_line(run(fake_api, "files", "read", "sb-f", "/data/in.bin", "-o", bad), "invalid_request", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.bin", "out.bin"]
 
     ls = run(fake_api, "files", "ls", "sb-f", "/data")

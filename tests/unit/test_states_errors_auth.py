@@ -78,3 +78,12 @@ async def test_authenticate_caches_verified_keys_only() -> None:
     assert pool.calls == 3  # failures are looked up every time, never cached
     with pytest.raises(Unauthorized):
         await auth.authenticate(pool, None)  # type: ignore[arg-type]
+
+
+def test_a_refusal_reads_as_english() -> None:
+    with pytest.raises(InvalidState) as info:
+        check_allowed(SandboxCommand.FILES, SandboxState.PAUSED)
+    assert str(info.value) == "cannot read or write files of a sandbox that is paused"
+    with pytest.raises(InvalidState) as info:
+        check_allowed(SandboxCommand.PAUSE, SandboxState.DELETED)
+    assert str(info.value) == "cannot pause a sandbox that is deleted"

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+from podbay.errors import InvalidRequest
 
 __all__ = ["app", "parse_mode"]
 
@@ -65,6 +66,9 @@ def read(
         client(ctx).read_file_into(sandbox_id, remote, sys.stdout.buffer)
         sys.stdout.buffer.flush()
         return
+    if not output.name or output.is_dir():
+        # Path("") is "."; a directory cannot be replaced by the download either.
+        raise InvalidRequest(f"-o {str(output)!r} is not a file path")
     partial = output.with_name(output.name + ".part")
     try:
         with partial.open("wb") as dest:

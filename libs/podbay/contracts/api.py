@@ -7,9 +7,9 @@ Sizes are bytes, durations carry their unit in the name. Every error body is
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 __all__ = [
     "SandboxCreate",
@@ -42,6 +42,10 @@ __all__ = [
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+MetadataValue = Annotated[str, StringConstraints(max_length=1024)]
+
+
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -52,7 +56,8 @@ class SandboxCreate(_In):
     template: str = Field(pattern=NAME_PATTERN, description="Template name, e.g. 'base'.")
     memory_mib: int | None = Field(None, ge=128, le=16384, description="Must match the template's snapshot.")
     vcpus: int | None = Field(None, ge=1, le=16)
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    metadata: dict[MetadataKey, MetadataValue] = Field(
+        default_factory=dict, max_length=64, description="Up to 64 labels: keys 1-128 characters, values up to 1,024.")
     lease_s: int | None = Field(None, ge=10, le=30 * 86400, description="Lease in seconds; default from the server.")
     on_lease_expiry: Literal["pause", "delete"] | None = Field(
         None, description="What happens when the lease runs out and the guest is idle (default: pause).")

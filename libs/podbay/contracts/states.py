@@ -62,11 +62,15 @@ ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
 }
 
 
+#: How a refused command reads in "cannot <phrase> a sandbox that is <state>" (the default is its name).
+_PHRASES: dict[SandboxCommand, str] = {SandboxCommand.FILES: "read or write files of"}
+
+
 def check_allowed(command: SandboxCommand, state: SandboxState | str) -> None:
     """Raise ``InvalidState`` (HTTP 409, ``details.state``) unless ``command`` is allowed in ``state``."""
     st = SandboxState(state)
     if st not in ALLOWED[command]:
         raise InvalidState(
-            f"cannot {command.value} a sandbox that is {st.value}",
+            f"cannot {_PHRASES.get(command, command.value)} a sandbox that is {st.value}",
             details={"state": st.value, "command": command.value},
         )

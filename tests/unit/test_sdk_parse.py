@@ -227,6 +227,9 @@ def test_exec_request_validation() -> None:
         exec_request(["x"], timeout_s=0)
     with pytest.raises(InvalidRequest, match="larger than"):
         exec_request(["x"], stdin=b"a" * ((16 << 20) + 1))
+    for wrong in (None, 5, b"ls"):
+        with pytest.raises(InvalidRequest, match="must be a string or a sequence"):
+            exec_request(wrong)  # type: ignore[arg-type]
 
 
 def test_format_mode() -> None:

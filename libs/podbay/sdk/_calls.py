@@ -343,8 +343,10 @@ def exec_request(
     fields["timeout_s"] = timeout_s
     if isinstance(cmd, str):
         fields["shell"] = cmd
-    else:
+    elif isinstance(cmd, Sequence) and not isinstance(cmd, bytes):
         fields["argv"] = list(cmd)
+    else:
+        raise InvalidRequest(f"command must be a string or a sequence of strings, not {type(cmd).__name__}")
     return _validate(ExecRequest, fields, "exec request")
 
 

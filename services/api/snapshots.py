@@ -111,7 +111,11 @@ async def _ready_snapshot(conn: asyncpg.Connection, sandbox_id: str, snapshot_id
 @router.post("/restore", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
 async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, who: PrincipalDep,
                           response: Response, wait: bool = Query(True)) -> SandboxInfo:
-    """Roll back to a snapshot, keeping the id; the generation goes up by one (older calls are fenced off)."""
+    """Roll back to a snapshot, keeping the id; the generation goes up by one (older calls are fenced off).
+
+    Allowed from ``running``, ``paused`` and ``failed`` (a dead VM comes back from a ready snapshot on its
+    node). Errors: 404 ``not_found`` (sandbox or snapshot), 409 ``invalid_state``, 409 ``conflict`` (snapshot
+    not ready)."""
     op_id = new_id("op")
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)

@@ -75,6 +75,8 @@ class SandboxManager:
         self.vms: dict[str, RunningVm] = {}
         self.hibernated: dict[str, HibernatedVm] = {}
         self.templates: dict[str, TemplateImage] = {}
+        # Earlier builds of a template that sandboxes still run on, by (name, digest); loaded on demand.
+        self._older_templates: dict[tuple[str, str], TemplateImage] = {}
         self.ready = False
         self._locks: dict[str, asyncio.Lock] = {}
         # Guests restored all at once share the cores and may all miss their HELLO timeout under TCG; a
@@ -103,6 +105,24 @@ class SandboxManager:
         mem = sum(v.resources.memory_mib for v in self.vms.values())
         cpu = sum(v.resources.vcpus for v in self.vms.values())
         return mem, cpu, len(self.vms), sorted(self.templates)
+
+    async def template(self, name: str, digest: str) -> TemplateImage:
+        """The build ``digest`` of template ``name``: the current one (``templates``, what new creates use) or
+        an earlier build still in the node store or build cache, loaded once and cached. Raises ``NotFound``
+        when this node holds neither (a sandbox's memory snapshot only restores on the build it came from)."""
+        cur = self.templates.get(name)
+        if cur is not None and cur.digest == digest:
+            return cur
+        img = self._older_templates.get((name, digest))
+        if img is None:
+            img = await asyncio.to_thread(self.driver.find_template, name, digest)
+            if img is None:
+                have = f"build {cur.digest[:12]}" if cur is not None else "no build of it"
+                raise NotFound(f"template {name!r} build {digest[:12]} (the sandbox's) is not on node "
+                               f"{self.node_id}, which has {have}")
+            log.info("template %s: using earlier build %s from the node store", name, digest[:12])
+            self._older_templates[(name, digest)] = img
+        return img
 
     def channel(self, sandbox_id: str, generation: int | None) -> GuestChannel:
         """The guest channel of a running sandbox; ``NotFound``, ``StaleGeneration`` or ``Unavailable``."""
@@ -140,33 +160,26 @@ class SandboxManager:
             await self._create_locked(cmd)
 
     async def _create_locked(self, cmd: CreateSandboxCmd) -> None:
-        tpl = self.templates.get(cmd.template)
-        source: Path | None = None
-        if tpl is not None and tpl.digest == cmd.template_digest:
-            source = tpl.snapshot.dir
+        # ``bring_up`` resolves the build and fails the sandbox with the reason when it is missing.
         await self.bring_up(cmd.sandbox_id, cmd.generation, cmd.resources, cmd.hostname, cmd.tenant_id,
-                            template=cmd.template, template_digest=cmd.template_digest, snapshot_dir=source,
+                            template=cmd.template, template_digest=cmd.template_digest, snapshot_dir=None,
                             operation_id=cmd.operation_id, event="started", kind="create")
 
     async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
                        *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
                        event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
                        from_state: str = "starting") -> bool:
-        """Start the sandbox's VM from ``snapshot_dir`` (a full snapshot: the template's or its own) or, with
-        ``boot_disk``, by a fresh boot on that disk; run the after-restore hygiene; mark it running with
-        ``event``. Called under the sandbox's lock with the row in ``from_state`` at ``generation``. On failure
-        the sandbox becomes ``failed`` with the reason. Returns True when it runs."""
+        """Start the sandbox's VM from ``snapshot_dir`` (a full snapshot of its own; None: the template's) or,
+        with ``boot_disk``, by a fresh boot on that disk, on the template build ``template_digest`` (see
+        ``template``); run the after-restore hygiene; mark it running with ``event``. Called under the sandbox's
+        lock with the row in ``from_state`` at ``generation``. On failure the sandbox becomes ``failed`` with the
+        reason. Returns True when it runs."""
         t0 = time.perf_counter()
         vm_dir = self.store.sandbox_dir(sandbox_id)
         handle: VmHandle | None = None
         channel: GuestChannel | None = None
         try:
-            tpl = self.templates.get(template)
-            if tpl is None:
-                raise NotFound(f"template {template!r} is not on node {self.node_id}")
-            if tpl.digest != template_digest:
-                raise PodbayError(f"template {template!r} on this node is {tpl.digest[:12]}, "
-                                  f"the sandbox needs {template_digest[:12]}")
+            tpl = await self.template(template, template_digest)
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
             async with self.restore_slots:
                 t = time.perf_counter()
@@ -175,8 +188,7 @@ class SandboxManager:
                                                          vcpus=resources.vcpus)
                     connect_timeout = self.settings.boot_timeout_s
                 else:
-                    assert snapshot_dir is not None
-                    handle = await self.driver.restore_from(snapshot_dir, tpl, vm_dir,
+                    handle = await self.driver.restore_from(snapshot_dir or tpl.snapshot.dir, tpl, vm_dir,
                                                             memory_mib=resources.memory_mib, vcpus=resources.vcpus)
                     connect_timeout = self.settings.restore_timeout_s
                 HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
@@ -295,7 +307,7 @@ class SandboxManager:
         """Restore a hibernated sandbox, still paused, into ``self.vms`` (caller holds the lock)."""
         hv = self.hibernated[sandbox_id]
         row = await self.pool.fetchrow("SELECT template, template_digest FROM sandboxes WHERE id=$1", sandbox_id)
-        tpl = self.templates[row["template"]]
+        tpl = await self.template(row["template"], row["template_digest"])
         vm_dir = self.store.sandbox_dir(sandbox_id)
         handle = await self.driver.restore_from(vm_dir / "hib", tpl, vm_dir, memory_mib=hv.resources.memory_mib,
                                                 vcpus=hv.resources.vcpus, paused=True)

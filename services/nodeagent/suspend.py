@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from podbay.contracts import subjects
 from podbay.contracts.messages import PromoteCmd, Resources, SandboxOpCmd, WakeCmd
-from podbay.errors import PodbayError, SnapshotCorrupt
+from podbay.errors import NotFound, PodbayError, SnapshotCorrupt
 from podbay.faults import fault_point
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
@@ -205,8 +205,10 @@ class SuspendOps:
                 candidates += [r["id"] for r in await m.pool.fetch(
                     "SELECT id FROM snapshots WHERE sandbox_id=$1 AND kind='full' AND promotion='promoted'"
                     " AND state='ready' AND id <> $2 ORDER BY created_at DESC", cmd.sandbox_id, cmd.snapshot_id)]
-            tpl = m.templates.get(row["template"])
-            base = tpl.snapshot.dir if tpl is not None and tpl.digest == row["template_digest"] else None
+            try:
+                base: Path | None = (await m.template(row["template"], row["template_digest"])).snapshot.dir
+            except NotFound:
+                base = None  # every chunk comes from the object store; bring_up then fails with the reason
             local = await self._local_chunks(cmd.sandbox_id)
             chosen: str | None = None
             errors: list[str] = []

@@ -4,7 +4,9 @@ A thin layer over ``vmm.QemuVmm`` that binds it to this node's store and setting
 deals in sandboxes and templates rather than QEMU arguments. Templates are built into the build cache by
 ``podbay template build`` (``template.prepare_template``); at start the agent copies each one's newest
 snapshot into its btrfs store once (``store/templates/<name>/<key>``) so that every restore reflinks from
-the same filesystem, and registers it in PostgreSQL (``templates``, ``node_templates``).
+the same filesystem, and registers it in PostgreSQL (``templates``, ``node_templates``). Earlier keys stay in
+the store: a sandbox keeps the template build it was created from (its ``template_digest``), and
+``find_template`` loads such an older build when the sandbox is restored, forked or woken.
 """
 
 from __future__ import annotations
@@ -128,6 +130,23 @@ class VmDriver:
             os.replace(tmp, dest)
             log.info("imported template %s (%s) into the node store", name, tpl.key[:12])
         return TemplateImage(name=name, digest=tpl.key, snapshot=TemplateSnapshot.load(dest))
+
+    def find_template(self, name: str, digest: str) -> TemplateImage | None:
+        """Build ``digest`` of template ``name`` from the store (``store/templates/<name>/<digest>``), or else
+        imported from the build cache when a cached build has that key; None when neither holds it.
+        Blocking file I/O (run it in a thread)."""
+        dest = self.store.template_dir(name, digest)
+        if (dest / "template.json").exists():
+            return TemplateImage(name=name, digest=digest, snapshot=TemplateSnapshot.load(dest))
+        root = self.settings.cache_dir / "templates"
+        for meta in root.glob("*/template.json") if root.exists() else ():
+            try:
+                tpl = TemplateSnapshot.load(meta.parent)
+            except (OSError, ValueError):
+                continue  # _cached_templates already warned about it
+            if tpl.name == name and tpl.key == digest:
+                return self._import(name, meta.parent)
+        return None
 
     async def import_templates(self, pool: asyncpg.Pool) -> dict[str, TemplateImage]:
         """Copy cached templates into the store (once per key) and upsert ``templates``; returns them by name."""

@@ -27,6 +27,15 @@ def test_delete_is_allowed_everywhere_but_deleted() -> None:
             check_allowed(SandboxCommand.DELETE, st)
 
 
+def test_restore_is_allowed_from_failed_but_not_from_transient_states() -> None:
+    # A sandbox whose VM died comes back from one of its snapshots (DESIGN.md §5).
+    for st in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.FAILED):
+        check_allowed(SandboxCommand.RESTORE, st)
+    for st in (SandboxState.STARTING, SandboxState.SUSPENDED, SandboxState.DELETING, SandboxState.DELETED):
+        with pytest.raises(InvalidState):
+            check_allowed(SandboxCommand.RESTORE, st)
+
+
 def test_error_round_trips_through_the_wire() -> None:
     for exc in (NotFound("no such sandbox", details={"sandbox_id": "x"}), InvalidState("busy", details={"state": "paused"}),
                 SandboxFailed("boom")):

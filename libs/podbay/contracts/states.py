@@ -55,7 +55,8 @@ ALLOWED: dict[SandboxCommand, frozenset[SandboxState]] = {
     SandboxCommand.PAUSE: frozenset({S.RUNNING}),
     SandboxCommand.RESUME: frozenset({S.PAUSED, S.SUSPENDED}),
     SandboxCommand.SNAPSHOT: frozenset({S.RUNNING, S.PAUSED}),
-    SandboxCommand.RESTORE: frozenset({S.RUNNING, S.PAUSED}),
+    # A failed sandbox (its QEMU died, or the node's VMs were purged) comes back from one of its snapshots.
+    SandboxCommand.RESTORE: frozenset({S.RUNNING, S.PAUSED, S.FAILED}),
     SandboxCommand.FORK: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.SUSPEND: frozenset({S.RUNNING, S.PAUSED}),
     SandboxCommand.DELETE: frozenset(set(S) - {S.DELETED}),

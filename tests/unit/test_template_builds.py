@@ -1,0 +1,63 @@
+"""A node agent resolves a sandbox's template by (name, digest): the current build or an earlier one."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from podbay.config import Settings
+from podbay.errors import NotFound
+from podbay_nodeagent.sandboxes import SandboxManager
+from podbay_nodeagent.store import NodeStore
+from podbay_nodeagent.template import TemplateSnapshot
+from podbay_nodeagent.vmdriver import VmDriver
+from podbay_nodeagent.vmm import QemuVmm
+
+_FILES = ("state", "ram", "disk.img", "vmlinuz", "initrd.img")
+
+
+def _write_build(directory: Path, key: str) -> None:
+    directory.mkdir(parents=True)
+    for name in _FILES:
+        (directory / name).write_bytes(key.encode())
+    tpl = TemplateSnapshot(
+        name="base", key=key, dir=directory, kernel=directory / "vmlinuz", initrd=directory / "initrd.img",
+        state=directory / "state", ram=directory / "ram", disk=directory / "disk.img", memory_mib=256, vcpus=1,
+        tsc_khz=1, image_digest="img", qemu_version="8.2", accel="tcg", boot_s=1.0, paused_ms=1.0,
+        created_at="2026-01-01T00:00:00Z")
+    (directory / "template.json").write_text(tpl.model_dump_json())
+
+
+def _manager(tmp_path: Path) -> SandboxManager:
+    settings = Settings(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", accel="tcg")
+    store = NodeStore(settings.data_dir, settings.node_id, 1)
+    driver = VmDriver(settings, store, QemuVmm())
+    return SandboxManager(settings, None, None, None, store, driver)  # type: ignore[arg-type]
+
+
+def test_an_earlier_build_in_the_store_is_loaded_once_and_a_missing_one_is_refused(tmp_path: Path) -> None:
+    m = _manager(tmp_path)
+    _write_build(m.store.template_dir("base", "a" * 64), "a" * 64)
+    _write_build(tmp_path / "cache" / "templates" / "base-bbbb", "b" * 64)
+    m.templates = {"base": m.driver._import("base", tmp_path / "cache" / "templates" / "base-bbbb")}
+
+    async def go() -> None:
+        assert (await m.template("base", "b" * 64)) is m.templates["base"]
+        older = await m.template("base", "a" * 64)
+        assert older.digest == "a" * 64 and older.snapshot.dir == m.store.template_dir("base", "a" * 64)
+        assert (await m.template("base", "a" * 64)) is older  # cached
+        with pytest.raises(NotFound) as err:
+            await m.template("base", "c" * 64)
+        assert "cccccccccccc" in err.value.message and "bbbbbbbbbbbb" in err.value.message
+
+    asyncio.run(go())
+
+
+def test_a_build_only_in_the_build_cache_is_imported_into_the_store_on_demand(tmp_path: Path) -> None:
+    m = _manager(tmp_path)
+    _write_build(tmp_path / "cache" / "templates" / "base-dddd", "d" * 64)
+    img = asyncio.run(m.template("base", "d" * 64))
+    assert img.snapshot.dir == m.store.template_dir("base", "d" * 64)
+    assert (img.snapshot.dir / "ram").read_bytes() == b"d" * 64

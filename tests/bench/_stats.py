@@ -39,3 +39,13 @@ def report(results: dict[str, dict[str, Any]], json_path: str | None) -> None:
     Console().print(table)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+def start_dirty_holder(client: Any, sandbox_id: str, dirty_mib: int) -> None:
+    """Start a guest process that dirties ``dirty_mib`` MiB (one byte per 4 KiB page) and keeps it, detached
+    from the exec, so snapshots and suspends have that much changed memory to carry. ``client`` is an
+    ``httpx.Client`` on the API."""
+    client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"shell": (
+        f"setsid python3 -c 'b = bytearray({dirty_mib} << 20)\n"
+        "for i in range(0, len(b), 4096): b[i] = 1\n"
+        "import time\nwhile True: time.sleep(1)' </dev/null >/dev/null 2>&1 &")}).raise_for_status()

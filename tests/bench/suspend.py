@@ -25,13 +25,13 @@ from podbay.clientconfig import load_client_config
 from podbay.config import Settings
 
 try:
-    from tests.bench._stats import report, summarise
+    from tests.bench._stats import report, start_dirty_holder, summarise
 except ImportError:  # run as a script from the repository root
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _stats import report, summarise  # type: ignore[no-redef]
+    from _stats import report, start_dirty_holder, summarise  # type: ignore[no-redef]
 
 
 def _metric_sum(url: str, name: str, label: str) -> float:
@@ -80,10 +80,7 @@ def main() -> None:
     with httpx.Client(base_url=cfg.api_url, headers={"authorization": f"Bearer {cfg.api_key}"}, timeout=900) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).raise_for_status().json()["id"]
         try:
-            c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": (
-                f"setsid python3 -c 'b = bytearray({args.dirty_mib} << 20)\n"
-                "for i in range(0, len(b), 4096): b[i] = 1\n"
-                "import time\nwhile True: time.sleep(1)' </dev/null >/dev/null 2>&1 &")}).raise_for_status()
+            start_dirty_holder(c, sid, args.dirty_mib)
             time.sleep(3)
             for _ in range(args.runs):
                 ms, body = _timed(lambda: c.post(f"/v1/sandboxes/{sid}/suspend"))

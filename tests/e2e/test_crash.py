@@ -10,12 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e_http import api_client as _client
 
 pytestmark = pytest.mark.e2e
 
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
 
 
 def test_sigkill_nodeagent_then_restart_reattaches(stack: Any) -> None:

@@ -6,14 +6,11 @@ import time
 from datetime import datetime
 from typing import Any
 
-import httpx
 import pytest
+from e2e_http import api_client as _client
 
 pytestmark = pytest.mark.e2e
 
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
 
 
 def test_lease_expiry_pauses_idle_deletes_when_asked_and_spares_busy(stack: Any) -> None:

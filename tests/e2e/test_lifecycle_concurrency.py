@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from e2e_http import api_client as _client, sh_output as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -29,16 +30,6 @@ VERBS = ("pause", "resume", "snapshot_full", "snapshot_disk", "restore", "fork")
 STATE_EVENTS = {"started": "running", "paused": "paused", "resumed": "running", "restored": "running",
                 "reattached": None}  # reattached carries its state in ``state``
 OP_DEADLINE_S = 300.0
-
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=300)
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    return str(r.json()["stdout"])
 
 
 async def _events(nats_url: str, sandbox_id: str) -> list[dict[str, Any]]:

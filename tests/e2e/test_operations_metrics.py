@@ -7,12 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e_http import api_client as _client
 
 pytestmark = pytest.mark.e2e
 
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
 
 
 def _wait_op(c: httpx.Client, op_id: str) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
+from e2e_http import api_client as _client, sh_output as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -15,13 +15,6 @@ COUNTER = (
     " </dev/null >/dev/null 2>&1 & echo $! > /tmp/counter.pid"
 )
 
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    return str(r.json()["stdout"])
 
 def test_counter_process_carries_on_after_pause(stack: Any) -> None:
     with _client(stack) as c:

@@ -13,13 +13,10 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from e2e_http import api_client as _client
 
 pytestmark = pytest.mark.e2e
 
-
-def _client(stack: Any, key: str | None = None) -> httpx.Client:
-    headers = {"authorization": f"Bearer {key or stack.api_key}"}
-    return httpx.Client(base_url=stack.api_url, headers=headers, timeout=120)
 
 
 def _other_tenant_key(stack: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e_http import api_client as _client, sh_output as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -30,15 +31,6 @@ OP_SETTLE_S = 10.0
 # Beyond the node consumer's ack wait (restore_timeout_s * 2 + 30 = 90 s by default), when JetStream redelivers.
 OP_DEADLINE_S = 180.0
 
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=120)
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    return str(r.json()["stdout"])
 
 
 def _snapshot_dirs(stack: Any, sid: str) -> list[Path]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e_http import api_client as _client, sh as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -14,17 +15,6 @@ SETUP = ("mkdir -p /root/diffcase && echo keep > /root/diffcase/changed.txt"
          " && echo doomed > /root/diffcase/removed.txt && sync")
 STEP = ("echo brand-new-file > /root/diffcase/added.txt && echo 'changed, and longer' > /root/diffcase/changed.txt"
         " && rm /root/diffcase/removed.txt && sync")
-
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=300)
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    assert r.json()["exit_code"] == 0, r.text
-    return str(r.json()["stdout"])
 
 
 def _snapshot(c: httpx.Client, sid: str) -> str:

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from e2e_http import api_client as _client, sh_output as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -23,16 +23,6 @@ HOLDER = (
     "signal.signal(signal.SIGUSR1, lambda *a: open(\"/tmp/secret\", \"w\").write(repr(s)))\n"
     "while True: time.sleep(1)' </dev/null >/dev/null 2>&1 & echo $! > /tmp/holder.pid"
 )
-
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=300)
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    return str(r.json()["stdout"])
 
 
 def test_full_snapshot_and_rollback_bring_back_disk_and_memory(stack: Any) -> None:

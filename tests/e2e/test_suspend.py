@@ -29,6 +29,7 @@ from podbay.chunks import chunk_key
 from podbay.config import Settings
 from podbay.devstack.procs import free_port, stop_process
 from podbay.objstore import open_store
+from e2e_http import api_client, sh_output as _sh
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +41,8 @@ OP_DEADLINE_S = 300.0
 
 
 def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=600)
+    return api_client(stack, timeout_s=600)
+
 
 
 @contextlib.contextmanager
@@ -53,12 +55,6 @@ def _sandbox(c: httpx.Client) -> Iterator[str]:
         yield sid
     finally:
         c.delete(f"/v1/sandboxes/{sid}")
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    return str(r.json()["stdout"])
 
 
 def _qemu_for(sid: str) -> list[int]:

@@ -15,22 +15,12 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+from e2e_http import api_client as _client, sh as _sh
 
 pytestmark = pytest.mark.e2e
 
 #: Bound of every wait for the pool to reach a state (slots restore one at a time under TCG).
 SETTLE_S = 240.0
-
-
-def _client(stack: Any) -> httpx.Client:
-    return httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}, timeout=300)
-
-
-def _sh(c: httpx.Client, sid: str, script: str) -> str:
-    r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
-    assert r.status_code == 200, r.text
-    assert r.json()["exit_code"] == 0, r.text
-    return str(r.json()["stdout"])
 
 
 def _slots(stack: Any, state: str = "ready") -> list[str]:

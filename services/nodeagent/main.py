@@ -39,6 +39,7 @@ from .dataplane import create_dataplane_app
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
+from .reconcile import reconcile
 from .sandboxes import SandboxManager
 from .store import NodeStore
 from .suspend import SuspendOps
@@ -120,7 +121,7 @@ async def _serve(stop: asyncio.Event) -> None:
     relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
     warm = WarmPool(manager)
     await warm.reset()
-    await manager.reconcile()
+    await reconcile(manager)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))

@@ -26,7 +26,7 @@ from podbay.channel.client import GuestChannel
 from podbay.config import Settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, OperationDone, Resources, SandboxOpCmd
-from podbay.errors import GuestError, NotFound, PodbayError, StaleGeneration, Unavailable
+from podbay.errors import NotFound, PodbayError, StaleGeneration, Unavailable
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -493,97 +493,6 @@ class SandboxManager:
             log.warning("sandbox %s: %s", vm.sandbox_id, reason)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
             await self.mark_failed(vm.sandbox_id, vm.generation, reason)
-
-    # ------------------------------------------------------------------ reconcile
-
-    async def reconcile(self) -> None:
-        """Bring this node in line with PostgreSQL after a (re)start (DESIGN.md §1 node agent).
-
-        running -> re-attach to the QEMU that still runs, or mark failed when it is gone;
-        starting -> discard any half-created VM and create it again from the template snapshot;
-        deleting -> finish the delete; a VM directory no live row claims -> killed and removed.
-        """
-        rows = await self.pool.fetch(
-            "SELECT s.id, s.state, s.generation, s.tenant_id, s.template, s.template_digest, s.hostname,"
-            " s.memory_mib, s.vcpus, s.source_snapshot_id, s.suspended_snapshot_id,"
-            " (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1) AS op_id,"
-            " (SELECT o.kind FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1)"
-            " AS op_kind"
-            " FROM sandboxes s WHERE s.node_id = $1 AND s.state NOT IN ('deleted', 'failed')", self.node_id)
-        await self.snapshots.reconcile()
-        claimed = {r["id"] for r in rows}
-        for orphan in set(self.store.sandbox_ids_on_disk()) - claimed:
-            log.info("removing orphaned VM directory %s", orphan)
-            await self._discard_vm_dir(self.store.sandbox_dir(orphan))
-        for r in rows:
-            sid = r["id"]
-            res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
-            try:
-                promoted = r["state"] == "suspending" and await self.pool.fetchval(
-                    "SELECT promotion = 'promoted' FROM snapshots WHERE id=$1", r["suspended_snapshot_id"])
-                if promoted:
-                    pass  # the suspend only has to free what is left of the VM
-                elif r["state"] in ("running", "paused", "suspending"):
-                    # A suspending sandbox's VM is stopped; its suspend carries on below.
-                    await self._reattach(sid, r["generation"], r["tenant_id"], res, paused=r["state"] != "running")
-                elif r["state"] == "starting" and (r["op_kind"] != "create" or r["source_snapshot_id"]):
-                    # A rollback or a fork child: its command is redelivered and its handler is idempotent.
-                    log.info("sandbox %s: waiting for its %s command to be redelivered", sid, r["op_kind"] or "fork")
-                elif r["state"] == "starting":
-                    async with self.lock(sid):
-                        await self._create_locked(CreateSandboxCmd(
-                            operation_id=r["op_id"] or "", sandbox_id=sid, tenant_id=r["tenant_id"],
-                            template=r["template"], template_digest=r["template_digest"],
-                            generation=r["generation"], resources=res, hostname=r["hostname"]))
-                if r["state"] in ("suspending", "resuming") and r["op_id"]:
-                    # Finish now rather than when JetStream redelivers the command (both are idempotent).
-                    self.suspend_ops.kick(r["state"], sid, r["op_id"], r["generation"], r["suspended_snapshot_id"])
-                elif r["state"] == "deleting":
-                    await self.delete(DeleteSandboxCmd(operation_id=r["op_id"] or "", sandbox_id=sid,
-                                                       generation=r["generation"]))
-            except Exception:
-                log.exception("reconcile of %s failed", sid)
-
-    async def _reattach(self, sandbox_id: str, generation: int, tenant_id: str, res: Resources, *,
-                        paused: bool = False) -> None:
-        vm_dir = self.store.sandbox_dir(sandbox_id)
-        channel: GuestChannel | None = None
-        if paused and (vm_dir / "hib" / "state").exists():
-            self.hibernated[sandbox_id] = HibernatedVm(sandbox_id, generation, res)
-            log.info("sandbox %s stays hibernated (paused, RAM released)", sandbox_id)
-            return
-        try:
-            handle = await self.driver.attach(vm_dir)
-            if paused:
-                # A stopped guest cannot answer; the channel is connected again on resume.
-                status = await handle.status()
-                if status != "paused":
-                    await handle.pause()
-            else:
-                # A crash in the middle of a full snapshot leaves QEMU stopped (``paused``/``postmigrate``):
-                # the sandbox is meant to run, so let it go on before talking to the guest.
-                status = await handle.status()
-                if status in ("paused", "postmigrate"):
-                    log.info("sandbox %s was left stopped (%s) by an interrupted operation: continuing it",
-                             sandbox_id, status)
-                    await handle.resume()
-                channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
-                await channel.ping(timeout_s=5.0)
-        except (PodbayError, OSError, GuestError) as exc:
-            reason = f"the VM is gone after a node agent restart ({exc})"
-            log.warning("sandbox %s: %s", sandbox_id, reason)
-            await self._discard_vm_dir(vm_dir)
-            await self.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused", "suspending"))
-            return
-        vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None)
-        self.vms[sandbox_id] = vm
-        vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
-        async with self.pool.acquire() as conn, conn.transaction():
-            await emit_sandbox_event(conn, sandbox_id, "reattached", state="paused" if paused else "running",
-                                     node_id=self.node_id,
-                                     tenant_id=tenant_id, generation=generation)
-        self.relay.kick()
-        log.info("re-attached to sandbox %s (pid %s)", sandbox_id, handle.pid)
 
     async def close(self) -> None:
         """Disconnect from guests but leave VMs running: the next start re-attaches (clean upgrade path)."""

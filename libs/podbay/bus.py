@@ -30,9 +30,9 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podbay.contracts import subjects
@@ -101,15 +101,17 @@ class Bus:
         out: list[NodeHeartbeat] = []
         try:
             keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError for an empty bucket
+        except NoKeysError:  # nats-py's answer for an empty bucket
             return out
         for key in keys:
             try:
                 entry = await kv.get(key)
                 if entry.value:
                     out.append(NodeHeartbeat.model_validate_json(entry.value))
-            except Exception as exc:
-                log.debug("skipping node %s: %s", key, exc)
+            except (KeyNotFoundError, NotFoundError):  # its TTL ran out between listing and reading
+                continue
+            except ValidationError as exc:
+                log.warning("skipping node %s: its heartbeat is not a NodeHeartbeat: %s", key, exc)
         return out
 
     async def ensure_consumer(self, durable: str, filter_subject: str, *, ack_wait_s: float = 60.0) -> None:

@@ -14,6 +14,7 @@ GuestError, Timeout, as for every request.
 from __future__ import annotations
 
 import base64
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -37,11 +38,9 @@ class _Ack(BaseModel):
 class ProcOps:
     """Operations on kept processes and watches; ``GuestChannel`` provides ``_open`` and ``_unary``."""
 
-    def _open(self, op: Op, args: dict[str, Any]) -> Any:  # pragma: no cover - provided by GuestChannel
-        raise NotImplementedError
-
-    async def _unary(self, op: Op, args: dict[str, Any], model: Any, timeout_s: float | None = None) -> Any:
-        raise NotImplementedError  # pragma: no cover - provided by GuestChannel
+    # Declared only (no class attribute), so the methods of GuestChannel, which mixes this in, are used.
+    _open: Callable[[Op, dict[str, Any]], Any]
+    _unary: Callable[..., Awaitable[Any]]
 
     def _exec_handle(self, stream: Any, spec: ExecSpec) -> ExecProcess:
         from podbay.channel.client import ExecProcess

@@ -121,6 +121,28 @@ class Settings(BaseSettings):
     scheduler_port: int = Field(8091)
     snapshotter_port: int = Field(8092)
     warmpool_port: int = Field(8093)
+    gateway_port: int = Field(8095, description="Gateway health and /metrics.")
+
+    # egress (DESIGN.md §6): every sandbox's traffic is redirected to this node's gateway
+    sandbox_cidr: str = Field("10.88.0.0/16", description="This node's sandbox addresses: one /30 per sandbox "
+                              "(tap host side .1 = gateway, guest .2).")
+    gateway_proxy_port: int = Field(8094, description="Gateway's transparent TCP proxy; the node's nftables "
+                                    "rules redirect every TCP connection from a sandbox tap here.")
+    gateway_dns_port: int = Field(8053, description="Gateway's DNS server; UDP/TCP port 53 from taps lands here.")
+    gateway_upstream_ca: Path | None = Field(None, description="Extra CA bundle the gateway trusts for upstream "
+                                             "TLS (private services; tests).")
+    gateway_hosts_file: Path | None = Field(None, description="hosts(5)-format names the gateway's DNS answers "
+                                            "before asking the host's resolver (air-gapped sites; tests).")
+    gateway_bin: Path | None = Field(None, description="podbay-gateway executable; default: the gateway "
+                                     "virtualenv beside this one (.venv-gateway), else beside python.")
+
+    # credentials (DESIGN.md §6)
+    credential_backend: Literal["pg", "openbao"] = Field("pg", description="Where credential values live.")
+    credential_key: str = Field("", description="pg backend: base64 of the 32-byte AES-256-GCM key that seals "
+                                "credential values; the dev stack generates one.")
+    openbao_addr: str = Field("", description="openbao backend: server URL, e.g. http://127.0.0.1:8200.")
+    openbao_token: str = Field("", description="openbao backend: token with read/write on openbao_mount.")
+    openbao_mount: str = Field("secret", description="openbao backend: KV version 2 mount.")
 
     log_level: str = Field("INFO")
 

@@ -20,6 +20,8 @@ __all__ = [
     "warm_claim",
     "warm_kick",
     "WARM_POOLS_CHANGED",
+    "audit_event",
+    "egress_event",
 ]
 
 CMD_STREAM = "PODBAY_CMD"
@@ -91,3 +93,14 @@ def warm_kick(node_id: str) -> str:
 
 WARM_POOLS_CHANGED = "podbay.warm.pools.changed"
 """Core-NATS notice (payload: template name) that a pool's bounds changed; the warm-pool service listens."""
+
+
+def audit_event(tenant_id: str, action: str) -> str:
+    """``podbay.evt.audit.<tenant>.<action>``: one audit row (an API change, a credential use, a denial).
+    Dots in ``action`` (``credential.use``) become further subject tokens."""
+    return f"podbay.evt.audit.{tenant_id or '_'}.{action}"
+
+
+def egress_event(sandbox_id: str, event_type: str) -> str:
+    """``podbay.evt.egress.<sandbox>.<type>`` (types: denied, credential_used, credential_refused)."""
+    return f"podbay.evt.egress.{sandbox_id}.{event_type}"

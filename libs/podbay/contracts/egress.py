@@ -1,0 +1,119 @@
+"""Egress contracts (DESIGN.md §6): the policy a sandbox's traffic is held to, and the node-local binding
+that tells the gateway which sandbox a source address belongs to.
+
+Policy semantics (the gateway is the one place that applies them):
+
+* Default deny. A destination is allowed when some ``allow`` rule matches it and no ``deny`` rule does.
+* A rule names either a ``domain`` or a ``cidr``, plus optional ``ports`` (empty = any port).
+  ``domain`` is an exact name (``api.github.com``) or a wildcard ``*.github.com``, which matches names below
+  ``github.com`` at any depth but not ``github.com`` itself. Names are compared lower-case without a final dot.
+* A connection is matched by the name the guest asked for (TLS SNI, HTTP Host, or the name whose DNS answer
+  gave the address) and by its destination address and port.
+* Whatever the policy says, the gateway never connects to loopback, link-local (169.254.0.0/16, fe80::/10,
+  including the metadata address 169.254.169.254), multicast, the node's own addresses or the sandbox
+  network: those are refused before any rule is read.
+
+Binding (node agent -> gateway, same host): one JSON file per guest address in
+``bindings_dir(data_dir, node_id)``, written atomically (temp file + rename) by the node agent before the guest
+runs and removed when the sandbox leaves the node. The gateway reads it on every new connection or DNS query,
+so there is nothing to invalidate.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "EgressRule",
+    "EgressPolicy",
+    "NetBinding",
+    "bindings_dir",
+    "binding_path",
+    "TAP_PREFIX",
+]
+
+#: Every sandbox tap device's name starts with this (nftables matches ``iifname "pbt*"``).
+TAP_PREFIX = "pbt"
+
+_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class EgressRule(BaseModel):
+    """One allow or deny rule: ``{"domain": "*.github.com", "ports": [443]}`` or ``{"cidr": "10.0.0.0/8"}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    domain: str | None = Field(None, max_length=253, description="Exact name or '*.' wildcard.")
+    cidr: str | None = Field(None, max_length=43, description="IPv4 or IPv6 network, e.g. 192.0.2.0/24.")
+    ports: list[Port] = Field(default_factory=list, max_length=64, description="Destination ports; empty = any.")
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = v.strip().lower().rstrip(".")
+        if not _DOMAIN_RE.match(v):
+            raise ValueError("domain must be a host name such as api.example.com or *.example.com")
+        return v
+
+    @field_validator("cidr")
+    @classmethod
+    def _cidr(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            return str(ipaddress.ip_network(v.strip(), strict=False))
+        except ValueError as exc:
+            raise ValueError(f"cidr is not a network: {exc}") from exc
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Self:
+        if (self.domain is None) == (self.cidr is None):
+            raise ValueError("a rule names exactly one of domain or cidr")
+        return self
+
+
+class EgressPolicy(BaseModel):
+    """A sandbox's egress policy. The empty policy (the default) allows nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[EgressRule] = Field(default_factory=list, max_length=256)
+    deny: list[EgressRule] = Field(default_factory=list, max_length=256)
+
+
+class NetBinding(BaseModel):
+    """Which sandbox owns a guest address on this node, and where its per-sandbox CA lives.
+
+    ``ca_path`` is a PEM file holding the CA's private key followed by its certificate (the layout
+    mitmproxy's certificate store reads); only the node agent and the gateway can read it. ``generation`` is
+    the sandbox's generation when the binding was written: a fork or restore writes a new CA and binding.
+    """
+
+    sandbox_id: str
+    generation: int
+    tap: str
+    host_addr: str = Field(description="The tap's host side: gateway, router and DNS server for the guest.")
+    guest_addr: str
+    prefix_len: int = Field(30, ge=8, le=32)
+    ca_path: str
+    ca_cert_pem: str = Field(description="The CA certificate alone, as installed in the guest's trust store.")
+
+
+def bindings_dir(data_dir: Path, node_id: str) -> Path:
+    """``DATA_DIR/nodes/<node>/net/bindings``: one ``<guest_addr>.json`` (a :class:`NetBinding`) per sandbox."""
+    return data_dir / "nodes" / node_id / "net" / "bindings"
+
+
+def binding_path(data_dir: Path, node_id: str, guest_addr: str) -> Path:
+    """The binding file of ``guest_addr`` on ``node_id``."""
+    return bindings_dir(data_dir, node_id) / f"{ipaddress.ip_address(guest_addr)}.json"

@@ -71,3 +71,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import
   run "pip install -e '.[test]'" .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[test]'
   echo "$want" >"$stamp"
 fi
+
+# The egress gateway runs from its own virtualenv: mitmproxy 11.0 (the last release for Python 3.11) pins
+# h2<=4.1 while the test extra's e2b needs h2>=4.4.1, so the two cannot share .venv.
+if [ ! -x .venv-gateway/bin/python ] ||
+   ! .venv-gateway/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  rm -rf .venv-gateway
+  run "creating .venv-gateway with $python" "$python" -m venv .venv-gateway
+fi
+gstamp=.venv-gateway/.podbay-installed
+if [ "$(cat "$gstamp" 2>/dev/null)" != "$want" ] || ! .venv-gateway/bin/python -c 'import podbay_gateway, mitmproxy' 2>/dev/null; then
+  run "pip install -e '.[gateway]' into .venv-gateway" \
+    .venv-gateway/bin/python -m pip install --disable-pip-version-check -q -e '.[gateway]'
+  echo "$want" >"$gstamp"
+fi

@@ -1,0 +1,137 @@
+"""The gateway's DNS server (UDP and TCP on ``settings.gateway_dns_port``; the node redirects port 53 from
+sandbox taps here). Wire format by dnspython.
+
+Per query: identify the sandbox by the source address (no binding or no sandbox row -> REFUSED); then
+
+* ``A`` for a name the policy allows: resolve (hosts file, then the host resolver), answer with TTL
+  :data:`ANSWER_TTL_S`, and remember the addresses for this guest (raw TCP to them is decided by the name);
+  a name that does not resolve -> NXDOMAIN.
+* ``AAAA`` (and other types) for an allowed name: an empty NOERROR answer (the sandbox network is IPv4).
+* any type for a name not allowed: NXDOMAIN, logged, audited (at most once a minute per sandbox and name)
+  and announced on ``podbay.evt.egress.<sandbox>.denied``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import dns.exception
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
+from .engine import Gateway
+from .metrics import DNS_ANSWERS
+
+__all__ = ["ANSWER_TTL_S", "DnsServer", "answer"]
+
+log = logging.getLogger("podbay.gateway.dns")
+
+#: TTL of our answers, seconds: short, so a policy change reaches a guest's cache quickly.
+ANSWER_TTL_S = 30
+
+
+async def answer(gw: Gateway, src_ip: str, wire: bytes) -> bytes | None:
+    """The reply to one query datagram from ``src_ip`` (``None`` for garbage that is not worth a FORMERR)."""
+    try:
+        query = dns.message.from_wire(wire)
+    except dns.exception.DNSException:
+        DNS_ANSWERS.labels("formerr").inc()
+        return None
+    reply = dns.message.make_response(query)
+    reply.flags |= dns.flags.RA
+    if len(query.question) != 1:
+        reply.set_rcode(dns.rcode.FORMERR)
+        DNS_ANSWERS.labels("formerr").inc()
+        return reply.to_wire()
+    q = query.question[0]
+    name = q.name.to_text(omit_final_dot=True).lower()
+    try:
+        peer = await gw.identify(src_ip)
+    except Exception as exc:  # noqa: BLE001 - the database is away: refuse, never guess
+        log.warning("dns query from %s refused: %s", src_ip, exc)
+        peer = None
+    if peer is None or peer.refusal is not None:
+        if peer is not None and peer.refusal is not None:
+            gw.denied(peer, "dns", name, peer.refusal)
+        reply.set_rcode(dns.rcode.REFUSED)
+        DNS_ANSWERS.labels("refused").inc()
+        return reply.to_wire()
+    decision = gw.decide_dns(peer, name)
+    if not decision.allowed:
+        gw.denied(peer, "dns", name, decision, detail={"qtype": dns.rdatatype.to_text(q.rdtype)})
+        reply.set_rcode(dns.rcode.NXDOMAIN)
+        DNS_ANSWERS.labels("nxdomain").inc()
+        return reply.to_wire()
+    gw.allowed("dns", decision)
+    if q.rdtype == dns.rdatatype.A and q.rdclass == dns.rdataclass.IN:
+        addrs = await gw.resolver.resolve(name)
+        if not addrs:
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+            DNS_ANSWERS.labels("nxdomain").inc()
+            return reply.to_wire()
+        reply.answer.append(dns.rrset.from_text_list(q.name, ANSWER_TTL_S, "IN", "A", addrs))
+        gw.memory.remember(peer.guest, name, addrs, ANSWER_TTL_S)
+        DNS_ANSWERS.labels("answer").inc()
+    else:
+        DNS_ANSWERS.labels("empty").inc()
+    return reply.to_wire()
+
+
+class _Udp(asyncio.DatagramProtocol):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.gw.spawn(self._reply(data, addr))
+
+    async def _reply(self, data: bytes, addr: tuple[str, int]) -> None:
+        out = await answer(self.gw, addr[0], data)
+        if out is not None and self.transport is not None:
+            self.transport.sendto(out, addr)
+
+
+class DnsServer:
+    """UDP and TCP listeners on ``host``:``port``; :meth:`start`, then :meth:`close`."""
+
+    def __init__(self, gw: Gateway, host: str, port: int) -> None:
+        self.gw, self.host, self.port = gw, host, port
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._udp, _ = await loop.create_datagram_endpoint(lambda: _Udp(self.gw), local_addr=(self.host, self.port))
+        self._tcp = await asyncio.start_server(self._tcp_client, self.host, self.port)
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:  # RFC 7766: two-byte length prefix, several queries per connection
+                size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 30))[0]
+                data = await asyncio.wait_for(reader.readexactly(size), 30)
+                out = await answer(self.gw, peer[0], data)
+                if out is None:
+                    break
+                writer.write(struct.pack("!H", len(out)) + out)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+            await self._tcp.wait_closed()

@@ -1,0 +1,188 @@
+"""The gateway's decisions, independent of the proxy library: identify the sandbox behind a source address,
+decide a destination, record denials, look up and reveal credentials.
+
+The mitmproxy adapter (:mod:`.proxy`) and the DNS server (:mod:`.dns`) both call this; neither holds state of
+its own about sandboxes. Per connection or query, :meth:`Gateway.identify` reads the binding file and the
+sandbox's row afresh, so a policy change in the database applies to the next connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from podbay.config import Settings
+from podbay.contracts.egress import NetBinding
+from podbay.credentials import Sealed, open_store
+from podbay.outbox import Relay
+
+from .identity import DnsMemory, node_addresses, read_binding
+from .metrics import DECISIONS
+from .policy import Decision, always_denied, decide, decide_name, normalise_name
+from .resolve import Resolver
+from .shaping import CredentialRow
+from .store import GatewayStore, SandboxContext, UseVerdict
+
+__all__ = ["Peer", "Gateway"]
+
+log = logging.getLogger("podbay.gateway")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """An identified source: the guest address, its binding and (when the sandbox row exists) its context.
+    ``refusal`` is set when the peer must be refused outright (no binding, no sandbox row)."""
+
+    guest: str
+    binding: NetBinding | None
+    ctx: SandboxContext | None
+    refusal: Decision | None = None
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self.binding.sandbox_id if self.binding else None
+
+
+class Gateway:
+    """Shared by every connection and query of one gateway process."""
+
+    def __init__(self, settings: Settings, store: GatewayStore, relay: Relay | None, *,
+                 resolver: Resolver | None = None, memory: DnsMemory | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.relay = relay
+        self.resolver = resolver or Resolver(settings.gateway_hosts_file)
+        self.memory = memory or DnsMemory()
+        self.own_addrs: set[str] = node_addresses()
+        self._own_at = time.monotonic()
+        self._generations: dict[str, tuple[str, int]] = {}
+        self._dns_denials: dict[tuple[str, str], float] = {}  # (sandbox, name) -> monotonic s of last audit
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- identity ------------------------------------------------------------------------------------------
+
+    async def identify(self, src_ip: str) -> Peer:
+        """Binding file of ``src_ip``, then the sandbox row. Never raises for a bad peer: see ``refusal``."""
+        guest = src_ip.removeprefix("::ffff:")
+        binding = read_binding(self.settings.data_dir, self.settings.node_id, guest)
+        if binding is None:
+            return Peer(guest, None, None, Decision.deny("no_binding", f"{guest} is not a sandbox of this node"))
+        seen = self._generations.get(guest)
+        if seen != (binding.sandbox_id, binding.generation):
+            # A new sandbox or generation on this address: what our DNS told the old one means nothing now.
+            self.memory.forget(guest)
+            self._generations[guest] = (binding.sandbox_id, binding.generation)
+        ctx = await self.store.sandbox(binding.sandbox_id)
+        if ctx is None:
+            return Peer(guest, binding, None, Decision.deny("no_sandbox", f"sandbox {binding.sandbox_id} has no "
+                                                                          "record (a warm slot not yet claimed)"))
+        return Peer(guest, binding, ctx)
+
+    def _own(self) -> set[str]:
+        if time.monotonic() - self._own_at > 10.0:  # taps come and go; re-read the host's addresses now and then
+            self.own_addrs = node_addresses()
+            self._own_at = time.monotonic()
+        return self.own_addrs
+
+    # --- decisions -----------------------------------------------------------------------------------------
+
+    def refuse_address(self, addr: str) -> Decision | None:
+        """The always-denied check alone (before anything is known about the connection's protocol)."""
+        return always_denied(addr, own_addrs=self._own(), sandbox_cidr=self.settings.sandbox_cidr)
+
+    async def decide_named(self, peer: Peer, name: str | None, addr: str, port: int) -> Decision:
+        """A TLS (SNI) or HTTP (Host) connection: the name must be allowed and ``addr`` must be one of its
+        addresses (what our DNS answered this guest, else a fresh resolution). Without a name, by address."""
+        policy = peer.ctx.policy if peer.ctx else None
+        norm = normalise_name(name)
+        if norm is None:
+            return await self.decide_raw(peer, addr, port)
+        addrs = self.memory.addrs_of(peer.guest, norm)
+        if addr not in addrs:
+            addrs = addrs + await self.resolver.resolve(norm)
+        return decide(policy, name=norm, addr=addr, port=port, name_addrs=addrs, own_addrs=self._own(),
+                      sandbox_cidr=self.settings.sandbox_cidr)
+
+    async def decide_raw(self, peer: Peer, addr: str, port: int) -> Decision:
+        """Other TCP: by CIDR rules, or by the name our DNS answered this guest with ``addr``."""
+        policy = peer.ctx.policy if peer.ctx else None
+        name = self.memory.name_of(peer.guest, addr)
+        return decide(policy, name=name, addr=addr, port=port, name_addrs=None, own_addrs=self._own(),
+                      sandbox_cidr=self.settings.sandbox_cidr)
+
+    def decide_dns(self, peer: Peer, name: str) -> Decision:
+        """May this guest learn ``name``'s addresses?"""
+        return decide_name(peer.ctx.policy if peer.ctx else None, name)
+
+    # --- denials -------------------------------------------------------------------------------------------
+
+    def denied(self, peer: Peer, protocol: str, destination: str, decision: Decision, *,
+               detail: dict[str, Any] | None = None) -> None:
+        """Log, count and (in the background, so the refusal itself never waits for the database) audit a
+        denial with its egress event. DNS denials are audited at most once a minute per sandbox and name."""
+        DECISIONS.labels(protocol, decision.reason).inc()
+        log.info("egress deny sandbox=%s guest=%s proto=%s dest=%s reason=%s msg=%r", peer.sandbox_id or "-",
+                 peer.guest, protocol, destination, decision.reason, decision.message)
+        if peer.sandbox_id is None:
+            return  # no sandbox to attribute the row to: the log line is the record
+        if protocol == "dns":
+            key, now = (peer.sandbox_id, destination), time.monotonic()
+            if now - self._dns_denials.get(key, -1e9) < 60.0:
+                return
+            self._dns_denials[key] = now
+            if len(self._dns_denials) > 100_000:
+                self._dns_denials.clear()
+        tenant = peer.ctx.tenant_id if peer.ctx else None
+        self.spawn(self._audit_denial(tenant, peer.sandbox_id, protocol, destination, decision, detail))
+
+    async def _audit_denial(self, tenant: str | None, sandbox_id: str, protocol: str, destination: str,
+                            decision: Decision, detail: dict[str, Any] | None) -> None:
+        try:
+            await self.store.record_denial(tenant_id=tenant, sandbox_id=sandbox_id, destination=destination,
+                                           reason=decision.reason, message=decision.message,
+                                           detail={"protocol": protocol, **(detail or {})})
+        except Exception as exc:  # noqa: BLE001 - the refusal stands; the log line above is the record
+            log.error("egress denial not audited sandbox=%s dest=%s: %s", sandbox_id, destination, exc)
+            return
+        self.kick()
+
+    def allowed(self, protocol: str, decision: Decision) -> None:
+        """Count an allowed decision."""
+        DECISIONS.labels(protocol, decision.reason).inc()
+
+    # --- credentials ---------------------------------------------------------------------------------------
+
+    async def credentials(self, peer: Peer) -> list[CredentialRow]:
+        """The credentials in scope for this peer (empty without a sandbox row)."""
+        return await self.store.credentials(peer.ctx) if peer.ctx else []
+
+    async def reveal(self, row: CredentialRow) -> str:
+        """The value of ``row``, read from its backend now (never cached)."""
+        store = open_store(self.settings, row.backend)
+        return await store.reveal(row.id, row.tenant_id, Sealed(row.backend, row.ciphertext, row.secret_ref))
+
+    async def use(self, row: CredentialRow, peer: Peer, *, host: str, method: str, path: str) -> UseVerdict:
+        """Record (and decide) one use of ``row``; kicks the relay for its event."""
+        verdict = await self.store.use_credential(row, sandbox_id=peer.sandbox_id or "", host=host,
+                                                  method=method, path=path)
+        self.kick()
+        return verdict
+
+    # --- housekeeping --------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        if self.relay is not None:
+            self.relay.kick()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for background audit writes (graceful shutdown)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)

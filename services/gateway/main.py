@@ -1,0 +1,117 @@
+"""``podbay-gateway``: one per node, the only way out for sandboxes (DESIGN.md §1, §6; docs/egress.md).
+
+Listens on:
+
+* ``0.0.0.0:settings.gateway_proxy_port``: the transparent TCP proxy (mitmproxy; :mod:`.proxy`);
+* ``0.0.0.0:settings.gateway_dns_port``: DNS over UDP and TCP (:mod:`.dnsserver`);
+* ``127.0.0.1:settings.gateway_port``: ``/healthz`` and ``/metrics``.
+
+The proxy and DNS ports bind every address because the node's nftables ``redirect`` sends a tap's traffic
+to the tap's own host address; only sandbox taps are redirected there, and a peer without a binding file is
+refused. Runs on the plain asyncio loop (mitmproxy's transparent mode reads ``SO_ORIGINAL_DST`` from the
+asyncio socket), from its own virtualenv ``.venv-gateway`` (mitmproxy pins h2 below what the test extra needs).
+
+Shutdown on SIGTERM/SIGINT: stop accepting, let mitmproxy close its connections, wait for pending audit
+writes and publish the outbox, then close NATS and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from podbay import db
+from podbay.bus import connect_bus
+from podbay.config import get_settings
+from podbay.outbox import Relay
+from podbay.service import health_app, serve_http
+from podbay.telemetry import setup_logging
+
+from .dnsserver import DnsServer
+from .engine import Gateway
+from .store import GatewayStore
+
+__all__ = ["main"]
+
+log = logging.getLogger("podbay.gateway")
+
+
+async def _main(stop: asyncio.Event) -> None:
+    from .proxy import build_master  # mitmproxy is only in the gateway's virtualenv
+
+    settings = get_settings()
+    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=8)
+    await db.migrate(pool)
+    bus = await connect_bus(settings.nats_url, name=f"podbay-gateway-{settings.node_id}",
+                            heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
+    relay = Relay(pool, bus)
+    relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
+    gw = Gateway(settings, GatewayStore(pool, settings.node_id), relay)
+    dns_server = DnsServer(gw, "0.0.0.0", settings.gateway_dns_port)
+    await dns_server.start()
+    master, _addon = build_master(settings, gw)
+    proxy_task = asyncio.create_task(master.run(), name="proxy")
+    ready = asyncio.Event()
+
+    async def _watch_ready() -> None:
+        ps = master.addons.get("proxyserver")
+        while not stop.is_set() and not proxy_task.done():
+            if ps is not None and ps.servers.is_updating is False and any(s.is_running for s in ps.servers):
+                ready.set()
+                return
+            await asyncio.sleep(0.05)
+
+    ready_task = asyncio.create_task(_watch_ready())
+
+    def health() -> dict[str, object]:
+        ok = ready.is_set() and not proxy_task.done() and bus.nc.is_connected and not pool._closed  # noqa: SLF001
+        return {"ok": ok, "proxy_port": settings.gateway_proxy_port, "dns_port": settings.gateway_dns_port}
+
+    log.info("gateway for node %s: proxy :%d, dns :%d, health 127.0.0.1:%d", settings.node_id,
+             settings.gateway_proxy_port, settings.gateway_dns_port, settings.gateway_port)
+
+    async def _proxy_died() -> None:
+        await asyncio.wait({proxy_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+
+    watchdog = asyncio.create_task(_proxy_died())
+    try:
+        await serve_http(health_app("gateway", health), "127.0.0.1", settings.gateway_port, stop)
+    finally:
+        ready_task.cancel()
+        watchdog.cancel()
+        master.shutdown()
+        await asyncio.wait({proxy_task}, timeout=10)
+        await dns_server.close()
+        await gw.drain()
+        try:
+            await asyncio.wait_for(relay.flush(), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - the periodic sweep of any process publishes what is left
+            log.warning("outbox not flushed at shutdown: %s", exc)
+        relay_task.cancel()
+        await bus.close()
+        await pool.close()
+    if proxy_task.done() and not proxy_task.cancelled() and proxy_task.exception() is not None:
+        raise RuntimeError("the proxy stopped") from proxy_task.exception()
+
+
+def main() -> None:
+    """Entry point: plain asyncio (not uvloop), signals set the stop event; exit code 1 on failure."""
+    settings = get_settings()
+    setup_logging("gateway", settings.log_level)
+
+    async def _runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await _main(stop)
+        except Exception:
+            log.exception("gateway failed")
+            return 1
+        log.info("gateway stopped")
+        return 0
+
+    raise SystemExit(asyncio.run(_runner()))

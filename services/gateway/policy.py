@@ -1,0 +1,199 @@
+"""Egress decisions (pure logic; no network, no database, no mitmproxy).
+
+The semantics are those of :mod:`podbay.contracts.egress`: default deny; allowed when an ``allow`` rule
+matches and no ``deny`` rule does; a rule names a domain (exact or ``*.`` wildcard) or a CIDR, plus optional
+ports. Before any rule is read, :func:`always_denied` refuses loopback, link-local (the metadata address
+169.254.169.254 included), multicast, unspecified/broadcast, the node's own addresses and the sandbox network.
+
+A name-based decision (TLS SNI, HTTP Host, DNS) is only as good as the address it leads to: a guest could
+send ``Host: allowed.example`` to any address. :func:`decide` therefore allows a name only when the
+destination address is one the name resolved to (``name_addrs``: what this gateway's DNS answered to this
+sandbox, or a fresh resolution); otherwise the decision is a denial with reason ``address_mismatch``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from podbay.contracts.egress import EgressPolicy, EgressRule
+
+__all__ = [
+    "Decision",
+    "ALWAYS_DENIED_NETS",
+    "always_denied",
+    "name_matches",
+    "normalise_name",
+    "decide",
+    "decide_name",
+]
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+#: Networks no sandbox may reach, whatever its policy (plus the node's own addresses and the sandbox CIDR).
+ALWAYS_DENIED_NETS: tuple[tuple[IPNetwork, str], ...] = (
+    (ipaddress.ip_network("127.0.0.0/8"), "loopback"),
+    (ipaddress.ip_network("::1/128"), "loopback"),
+    (ipaddress.ip_network("169.254.0.0/16"), "link_local"),  # includes the metadata address 169.254.169.254
+    (ipaddress.ip_network("fe80::/10"), "link_local"),
+    (ipaddress.ip_network("224.0.0.0/4"), "multicast"),
+    (ipaddress.ip_network("ff00::/8"), "multicast"),
+    (ipaddress.ip_network("0.0.0.0/8"), "unspecified"),
+    (ipaddress.ip_network("::/128"), "unspecified"),
+    (ipaddress.ip_network("255.255.255.255/32"), "broadcast"),
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome for one destination.
+
+    ``reason`` is a small closed set (a metric label): ``allowed``, ``no_policy``, ``no_allow_rule``,
+    ``deny_rule``, ``address_mismatch``, ``no_name``, or one of the always-denied kinds (``loopback``,
+    ``link_local``, ``multicast``, ``unspecified``, ``broadcast``, ``node_address``, ``sandbox_network``).
+    ``message`` explains it to a person (it is sent to the guest in a 403 body and logged).
+    """
+
+    allowed: bool
+    reason: str
+    message: str
+
+    @classmethod
+    def allow(cls, message: str) -> Decision:
+        return cls(True, "allowed", message)
+
+    @classmethod
+    def deny(cls, reason: str, message: str) -> Decision:
+        return cls(False, reason, message)
+
+
+def normalise_name(name: str | None) -> str | None:
+    """Lower-case, no final dot, no port; ``None`` for an empty name or a bare IP address (not a name)."""
+    if not name:
+        return None
+    name = name.strip().lower().rstrip(".")
+    if name.startswith("[") or name.count(":") > 1:  # a bracketed or bare IPv6 literal
+        return None
+    name = name.split(":", 1)[0].rstrip(".")
+    if not name:
+        return None
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        return name
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether ``name`` matches ``pattern``: exact, or ``*.suffix`` for names strictly below ``suffix`` (any
+    depth). Both are compared lower-case without a final dot."""
+    pattern = pattern.lower().rstrip(".")
+    name = name.lower().rstrip(".")
+    if pattern.startswith("*."):
+        return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
+    return name == pattern
+
+
+def always_denied(addr: str | IPAddress, *, own_addrs: Iterable[str] = (), sandbox_cidr: str | None = None) -> Decision | None:
+    """The denial for an address no policy may open, else ``None``. IPv4-mapped IPv6 addresses are judged as
+    the IPv4 address they carry. An address that does not parse is denied (``unspecified``)."""
+    try:
+        ip = ipaddress.ip_address(addr) if isinstance(addr, str) else addr
+    except ValueError:
+        return Decision.deny("unspecified", f"{addr!r} is not an IP address")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for net, kind in ALWAYS_DENIED_NETS:
+        if ip.version == net.version and ip in net:
+            return Decision.deny(kind, f"{ip} is a {kind.replace('_', '-')} address, never reachable from a sandbox")
+    if sandbox_cidr:
+        net = ipaddress.ip_network(sandbox_cidr, strict=False)
+        if ip.version == net.version and ip in net:
+            return Decision.deny("sandbox_network", f"{ip} is in the sandbox network {net}")
+    for own in own_addrs:
+        try:
+            if ip == ipaddress.ip_address(own.split("%", 1)[0]):
+                return Decision.deny("node_address", f"{ip} is an address of this node")
+        except ValueError:
+            continue
+    return None
+
+
+def _port_ok(rule: EgressRule, port: int | None) -> bool:
+    return not rule.ports or (port is not None and port in rule.ports)
+
+
+def _rule_matches(rule: EgressRule, name: str | None, ip: IPAddress | None, port: int | None) -> bool:
+    if not _port_ok(rule, port):
+        return False
+    if rule.domain is not None:
+        return name is not None and name_matches(rule.domain, name)
+    if ip is None or rule.cidr is None:
+        return False
+    net = ipaddress.ip_network(rule.cidr, strict=False)
+    return ip.version == net.version and ip in net
+
+
+def decide(
+    policy: EgressPolicy | None,
+    *,
+    name: str | None,
+    addr: str,
+    port: int,
+    name_addrs: Iterable[str] | None = None,
+    own_addrs: Iterable[str] = (),
+    sandbox_cidr: str | None = None,
+) -> Decision:
+    """Decide a connection to ``addr``:``port`` for which the guest named ``name`` (SNI, Host, or the name
+    our DNS answered with this address; ``None`` for a bare address).
+
+    Order: always-denied ranges; no policy -> deny; any matching ``deny`` rule -> deny (deny wins); a matching
+    ``allow`` rule -> allow, except that a rule matched *by name* also needs ``addr`` among ``name_addrs``
+    (when ``name_addrs`` is ``None`` the caller vouches for the address, e.g. it came from our own DNS
+    memory). A matching CIDR rule needs no name.
+    """
+    hard = always_denied(addr, own_addrs=own_addrs, sandbox_cidr=sandbox_cidr)
+    if hard is not None:
+        return hard
+    if policy is None:
+        return Decision.deny("no_policy", "this sandbox has no egress policy (no egress at all)")
+    ip = ipaddress.ip_address(addr)
+    name = normalise_name(name)
+    where = f"{name or addr}:{port}"
+    for rule in policy.deny:
+        if _rule_matches(rule, name, ip, port):
+            return Decision.deny("deny_rule", f"{where} matches deny rule {_show(rule)}")
+    by_cidr = next((r for r in policy.allow if r.cidr is not None and _rule_matches(r, name, ip, port)), None)
+    if by_cidr is not None:
+        return Decision.allow(f"{where} matches allow rule {_show(by_cidr)}")
+    by_name = next((r for r in policy.allow if r.domain is not None and _rule_matches(r, name, ip, port)), None)
+    if by_name is None:
+        return Decision.deny("no_allow_rule", f"no allow rule matches {where}")
+    if name_addrs is not None and str(ip) not in {str(ipaddress.ip_address(a)) for a in name_addrs}:
+        return Decision.deny("address_mismatch", f"{addr} is not an address of {name}")
+    return Decision.allow(f"{where} matches allow rule {_show(by_name)}")
+
+
+def decide_name(policy: EgressPolicy | None, name: str) -> Decision:
+    """May the guest's DNS learn ``name``? Allowed when some ``allow`` domain rule matches it (on any port)
+    and no ``deny`` domain rule without ports matches it (a deny rule limited to some ports leaves the name
+    reachable on the others)."""
+    norm = normalise_name(name)
+    if norm is None:
+        return Decision.deny("no_name", f"{name!r} is not a host name")
+    if policy is None:
+        return Decision.deny("no_policy", "this sandbox has no egress policy (no egress at all)")
+    for rule in policy.deny:
+        if rule.domain is not None and not rule.ports and name_matches(rule.domain, norm):
+            return Decision.deny("deny_rule", f"{norm} matches deny rule {_show(rule)}")
+    for rule in policy.allow:
+        if rule.domain is not None and name_matches(rule.domain, norm):
+            return Decision.allow(f"{norm} matches allow rule {_show(rule)}")
+    return Decision.deny("no_allow_rule", f"no allow rule names {norm}")
+
+
+def _show(rule: EgressRule) -> str:
+    target = rule.domain or rule.cidr
+    return f"{target}" + (f" ports {','.join(map(str, rule.ports))}" if rule.ports else "")

@@ -1,0 +1,130 @@
+"""Gateway egress decisions (services/gateway/policy.py): wildcards, CIDRs, ports, deny wins, the ranges no
+policy opens, and the name/address consistency check."""
+
+from __future__ import annotations
+
+import pytest
+
+from podbay.contracts.egress import EgressPolicy
+from podbay_gateway.policy import always_denied, decide, decide_name, name_matches, normalise_name
+
+
+def _policy(allow: list[dict] | None = None, deny: list[dict] | None = None) -> EgressPolicy:
+    return EgressPolicy.model_validate({"allow": allow or [], "deny": deny or []})
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "hit"),
+    [
+        ("api.github.com", "api.github.com", True),
+        ("api.github.com", "API.GitHub.com.", True),
+        ("api.github.com", "x.api.github.com", False),
+        ("*.github.com", "api.github.com", True),
+        ("*.github.com", "a.b.github.com", True),
+        ("*.github.com", "github.com", False),
+        ("*.github.com", "evilgithub.com", False),
+        ("*.github.com", "github.com.evil.net", False),
+    ],
+)
+def test_name_matches(pattern: str, name: str, hit: bool) -> None:
+    assert name_matches(pattern, name) is hit
+
+
+def test_normalise_name_drops_port_dot_and_ip_literals() -> None:
+    assert normalise_name("Example.COM.:8443") == "example.com"
+    assert normalise_name("192.0.2.1") is None
+    assert normalise_name("[2001:db8::1]:443") is None
+    assert normalise_name("") is None
+
+
+@pytest.mark.parametrize(
+    ("addr", "reason"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.9.9.9", "loopback"),
+        ("::1", "loopback"),
+        ("169.254.169.254", "link_local"),
+        ("169.254.1.1", "link_local"),
+        ("fe80::1", "link_local"),
+        ("224.0.0.251", "multicast"),
+        ("ff02::1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("255.255.255.255", "broadcast"),
+        ("::ffff:169.254.169.254", "link_local"),
+        ("10.88.3.2", "sandbox_network"),
+        ("192.0.2.10", "node_address"),
+        ("not-an-ip", "unspecified"),
+    ],
+)
+def test_always_denied_ranges(addr: str, reason: str) -> None:
+    d = always_denied(addr, own_addrs=["192.0.2.10"], sandbox_cidr="10.88.0.0/16")
+    assert d is not None and not d.allowed and d.reason == reason
+
+
+def test_public_address_is_not_always_denied() -> None:
+    assert always_denied("93.184.216.34", own_addrs=["192.0.2.10"], sandbox_cidr="10.88.0.0/16") is None
+
+
+def test_always_denied_wins_over_an_allow_everything_policy() -> None:
+    policy = _policy(allow=[{"cidr": "0.0.0.0/0"}, {"domain": "*.internal"}])
+    for addr in ("169.254.169.254", "127.0.0.1", "10.88.0.1", "192.0.2.10"):
+        d = decide(policy, name="meta.internal", addr=addr, port=80, own_addrs=["192.0.2.10"],
+                   sandbox_cidr="10.88.0.0/16")
+        assert not d.allowed, addr
+    assert decide(policy, name=None, addr="198.51.100.7", port=80, sandbox_cidr="10.88.0.0/16").allowed
+
+
+def test_no_policy_denies_everything() -> None:
+    d = decide(None, name="example.com", addr="198.51.100.7", port=443)
+    assert not d.allowed and d.reason == "no_policy"
+    assert not decide_name(None, "example.com").allowed
+    empty = _policy()
+    assert decide(empty, name="example.com", addr="198.51.100.7", port=443).reason == "no_allow_rule"
+
+
+def test_domain_rule_with_ports() -> None:
+    policy = _policy(allow=[{"domain": "*.example.com", "ports": [443]}])
+    ok = decide(policy, name="api.example.com", addr="198.51.100.7", port=443, name_addrs=["198.51.100.7"])
+    assert ok.allowed and ok.reason == "allowed"
+    assert decide(policy, name="api.example.com", addr="198.51.100.7", port=80,
+                  name_addrs=["198.51.100.7"]).reason == "no_allow_rule"
+    assert decide(policy, name="example.com", addr="198.51.100.7", port=443,
+                  name_addrs=["198.51.100.7"]).reason == "no_allow_rule"
+
+
+def test_name_needs_its_own_address() -> None:
+    policy = _policy(allow=[{"domain": "api.example.com"}])
+    d = decide(policy, name="api.example.com", addr="203.0.113.9", port=443, name_addrs=["198.51.100.7"])
+    assert not d.allowed and d.reason == "address_mismatch"
+    # name_addrs None: the caller vouches (the address came from our own DNS answer for that name)
+    assert decide(policy, name="api.example.com", addr="203.0.113.9", port=443, name_addrs=None).allowed
+
+
+def test_cidr_rules_and_ports() -> None:
+    policy = _policy(allow=[{"cidr": "198.51.100.0/24", "ports": [5432]}])
+    assert decide(policy, name=None, addr="198.51.100.7", port=5432).allowed
+    assert not decide(policy, name=None, addr="198.51.100.7", port=22).allowed
+    assert not decide(policy, name=None, addr="198.51.101.7", port=5432).allowed
+
+
+def test_deny_wins_over_allow() -> None:
+    policy = _policy(allow=[{"domain": "*.example.com"}, {"cidr": "198.51.100.0/24"}],
+                     deny=[{"domain": "secret.example.com"}, {"cidr": "198.51.100.66/32", "ports": [443]}])
+    assert decide(policy, name="secret.example.com", addr="198.51.100.7", port=443,
+                  name_addrs=["198.51.100.7"]).reason == "deny_rule"
+    assert decide(policy, name=None, addr="198.51.100.66", port=443).reason == "deny_rule"
+    assert decide(policy, name=None, addr="198.51.100.66", port=80).allowed
+    assert decide(policy, name="www.example.com", addr="198.51.100.7", port=443,
+                  name_addrs=["198.51.100.7"]).allowed
+
+
+def test_dns_names() -> None:
+    policy = _policy(allow=[{"domain": "*.example.com", "ports": [443]}, {"domain": "api.other.org"}],
+                     deny=[{"domain": "bad.example.com"}, {"domain": "ports.example.com", "ports": [22]}])
+    assert decide_name(policy, "a.example.com").allowed
+    assert decide_name(policy, "api.other.org.").allowed
+    assert decide_name(policy, "bad.example.com").reason == "deny_rule"
+    # a deny rule limited to some ports leaves the name resolvable (other ports may be allowed)
+    assert decide_name(policy, "ports.example.com").allowed
+    assert decide_name(policy, "other.org").reason == "no_allow_rule"
+    assert decide_name(policy, "192.0.2.1").reason == "no_name"

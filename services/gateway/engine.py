@@ -56,8 +56,7 @@ class Gateway:
         self.relay = relay
         self.resolver = resolver or Resolver(settings.gateway_hosts_file)
         self.memory = memory or DnsMemory()
-        self.own_addrs: set[str] = node_addresses()
-        self._own_at = time.monotonic()
+        self.own_addrs: set[str] = set()  # filled by refresh_own_addresses() before serving
         self._generations: dict[str, tuple[str, int]] = {}
         self._dns_denials: dict[tuple[str, str], float] = {}  # (sandbox, name) -> monotonic s of last audit
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -82,10 +81,24 @@ class Gateway:
         return Peer(guest, binding, ctx)
 
     def _own(self) -> set[str]:
-        if time.monotonic() - self._own_at > 10.0:  # taps come and go; re-read the host's addresses now and then
-            self.own_addrs = node_addresses()
-            self._own_at = time.monotonic()
         return self.own_addrs
+
+    async def refresh_own_addresses(self) -> None:
+        """Re-read this host's addresses. In a worker thread: pyroute2's synchronous API does not work from
+        inside a running event loop (it silently sees nothing there)."""
+        self.own_addrs = await asyncio.to_thread(node_addresses)
+
+    async def watch_own_addresses(self, stop: asyncio.Event, every_s: float = 5.0) -> None:
+        """Keep :attr:`own_addrs` current (interfaces and addresses come and go) until ``stop``."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=every_s)
+            except TimeoutError:
+                pass
+            try:
+                await self.refresh_own_addresses()
+            except Exception as exc:  # noqa: BLE001 - keep the last known set
+                log.warning("node addresses not refreshed: %s", exc)
 
     # --- decisions -----------------------------------------------------------------------------------------
 
@@ -112,6 +125,19 @@ class Gateway:
         name = self.memory.name_of(peer.guest, addr)
         return decide(policy, name=name, addr=addr, port=port, name_addrs=None, own_addrs=self._own(),
                       sandbox_cidr=self.settings.sandbox_cidr)
+
+    async def early_refusal(self, peer: Peer, addr: str, port: int) -> Decision | None:
+        """A denial that holds whatever the guest sends next, so the connection can be closed before it sends
+        anything (fast failure for clients that wait for the server to speak): there is no policy, or the
+        address-level decision denies and no domain rule could allow this port by name. ``None`` when a name (SNI, Host) may still decide."""
+        raw = await self.decide_raw(peer, addr, port)
+        if raw.allowed:
+            return None
+        if peer.ctx is None or peer.ctx.policy is None:
+            return raw
+        if any(r.domain is not None and (not r.ports or port in r.ports) for r in peer.ctx.policy.allow):
+            return None
+        return raw
 
     def decide_dns(self, peer: Peer, name: str) -> Decision:
         """May this guest learn ``name``'s addresses?"""

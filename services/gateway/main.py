@@ -48,6 +48,10 @@ async def _main(stop: asyncio.Event) -> None:
     relay = Relay(pool, bus)
     relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
     gw = Gateway(settings, GatewayStore(pool, settings.node_id), relay)
+    await gw.refresh_own_addresses()
+    if not gw.own_addrs - {"127.0.0.1", "::1"}:
+        log.warning("no address of this node found besides loopback; only the fixed ranges protect it")
+    addr_task = asyncio.create_task(gw.watch_own_addresses(stop), name="node-addresses")
     dns_server = DnsServer(gw, "0.0.0.0", settings.gateway_dns_port)
     await dns_server.start()
     master, _addon = build_master(settings, gw)
@@ -81,6 +85,7 @@ async def _main(stop: asyncio.Event) -> None:
     finally:
         ready_task.cancel()
         watchdog.cancel()
+        addr_task.cancel()
         master.shutdown()
         await asyncio.wait({proxy_task}, timeout=10)
         await dns_server.close()

@@ -108,6 +108,11 @@ class EgressAddon:
             self.gw.denied(peer, "tcp", f"{dst[0]}:{dst[1]}", hard)
             client.error = hard.message
             return
+        early = await self.gw.early_refusal(peer, *dst)
+        if early is not None:
+            self.gw.denied(peer, "tcp", f"{dst[0]}:{dst[1]}", early)
+            client.error = early.message
+            return
         self.conns[client.id] = _Conn(peer, dst)
 
     def client_disconnected(self, client: connection.Client) -> None:

@@ -2,7 +2,8 @@
 
 Used by ``podbay up`` (through :mod:`podbay.devstack.supervisor`) and by the ``stack`` test fixture, so that
 both start the services the same way: each by its console script next to ``sys.executable``
-(``podbay-api``, ``podbay-scheduler``, ``podbay-nodeagent``, ``podbay-snapshotter``, ``podbay-warmpool``), with
+(``podbay-api``, ``podbay-scheduler``, ``podbay-nodeagent``, ``podbay-snapshotter``, ``podbay-warmpool``; and
+``podbay-gateway`` from its own virtualenv, see :func:`gateway_executable`), with
 its configuration as ``PODBAY_*`` environment variables, its output in ``<log_dir>/<name>.log``, and
 start-up finished only when ``GET http://127.0.0.1:<port>/healthz`` answers 200. Servers start first, then
 the services one by one in :data:`SERVICES` order (the API first: it applies the migrations).
@@ -51,6 +52,8 @@ __all__ = [
     "node_stores",
     "unmount_node_stores",
     "default_bin_dir",
+    "gateway_executable",
+    "credential_key_for",
 ]
 
 
@@ -69,6 +72,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("nodeagent", "podbay-nodeagent", "node"),
     ServiceSpec("snapshotter", "podbay-snapshotter", "snapshotter"),
     ServiceSpec("warmpool", "podbay-warmpool", "warmpool"),
+    ServiceSpec("gateway", "podbay-gateway", "gateway"),
 )
 SERVER_NAMES: tuple[str, ...] = ("nats", "postgres", "s3")
 
@@ -84,6 +88,9 @@ class StackPorts(BaseModel):
     scheduler: int = 8091
     snapshotter: int = 8092
     warmpool: int = 8093
+    gateway: int = 8095
+    gateway_proxy: int = 8094
+    gateway_dns: int = 8053
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StackPorts:
@@ -99,6 +106,9 @@ class StackPorts(BaseModel):
             scheduler=settings.scheduler_port,
             snapshotter=settings.snapshotter_port,
             warmpool=settings.warmpool_port,
+            gateway=settings.gateway_port,
+            gateway_proxy=settings.gateway_proxy_port,
+            gateway_dns=settings.gateway_dns_port,
         )
 
     @classmethod
@@ -146,9 +156,10 @@ class PortInUse(StackError):
 _PORT_VARIABLES = {
     "nats": "PODBAY_NATS_PORT", "pg": "PODBAY_PG_PORT", "s3": "PODBAY_S3_PORT", "api": "PODBAY_API_PORT",
     "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
-    "warmpool": "PODBAY_WARMPOOL_PORT",
+    "warmpool": "PODBAY_WARMPOOL_PORT", "gateway": "PODBAY_GATEWAY_PORT",
+    "gateway_proxy": "PODBAY_GATEWAY_PROXY_PORT", "gateway_dns": "PODBAY_GATEWAY_DNS_PORT",
 }  # fmt: skip
-_PART_OF_PORT = {"pg": "postgres", "node": "nodeagent"}
+_PART_OF_PORT = {"pg": "postgres", "node": "nodeagent", "gateway_proxy": "gateway", "gateway_dns": "gateway"}
 
 
 def check_ports_free(ports: StackPorts, external: External | None = None) -> None:
@@ -254,6 +265,41 @@ class ServiceProcess:
 def default_bin_dir() -> Path:
     """Where the services' console scripts are: ``PODBAY_BIN_DIR``, else the directory of ``sys.executable``."""
     return Path(os.environ.get("PODBAY_BIN_DIR") or Path(sys.executable).parent)
+
+
+def gateway_executable(explicit: str | Path | None = None, bin_dir: Path | None = None) -> Path:
+    """The ``podbay-gateway`` to run: ``explicit`` (``settings.gateway_bin``), else ``PODBAY_GATEWAY_BIN``, else
+    the gateway virtualenv beside this one (``<checkout>/.venv-gateway/bin``; scripts/setup.sh creates it,
+    because mitmproxy cannot share ``.venv`` with the test extra), else the one in ``bin_dir``."""
+    chosen = explicit or os.environ.get("PODBAY_GATEWAY_BIN")
+    if chosen:
+        return Path(chosen)
+    bins = bin_dir or default_bin_dir()
+    for venv_bin in (bins, Path(sys.prefix) / "bin"):
+        sibling = venv_bin.parent.parent / ".venv-gateway" / "bin" / "podbay-gateway"
+        if sibling.exists():
+            return sibling
+    return bins / "podbay-gateway"
+
+
+def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
+    """The credential sealing key of a stack: ``PODBAY_CREDENTIAL_KEY`` when given, else the one kept in
+    ``DATA_DIR/credential.key`` (created on first use, mode 0600), so that the API (which seals) and the gateway
+    (which reveals) share it and a restarted stack can still read what it sealed."""
+    if env.get("PODBAY_CREDENTIAL_KEY"):
+        return env["PODBAY_CREDENTIAL_KEY"]
+    from podbay.credentials import new_key
+
+    path = data_dir / "credential.key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        key = new_key()
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return key
 
 
 @dataclass
@@ -425,7 +471,10 @@ class Stack:
     # --- internals --------------------------------------------------------------------------------------
 
     def _service(self, spec: ServiceSpec) -> ServiceProcess:
-        script = self.bin_dir / spec.script
+        if spec.name == "gateway":
+            script = gateway_executable(self.base_env.get("PODBAY_GATEWAY_BIN"), self.bin_dir)
+        else:
+            script = self.bin_dir / spec.script
         if not script.exists():
             raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
         return ServiceProcess(
@@ -453,6 +502,10 @@ class Stack:
             "PODBAY_SCHEDULER_PORT": str(p.scheduler),
             "PODBAY_SNAPSHOTTER_PORT": str(p.snapshotter),
             "PODBAY_WARMPOOL_PORT": str(p.warmpool),
+            "PODBAY_GATEWAY_PORT": str(p.gateway),
+            "PODBAY_GATEWAY_PROXY_PORT": str(p.gateway_proxy),
+            "PODBAY_GATEWAY_DNS_PORT": str(p.gateway_dns),
+            "PODBAY_CREDENTIAL_KEY": credential_key_for(self.data_dir, self.base_env),
             "PODBAY_NATS_PORT": str(p.nats),
             "PODBAY_PG_PORT": str(p.pg),
             "PODBAY_S3_PORT": str(p.s3),

@@ -57,7 +57,7 @@ __all__ = ["PartStatus", "PartRecord", "StackState", "up", "down", "status", "re
 
 STATE_FILE = "stack.json"
 LOCK_FILE = "stack.lock"
-_COLOURS = {"api": "cyan", "scheduler": "magenta", "nodeagent": "green", "snapshotter": "yellow", "warmpool": "blue"}
+_COLOURS = {"api": "cyan", "scheduler": "magenta", "nodeagent": "green", "snapshotter": "yellow", "warmpool": "blue", "gateway": "red"}
 _STOP_GRACE_S = 10.0
 _READY_TIMEOUT_S = 600.0
 

@@ -43,7 +43,7 @@ from podbay.config import Settings
 
 from .engine import Gateway, Peer
 from .metrics import CONNECTIONS, CREDENTIAL_USES, REDACTIONS
-from .policy import Decision
+from .policy import Decision, normalise_name
 from .shaping import (
     DENIED_HEADER,
     CredentialRow,
@@ -67,6 +67,7 @@ class _Conn:
     verdict: Decision | None = None
     protocol: str = "tcp"
     sni: str | None = None
+    intercepted: bool = False
     creds: list[CredentialRow] = field(default_factory=list)
     secrets: set[str] = field(default_factory=set)
 
@@ -138,7 +139,7 @@ class EgressAddon:
         if not creds:
             data.ignore_connection = True  # allowed, nothing to inject: bytes pass untouched
             return
-        st.creds = creds  # intercept: SandboxTlsConfig presents a certificate of this sandbox's CA
+        st.creds, st.intercepted = creds, True  # SandboxTlsConfig presents a certificate of this sandbox's CA
 
     async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         st = self.state(data.client)
@@ -165,7 +166,7 @@ class EgressAddon:
         if st is None:
             flow.response = _refusal(403, "egress_denied", "connection not identified")
             return
-        if st.creds and flow.client_conn.tls_established:
+        if st.intercepted:
             await self._inject(flow, st)
             return
         # Plain HTTP (or HTTP inside TLS we pass through, which never reaches here): by Host + port.
@@ -183,6 +184,21 @@ class EgressAddon:
     async def _inject(self, flow: http.HTTPFlow, st: _Conn) -> None:
         host = (st.sni or "").lower()
         path = flow.request.path
+        named = normalise_name(flow.request.host_header)
+        if named is not None and named != normalise_name(host):
+            # The credential was chosen for the SNI (the name the upstream certificate is verified against);
+            # a request naming another host on that connection gets nothing injected, and is refused.
+            flow.response = _refusal(421, "misdirected_request",
+                                     f"request for {named} on a connection to {host}")
+            return
+        try:
+            # Read per request, so a credential deleted or changed applies to the next request on a
+            # kept-alive connection too.
+            st.creds = credentials_for_host(await self.gw.credentials(st.peer), host)
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            log.error("credentials not readable: %s", exc)
+            flow.response = _refusal(503, "credential_unavailable", "the credential store did not answer")
+            return
         row = pick_credential(st.creds, host, path)
         if row is None:
             return  # allowed destination, no credential for this path: forwarded as is
@@ -281,7 +297,7 @@ class SandboxTlsConfig(tlsconfig.TlsConfig):
 
     def tls_start_client(self, tls_start: tls.TlsData) -> None:
         st = self._addon.state(tls_start.context.client)
-        if st is None or st.peer.binding is None or not st.creds:
+        if st is None or st.peer.binding is None or not st.intercepted:
             raise RuntimeError("no sandbox CA for this connection")  # never fall back to a shared CA
         # Synchronous hook: nothing else runs between setting the store and the parent reading it.
         self.certstore = self._store(st)

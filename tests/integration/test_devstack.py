@@ -39,6 +39,11 @@ def test_services_share_one_configuration(stack: Stack) -> None:
     assert env["PODBAY_API_PORT"] == str(stack.ports.api)
     assert len(env["PODBAY_INTERNAL_TOKEN"]) >= 32
     assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+    # the gateway's ports, and one credential key for the API (seals) and the gateway (reveals)
+    assert env["PODBAY_GATEWAY_PROXY_PORT"] == str(stack.ports.gateway_proxy)
+    assert env["PODBAY_GATEWAY_DNS_PORT"] == str(stack.ports.gateway_dns)
+    assert len(env["PODBAY_CREDENTIAL_KEY"]) == 44
+    assert stack.services["gateway"].argv[0].endswith("/.venv-gateway/bin/podbay-gateway")
 
 
 def test_dev_key_authenticates(stack: Stack) -> None:

@@ -177,6 +177,7 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
     table = "pbgw_test"
     cleanup: list[list[str]] = []
     procs: list[subprocess.Popen[bytes]] = []
+    codes: list[int | None] = []
     key = new_key()
 
     def node(*argv: str) -> None:
@@ -277,12 +278,14 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
             raise AssertionError("gateway not healthy: " + (work / "gateway.log").read_text()[-3000:])
         yield Env(a, b, up_addr, denied_addr, node_addr, ca_file, upstream_log, health_url, creds)
     finally:
-        for p in reversed(procs):
-            stop_process(p, grace_s=10)
+        codes = [stop_process(p, grace_s=10) for p in reversed(procs)]
         for cmd in reversed(cleanup):
             _sh(*cmd, check=False)
         if os.environ.get("PODBAY_KEEP_TEST_DATA") == "1":
             print(f"gateway test data kept in {work}")
+    # graceful shutdown: SIGTERM ends the gateway with exit code 0 (procs: relay, gateway, upstream)
+    assert len(codes) == 3 and codes[1] == 0, (codes, (work / "gateway.log").read_text()[-3000:])
+    assert "gateway stopped" in (work / "gateway.log").read_text()
 
 
 async def _audit(pool: asyncpg.Pool, sandbox: str, action: str, *, decision: str, target: str | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 
 from podbay import db
@@ -54,7 +55,7 @@ async def _main(stop: asyncio.Event) -> None:
     addr_task = asyncio.create_task(gw.watch_own_addresses(stop), name="node-addresses")
     dns_server = DnsServer(gw, "0.0.0.0", settings.gateway_dns_port)
     await dns_server.start()
-    master, _addon = build_master(settings, gw)
+    master, _addon, work_dir = build_master(settings, gw)
     proxy_task = asyncio.create_task(master.run(), name="proxy")
     ready = asyncio.Event()
 
@@ -88,6 +89,7 @@ async def _main(stop: asyncio.Event) -> None:
         addr_task.cancel()
         master.shutdown()
         await asyncio.wait({proxy_task}, timeout=10)
+        shutil.rmtree(work_dir, ignore_errors=True)
         await dns_server.close()
         await gw.drain()
         try:
@@ -99,6 +101,8 @@ async def _main(stop: asyncio.Event) -> None:
         await pool.close()
     if proxy_task.done() and not proxy_task.cancelled() and proxy_task.exception() is not None:
         raise RuntimeError("the proxy stopped") from proxy_task.exception()
+    if not ready.is_set():
+        raise RuntimeError(f"the proxy never listened on port {settings.gateway_proxy_port}")
 
 
 def main() -> None:

@@ -314,9 +314,14 @@ def upstream_bundle(extra: Path | None, work_dir: Path) -> Path | None:
     return bundle
 
 
-def build_master(settings: Settings, gw: Gateway, listen_host: str = "0.0.0.0") -> tuple[Master, EgressAddon]:
+def build_master(settings: Settings, gw: Gateway, listen_host: str = "0.0.0.0") -> tuple[Master, EgressAddon, Path]:
     """A mitmproxy master with only the addons the gateway needs (no scripting, no console, no flow
-    storage), in transparent mode on ``listen_host:settings.gateway_proxy_port``. Call in a running loop."""
+    storage), in transparent mode on ``listen_host:settings.gateway_proxy_port``, plus its private work
+    directory (mitmproxy's confdir, DH parameters, the upstream CA bundle; the caller removes it after the
+    master stopped). Call in a running loop."""
+    if settings.log_level.upper() != "DEBUG":
+        # mitmproxy logs every client and server connect at INFO; our own decision lines say what matters.
+        logging.getLogger("mitmproxy").setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="podbay-gateway-"))
     os.chmod(work, 0o700)
     opts = options.Options()
@@ -336,4 +341,4 @@ def build_master(settings: Settings, gw: Gateway, listen_host: str = "0.0.0.0") 
         rawtcp=True,
         upstream_cert=False,
     )
-    return master, addon
+    return master, addon, work

@@ -134,8 +134,14 @@ class EgressAddon:
             self.gw.denied(st.peer, "tls", dest, decision, detail={"address": st.dst[0]})
             data.ignore_connection = True  # no interception; server_connect closes it at once
             return
+        try:
+            creds = credentials_for_host(await self.gw.credentials(st.peer), st.sni) if st.sni else []
+        except Exception as exc:  # noqa: BLE001 - without the credential list we cannot know: refuse
+            log.warning("credentials not readable, refusing %s: %s", dest, exc)
+            st.verdict = Decision.deny("error", "the gateway cannot read its credential store")
+            data.ignore_connection = True
+            return
         self.gw.allowed("tls", decision)
-        creds = credentials_for_host(await self.gw.credentials(st.peer), st.sni) if st.sni else []
         if not creds:
             data.ignore_connection = True  # allowed, nothing to inject: bytes pass untouched
             return

@@ -51,7 +51,7 @@ pytestmark = [
 ]
 
 PEERS = str(Path(__file__).with_name("gateway_peers.py"))
-NAMES = ["www.test", "api.test", "scoped.test", "expired.test", "limited.test"]
+NAMES = ["www.test", "api.test", "scoped.test", "expired.test", "limited.test", "tpl.test", "elsewhere.test"]
 SECRET_A = "sekret-api-A-7f3e9d"
 SECRET_B = "sekret-api-B-41c2aa"
 SECRET_SCOPED = "sekret-scoped-9b1d"
@@ -151,13 +151,15 @@ async def _sandbox_rows(pool: asyncpg.Pool, tenant: str, sandbox: str) -> None:
 
 async def _credential(pool: asyncpg.Pool, key: str, tenant: str, value: str, hosts: list[str], *,
                       path_prefix: str | None = None, expires_at: dt.datetime | None = None,
-                      rate: int | None = None) -> str:
+                      rate: int | None = None, sandboxes: list[str] | None = None,
+                      templates: list[str] | None = None) -> str:
     cid = new_id("cred")
     sealed = await PgCredentialStore(key).seal(cid, tenant, value)
     await pool.execute(
         "INSERT INTO credentials (id, tenant_id, name, hosts, path_prefix, header, format, expires_at,"
-        " rate_limit_per_min, backend, ciphertext) VALUES ($1,$2,$3,$4,$5,'Authorization','Bearer {value}',$6,$7,"
-        " 'pg',$8)", cid, tenant, cid, hosts, path_prefix, expires_at, rate, sealed.ciphertext)
+        " rate_limit_per_min, backend, ciphertext, scope_sandboxes, scope_templates)"
+        " VALUES ($1,$2,$3,$4,$5,'Authorization','Bearer {value}',$6,$7,'pg',$8,$9,$10)",
+        cid, tenant, cid, hosts, path_prefix, expires_at, rate, sealed.ciphertext, sandboxes, templates)
     return cid
 
 
@@ -233,6 +235,10 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
             "expired": await _credential(pool, key, a.tenant, "sekret-expired", ["expired.test"],
                                          expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)),
             "limited": await _credential(pool, key, a.tenant, "sekret-limited", ["limited.test"], rate=2),
+            # scope: A's template -> in scope; another sandbox only -> not A's
+            "tpl": await _credential(pool, key, a.tenant, "sekret-tpl", ["tpl.test"], templates=["gw-test"]),
+            "elsewhere": await _credential(pool, key, a.tenant, "sekret-elsewhere", ["elsewhere.test"],
+                                           sandboxes=[b.sandbox]),
         }
         # the node's redirect, as the node agent installs it: TCP from taps -> proxy, port 53 -> DNS
         health, proxy_port, dns_port, health_out = free_ports(4)
@@ -310,7 +316,8 @@ async def test_allowed_name_resolves_and_passes_through(env: Env) -> None:
     res = await asyncio.to_thread(a.dns, "www.test")
     assert res == {"rcode": "NOERROR", "addrs": [env.up_addr]}
     assert (await asyncio.to_thread(a.dns, "www.test", "AAAA")) == {"rcode": "NOERROR", "addrs": []}
-    # No credential for www.test: TLS passes untouched, so the client sees the upstream's own certificate.
+    # No credential of A's tenant for www.test (B's "*.test" is another tenant's): TLS passes untouched, so
+    # the client sees the upstream's own certificate.
     out = await asyncio.to_thread(a.https, env.up_addr, "www.test", env.upstream_ca, "/hello")
     assert out["status"] == 200, out
     assert out["issuer_cn"] == "upstream test CA"
@@ -362,6 +369,17 @@ async def test_credential_injected_and_redacted(env: Env, pool: asyncpg.Pool) ->
     rows = await _audit(pool, a.sandbox, "credential.use", decision="allow", target=env.creds["api_a"], after=since)
     assert rows and rows[0]["detail"]["host"] == "api.test" and rows[0]["detail"]["method"] == "GET"
     assert rows[0]["detail"]["path"] == "/v1/me?x=1"
+
+
+async def test_credential_scope_by_template_and_sandbox(env: Env) -> None:
+    a = env.a
+    out = await asyncio.to_thread(a.https, env.up_addr, "tpl.test", a.ca_cert, "/t")
+    assert out["status"] == 200 and json.loads(out["body"])["headers"]["Authorization"] == "Bearer [podbay:redacted]"
+    # scoped to another sandbox: not A's, so A's TLS passes through untouched (the upstream's own certificate)
+    out = await asyncio.to_thread(a.https, env.up_addr, "elsewhere.test", env.upstream_ca, "/e")
+    assert out["status"] == 200 and out["issuer_cn"] == "upstream test CA"
+    assert "Authorization" not in json.loads(out["body"])["headers"]
+    assert "sekret-elsewhere" not in env.upstream_log.read_text()
 
 
 async def test_path_prefix_is_respected(env: Env) -> None:

@@ -6,6 +6,8 @@ Per query: identify the sandbox by the source address (no binding or no sandbox 
 * ``A`` for a name the policy allows: resolve (hosts file, then the host resolver), answer with TTL
   :data:`ANSWER_TTL_S`, and remember the addresses for this guest (raw TCP to them is decided by the name);
   a name that does not resolve -> NXDOMAIN.
+* a name no domain rule covers, when the policy has CIDR allow rules: resolve, and answer ``A`` with only
+  the addresses those rules open (other types: empty); NXDOMAIN, audited, when there are none.
 * ``AAAA`` (and other types) for an allowed name: an empty NOERROR answer (the sandbox network is IPv4).
 * any type for a name not allowed: NXDOMAIN, logged, audited (at most once a minute per sandbox and name)
   and announced on ``podbay.evt.egress.<sandbox>.denied``.
@@ -27,6 +29,7 @@ import dns.rrset
 
 from .engine import Gateway
 from .metrics import DNS_ANSWERS
+from .policy import cidr_allows
 
 __all__ = ["ANSWER_TTL_S", "DnsServer", "answer"]
 
@@ -63,6 +66,16 @@ async def answer(gw: Gateway, src_ip: str, wire: bytes) -> bytes | None:
         DNS_ANSWERS.labels("refused").inc()
         return reply.to_wire()
     decision = gw.decide_dns(peer, name)
+    policy = peer.ctx.policy if peer.ctx else None
+    if (not decision.allowed and decision.reason == "no_allow_rule" and policy is not None
+            and any(r.cidr is not None for r in policy.allow)):
+        opened = [a for a in await gw.resolver.resolve(name) if cidr_allows(policy, a)]
+        if opened:
+            gw.allowed("dns", decision.allow(f"{name} leads into an allowed address range"))
+            if q.rdtype == dns.rdatatype.A and q.rdclass == dns.rdataclass.IN:
+                return _answer_a(gw, reply, q, peer.guest, name, opened)
+            DNS_ANSWERS.labels("empty").inc()
+            return reply.to_wire()
     if not decision.allowed:
         gw.denied(peer, "dns", name, decision, detail={"qtype": dns.rdatatype.to_text(q.rdtype)})
         reply.set_rcode(dns.rcode.NXDOMAIN)
@@ -75,11 +88,16 @@ async def answer(gw: Gateway, src_ip: str, wire: bytes) -> bytes | None:
             reply.set_rcode(dns.rcode.NXDOMAIN)
             DNS_ANSWERS.labels("nxdomain").inc()
             return reply.to_wire()
-        reply.answer.append(dns.rrset.from_text_list(q.name, ANSWER_TTL_S, "IN", "A", addrs))
-        gw.memory.remember(peer.guest, name, addrs, ANSWER_TTL_S)
-        DNS_ANSWERS.labels("answer").inc()
-    else:
-        DNS_ANSWERS.labels("empty").inc()
+        return _answer_a(gw, reply, q, peer.guest, name, addrs)
+    DNS_ANSWERS.labels("empty").inc()
+    return reply.to_wire()
+
+
+def _answer_a(gw: Gateway, reply: dns.message.Message, q: dns.rrset.RRset, guest: str, name: str,
+              addrs: list[str]) -> bytes:
+    reply.answer.append(dns.rrset.from_text_list(q.name, ANSWER_TTL_S, "IN", "A", addrs))
+    gw.memory.remember(guest, name, addrs, ANSWER_TTL_S)
+    DNS_ANSWERS.labels("answer").inc()
     return reply.to_wire()
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "normalise_name",
     "decide",
     "decide_name",
+    "cidr_allows",
 ]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -192,6 +193,25 @@ def decide_name(policy: EgressPolicy | None, name: str) -> Decision:
         if rule.domain is not None and name_matches(rule.domain, norm):
             return Decision.allow(f"{norm} matches allow rule {_show(rule)}")
     return Decision.deny("no_allow_rule", f"no allow rule names {norm}")
+
+
+def cidr_allows(policy: EgressPolicy | None, addr: str) -> bool:
+    """Whether ``addr`` lies in some ``allow`` CIDR rule and in no ``deny`` CIDR rule without ports (on some
+    port it may then be reached). Used by DNS for names no domain rule covers: a policy that opens an address
+    range should still let the guest resolve names that lead into it."""
+    if policy is None:
+        return False
+    ip = ipaddress.ip_address(addr)
+
+    def inside(rule: EgressRule) -> bool:
+        if rule.cidr is None:
+            return False
+        net = ipaddress.ip_network(rule.cidr, strict=False)
+        return ip.version == net.version and ip in net
+
+    if any(inside(r) and not r.ports for r in policy.deny):
+        return False
+    return any(inside(r) for r in policy.allow)
 
 
 def _show(rule: EgressRule) -> str:

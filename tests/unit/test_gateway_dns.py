@@ -100,3 +100,18 @@ async def test_no_policy_denies_every_name(tmp_path: Path) -> None:
 async def test_garbage_gets_no_answer(tmp_path: Path) -> None:
     gw = _gateway(tmp_path, FakeStore(POLICY))
     assert await answer(gw, GUEST, b"\x00\x01garbage") is None
+
+
+async def test_names_leading_into_an_allowed_cidr_are_answered_with_those_addresses_only(tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text("")
+    policy = EgressPolicy.model_validate({"allow": [{"cidr": "198.51.100.0/24", "ports": [5432]}],
+                                          "deny": [{"cidr": "198.51.100.66/32"}]})
+    gw = _gateway(tmp_path, FakeStore(policy))
+    (tmp_path / "hosts").write_text("198.51.100.7 db.example.net\n203.0.113.5 db.example.net\n"
+                                    "203.0.113.9 web.example.net\n198.51.100.66 blocked.example.net\n")
+    reply = await _ask(gw, "db.example.net")
+    assert [rd.to_text() for rrset in reply.answer for rd in rrset] == ["198.51.100.7"]
+    assert gw.memory.name_of(GUEST, "198.51.100.7") == "db.example.net"
+    assert (await _ask(gw, "db.example.net", "AAAA")).rcode() == dns.rcode.NOERROR
+    assert (await _ask(gw, "web.example.net")).rcode() == dns.rcode.NXDOMAIN
+    assert (await _ask(gw, "blocked.example.net")).rcode() == dns.rcode.NXDOMAIN

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from podbay.contracts.egress import EgressPolicy
-from podbay_gateway.policy import always_denied, decide, decide_name, name_matches, normalise_name
+from podbay_gateway.policy import always_denied, cidr_allows, decide, decide_name, name_matches, normalise_name
 
 
 def _policy(allow: list[dict] | None = None, deny: list[dict] | None = None) -> EgressPolicy:
@@ -128,3 +128,13 @@ def test_dns_names() -> None:
     assert decide_name(policy, "ports.example.com").allowed
     assert decide_name(policy, "other.org").reason == "no_allow_rule"
     assert decide_name(policy, "192.0.2.1").reason == "no_name"
+
+
+def test_cidr_allows_any_port_unless_denied_on_every_port() -> None:
+    policy = _policy(allow=[{"cidr": "198.51.100.0/24", "ports": [443]}],
+                     deny=[{"cidr": "198.51.100.66/32"}, {"cidr": "198.51.100.77/32", "ports": [443]}])
+    assert cidr_allows(policy, "198.51.100.7")
+    assert not cidr_allows(policy, "198.51.100.66")
+    assert cidr_allows(policy, "198.51.100.77")  # denied on 443 only: the name may still be learned
+    assert not cidr_allows(policy, "203.0.113.1")
+    assert not cidr_allows(None, "198.51.100.7")

@@ -15,7 +15,8 @@ namespace, reaches the test's PostgreSQL and NATS, and the test reaches the gate
 ``{"op": "dns", "server": ip, "name": n, "qtype": "A"}`` -> ``{"rcode", "addrs"}``;
 ``{"op": "https", "addr", "port", "sni", "path", "cafile"}`` -> ``{"status", "headers", "body"}`` or
 ``{"error"}``; ``{"op": "http", "addr", "port", "host", "path"}`` likewise; ``{"op": "raw", "addr",
-"port"}`` -> ``{"closed": bool, "data"}`` (connects, sends a line, reads until EOF or 5 s).
+"port", "send": true}`` -> ``{"closed": bool, "data"}`` (connects, sends a line unless ``send`` is false, and
+reads until EOF or the timeout).
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def _client(op: dict) -> dict:
     try:
         if kind == "raw":
             try:
-                sock.sendall(b"hello\r\n")
+                if op.get("send", True):
+                    sock.sendall(b"hello\r\n")
                 data = sock.recv(4096)
                 return {"closed": data == b"", "data": data.decode("latin-1")}
             except (ConnectionResetError, BrokenPipeError):

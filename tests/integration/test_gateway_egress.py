@@ -343,13 +343,19 @@ async def test_denied_name_nxdomain_and_direct_connections_refused(env: Env, poo
     assert "error" in wrong, wrong
     raw = await asyncio.to_thread(a.run, {"op": "raw", "addr": env.denied_addr, "port": 443})
     assert raw.get("closed") or "error" in raw, raw
+    # a port no rule could open is closed before the guest sends anything (a client waiting for a server
+    # greeting does not hang)
+    silent = await asyncio.to_thread(a.run, {"op": "raw", "addr": env.denied_addr, "port": 22, "send": False,
+                                             "timeout": 20})
+    assert silent.get("closed") or "error" in silent, silent
     http = await asyncio.to_thread(a.run, {"op": "http", "addr": env.denied_addr, "port": 80,
                                            "host": "denied.test", "path": "/x"})
     assert http["status"] == 403 and http["headers"]["x-podbay-denied"] == "egress_denied"
     body = json.loads(http["body"])
     assert body["error"]["code"] == "egress_denied" and "denied.test" in body["error"]["message"]
-    rows = await _audit(pool, a.sandbox, "egress.deny", decision="deny", after=since, want=6)
-    assert {"denied.test:443", "denied.test:80", f"{env.denied_addr}:443"} <= {r["target"] for r in rows}
+    rows = await _audit(pool, a.sandbox, "egress.deny", decision="deny", after=since, want=7)
+    assert {"denied.test:443", "denied.test:80", f"{env.denied_addr}:443", f"{env.denied_addr}:22"} <= {
+        r["target"] for r in rows}
     # each denial is also an event on podbay.evt.egress.<sandbox>.denied (through the outbox)
     n = await pool.fetchval("SELECT count(*) FROM outbox WHERE subject = $1", f"podbay.evt.egress.{a.sandbox}.denied")
     assert n >= 6

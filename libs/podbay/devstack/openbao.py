@@ -12,7 +12,7 @@ and the token reads its own lookup.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -30,7 +30,7 @@ class OpenBaoServer(ServerProcess):
     """``bao server -dev``; ``addr`` is ``http://127.0.0.1:<port>``, ``token`` its root token."""
 
     addr: str = ""
-    token: str = ""
+    token: str = field(default="", repr=False)
 
 
 async def probe_openbao(addr: str, token: str) -> None:

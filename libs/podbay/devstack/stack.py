@@ -179,7 +179,7 @@ class ServiceProcess:
 
     spec: ServiceSpec
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # holds keys and passwords
     log_path: Path
     port: int
     proc: subprocess.Popen[bytes] | None = None
@@ -289,10 +289,11 @@ class Stack:
     s3_keys: tuple[str, str] = ("", "")
     api_key: str = ""
     tenant_id: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    credential_key: str = ""
+    # Secrets (keys, passwords, tokens) live here: kept out of repr, which test failures print.
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    credential_key: str = field(default="", repr=False)
     openbao_addr: str = ""
-    openbao_token: str = ""
+    openbao_token: str = field(default="", repr=False)
 
     @property
     def api_url(self) -> str:

@@ -6,6 +6,7 @@ import json
 import secrets
 
 import asyncpg
+import httpx
 import pytest
 from access_helpers import Tenant, new_tenant, sql
 
@@ -192,3 +193,39 @@ def test_audit_rows_are_events_too(stack: Stack, acme: Tenant) -> None:
                f"podbay.evt.audit.{acme.tenant_id}.api_key.create")
     payloads = [json.loads(r["payload"]) if isinstance(r["payload"], str) else r["payload"] for r in rows]
     assert any(p["data"]["target"] == key_id for p in payloads)
+
+
+def test_warm_create_keeps_policy_placeholders_and_audit_event(stack: Stack, acme: Tenant) -> None:
+    """The one-statement warm create (``warm.CLAIM_SQL``) writes the policy, the placeholders, the audit row and
+    its event. The slot's node here is a row only: the claim is not answered and the create falls back to a
+    restore that cannot happen, so only the rows the claim wrote are checked (no microVM)."""
+    tpl, _ = _template_and_sandbox(stack, acme)
+    node, slot = f"node-fake-{secrets.token_hex(3)}", f"sbx_{secrets.token_hex(12)}"
+    sql(stack, "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel) VALUES ($1, 'http://127.0.0.1:9',"
+        " 1024, 1, 'tcg')", node)
+    sql(stack, "INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus, state, ready_at)"
+        " VALUES ($1, $2, $3, 'sha256:none', 256, 1, 'ready', now())", slot, node, tpl)
+    with acme.http() as http:
+        assert http.post("/v1/credentials", json={"name": "warm-cred", "value": "v" * 20,
+                                                   "hosts": ["x.example.com"]}).status_code == 201
+        try:
+            http.post("/v1/sandboxes", json={"template": tpl, "network": {"allow": [{"domain": "x.example.com"}]}},
+                      timeout=httpx.Timeout(15.0))
+        except httpx.ReadTimeout:
+            pass  # the fallback restore waits for a node that has no such template
+    row = sql(stack, "SELECT tenant_id, egress_policy, guest_env FROM sandboxes WHERE id=$1", slot)[0]
+    policy = json.loads(row["egress_policy"]) if isinstance(row["egress_policy"], str) else row["egress_policy"]
+    env = json.loads(row["guest_env"]) if isinstance(row["guest_env"], str) else row["guest_env"]
+    assert row["tenant_id"] == acme.tenant_id and policy["allow"][0]["domain"] == "x.example.com"
+    assert env == {"PODBAY_CRED_WARM_CRED": "podbay-credential:warm-cred"}
+    audit = sql(stack, "SELECT id, actor, detail FROM audit_log WHERE action='sandbox.create' AND sandbox_id=$1", slot)
+    assert len(audit) == 1 and _json(audit[0]["detail"])["warm"] is True
+    events = sql(stack, "SELECT payload FROM outbox WHERE subject=$1",
+                 f"podbay.evt.audit.{acme.tenant_id}.sandbox.create")
+    payloads = [json.loads(e["payload"]) if isinstance(e["payload"], str) else e["payload"] for e in events]
+    mine = [p for p in payloads if p.get("sandbox_id") == slot]
+    assert len(mine) == 1 and mine[0]["data"]["audit_id"] == audit[0]["id"] and mine[0]["data"]["target"] == slot
+
+
+def _json(value: object) -> dict[str, object]:
+    return json.loads(value) if isinstance(value, str) else value  # type: ignore[return-value]

@@ -50,3 +50,13 @@ def sql(stack: Stack, query: str, *args: Any) -> list[asyncpg.Record]:
             await conn.close()
 
     return asyncio.run(run())
+
+
+def template_and_sandbox(stack: Stack, tenant: Tenant, state: str = "suspended") -> tuple[str, str]:
+    """A template row and a sandbox row of ``tenant`` that no node runs (so no microVM is needed)."""
+    tpl = f"nettest-{secrets.token_hex(3)}"
+    sbx = f"sbx_{secrets.token_hex(12)}"
+    sql(stack, "INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ($1, 'sha256:none', 256, 1)", tpl)
+    sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
+        " vcpus, hostname) VALUES ($1, $2, $3, 'sha256:none', $4, $4, 256, 1, 'h')", sbx, tenant.tenant_id, tpl, state)
+    return tpl, sbx

@@ -8,7 +8,7 @@ import secrets
 import asyncpg
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, sql
+from access_helpers import Tenant, new_tenant, sql, template_and_sandbox
 
 from podbay.devstack.stack import Stack
 
@@ -71,7 +71,7 @@ def test_key_revoked_while_cached_is_refused_on_the_next_request(acme: Tenant) -
 
 
 def test_cross_tenant_access_is_404(stack: Stack, acme: Tenant, other: Tenant) -> None:
-    tpl, sbx = _template_and_sandbox(stack, acme)
+    tpl, sbx = template_and_sandbox(stack, acme)
     with acme.http() as http:
         key_id = http.post("/v1/keys", json={"name": "mine"}).json()["id"]
         assert http.post("/v1/credentials", json={"name": "c1", "value": "v" * 20,
@@ -90,18 +90,8 @@ def test_cross_tenant_access_is_404(stack: Stack, acme: Tenant, other: Tenant) -
         assert http.get(f"/v1/sandboxes/{sbx}/network").json()["source"] == "default"
 
 
-def _template_and_sandbox(stack: Stack, tenant: Tenant, state: str = "suspended") -> tuple[str, str]:
-    """A template row and a sandbox row of ``tenant`` that no node runs (so no microVM is needed)."""
-    tpl = f"nettest-{secrets.token_hex(3)}"
-    sbx = f"sbx_{secrets.token_hex(12)}"
-    sql(stack, "INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ($1, 'sha256:none', 256, 1)", tpl)
-    sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
-        " vcpus, hostname) VALUES ($1, $2, $3, 'sha256:none', $4, $4, 256, 1, 'h')", sbx, tenant.tenant_id, tpl, state)
-    return tpl, sbx
-
-
 def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> None:
-    tpl, sbx = _template_and_sandbox(stack, acme)
+    tpl, sbx = template_and_sandbox(stack, acme)
     with acme.http() as http:
         assert http.get(f"/v1/sandboxes/{sbx}/network").json() == {"policy": {"allow": [], "deny": []},
                                                                    "source": "default"}
@@ -128,7 +118,7 @@ def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> N
         entries = http.get("/v1/audit", params={"sandbox_id": sbx}).json()["entries"]
         assert [e["action"] for e in entries] == ["sandbox.network"]
         assert [e["action"] for e in http.get("/v1/audit", params={"action": "template.network"}).json()["entries"]]
-    _, gone = _template_and_sandbox(stack, acme, state="deleted")
+    _, gone = template_and_sandbox(stack, acme, state="deleted")
     with acme.http() as http:
         r = http.put(f"/v1/sandboxes/{gone}/network", json={"allow": []})
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
@@ -137,7 +127,7 @@ def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> N
 def test_create_stores_the_policy_and_the_placeholders(stack: Stack, acme: Tenant) -> None:
     """``POST /v1/sandboxes`` keeps ``network`` and the credential placeholders on the row (the template here
     exists on no node, so the sandbox never starts: nothing of this needs a microVM)."""
-    tpl, _ = _template_and_sandbox(stack, acme)
+    tpl, _ = template_and_sandbox(stack, acme)
     with acme.http() as http:
         for name, scope in (("gh", {}), ("only-tpl", {"templates": [tpl]}), ("elsewhere", {"templates": ["x"]})):
             assert http.post("/v1/credentials", json={"name": name, "value": "secret-" + name,
@@ -199,7 +189,7 @@ def test_warm_create_keeps_policy_placeholders_and_audit_event(stack: Stack, acm
     """The one-statement warm create (``warm.CLAIM_SQL``) writes the policy, the placeholders, the audit row and
     its event. The slot's node here is a row only: the claim is not answered and the create falls back to a
     restore that cannot happen, so only the rows the claim wrote are checked (no microVM)."""
-    tpl, _ = _template_and_sandbox(stack, acme)
+    tpl, _ = template_and_sandbox(stack, acme)
     node, slot = f"node-fake-{secrets.token_hex(3)}", f"sbx_{secrets.token_hex(12)}"
     sql(stack, "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel) VALUES ($1, 'http://127.0.0.1:9',"
         " 1024, 1, 'tcg')", node)

@@ -123,3 +123,31 @@ async def test_a_forgotten_key_is_looked_up_again() -> None:
     auth.forget_key(auth.hash_key(key))
     await auth.authenticate(pool, f"Bearer {key}")  # type: ignore[arg-type]
     assert Pool.calls == 2
+
+
+async def test_async_sdk_namespaces_and_audit_query() -> None:
+    from podbay.sdk import AsyncClient
+
+    seen: list[httpx.Request] = []
+    now = "2026-01-01T00:00:00Z"
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req)
+        if req.url.path == "/v1/keys" and req.method == "POST":
+            return httpx.Response(201, json={"id": "key_2", "name": "ci", "prefix": "abcd1234", "created_at": now,
+                                             "key": "pb_abcd1234_" + "b" * 40})
+        if req.url.path == "/v1/audit":
+            return httpx.Response(200, json={"entries": [{"id": 7, "at": now, "actor": "gateway:node-1",
+                                                          "action": "egress.deny", "decision": "deny"}],
+                                             "next_before": None})
+        return httpx.Response(204)
+
+    async with AsyncClient("http://api.test", "pb_12345678_" + "a" * 40,
+                           transport=httpx.MockTransport(handler)) as c:
+        made = await c.keys.create("ci")
+        assert made.key.startswith("pb_abcd1234_")
+        page = await c.audit(action="egress.*", sandbox_id="sbx_1", limit=5)
+        assert page.entries[0].decision == "deny" and page.next_before is None
+        await c.credentials.delete("github")
+    assert dict(seen[1].url.params) == {"action": "egress.*", "sandbox_id": "sbx_1", "limit": "5"}
+    assert (seen[2].method, seen[2].url.path) == ("DELETE", "/v1/credentials/github")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def _cli(stack: Stack, tenant: Tenant, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("podbay")
     env = {**stack.env, "PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": tenant.key}
-    return subprocess.run([str(exe), *args], env=env, input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(exe), *args], env=env, input=stdin, capture_output=True, text=True, timeout=300)
 
 
 def test_credentials_from_stdin_and_file(stack: Stack, tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Session fixtures (started once per test run, on demand):
 - ``pg_dsn``: PostgreSQL, database ``podbay`` owned by role ``podbay``; ``PODBAY_PG_DSN`` overrides.
 - ``s3``: an :class:`~podbay.devstack.servers.S3Endpoint` (url, bucket, keys); ``PODBAY_S3_URL`` with
   ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (and ``PODBAY_S3_BUCKET``) overrides.
+- ``openbao``: an :class:`~podbay.devstack.openbao.OpenBaoServer`-like ``(addr, token)`` of ``bao server -dev``
+  on a free port with a random root token; ``PODBAY_OPENBAO_ADDR`` (with ``PODBAY_OPENBAO_TOKEN``) overrides.
 - ``stack``: a :class:`~podbay.devstack.stack.Stack` with its own servers (or the external ones above) and
   every service as a child process, started the way ``podbay up`` starts them, plus an API key. It offers
   ``api_url``, ``api_key``, ``nats_url``, ``pg_dsn``, ``data_dir``, ``log_dir``, ``env`` and
@@ -31,6 +33,7 @@ import pytest
 from podbay.config import Settings
 from podbay.devstack.procs import free_port, run_sync
 from podbay.devstack.servers import S3Endpoint, probe_s3, start_nats, start_postgres, start_s3
+from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
 
 _TESTS = Path(__file__).parent
@@ -118,6 +121,22 @@ def s3(test_root: Path) -> Iterator[S3Endpoint]:
     server = start_s3(test_root / "s3", free_port(), log_dir=test_root / "logs", bucket="podbay-test")
     try:
         yield server.endpoint()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def openbao(test_root: Path) -> Iterator[tuple[str, str]]:
+    """``(addr, token)`` of an OpenBao server with KV v2 at ``secret/`` (``PODBAY_OPENBAO_ADDR`` and
+    ``PODBAY_OPENBAO_TOKEN``, or ``bao server -dev`` started here with a random root token)."""
+    if os.environ.get("PODBAY_OPENBAO_ADDR"):
+        addr, token = os.environ["PODBAY_OPENBAO_ADDR"], os.environ.get("PODBAY_OPENBAO_TOKEN", "")
+        run_sync(probe_openbao(addr, token))
+        yield addr, token
+        return
+    server = start_openbao(test_root / "openbao", free_port(), log_dir=test_root / "logs")
+    try:
+        yield server.addr, server.token
     finally:
         server.stop()
 

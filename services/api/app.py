@@ -18,7 +18,9 @@ from podbay.config import Settings
 from podbay.outbox import Relay
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
-from . import dataplane, e2b, e2b_envd, pools, sandboxes, snapshots, suspend
+from podbay.contracts import subjects
+
+from . import audit_log, credentials, dataplane, e2b, e2b_envd, keys, network, pools, sandboxes, snapshots, suspend
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -39,6 +41,7 @@ def create_app(settings: Settings) -> FastAPI:
                                        limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
         ctx = ApiContext(settings=settings, pool=pool, bus=bus, relay=relay, nodes_http=nodes_http)
         await ctx.waiter.start(bus)
+        await bus.nc.subscribe(subjects.API_KEY_REVOKED, cb=keys.on_revoked)
         relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
         app.state.ctx = ctx
         await suspend.republish_unfinished(ctx)
@@ -66,6 +69,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     app.include_router(suspend.router)
     app.include_router(pools.router)
+    app.include_router(credentials.router)
+    app.include_router(keys.router)
+    app.include_router(audit_log.router)
+    app.include_router(network.router)
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Any) -> Response:

@@ -10,14 +10,16 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
 
+from podbay.audit import record
 from podbay.errors import Unauthorized
 from podbay.outbox import new_id
 
-__all__ = ["Principal", "generate_key", "hash_key", "create_key", "authenticate", "ensure_tenant"]
+__all__ = ["Principal", "generate_key", "hash_key", "create_key", "authenticate", "ensure_tenant", "forget_key"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,10 @@ async def ensure_tenant(conn: asyncpg.Connection, name: str) -> str:
     return str(await conn.fetchval("SELECT id FROM tenants WHERE name = $1", name))
 
 
-async def create_key(conn: asyncpg.Connection, tenant_id: str, name: str) -> tuple[str, str]:
-    """Store a new key for ``tenant_id``; returns ``(key_id, key)``. The key is shown once, never stored."""
+async def create_key(conn: asyncpg.Connection, tenant_id: str, name: str, *, actor: str = "system") -> tuple[str, str]:
+    """Store a new key for ``tenant_id`` and its audit row (by ``actor``: a key id, or ``system`` for the
+    operator's ``podbay-api create-key``), in the caller's transaction; returns ``(key_id, key)``. The key
+    is shown once, never stored."""
     key, prefix = generate_key()
     key_id = new_id("key")
     await conn.execute(
@@ -60,25 +64,32 @@ async def create_key(conn: asyncpg.Connection, tenant_id: str, name: str) -> tup
         prefix,
         hash_key(key),
     )
-    await conn.execute(
-        "INSERT INTO audit_log (tenant_id, actor, action, target) VALUES ($1, 'system', 'api_key.create', $2)",
-        tenant_id,
-        key_id,
-    )
+    await record(conn, tenant_id=tenant_id, actor=actor, action="api_key.create", target=key_id,
+                 detail={"name": name, "prefix": prefix})
     return key_id, key
 
 
 # Verified keys, by their hash, for a few seconds: saves a PostgreSQL round trip on the hot path (exec,
-# files). A revoked key therefore stops working within AUTH_CACHE_S.
+# files). A revocation drops the key from this process's cache at once and tells every other API process
+# (core NATS, ``subjects.API_KEY_REVOKED``), so that a revoked key is refused on its next request; should
+# that notice be lost, the entry still runs out within AUTH_CACHE_S.
 AUTH_CACHE_S = 5.0
 _AUTH_CACHE_MAX = 4096
 _auth_cache: dict[bytes, tuple[float, Principal]] = {}
 
 
-async def authenticate(pool: asyncpg.Pool, authorization: str | None) -> Principal:
+def forget_key(key_hash: bytes) -> None:
+    """Drop a key (by its stored sha256) from this process's verification cache."""
+    _auth_cache.pop(bytes(key_hash), None)
+
+
+async def authenticate(pool: asyncpg.Pool, authorization: str | None,
+                       on_refused: Callable[[], None] | None = None) -> Principal:
     """Resolve ``Authorization: Bearer <key>`` to a ``Principal``; ``Unauthorized`` (401) otherwise.
 
     Successful lookups are cached for ``AUTH_CACHE_S`` seconds (by the key's hash; failures never are).
+    A genuine but revoked key also appends an ``api_key.refused`` audit row for its tenant (decision
+    ``deny``), then calls ``on_refused`` (e.g. to kick the outbox relay).
     """
     if not authorization or not authorization.lower().startswith("bearer "):
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
@@ -91,10 +102,16 @@ async def authenticate(pool: asyncpg.Pool, authorization: str | None) -> Princip
     hit = _auth_cache.get(digest)
     if hit is not None and hit[0] > now:
         return hit[1]
-    row = await pool.fetchrow(
-        "SELECT id, tenant_id, key_hash FROM api_keys WHERE prefix = $1 AND revoked_at IS NULL", parts[1]
-    )
+    row = await pool.fetchrow("SELECT id, tenant_id, key_hash, revoked_at FROM api_keys WHERE prefix = $1", parts[1])
     if row is None or not hmac.compare_digest(bytes(row["key_hash"]), digest):
+        raise Unauthorized("invalid or revoked API key")
+    if row.get("revoked_at") is not None:
+        # Only the holder of the real key gets here, so the row is worth keeping: who still uses it.
+        async with pool.acquire() as conn, conn.transaction():
+            await record(conn, tenant_id=row["tenant_id"], actor=row["id"], action="api_key.refused",
+                         target=row["id"], decision="deny", detail={"reason": "revoked"})
+        if on_refused is not None:
+            on_refused()
         raise Unauthorized("invalid or revoked API key")
     principal = Principal(tenant_id=row["tenant_id"], key_id=row["id"])
     if len(_auth_cache) >= _AUTH_CACHE_MAX:

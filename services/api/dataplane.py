@@ -7,25 +7,30 @@ and the sandbox's generation (a stale placement is refused with 409 ``stale_gene
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 import httpx
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from podbay.contracts import subjects
 from podbay.contracts.api import ExecRequest, ExecResult, FileInfo, FileList
 from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay.contracts.messages import Event
 from podbay.errors import NotFound, Unavailable
+from podbay.outbox import new_id
 from podbay.telemetry import HOP_SECONDS
 
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "proxy", "target"]
+__all__ = ["router", "proxy", "target", "lookup"]
 
 log = logging.getLogger("podbay.api.dataplane")
 
@@ -47,27 +52,70 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", dependencies=[Depends(_a
 _PASS_HEADERS = ("content-type", "content-length", "content-disposition", "x-podbay-file-size")
 
 
-async def _target(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand) -> tuple[str, int]:
-    """(node data-plane URL, generation) of a running sandbox of the caller's tenant."""
+_RENEW = ("WITH s AS (UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
+          "           WHERE id = $1 AND tenant_id = $2 AND state = 'running'"
+          "           RETURNING id, state, generation, node_id, guest_env)")
+_SELECT = " SELECT s.state, s.generation, s.guest_env, n.dataplane_url FROM s LEFT JOIN nodes n ON n.id = s.node_id"
+_LOOKUP_SQL = _RENEW + _SELECT
+#: As _LOOKUP_SQL, plus what podbay.audit.record writes (the audit row, and its event with the row id).
+_LOOKUP_AUDIT_SQL = (
+    _RENEW + ","
+    " a AS (INSERT INTO audit_log (tenant_id, actor, action, target, sandbox_id, detail)"
+    "       SELECT $2, $3, $4, s.id, s.id, $5::jsonb FROM s RETURNING id),"
+    " e AS (INSERT INTO outbox (event_id, subject, payload)"
+    "       SELECT $6, $7, jsonb_set($8::jsonb, '{data,audit_id}', to_jsonb(a.id)) FROM a)" + _SELECT)
+
+
+async def _lookup(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand,
+                  audit_action: str | None = None,
+                  audit_detail: dict[str, Any] | None = None) -> tuple[str, int, dict[str, str]]:
+    """(node data-plane URL, generation, credential placeholder env) of a running sandbox of the caller's
+    tenant. With ``audit_action`` (e.g. ``sandbox.exec``) the call is audited when the sandbox runs."""
     t = time.perf_counter()
-    # Every data-plane call renews the lease, in the same round trip as the lookup.
-    row = await ctx.pool.fetchrow(
-        "WITH s AS (UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
-        "           WHERE id = $1 AND tenant_id = $2 AND state = 'running'"
-        "           RETURNING state, generation, node_id)"
-        " SELECT s.state, s.generation, n.dataplane_url FROM s LEFT JOIN nodes n ON n.id = s.node_id", sandbox_id,
-        who.tenant_id)
+    # Every data-plane call renews the lease, in the same round trip as the lookup; a changing one (exec, file
+    # writes) also appends its audit row and event there, so auditing costs no extra round trip.
+    if audit_action is None:
+        row = await ctx.pool.fetchrow(_LOOKUP_SQL, sandbox_id, who.tenant_id)
+    else:
+        event = Event(id=new_id("evt"), type=audit_action, sandbox_id=sandbox_id, tenant_id=who.tenant_id,
+                      at=datetime.now(UTC), data={"audit_id": 0, "actor": who.key_id, "target": sandbox_id,
+                                                  **(audit_detail or {})})
+        row = await ctx.pool.fetchrow(_LOOKUP_AUDIT_SQL, sandbox_id, who.tenant_id, who.key_id, audit_action,
+                                      audit_detail or {}, event.id, subjects.audit_event(who.tenant_id, audit_action),
+                                      json.loads(event.model_dump_json()))
+        if row is not None:
+            ctx.relay.kick()
     if row is None:
         row = await ctx.pool.fetchrow(
-            "SELECT s.state, s.generation, n.dataplane_url FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
-            " WHERE s.id = $1 AND s.tenant_id = $2", sandbox_id, who.tenant_id)
+            "SELECT s.state, s.generation, s.guest_env, n.dataplane_url FROM sandboxes s"
+            " LEFT JOIN nodes n ON n.id = s.node_id WHERE s.id = $1 AND s.tenant_id = $2", sandbox_id, who.tenant_id)
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t)
     if row is None:
         raise NotFound(f"sandbox {sandbox_id} does not exist", details={"sandbox_id": sandbox_id})
     check_allowed(command, row["state"])
     if not row["dataplane_url"]:
         raise Unavailable(f"sandbox {sandbox_id} has no node")
-    return str(row["dataplane_url"]), int(row["generation"])
+    return str(row["dataplane_url"]), int(row["generation"]), dict(row["guest_env"] or {})
+
+
+async def _target(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand) -> tuple[str, int]:
+    """(node data-plane URL, generation) of a running sandbox of the caller's tenant."""
+    base, gen, _ = await _lookup(ctx, who, sandbox_id, command)
+    return base, gen
+
+
+def _exec_detail(body: ExecRequest) -> dict[str, Any]:
+    """What the audit row keeps of an exec: the program, not its arguments or env (they may hold data)."""
+    return {"program": (body.argv[0] if body.argv else "/bin/sh")[:256], "shell": body.shell is not None}
+
+
+def _exec_body(body: ExecRequest, guest_env: dict[str, str]) -> dict[str, object]:
+    """The node's exec body: the sandbox's credential placeholders (``PODBAY_CRED_*``, fixed at create) under
+    the request's own env, which wins."""
+    out = body.model_dump(exclude_none=True)
+    if guest_env:
+        out["env"] = {**guest_env, **body.env}
+    return out
 
 
 async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *, method: str,
@@ -123,18 +171,18 @@ async def exec_(sandbox_id: str, body: ExecRequest, request: Request, ctx: CtxDe
     Output is captured up to 16 MiB per stream; use ``/exec/stream`` for more. 409 ``invalid_state`` unless
     the sandbox is running.
     """
-    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.EXEC)
+    base, gen, guest_env = await _lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.exec", _exec_detail(body))
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec"), gen, method="POST",
-                        json_body=body.model_dump(exclude_none=True))
+                        json_body=_exec_body(body, guest_env))
 
 
 @router.post("/exec/stream", responses={200: {"content": {"application/x-ndjson": {}}}})
 async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request, ctx: CtxDep,
                       who: PrincipalDep) -> Response:
     """Run a command and stream ``ExecEvent`` lines (NDJSON) as output is produced; the last is ``exit``."""
-    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.EXEC)
+    base, gen, guest_env = await _lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.exec", _exec_detail(body))
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec/stream"), gen, method="POST",
-                        json_body=body.model_dump(exclude_none=True), stream_response=True)
+                        json_body=_exec_body(body, guest_env), stream_response=True)
 
 
 PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolute path in the guest.")]
@@ -152,7 +200,7 @@ async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep,
 async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
                      mode: str = Query("0644", pattern=r"^0?[0-7]{3,4}$")) -> Response:
     """Write the raw request body to ``path`` (atomically: temp file then rename); answers its ``FileInfo``."""
-    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.write", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="PUT",
                         params={"path": path, "mode": mode}, stream_body=True)
 
@@ -161,7 +209,7 @@ async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep
 async def remove_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
                       recursive: bool = False) -> Response:
     """Remove a file, or a directory with ``recursive=true``."""
-    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.remove", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="DELETE",
                         params={"path": path, "recursive": str(recursive).lower()})
 
@@ -186,7 +234,7 @@ async def list_files(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep
 async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
                 parents: bool = True) -> Response:
     """Create directory ``path`` (and its parents unless ``parents=false``)."""
-    base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
+    base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.mkdir", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/mkdir"), gen, method="POST",
                         params={"path": path, "parents": str(parents).lower()})
 
@@ -194,3 +242,4 @@ async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who
 # Other routers (the E2B envd proxy) reach the node through the same two steps.
 proxy = _proxy
 target = _target
+lookup = _lookup

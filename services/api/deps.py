@@ -18,4 +18,4 @@ def ctx_dep(request: Request) -> ApiContext:
 async def principal_dep(request: Request) -> Principal:
     """401 ``unauthorized`` unless the bearer key is valid."""
     ctx: ApiContext = request.app.state.ctx
-    return await authenticate(ctx.pool, request.headers.get("authorization"))
+    return await authenticate(ctx.pool, request.headers.get("authorization"), on_refused=ctx.relay.kick)

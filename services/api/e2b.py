@@ -96,7 +96,8 @@ async def _principal(request: Request) -> Principal:
     """401 unless ``X-API-KEY`` (or a bearer header) holds a valid podbay API key."""
     ctx: ApiContext = request.app.state.ctx
     key = request.headers.get("x-api-key")
-    return await authenticate(ctx.pool, f"Bearer {key}" if key else request.headers.get("authorization"))
+    return await authenticate(ctx.pool, f"Bearer {key}" if key else request.headers.get("authorization"),
+                              on_refused=ctx.relay.kick)
 
 
 WhoDep = Annotated[Principal, Depends(_principal)]

@@ -102,8 +102,8 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
         return error_body(502, f"The sandbox {sandbox_id} was not found")
     tenant = row["tenant_id"]
     try:
-        base, gen = await dataplane.target(ctx, Principal(tenant_id=tenant, key_id="envd-token"), sandbox_id,
-                                           SandboxCommand.EXEC)
+        base, gen, guest_env = await dataplane.lookup(ctx, Principal(tenant_id=tenant, key_id="envd-token"),
+                                                      sandbox_id, SandboxCommand.EXEC)
     except (NotFound, InvalidState) as exc:
         return error_body(502, f"The sandbox {sandbox_id} was not found: {exc.message}")
     except PodbayError as exc:
@@ -111,8 +111,10 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     headers: dict[str, Any] = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
     # The node must not compress for us unless the client asked (bytes are relayed as they are).
     headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
-    if row["env_vars"]:
-        headers[ENV_HEADER] = base64.b64encode(json.dumps(row["env_vars"]).encode()).decode()
+    # The credential placeholders (PODBAY_CRED_*) under the create's envVars, which win.
+    env = {**guest_env, **(row["env_vars"] or {})}
+    if env:
+        headers[ENV_HEADER] = base64.b64encode(json.dumps(env).encode()).decode()
     url = f"{base}/internal/e2b/{sandbox_id}/{path}"
     if request.url.query:
         url += "?" + request.url.query

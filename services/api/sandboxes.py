@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import asyncpg
 from fastapi import APIRouter, Depends, Query, Response
 
+from podbay.audit import record
 from podbay.contracts import subjects
 from podbay.contracts.api import LeaseUpdate, OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
@@ -25,6 +26,7 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 
 from .auth import Principal
 from .context import ApiContext
+from .credentials import GUEST_ENV_SQL
 from .deps import ctx_dep, principal_dep
 from .warm import warm_create
 
@@ -123,10 +125,12 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     async with ctx.pool.acquire() as conn, conn.transaction():
         await conn.execute(
             "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib, vcpus,"
-            " hostname, metadata, lease_s, lease_action, lease_expires_at)"
-            " VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8,$9,$10, now() + $9::integer * interval '1 second')",
+            " hostname, metadata, lease_s, lease_action, lease_expires_at, egress_policy, guest_env)"
+            " VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8,$9,$10, now() + $9::integer * interval '1 second',"
+            f" $11, {GUEST_ENV_SQL.format(tenant='$2', sandbox='$1', template='$3')})",
             sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], tpl["memory_mib"], tpl["vcpus"], hostname,
             body.metadata, body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action,
+            body.network.model_dump(mode="json") if body.network is not None else None,
         )
         await conn.execute(
             "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','pending')",
@@ -134,7 +138,8 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
         )
         await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
                                  data={"template": tpl["name"], "operation_id": op_id})
-        await audit(conn, who, "sandbox.create", sandbox_id)
+        await audit(conn, who, "sandbox.create", sandbox_id,
+                    detail={"template": tpl["name"], "network": body.network is not None})
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
     ctx.relay.kick()
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
@@ -327,9 +332,12 @@ async def list_templates(ctx: CtxDep, who: PrincipalDep) -> dict[str, list[Templ
     return {"templates": [TemplateInfo(**dict(r)) for r in rows]}
 
 
-async def audit(conn: Any, who: Principal, action: str, target: str) -> None:
-    await conn.execute(
-        "INSERT INTO audit_log (tenant_id, actor, action, target) VALUES ($1, $2, $3, $4)",
-        who.tenant_id, who.key_id, action, target)
-
-
+async def audit(conn: Any, who: Principal, action: str, target: str | None, *,
+                detail: dict[str, Any] | None = None, sandbox_id: str | None = None) -> None:
+    """Append the audit row of a state-changing call (and its event, through the outbox) in ``conn``'s
+    transaction: :func:`podbay.audit.record` with the caller's tenant and key. ``sandbox.*`` actions name the
+    sandbox in ``sandbox_id`` too, so ``GET /v1/audit?sandbox_id=`` finds them."""
+    if sandbox_id is None and action.startswith("sandbox."):
+        sandbox_id = target
+    await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action=action, target=target,
+                 sandbox_id=sandbox_id, detail=detail)

@@ -40,6 +40,7 @@ from .auth import Principal
 from .context import ApiContext
 from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
+from .credentials import GUEST_ENV_SQL
 from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
 
 __all__ = ["router"]
@@ -160,16 +161,21 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
         tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
         for cid in children:
             await conn.execute(
+                # A child inherits the parent's own egress policy; its credential placeholders are those in
+                # scope for it now (scoped by its own id and template), never copied from the parent.
                 "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
-                " generation, memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id)"
-                " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11)",
+                " generation, memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id,"
+                " egress_policy, guest_env)"
+                " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11,"
+                " (SELECT egress_policy FROM sandboxes WHERE id=$10), "
+                + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="$3") + ")",
                 cid, who.tenant_id, row["template"], tpl, row["node_id"], row["memory_mib"], row["vcpus"],
                 "sbx-" + cid[4:16], row["metadata"] or {}, sandbox_id, snap_id)
             await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
                                      data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
         await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
                            " ($1,$2,$3,'fork','pending')", op_id, who.tenant_id, sandbox_id)
-        await audit(conn, who, "sandbox.fork", sandbox_id)
+        await audit(conn, who, "sandbox.fork", sandbox_id, detail={"children": children, "snapshot_id": snap_id})
     ctx.relay.kick()
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "fork"), ForkCmd(

@@ -17,19 +17,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
 from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
-from podbay.contracts.messages import PlaceSandbox, Resources, WarmClaim, WarmClaimReply
+from podbay.contracts.messages import Event, PlaceSandbox, Resources, WarmClaim, WarmClaimReply
 from podbay.errors import SandboxFailed
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .auth import Principal
 from .context import ApiContext
+from .credentials import GUEST_ENV_SQL
 
 __all__ = ["warm_create", "CLAIM_SQL"]
 
@@ -37,21 +39,27 @@ log = logging.getLogger("podbay.api.warm")
 
 #: One statement, so one round trip and one transaction: claim the oldest ready slot of the template at its
 #: digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with the
-#: slot's id (``starting``, generation 1, the slot's node, event seq 1), its operation, the audit record and
-#: the ``created`` event (its payload patched with the id, which is known only here). Nothing is written
-#: when no slot is ready.
+#: slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
+#: placeholders), its operation, the audit record and its event, and the ``created`` event (payloads patched
+#: with the id, which is known only here). Nothing is written when no slot is ready.
 CLAIM_SQL = (
     "WITH c AS (SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
     " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"
     " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
-    " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq)"
+    " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq,"
+    " egress_policy, guest_env)"
     " SELECT id, $3, $1, $2, 'starting', 'running', node_id, 1, $4, $5, 'sbx-' || substr(id, 5, 12), $6, $7, $8,"
-    " now() + $7::integer * interval '1 second', 1 FROM slot RETURNING *),"
+    " now() + $7::integer * interval '1 second', 1, $17::jsonb, "
+    + GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1") + " FROM slot RETURNING *),"
     " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
     " SELECT $9, $3, id, 'create', 'running' FROM sbx),"
-    " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target) SELECT $3, $10, 'sandbox.create', id FROM sbx),"
+    " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target, sandbox_id, detail)"
+    " SELECT $3, $10, 'sandbox.create', id, id, $16::jsonb FROM sbx RETURNING id, sandbox_id),"
+    " aev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $18, $19,"
+    " jsonb_set(jsonb_set(jsonb_set($15::jsonb, '{sandbox_id}', to_jsonb(sandbox_id)), '{data,audit_id}',"
+    " to_jsonb(id)), '{data,target}', to_jsonb(sandbox_id)) FROM aud),"
     " ev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $11, $12 || id || $13,"
     " jsonb_set(jsonb_set($14::jsonb, '{sandbox_id}', to_jsonb(id)), '{node_id}', to_jsonb(node_id)) FROM sbx)"
     " SELECT * FROM sbx"
@@ -71,11 +79,18 @@ async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body
     event = sandbox_event("", "created", seq=1, state="starting", tenant_id=who.tenant_id, generation=1,
                           data={"template": tpl["name"], "operation_id": op_id, "warm": True})
     subject_head, subject_tail = subjects.sandbox_event("\x00", "created").split("\x00")
+    # The audit row's event, as podbay.audit.record would emit it (its sandbox id and row id patched in SQL).
+    audit_detail = {"template": tpl["name"], "network": body.network is not None, "warm": True}
+    audit_event = Event(id=new_id("evt"), type="sandbox.create", tenant_id=who.tenant_id, at=datetime.now(UTC),
+                        data={"audit_id": 0, "actor": who.key_id, "target": None, **audit_detail})
     t = time.perf_counter()
     row = await ctx.pool.fetchrow(
         CLAIM_SQL, tpl["name"], tpl["digest"], who.tenant_id, tpl["memory_mib"], tpl["vcpus"], body.metadata,
         body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
-        event.id, subject_head, subject_tail, json.loads(event.model_dump_json()))
+        event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
+        json.loads(audit_event.model_dump_json()), audit_detail,
+        body.network.model_dump(mode="json") if body.network is not None else None,
+        audit_event.id, subjects.audit_event(who.tenant_id, "sandbox.create"))
     if row is None:
         return None
     sandbox_id, node_id, hostname = row["id"], row["node_id"], row["hostname"]

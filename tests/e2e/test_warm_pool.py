@@ -36,12 +36,14 @@ def _slots(stack: Any, state: str = "ready") -> list[str]:
 
 
 def _events(stack: Any, sandbox_id: str) -> list[tuple[str, dict[str, Any], bool]]:
-    """The sandbox's outbox rows in order: (subject, payload, relayed to JetStream yet)."""
+    """The sandbox's lifecycle events (``podbay.evt.sandbox.<id>.*``; its audit events also name it) in outbox
+    order: (subject, payload, relayed to JetStream yet)."""
     async def q() -> list[tuple[str, dict[str, Any], bool]]:
         conn = await asyncpg.connect(stack.pg_dsn)
         try:
             rows = await conn.fetch("SELECT subject, payload::text AS p, published_at IS NOT NULL AS pub FROM outbox"
-                                    " WHERE payload->>'sandbox_id' = $1 ORDER BY id", sandbox_id)
+                                    " WHERE payload->>'sandbox_id' = $1 AND subject LIKE 'podbay.evt.sandbox.%'"
+                                    " ORDER BY id", sandbox_id)
             return [(r["subject"], json.loads(r["p"]), r["pub"]) for r in rows]
         finally:
             await conn.close()

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from .egress import EgressPolicy
+
 __all__ = [
     "SandboxCreate",
     "SandboxInfo",
@@ -61,6 +63,8 @@ class SandboxCreate(_In):
     lease_s: int | None = Field(None, ge=10, le=30 * 86400, description="Lease in seconds; default from the server.")
     on_lease_expiry: Literal["pause", "delete"] | None = Field(
         None, description="What happens when the lease runs out and the guest is idle (default: pause).")
+    network: EgressPolicy | None = Field(
+        None, description="Egress policy of this sandbox; absent: the template's (whose default is no egress).")
 
 
 class LeaseUpdate(_In):

@@ -20,6 +20,7 @@ __all__ = [
     "warm_claim",
     "warm_kick",
     "WARM_POOLS_CHANGED",
+    "API_KEY_REVOKED",
     "audit_event",
     "egress_event",
 ]
@@ -93,6 +94,9 @@ def warm_kick(node_id: str) -> str:
 
 WARM_POOLS_CHANGED = "podbay.warm.pools.changed"
 """Core-NATS notice (payload: template name) that a pool's bounds changed; the warm-pool service listens."""
+
+API_KEY_REVOKED = "podbay.api.keys.revoked"
+"""Core-NATS notice (payload: the revoked key's sha256, hex) so every API process drops it from its cache."""
 
 
 def audit_event(tenant_id: str, action: str) -> str:

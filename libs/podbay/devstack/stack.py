@@ -31,9 +31,11 @@ import httpx
 from pydantic import BaseModel
 
 from podbay.config import Settings
+from podbay.credentials import new_key
 from podbay.devstack import servers as srv
+from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
-from podbay.devstack.procs import free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
+from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
 
 __all__ = [
@@ -188,7 +190,7 @@ class ServiceProcess:
 
     spec: ServiceSpec
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # holds keys and passwords
     log_path: Path
     port: int
     proc: subprocess.Popen[bytes] | None = None
@@ -321,6 +323,9 @@ class Stack:
     base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     start_timeout_s: float = 120.0
+    #: Port of the OpenBao dev server (started only for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
+    #: external ``PODBAY_OPENBAO_ADDR``); 0: ``PODBAY_OPENBAO_PORT``, else a free one.
+    openbao_port: int = 0
 
     servers: dict[str, srv.ServerProcess] = field(default_factory=dict)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -330,7 +335,11 @@ class Stack:
     s3_keys: tuple[str, str] = ("", "")
     api_key: str = ""
     tenant_id: str = ""
-    env: dict[str, str] = field(default_factory=dict)
+    # Secrets (keys, passwords, tokens) live here: kept out of repr, which test failures print.
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    credential_key: str = field(default="", repr=False)
+    openbao_addr: str = ""
+    openbao_token: str = field(default="", repr=False)
 
     @property
     def api_url(self) -> str:
@@ -378,7 +387,26 @@ class Stack:
             s3 = srv.start_s3(sdir / "s3", self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
             self.servers["s3"], self.s3_url, self.s3_keys = s3, s3.url, (s3.access_key, s3.secret_key)
         self._notify(on_ready, "s3")
+        self._start_credentials(on_ready)
         self.env = self._service_env()
+
+    def _start_credentials(self, on_ready: Callable[[str], None] | None) -> None:
+        """The credential key (``PODBAY_CREDENTIAL_KEY`` from the caller, else generated once and kept in
+        ``data_dir/credential.key``, mode 0600) and, for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
+        external ``PODBAY_OPENBAO_ADDR``, an OpenBao dev server (in memory: its secrets end with it)."""
+        self.credential_key = self.base_env.get("PODBAY_CREDENTIAL_KEY") or _credential_key(self.data_dir)
+        if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") != "openbao":
+            return
+        addr, token = self.base_env.get("PODBAY_OPENBAO_ADDR", ""), self.base_env.get("PODBAY_OPENBAO_TOKEN", "")
+        if addr:
+            self._probe_external("openbao", probe_openbao(addr, token))
+            self.openbao_addr, self.openbao_token = addr, token
+            return
+        port = self.openbao_port or int(self.base_env.get("PODBAY_OPENBAO_PORT") or 0) or free_port()
+        bao = start_openbao(self.data_dir / "servers" / "openbao", port, log_dir=self.log_dir)
+        self.servers["openbao"] = bao
+        self.openbao_port, self.openbao_addr, self.openbao_token = port, bao.addr, bao.token
+        self._notify(on_ready, "openbao")
 
     def start_services(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Start each service in :data:`SERVICES` order, waiting for its ``/healthz`` before the next."""
@@ -448,6 +476,10 @@ class Stack:
                 self.servers[name] = srv.start_nats(sdir, self.ports.nats, log_dir=self.log_dir)
             elif name == "postgres":
                 self.servers[name] = srv.start_postgres(sdir, self.ports.pg, log_dir=self.log_dir, durable=self.durable)
+            elif name == "openbao":
+                # Dev mode keeps secrets in memory: a restarted server starts empty, with the same token.
+                self.servers[name] = start_openbao(sdir, self.openbao_port, token=self.openbao_token,
+                                                   log_dir=self.log_dir)
             else:
                 self.servers[name] = srv.start_s3(sdir, self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
             return
@@ -510,7 +542,11 @@ class Stack:
             "PODBAY_PG_PORT": str(p.pg),
             "PODBAY_S3_PORT": str(p.s3),
             "PYTHONUNBUFFERED": "1",
+            # The API seals credential values with it; the gateway opens them (DESIGN.md §6).
+            "PODBAY_CREDENTIAL_KEY": self.credential_key,
         }
+        if self.openbao_addr:
+            ours.update({"PODBAY_OPENBAO_ADDR": self.openbao_addr, "PODBAY_OPENBAO_TOKEN": self.openbao_token})
         # A client key from the caller's shell means nothing to a service of another stack.
         base = {k: v for k, v in self.base_env.items() if k not in ("PODBAY_API_KEY", "PODBAY_CONFIG")}
         return {**base, **ours}
@@ -528,3 +564,19 @@ class Stack:
     def _notify(on_ready: Callable[[str], None] | None, name: str) -> None:
         if on_ready is not None:
             on_ready(name)
+
+
+def _credential_key(data_dir: Path) -> str:
+    """The stack's AES-256 credential key from ``data_dir/credential.key`` (mode 0600), created once: a new key
+    would make every sealed value unreadable."""
+    path = data_dir / "credential.key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key = new_key()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return key

@@ -306,13 +306,15 @@ def _url_of(stack: Stack, name: str) -> str:
         return stack.pg_dsn.split("@")[-1]
     if name == "s3":
         return stack.s3_url
+    if name == "openbao":
+        return stack.openbao_addr
     svc = stack.services.get(name)
     return svc.url if svc else ""
 
 
 def _record(settings: Settings, state: StackState, stack: Stack) -> None:
     parts: list[PartRecord] = []
-    for name in ("nats", "postgres", "s3"):
+    for name in ("nats", "postgres", "s3", "openbao"):
         server = stack.servers.get(name)
         url = _url_of(stack, name)
         if server is not None:
@@ -515,6 +517,10 @@ async def _probe_all(state: StackState, supervised: bool) -> list[PartStatus]:
             elif part.name == "s3":
                 await asyncio.wait_for(srv.probe_s3(part.url, env.get("AWS_ACCESS_KEY_ID", ""),
                                                     env.get("AWS_SECRET_ACCESS_KEY", "")), 3)  # fmt: skip
+            elif part.name == "openbao":
+                from podbay.devstack.openbao import probe_openbao
+
+                await asyncio.wait_for(probe_openbao(part.url, env.get("PODBAY_OPENBAO_TOKEN", "")), 3)
             else:
                 async with httpx.AsyncClient(timeout=3) as client:
                     resp = await client.get(f"{part.url}/healthz")

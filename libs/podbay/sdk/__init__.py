@@ -9,6 +9,9 @@
 - ``Sandbox``/``AsyncSandbox``: one sandbox (create, connect, exec, files, delete; context managers).
 - ``Client``/``AsyncClient``: the whole API as flat methods on one pooled connection; pass ``client=``
   to ``Sandbox.create``/``connect`` to share it among many sandboxes.
+- ``client.credentials`` / ``client.keys`` namespaces, ``client.audit(...)``, ``sb.set_network(policy)`` and
+  ``Sandbox.create(..., network=policy)``: credentials (values are write-only), API keys, the audit log and
+  egress policy (docs/credentials.md).
 - Results are the pydantic models of ``podbay.contracts.api``; errors are the ``podbay.errors`` classes
   (re-exported here), carrying the server's ``code``, ``message`` and ``details``.
 
@@ -18,6 +21,7 @@ config file ``podbay up`` writes (``podbay.clientconfig``). See docs/sdk.md.
 
 from __future__ import annotations
 
+from podbay.contracts.access import AuditEntry, AuditPage, CredentialInfo, KeyCreated, KeyInfo, NetworkInfo
 from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
 from podbay.errors import (
     Conflict,
@@ -35,6 +39,7 @@ from podbay.errors import (
     Unavailable,
     Unprocessable,
 )
+from podbay.contracts.egress import EgressPolicy, EgressRule
 from podbay.sdk._async import AsyncClient, AsyncFiles, AsyncSandbox
 from podbay.sdk._http import DEFAULT_TIMEOUT_S
 from podbay.sdk._sync import Client, Files, Sandbox
@@ -52,6 +57,14 @@ __all__ = [
     "FileInfo",
     "OperationInfo",
     "TemplateInfo",
+    "EgressPolicy",
+    "EgressRule",
+    "CredentialInfo",
+    "KeyInfo",
+    "KeyCreated",
+    "AuditEntry",
+    "AuditPage",
+    "NetworkInfo",
     "DEFAULT_TIMEOUT_S",
     "PodbayError",
     "SnapshotCorrupt",

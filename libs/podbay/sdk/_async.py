@@ -15,6 +15,7 @@ import builtins
 import io
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from datetime import datetime
 from types import TracebackType
 from typing import IO, Any, TypeVar, Unpack
 
@@ -33,7 +34,10 @@ from podbay.contracts.api import (
     TemplateInfo,
 )
 from podbay.errors import NotFound, PodbayError
+from podbay.contracts.access import AuditPage, NetworkInfo
+from podbay.sdk import _access as access
 from podbay.sdk import _calls as calls
+from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
 from podbay.sdk._files import FileData, async_body
 from podbay.sdk._http import (
@@ -69,6 +73,9 @@ class AsyncClient:
         #: Exec and file calls resume a suspended or paused sandbox first (``?auto_resume=true``).
         self.auto_resume = auto_resume
         self._http = httpx.AsyncClient(transport=transport, **opts)
+        #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
+        self.credentials = access.AsyncCredentials(self._call)
+        self.keys = access.AsyncKeys(self._call)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
@@ -109,10 +116,12 @@ class AsyncClient:
         vcpus: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
+        network: NetworkArg | None = None,
     ) -> SandboxInfo:
         """See ``Client.create_sandbox``."""
         return await self._call(
-            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
+                                 network=network)
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -126,6 +135,32 @@ class AsyncClient:
     async def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """See ``Client.delete_sandbox``."""
         return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+
+    # credentials, keys, audit, egress policy (podbay.sdk._access)
+
+    async def audit(self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
+              before: int | None = None, limit: int = 100) -> AuditPage:
+        """The tenant's audit log, newest first (``action`` may end in ``*``); page with
+        ``before=page.next_before``."""
+        return await self._call(access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before,
+                                               limit=limit))
+
+    async def get_network(self, sandbox_id: str) -> NetworkInfo:
+        """The sandbox's effective egress policy and its source (sandbox, template or default)."""
+        return await self._call(access.get_network_call(sandbox_id))
+
+    async def set_network(self, sandbox_id: str, policy: NetworkArg) -> NetworkInfo:
+        """Replace the sandbox's egress policy; the gateway applies it from the next connection."""
+        return await self._call(access.set_network_call(sandbox_id, policy))
+
+    async def get_template_network(self, template: str) -> NetworkInfo:
+        """The template's default egress policy."""
+        return await self._call(access.get_template_network_call(template))
+
+    async def set_template_network(self, template: str, policy: NetworkArg) -> NetworkInfo:
+        """Replace the template's default egress policy."""
+        return await self._call(access.set_template_network_call(template, policy))
 
     async def set_timeout(self, sandbox_id: str, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
         """Renew the lease for ``lease_s`` seconds (10..30 days); ``on_lease_expiry``: ``pause`` or ``delete``."""
@@ -319,6 +354,7 @@ class AsyncSandbox:
         vcpus: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
+        network: NetworkArg | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -328,7 +364,7 @@ class AsyncSandbox:
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = await http.create_sandbox(
-                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait
+                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait, network=network
             )
         except BaseException:
             if owns:
@@ -385,6 +421,15 @@ class AsyncSandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+
+    async def network(self) -> NetworkInfo:
+        """This sandbox's effective egress policy."""
+        return await self._client.get_network(self.id)
+
+    async def set_network(self, policy: NetworkArg) -> NetworkInfo:
+        """Replace this sandbox's egress policy (``EgressPolicy`` or ``{"allow": [...], "deny": [...]}``)."""
+        return await self._client.set_network(self.id, policy)
 
     async def set_timeout(self, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
         """Renew this sandbox's lease (every call on it renews it too); when it runs out while the guest is

@@ -191,9 +191,13 @@ def create_sandbox(
     vcpus: int | None,
     metadata: Mapping[str, str] | None,
     wait: bool,
+    network: Any = None,
 ) -> Call[SandboxInfo]:
-    """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``)."""
+    """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``).
+    ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's."""
     fields = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus, "metadata": dict(metadata or {})}
+    if network is not None:
+        fields["network"] = network.model_dump(mode="json") if isinstance(network, BaseModel) else dict(network)
     body = _validate(SandboxCreate, fields, "create request")
     return Call(
         "POST",

@@ -16,6 +16,7 @@ import builtins
 import io
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from types import TracebackType
 from typing import IO, Any, TypeVar, Unpack
 
@@ -34,7 +35,10 @@ from podbay.contracts.api import (
     TemplateInfo,
 )
 from podbay.errors import NotFound, PodbayError
+from podbay.contracts.access import AuditPage, NetworkInfo
+from podbay.sdk import _access as access
 from podbay.sdk import _calls as calls
+from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
 from podbay.sdk._files import FileData, sync_body
 from podbay.sdk._http import (
@@ -75,6 +79,9 @@ class Client:
         #: Exec and file calls resume a suspended or paused sandbox first (``?auto_resume=true``).
         self.auto_resume = auto_resume
         self._http = httpx.Client(transport=transport, **opts)
+        #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
+        self.credentials = access.Credentials(self._call)
+        self.keys = access.Keys(self._call)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -116,11 +123,13 @@ class Client:
         vcpus: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
+        network: NetworkArg | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; with ``wait`` the answer comes when it runs (or failed), else at once with
         ``operation_id``. Raises ``InvalidRequest``/``Unprocessable`` (bad values), ``NotFound`` (template)."""
         return self._call(
-            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
+                                 network=network)
         )
 
     def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -134,6 +143,32 @@ class Client:
     def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
         return self._call(calls.delete_sandbox(sandbox_id, wait=wait))
+
+
+    # credentials, keys, audit, egress policy (podbay.sdk._access)
+
+    def audit(self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
+              before: int | None = None, limit: int = 100) -> AuditPage:
+        """The tenant's audit log, newest first (``action`` may end in ``*``); page with
+        ``before=page.next_before``."""
+        return self._call(access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before,
+                                               limit=limit))
+
+    def get_network(self, sandbox_id: str) -> NetworkInfo:
+        """The sandbox's effective egress policy and its source (sandbox, template or default)."""
+        return self._call(access.get_network_call(sandbox_id))
+
+    def set_network(self, sandbox_id: str, policy: NetworkArg) -> NetworkInfo:
+        """Replace the sandbox's egress policy; the gateway applies it from the next connection."""
+        return self._call(access.set_network_call(sandbox_id, policy))
+
+    def get_template_network(self, template: str) -> NetworkInfo:
+        """The template's default egress policy."""
+        return self._call(access.get_template_network_call(template))
+
+    def set_template_network(self, template: str, policy: NetworkArg) -> NetworkInfo:
+        """Replace the template's default egress policy."""
+        return self._call(access.set_template_network_call(template, policy))
 
     def set_timeout(self, sandbox_id: str, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
         """Renew the lease for ``lease_s`` seconds (10..30 days); ``on_lease_expiry``: ``pause`` or ``delete``."""
@@ -343,6 +378,7 @@ class Sandbox:
         vcpus: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
+        network: NetworkArg | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -355,7 +391,8 @@ class Sandbox:
         """
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
-            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait)
+            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
+                                       network=network)
         except BaseException:
             if owns:
                 http.close()
@@ -411,6 +448,15 @@ class Sandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+
+    def network(self) -> NetworkInfo:
+        """This sandbox's effective egress policy."""
+        return self._client.get_network(self.id)
+
+    def set_network(self, policy: NetworkArg) -> NetworkInfo:
+        """Replace this sandbox's egress policy (``EgressPolicy`` or ``{"allow": [...], "deny": [...]}``)."""
+        return self._client.set_network(self.id, policy)
 
     def set_timeout(self, lease_s: int, on_lease_expiry: str | None = None) -> SandboxInfo:
         """Renew this sandbox's lease (every call on it renews it too); when it runs out while the guest is

@@ -1,0 +1,70 @@
+"""``GET /v1/audit``: the tenant's audit log, newest first (DESIGN.md §6).
+
+Rows come from every state-changing API call (actor = the API key id) and from the gateways (actor =
+``gateway:<node>``: ``credential.use``, ``credential.refused``, ``egress.deny``, with ``decision``). The table
+is append-only (migration 0007 refuses UPDATE, DELETE and TRUNCATE); nothing here writes to it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from podbay.contracts.access import AuditEntry, AuditPage
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1")
+
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+
+@router.get("/audit", response_model=AuditPage)
+async def list_audit(
+    ctx: CtxDep,
+    who: PrincipalDep,
+    action: str | None = Query(None, max_length=128, description="Only this action, e.g. 'credential.use'; "
+                               "a trailing '*' matches a prefix ('sandbox.*')."),
+    sandbox_id: str | None = Query(None, max_length=128, description="Only rows about this sandbox."),
+    since: datetime | None = Query(None, description="Only rows at or after this time (ISO 8601)."),
+    before: int | None = Query(None, ge=1, description="Cursor: only rows with a smaller id (next_before)."),
+    limit: int = Query(100, ge=1, le=1000),
+) -> AuditPage:
+    """The tenant's audit rows, newest first; page with ``before=<next_before>``."""
+    where = ["tenant_id = $1"]
+    args: list[object] = [who.tenant_id]
+
+    def add(cond: str, value: object) -> None:
+        args.append(value)
+        where.append(cond.format(f"${len(args)}"))
+
+    if action:
+        if action.endswith("*"):
+            # LIKE metacharacters in the prefix are literal here.
+            prefix = action[:-1].replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            add("action LIKE {}", prefix + "%")
+        else:
+            add("action = {}", action)
+    if sandbox_id:
+        add("sandbox_id = {}", sandbox_id)
+    if since is not None:
+        add("at >= {}", since)
+    if before is not None:
+        add("id < {}", before)
+    args.append(limit + 1)
+    rows = await ctx.pool.fetch(
+        "SELECT id, at, actor, action, target, sandbox_id, decision, detail FROM audit_log"
+        f" WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ${len(args)}", *args)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    entries = [AuditEntry(id=r["id"], at=r["at"], actor=r["actor"], action=r["action"], target=r["target"],
+                          sandbox_id=r["sandbox_id"], decision=r["decision"], detail=r["detail"] or {})
+               for r in rows]
+    return AuditPage(entries=entries, next_before=entries[-1].id if more and entries else None)

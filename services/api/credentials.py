@@ -1,0 +1,173 @@
+"""Credentials (DESIGN.md §6): ``POST/GET/DELETE /v1/credentials``.
+
+A value is sealed on the way in by :func:`podbay.credentials.open_store` (AES-GCM into the row, or OpenBao)
+and never leaves through any API, log line or error message; the gateway alone reveals it, at the moment it
+injects it into a matching request. Every sandbox created (or forked) while a credential is in scope gets the
+placeholder ``PODBAY_CRED_<NAME>=podbay-credential:<name>`` in its command environment (``sandboxes.guest_env``,
+computed by :data:`GUEST_ENV_SQL` in the create's own statement).
+
+Errors: 409 ``conflict`` (name taken), 422 ``validation_error``, 404 ``not_found`` (also another tenant's),
+503 ``storage_error`` (the backend is unreachable or misconfigured; retryable).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Response
+
+from podbay.contracts.access import (
+    PLACEHOLDER_PREFIX,
+    CredentialCreate,
+    CredentialInfo,
+    CredentialList,
+    placeholder_env,
+)
+from podbay.credentials import CredentialStore, CredentialUnreadable, Sealed, open_store
+from podbay.errors import Conflict, NotFound, StorageError
+from podbay.outbox import new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router", "GUEST_ENV_SQL", "store_for"]
+
+log = logging.getLogger("podbay.api.credentials")
+router = APIRouter(prefix="/v1")
+
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+#: SQL expression (``str.format`` with ``tenant``, ``sandbox`` and ``template`` as SQL expressions) giving the
+#: placeholder env of a sandbox: one entry per live, unexpired credential of the tenant whose scope includes
+#: the sandbox and its template; NULL when there is none. Kept in SQL so that the warm create stays one
+#: statement. Mirrors :func:`podbay.contracts.access.placeholder_env`.
+GUEST_ENV_SQL = (
+    "(SELECT jsonb_object_agg('" + PLACEHOLDER_PREFIX + "' || upper(replace(c.name, '-', '_')),"
+    " 'podbay-credential:' || c.name) FROM credentials c"
+    " WHERE c.tenant_id = {tenant} AND c.deleted_at IS NULL AND (c.expires_at IS NULL OR c.expires_at > now())"
+    " AND (c.scope_sandboxes IS NULL OR {sandbox} = ANY(c.scope_sandboxes))"
+    " AND (c.scope_templates IS NULL OR {template} = ANY(c.scope_templates)))"
+)
+
+_COLS = ("id, name, hosts, path_prefix, header, format, expires_at, rate_limit_per_min, scope_sandboxes,"
+         " scope_templates, backend, created_at")
+
+
+def store_for(ctx: ApiContext, backend: str | None = None) -> CredentialStore:
+    """The credential store for ``backend`` (default: the configured one). A configuration the store refuses
+    (no key, a malformed key, no OpenBao address) is 503 ``storage_error``: the operator's to fix."""
+    try:
+        return open_store(ctx.settings, backend)
+    except ValueError as exc:
+        raise StorageError(f"the credential store is not usable: {exc}") from exc
+
+
+def _info(row: asyncpg.Record) -> CredentialInfo:
+    return CredentialInfo(
+        id=row["id"], name=row["name"], hosts=list(row["hosts"]), path_prefix=row["path_prefix"],
+        header=row["header"], format=row["format"], expires_at=row["expires_at"],
+        rate_limit_per_min=row["rate_limit_per_min"],
+        sandboxes=list(row["scope_sandboxes"]) if row["scope_sandboxes"] is not None else None,
+        templates=list(row["scope_templates"]) if row["scope_templates"] is not None else None,
+        backend=row["backend"], placeholder=next(iter(placeholder_env([row["name"]]))), created_at=row["created_at"])
+
+
+def _placeholder_sql(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+@router.post("/credentials", status_code=201, response_model=CredentialInfo)
+async def create_credential(body: CredentialCreate, ctx: CtxDep, who: PrincipalDep) -> CredentialInfo:
+    """Store a credential. The answer has everything but the value, which no API ever returns.
+
+    409 ``conflict`` when the tenant has a live credential of this name (or one whose placeholder,
+    ``PODBAY_CRED_<NAME>``, would be the same); 503 ``storage_error`` when the backend cannot seal it.
+    """
+    cred_id = new_id("cred")
+    taken = await ctx.pool.fetchval(
+        "SELECT name FROM credentials WHERE tenant_id=$1 AND deleted_at IS NULL"
+        " AND upper(replace(name, '-', '_')) = $2", who.tenant_id, _placeholder_sql(body.name))
+    if taken is not None:
+        raise Conflict(f"credential {taken!r} exists (same name or same placeholder)", details={"name": taken})
+    store = store_for(ctx)
+    sealed = await store.seal(cred_id, who.tenant_id, body.value.get_secret_value())
+    try:
+        async with ctx.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                "INSERT INTO credentials (id, tenant_id, name, hosts, path_prefix, header, format, expires_at,"
+                " rate_limit_per_min, scope_sandboxes, scope_templates, backend, ciphertext, secret_ref)"
+                f" VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14) RETURNING {_COLS}",
+                cred_id, who.tenant_id, body.name, body.hosts, body.path_prefix, body.header, body.format,
+                body.expires_at, body.rate_limit_per_min, body.sandboxes, body.templates, sealed.backend,
+                sealed.ciphertext, sealed.secret_ref)
+            await _audit(conn, who, "credential.create", cred_id,
+                         {"name": body.name, "hosts": body.hosts, "backend": sealed.backend})
+    except asyncpg.UniqueViolationError as exc:
+        # A concurrent create of the same name won; do not leave this one's value behind in the backend.
+        await _destroy_quietly(store, cred_id, who.tenant_id, sealed)
+        raise Conflict(f"credential {body.name!r} exists", details={"name": body.name}) from exc
+    except BaseException:
+        await _destroy_quietly(store, cred_id, who.tenant_id, sealed)
+        raise
+    ctx.relay.kick()
+    return _info(row)
+
+
+@router.get("/credentials", response_model=CredentialList)
+async def list_credentials(ctx: CtxDep, who: PrincipalDep) -> CredentialList:
+    """The tenant's live credentials, by name (never their values)."""
+    rows = await ctx.pool.fetch(
+        f"SELECT {_COLS} FROM credentials WHERE tenant_id=$1 AND deleted_at IS NULL ORDER BY name", who.tenant_id)
+    return CredentialList(credentials=[_info(r) for r in rows])
+
+
+@router.get("/credentials/{name}", response_model=CredentialInfo)
+async def get_credential(name: str, ctx: CtxDep, who: PrincipalDep) -> CredentialInfo:
+    """One credential (never its value). 404 ``not_found`` when the tenant has no live one of that name."""
+    row = await ctx.pool.fetchrow(
+        f"SELECT {_COLS} FROM credentials WHERE tenant_id=$1 AND name=$2 AND deleted_at IS NULL",
+        who.tenant_id, name)
+    if row is None:
+        raise NotFound(f"credential {name!r} does not exist", details={"name": name})
+    return _info(row)
+
+
+@router.delete("/credentials/{name}", status_code=204)
+async def delete_credential(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """Delete a credential: its value is destroyed in its backend, then the row is marked deleted (kept for
+    the audit trail). The gateway stops injecting it on its next request. 404 ``not_found``; 503
+    ``storage_error`` when the backend cannot destroy the value (nothing changes then; retry)."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await conn.fetchrow(
+            "SELECT id, backend, ciphertext, secret_ref FROM credentials"
+            " WHERE tenant_id=$1 AND name=$2 AND deleted_at IS NULL FOR UPDATE", who.tenant_id, name)
+        if row is None:
+            raise NotFound(f"credential {name!r} does not exist", details={"name": name})
+        sealed = Sealed(row["backend"], ciphertext=row["ciphertext"], secret_ref=row["secret_ref"])
+        # Destroy first, under the row lock: a failure leaves the credential as it was, never a live row
+        # whose value is gone nor a deleted row whose value lingers in the backend.
+        try:
+            await store_for(ctx, row["backend"]).destroy(row["id"], who.tenant_id, sealed)
+        except CredentialUnreadable:
+            pass  # already gone from the backend: deleting the row finishes the job
+        await conn.execute("UPDATE credentials SET deleted_at=now(), ciphertext=NULL WHERE id=$1", row["id"])
+        await _audit(conn, who, "credential.delete", row["id"], {"name": name})
+    ctx.relay.kick()
+    return Response(status_code=204)
+
+
+async def _audit(conn: Any, who: Principal, action: str, target: str, detail: dict[str, Any]) -> None:
+    from .sandboxes import audit  # sandboxes imports this module for GUEST_ENV_SQL
+
+    await audit(conn, who, action, target, detail=detail)
+
+
+async def _destroy_quietly(store: CredentialStore, cred_id: str, tenant_id: str, sealed: Sealed) -> None:
+    try:
+        await store.destroy(cred_id, tenant_id, sealed)
+    except Exception:  # noqa: BLE001 - best effort: the original error is what the caller must see
+        log.warning("could not destroy the sealed value of abandoned credential %s", cred_id)

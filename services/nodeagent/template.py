@@ -34,7 +34,9 @@ from pydantic import BaseModel, Field
 
 from podbay.config import Settings, get_settings
 from podbay_nodeagent.accel import Accel, host_tsc_khz, qemu_version, resolve_accel
+from podbay.contracts.egress import TAP_PREFIX
 from podbay_nodeagent.image import BaseImage, ImageBuildError, ProgressFn, build_base_image
+from podbay_nodeagent.network import create_tap
 from podbay_nodeagent.vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
 
 __all__ = [
@@ -143,8 +145,13 @@ async def wait_guest_ready(vmm: Vmm, vm: VmHandle, timeout_s: float) -> str:
     raise TimeoutError(f"guestd did not answer within {timeout_s} s (last error: {last!r})")
 
 
+#: Bumped when the machine's devices change (the snapshot's device state must match every restore's):
+#: "net1" = one virtio-net NIC.
+_MACHINE = "net1"
+
+
 def _key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:
-    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz])
+    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz, _MACHINE])
     return hashlib.sha256(src.encode()).hexdigest()
 
 
@@ -225,7 +232,13 @@ async def _boot_and_snapshot(
             boot_timeout_s=settings.boot_timeout_s,
         )
         t0 = time.monotonic()
-        vm = await vmm.boot(config, vm_dir)
+        # The NIC needs a backend while the template boots; a tap of its own (the ruleset covers "pbt*"),
+        # gone with QEMU. No address: the template never talks to the network.
+        tap_fd = create_tap(f"{TAP_PREFIX}t{os.getpid() % 10**6}")
+        try:
+            vm = await vmm.boot(config, vm_dir, tap_fd=tap_fd)
+        finally:
+            os.close(tap_fd)
         report(step, 1.0)
         step = "guestd"
         report(step, 0.0)

@@ -171,25 +171,28 @@ class VmDriver:
                 await conn.execute("INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)",
                                    node_id, img.name, img.digest)
 
-    async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int) -> VmHandle:
-        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming)."""
+    async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int,
+                      tap_fd: int | None = None) -> VmHandle:
+        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming).
+        ``tap_fd``: the sandbox's tap (network.py), inherited by QEMU; None leaves the NIC unconnected."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config)
+        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config, tap_fd=tap_fd)
         return VmHandle(self.vmm, inner)
 
     async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                           vcpus: int, paused: bool = False) -> VmHandle:
+                           vcpus: int, paused: bool = False, tap_fd: int | None = None) -> VmHandle:
         """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused))
+        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused,
+                                                         tap_fd=tap_fd))
 
     async def boot_disk(self, disk: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                        vcpus: int) -> VmHandle:
+                        vcpus: int, tap_fd: int | None = None) -> VmHandle:
         """Fresh boot of ``tpl``'s kernel on a reflink of ``disk`` (rollback to a disk-only snapshot)."""
         vm_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, disk, vm_dir / "disk.img")
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir))
+        return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir, tap_fd=tap_fd))
 
     async def snapshot_full(self, handle: VmHandle, dest: Path, *, leave_stopped: bool) -> float:
         """Memory, device state and disk into ``dest`` (DESIGN.md §3); returns the ms the guest was paused."""

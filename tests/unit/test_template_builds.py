@@ -9,6 +9,7 @@ import pytest
 
 from podbay.config import Settings
 from podbay.errors import NotFound
+from podbay_nodeagent.network import SandboxNetwork
 from podbay_nodeagent.sandboxes import SandboxManager
 from podbay_nodeagent.store import NodeStore
 from podbay_nodeagent.template import TemplateSnapshot
@@ -34,7 +35,7 @@ def _manager(tmp_path: Path) -> SandboxManager:
     settings = Settings(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", accel="tcg")
     store = NodeStore(settings.data_dir, settings.node_id, 1)
     driver = VmDriver(settings, store, QemuVmm())
-    return SandboxManager(settings, None, None, None, store, driver)  # type: ignore[arg-type]
+    return SandboxManager(settings, None, None, None, store, driver, SandboxNetwork(settings))  # type: ignore[arg-type]
 
 
 def test_an_earlier_build_in_the_store_is_loaded_once_and_a_missing_one_is_refused(tmp_path: Path) -> None:

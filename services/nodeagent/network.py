@@ -167,6 +167,10 @@ class SandboxNetwork:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ca_dir, 0o700)
         install_ruleset(self.settings.gateway_proxy_port, self.settings.gateway_dns_port)
+        self.load_leases()
+
+    def load_leases(self) -> None:
+        """Read the persisted leases (none when the file is missing or unreadable)."""
         try:
             raw = json.loads(self._leases_file.read_text())
             self._leases = {str(k): int(v) for k, v in raw.items() if 0 <= int(v) < self.capacity}

@@ -3,12 +3,9 @@
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
 ``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
-``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). Every guest has one virtio-net NIC (``net0``, MAC
-:data:`GUEST_MAC`, the same in every guest: each tap is an L2 segment of its own): its backend is a tap device
-the node agent opened and hands over as an inherited descriptor (``tap_fd``; QEMU needs no privilege for it),
-or, without one, a hub port with nothing else on the hub, so a guest never gets a network by accident (no
-slirp). The backend is not part of the migrated state, so a snapshot taken on one backend restores on another.
-QEMU runs in its own session so that it outlives the node
+``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). One virtio-net NIC (MAC :data:`GUEST_MAC`) is backed by
+a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege), or else by an empty hub (never
+slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it outlives the node
 agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow DESIGN.md §3.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::

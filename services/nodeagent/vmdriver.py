@@ -23,7 +23,7 @@ import asyncpg
 from podbay.config import Settings
 
 from .store import NodeStore
-from .template import TemplateSnapshot
+from .template import MACHINE, TemplateSnapshot
 from .vmm import QemuVmm, VmHandle as QemuHandle, reflink_or_copy
 
 __all__ = ["TemplateImage", "VmHandle", "VmDriver"]
@@ -112,6 +112,8 @@ class VmDriver:
                 continue
             if self.settings.accel != "auto" and tpl.accel != self.settings.accel:
                 continue
+            if tpl.machine != MACHINE:
+                continue  # booted with other devices: its device state would not load on this machine
             mtime = meta.stat().st_mtime
             if tpl.name not in best or mtime > best[tpl.name][0]:
                 best[tpl.name] = (mtime, meta.parent)

@@ -14,11 +14,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import asyncio
 import contextlib
 import socket
 import threading
 from collections.abc import Iterator
 
+import asyncpg
 import httpx
 import pytest
 from e2e_http import api_client as _client, sh as _sh
@@ -338,9 +340,45 @@ def test_a_guest_that_slept_or_outlived_the_agent_keeps_its_network(stack: Any) 
             c.delete(f"/v1/sandboxes/{a['id']}")
 
 
+def _ready_slots(stack: Any) -> list[str]:
+    async def q() -> list[str]:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT id FROM warm_slots WHERE template='base' AND state='ready'")
+            return [r["id"] for r in rows]
+        finally:
+            await conn.close()
+
+    return asyncio.run(q())
+
+
 def _wait(cond: Any, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.3)
 
+
+
+def test_a_warm_slot_is_configured_for_the_sandbox_it_becomes(stack: Any) -> None:
+    with _client(stack) as c:
+        made: dict[str, Any] = {}
+        try:
+            assert c.put("/v1/pools/base", json={"size": 1}).status_code == 200
+            _wait(lambda: any(p["template"] == "base" and p["ready"] == 1 for p in c.get("/v1/pools").json()["pools"]),
+                  "a ready warm slot", timeout_s=240)
+            ready = _ready_slots(stack)
+            made = c.post("/v1/sandboxes", json={"template": "base"}).json()
+            assert made["state"] == "running", made
+            assert made["id"] in ready  # it was the slot (a slot's id is its sandbox's)
+            b = _binding(stack, made)
+            assert b.generation == 1 and _tap_exists(b.tap)
+            seen = _probe(c, made["id"], {"tcp": [[b.host_addr, int(stack.ports.api)]]})
+            assert seen["addr"] == b.guest_addr and seen["default_routes"] == [[seen["nic"], b.host_addr]]
+            _assert_fails_fast(seen["tcp"])
+            certs, _ = _guest_certs(c, made["id"])
+            assert certs[-1].strip() == b.ca_cert_pem.strip()
+        finally:
+            c.put("/v1/pools/base", json={"size": 0})
+            if made:
+                c.delete(f"/v1/sandboxes/{made['id']}")

@@ -5,7 +5,8 @@
 plain write, which mixes without crediting, when the ioctl is refused) followed by a forced reseed of the CRNG
 (ioctl RNDRESEEDCRNG: since Linux 5.18 added entropy only reaches /dev/urandom at the next scheduled reseed,
 up to 60 s later, so without it forked children would read the same stream), the wall clock
-(clock_settime(CLOCK_REALTIME)), and env vars for later execs. ``freeze`` syncs then FIFREEZEs mount
+(clock_settime(CLOCK_REALTIME)), env vars for later execs, and with ``net`` the guest's address, default
+route, resolver and sandbox CA (``guestd/net.py``). ``freeze`` syncs then FIFREEZEs mount
 points, arming a timer that thaws them if no ``thaw`` arrives in time.
 
 The machine calls sit behind ``System`` so that tests on a host use ``FakeSystem``, which only records.
@@ -75,6 +76,11 @@ class System(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
+    def configure_net(self, net: dict[str, Any]) -> str:
+        """Apply a validated ``GuestNet`` (address, route, resolver, CA); returns the NIC's name."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
     def sync(self) -> None:
         raise NotImplementedError
 
@@ -136,6 +142,14 @@ class RealSystem(System):
             os.close(fd)
         os.replace(tmp, ACCESS_TOKEN_PATH)
 
+    def configure_net(self, net: dict[str, Any]) -> str:
+        from . import net as guest_net
+
+        name = guest_net.configure_net(net["address"], net["prefix_len"], net["gateway"], net["dns"])
+        if net.get("ca_cert_pem"):
+            guest_net.install_ca(net["ca_cert_pem"])
+        return name
+
     def sync(self) -> None:
         os.sync()
 
@@ -192,6 +206,10 @@ class FakeSystem(System):
 
     def set_access_token(self, token: str) -> None:
         self._record("set_access_token", token)
+
+    def configure_net(self, net: dict[str, Any]) -> str:
+        self._record("configure_net", net)
+        return "eth0"
 
     def sync(self) -> None:
         self._record("sync", None)
@@ -252,13 +270,45 @@ def op_ping(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     return guest_info(_state(stream), stream.session)
 
 
+def _ipv4(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise OpError("invalid", f"{what} must be an IPv4 address")
+    try:
+        if socket.inet_ntoa(socket.inet_aton(value)) != value or value.count(".") != 3:
+            raise OSError
+    except OSError as exc:
+        raise OpError("invalid", f"{what} must be an IPv4 address") from exc
+    return value
+
+
+def _net_args(net: Any) -> dict[str, Any] | None:
+    """Validate ``after_restore.net`` (``GuestNet``) into a plain dict, or None when absent."""
+    if net is None:
+        return None
+    if not isinstance(net, dict):
+        raise OpError("invalid", "net must be an object")
+    prefix = net.get("prefix_len", 30)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or not 8 <= prefix <= 30:
+        raise OpError("invalid", "net.prefix_len must be in 8..30")
+    dns = net.get("dns", [])
+    if not isinstance(dns, list) or len(dns) > 3:
+        raise OpError("invalid", "net.dns must be a list of at most 3 addresses")
+    ca = net.get("ca_cert_pem")
+    if ca is not None and (not isinstance(ca, str) or len(ca) > 16384 or "BEGIN CERTIFICATE" not in ca):
+        raise OpError("invalid", "net.ca_cert_pem must be one PEM certificate")
+    return {"address": _ipv4(net.get("address"), "net.address"), "prefix_len": prefix,
+            "gateway": _ipv4(net.get("gateway"), "net.gateway"),
+            "dns": [_ipv4(d, "net.dns") for d in dns], "ca_cert_pem": ca}
+
+
 def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``after_restore {hostname?, seed_b64?, time_ns?, env?, access_token?}`` -> ``{hostname,
-    entropy_credited, clock_set, env_keys, access_token_set}``. Everything is validated before anything is
-    changed."""
+    """``after_restore {hostname?, seed_b64?, time_ns?, env?, access_token?, net?}`` -> ``{hostname,
+    entropy_credited, clock_set, env_keys, access_token_set, net_interface}``. Everything is validated before
+    anything is changed."""
     state = _state(stream)
     hostname, seed_b64, time_ns, env, token = (
         args.get(k) for k in ("hostname", "seed_b64", "time_ns", "env", "access_token"))
+    net = _net_args(args.get("net"))
     if token is not None and (not isinstance(token, str) or not 16 <= len(token) <= 256 or not token.isprintable()):
         raise OpError("invalid", "access_token must be 16..256 printable characters")
     if hostname is not None and (not isinstance(hostname, str) or not 0 < len(hostname) <= 64):
@@ -278,6 +328,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     ):
         raise OpError("invalid", "env must map strings to strings")
     credited = clock_set = reseeded = token_set = False
+    nic: str | None = None
     try:
         if time_ns is not None:
             state.system.set_clock(time_ns)
@@ -290,6 +341,8 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         if token is not None:
             state.system.set_access_token(token)
             token_set = True
+        if net is not None:
+            nic = state.system.configure_net(net)
     except OSError as exc:
         raise from_oserror(exc) from exc
     if env is not None:
@@ -301,6 +354,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         "clock_set": clock_set,
         "env_keys": sorted(state.extra_env),
         "access_token_set": token_set,
+        "net_interface": nic,
     }
 
 

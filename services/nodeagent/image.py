@@ -95,7 +95,8 @@ class ImageSpec(BaseModel):
     )
     kernel_meta_package: str = "linux-image-cloud-amd64"
     # Load order matters only for humans: dependencies are resolved from modules.dep anyway.
-    modules: tuple[str, ...] = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk", "ext4")
+    modules: tuple[str, ...] = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk",
+                                "failover", "net_failover", "virtio_net", "ext4")
     # crc32c is a soft dependency of ext4 (modules.softdep), loaded when it exists as a module.
     optional_modules: tuple[str, ...] = ("crc32c_generic",)
     disk_size_mib: int = Field(2048, ge=256, description="Size of the sparse raw root image.")

@@ -3,7 +3,8 @@
     podbay-nodeagent [serve]                      run the agent
     podbay-nodeagent template build NAME [--force]  build NAME's images, boot once, save its snapshot
 
-Start-up order: storage (btrfs) -> PostgreSQL (migrations) -> NATS -> VMM (accelerator) -> templates
+Start-up order: storage (btrfs) -> sandbox network (the nftables table, before any VM: fail closed; leases)
+-> PostgreSQL (migrations) -> NATS -> VMM (accelerator) -> templates
 (imported from the build cache into the store and registered) -> node row -> reconcile with PostgreSQL ->
 data plane and heartbeats -> commands from ``podbay.cmd.node.<node>.>``. On SIGTERM it stops taking
 commands, finishes the ones in flight, disconnects from guests and leaves their VMs running, so the next
@@ -21,6 +22,7 @@ from podbay import db
 from podbay.bus import connect_bus, consume
 from podbay.config import get_settings
 from podbay.contracts import subjects
+from podbay.contracts.egress import TAP_PREFIX
 from podbay.contracts.messages import (
     CreateSandboxCmd,
     DeleteSandboxCmd,
@@ -39,6 +41,7 @@ from .dataplane import create_dataplane_app
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
+from .network import SandboxNetwork
 from .reconcile import reconcile
 from .sandboxes import SandboxManager
 from .store import NodeStore
@@ -103,13 +106,17 @@ async def _serve(stop: asyncio.Event) -> None:
     # Read-only mounts a crashed agent left behind while diffing snapshots.
     await asyncio.to_thread(cleanup_stale_mounts, store.root / "tmp")
     log.info("node store at %s%s", store.root, " (loop-backed btrfs file)" if store.loop_backed else "")
+    net = SandboxNetwork(settings)
+    await asyncio.to_thread(net.start)  # raises: no guest runs on a node without its ruleset
+    log.info("sandbox network %s: taps %s*, traffic to the gateway on :%d (DNS :%d)", settings.sandbox_cidr,
+             TAP_PREFIX, settings.gateway_proxy_port, settings.gateway_dns_port)
     pool = await db.connect_pool(settings.pg_dsn, min_size=2, max_size=10)
     await db.migrate(pool)
     bus = await connect_bus(settings.nats_url, name=f"podbay-nodeagent-{settings.node_id}",
                             heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
     relay = Relay(pool, bus)
     driver = await VmDriver.create(settings, store)
-    manager = SandboxManager(settings, pool, bus, relay, store, driver)
+    manager = SandboxManager(settings, pool, bus, relay, store, driver, net)
     objstore_cm = open_store(settings)
     manager.suspend_ops = SuspendOps(manager, await objstore_cm.__aenter__())
     manager.templates = await driver.import_templates(pool)
@@ -145,6 +152,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await objstore_cm.__aexit__(None, None, None)
     await bus.close()
     await pool.close()
+    net.close()
 
 
 def main(argv: list[str] | None = None) -> None:

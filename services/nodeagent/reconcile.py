@@ -44,6 +44,11 @@ async def reconcile(mgr: SandboxManager) -> None:
         " FROM sandboxes s WHERE s.node_id = $1 AND s.state NOT IN ('deleted', 'failed')", mgr.node_id)
     await mgr.snapshots.reconcile()
     claimed = {r["id"] for r in rows}
+    # Addresses, taps and bindings of sandboxes that left the node while the agent was down go now; the
+    # rest keep theirs (a re-attached VM still holds its tap; a recreated one gets its lease back).
+    released = await asyncio.to_thread(mgr.net.prune, claimed)
+    if released:
+        log.info("released the network of %d sandbox(es) no longer on this node", len(released))
     for orphan in set(mgr.store.sandbox_ids_on_disk()) - claimed:
         log.info("removing orphaned VM directory %s", orphan)
         await mgr._discard_vm_dir(mgr.store.sandbox_dir(orphan))
@@ -82,10 +87,17 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
     channel: GuestChannel | None = None
     if paused and (vm_dir / "hib" / "state").exists():
         mgr.hibernated[sandbox_id] = HibernatedVm(sandbox_id, generation, res)
+        await asyncio.to_thread(mgr.net.lease, sandbox_id)
         log.info("sandbox %s stays hibernated (paused, RAM released)", sandbox_id)
         return
+    pending = None
     try:
         handle = await mgr.driver.attach(vm_dir)
+        # The VM holds its tap still; its binding is kept unless it was lost (then a new CA, sent to the guest).
+        before = await asyncio.to_thread(mgr.net.binding, sandbox_id)
+        binding = await asyncio.to_thread(mgr.net.bind, sandbox_id, generation)
+        if before != binding:
+            pending = mgr.net.guest_net(binding)
         if paused:
             # A stopped guest cannot answer; the channel is connected again on resume.
             status = await handle.status()
@@ -101,13 +113,18 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
                 await handle.resume()
             channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
             await channel.ping(timeout_s=5.0)
+            if pending is not None:
+                await channel.after_restore(net=pending)
+                pending = None
     except (PodbayError, OSError, GuestError) as exc:
         reason = f"the VM is gone after a node agent restart ({exc})"
         log.warning("sandbox %s: %s", sandbox_id, reason)
         await mgr._discard_vm_dir(vm_dir)
+        await mgr.release_net(sandbox_id)
         await mgr.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused", "suspending"))
         return
-    vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None)
+    vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None,
+                   net_pending=pending)
     mgr.vms[sandbox_id] = vm
     vm.monitor = asyncio.create_task(mgr._monitor(vm), name=f"monitor-{sandbox_id}")
     async with mgr.pool.acquire() as conn, conn.transaction():

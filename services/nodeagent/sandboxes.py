@@ -23,6 +23,7 @@ import asyncpg
 
 from podbay.bus import Bus
 from podbay.channel.client import GuestChannel
+from podbay.contracts.channel import GuestNet
 from podbay.config import Settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, OperationDone, Resources, SandboxOpCmd
@@ -30,6 +31,7 @@ from podbay.errors import NotFound, PodbayError, StaleGeneration, Unavailable
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
+from .network import SandboxNetwork
 from .store import NodeStore
 from .vmdriver import TemplateImage, VmDriver, VmHandle
 
@@ -50,6 +52,8 @@ class RunningVm:
     stopping: bool = False
     paused_at: float | None = None
     monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+    #: network settings (a new sandbox CA) the guest has not been given yet; sent with the next resume
+    net_pending: GuestNet | None = None
 
 
 @dataclass
@@ -65,8 +69,9 @@ class SandboxManager:
     """Owns the VMs of one node. ``vms`` maps sandbox id to ``RunningVm``."""
 
     def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, relay: Relay, store: NodeStore,
-                 driver: VmDriver) -> None:
+                 driver: VmDriver, net: SandboxNetwork) -> None:
         self.settings = settings
+        self.net = net
         self.pool = pool
         self.bus = bus
         self.relay = relay
@@ -178,25 +183,32 @@ class SandboxManager:
         vm_dir = self.store.sandbox_dir(sandbox_id)
         handle: VmHandle | None = None
         channel: GuestChannel | None = None
+        tap_fd: int | None = None
         try:
             tpl = await self.template(template, template_digest)
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
+            # Its address, tap and binding (a new CA for a new generation) exist before the guest runs.
+            binding, tap_fd = await asyncio.to_thread(self.net.prepare, sandbox_id, generation)
             async with self.restore_slots:
                 t = time.perf_counter()
                 if boot_disk is not None:
                     handle = await self.driver.boot_disk(boot_disk, tpl, vm_dir, memory_mib=resources.memory_mib,
-                                                         vcpus=resources.vcpus)
+                                                         vcpus=resources.vcpus, tap_fd=tap_fd)
                     connect_timeout = self.settings.boot_timeout_s
                 else:
                     handle = await self.driver.restore_from(snapshot_dir or tpl.snapshot.dir, tpl, vm_dir,
-                                                            memory_mib=resources.memory_mib, vcpus=resources.vcpus)
+                                                            memory_mib=resources.memory_mib, vcpus=resources.vcpus,
+                                                            tap_fd=tap_fd)
                     connect_timeout = self.settings.restore_timeout_s
+                os.close(tap_fd)  # QEMU holds the tap now; it goes away with QEMU
+                tap_fd = None
                 HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
                 t = time.perf_counter()
                 channel = await GuestChannel.connect(handle.channel_path, timeout_s=connect_timeout)
             hygiene = await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
                                                   env={"PODBAY_SANDBOX_ID": sandbox_id},
-                                                  access_token=secrets.token_urlsafe(32))
+                                                  access_token=secrets.token_urlsafe(32),
+                                                  net=self.net.guest_net(binding))
             if not hygiene.crng_reseeded:
                 # Older guests or a refused ioctl: the seed still lands at the kernel's next reseed.
                 log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "
@@ -231,16 +243,21 @@ class SandboxManager:
         except _Superseded:
             log.info("%s %s: superseded while starting; discarding the VM", kind, sandbox_id)
             await self._teardown(handle, channel, vm_dir)
+            await self.release_net(sandbox_id)
             return False
         except Exception as exc:
             reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
             log.warning("%s %s failed: %s", kind, sandbox_id, reason)
             await self._teardown(handle, channel, vm_dir)
+            await self.release_net(sandbox_id)
             LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "failed").inc()
             await self.mark_failed(sandbox_id, generation, reason,
                                     operation_id=operation_id if kind == "create" else None,
                                     from_states=(from_state,))
             return False
+        finally:
+            if tap_fd is not None:
+                os.close(tap_fd)
 
     # ------------------------------------------------------------------ delete
 
@@ -253,6 +270,7 @@ class SandboxManager:
                 return
             await self.stop_vm(cmd.sandbox_id)
             await self._discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
+            await self.release_net(cmd.sandbox_id)
             await self.snapshots.discard(cmd.sandbox_id)
             async with self.pool.acquire() as conn, conn.transaction():
                 done = await conn.fetchval(
@@ -309,11 +327,18 @@ class SandboxManager:
         row = await self.pool.fetchrow("SELECT template, template_digest FROM sandboxes WHERE id=$1", sandbox_id)
         tpl = await self.template(row["template"], row["template_digest"])
         vm_dir = self.store.sandbox_dir(sandbox_id)
-        handle = await self.driver.restore_from(vm_dir / "hib", tpl, vm_dir, memory_mib=hv.resources.memory_mib,
-                                                vcpus=hv.resources.vcpus, paused=True)
+        # Its tap went with the QEMU that exited; the guest keeps its address, so it gets the same one back.
+        before = await asyncio.to_thread(self.net.binding, sandbox_id)
+        binding, tap_fd = await asyncio.to_thread(self.net.prepare, sandbox_id, hv.generation)
+        try:
+            handle = await self.driver.restore_from(vm_dir / "hib", tpl, vm_dir, memory_mib=hv.resources.memory_mib,
+                                                    vcpus=hv.resources.vcpus, paused=True, tap_fd=tap_fd)
+        finally:
+            os.close(tap_fd)
         await asyncio.to_thread(shutil.rmtree, vm_dir / "hib", True)
         del self.hibernated[sandbox_id]
-        vm = RunningVm(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic())
+        vm = RunningVm(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic(),
+                       net_pending=None if before == binding else self.net.guest_net(binding))
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
 
@@ -372,7 +397,8 @@ class SandboxManager:
                     if vm.channel is None or vm.channel.closed:
                         vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
                     # The guest's clock stood still while paused (DESIGN.md §3: no vmgenid; guestd fixes it).
-                    await vm.channel.after_restore(time_ns=time.time_ns())
+                    await vm.channel.after_restore(time_ns=time.time_ns(), net=vm.net_pending)
+                    vm.net_pending = None
                 HOP_SECONDS.labels("nodeagent", f"qemu_{verb}").observe(time.perf_counter() - t)
             except Exception as exc:
                 reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
@@ -414,6 +440,13 @@ class SandboxManager:
             log.debug("operation notice for %s not sent: %s", operation_id, exc)
 
     # ------------------------------------------------------------------ helpers
+
+    async def release_net(self, sandbox_id: str) -> None:
+        """The sandbox left this node (or failed): release its address, tap, binding and CA files."""
+        try:
+            await asyncio.to_thread(self.net.release, sandbox_id)
+        except Exception as exc:  # housekeeping; a restart prunes what is left
+            log.warning("releasing the network of %s failed: %s", sandbox_id, exc)
 
     async def stop_vm(self, sandbox_id: str) -> None:
         self.hibernated.pop(sandbox_id, None)
@@ -492,6 +525,7 @@ class SandboxManager:
             reason = "the VM exited unexpectedly" + (f" (QEMU status {code})" if code is not None else "")
             log.warning("sandbox %s: %s", vm.sandbox_id, reason)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "vm_exit", "failed").inc()
+            await self.release_net(vm.sandbox_id)
             await self.mark_failed(vm.sandbox_id, vm.generation, reason)
 
     async def close(self) -> None:

@@ -146,6 +146,7 @@ class SuspendOps:
         m = self.m
         await m.stop_vm(cmd.sandbox_id)
         await m._discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
+        await m.release_net(cmd.sandbox_id)
         await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)
         async with m.pool.acquire() as conn, conn.transaction():
             # Local-only snapshots went with the node's files; promoted ones stay restorable from S3.

@@ -34,7 +34,9 @@ from pydantic import BaseModel, Field
 
 from podbay.config import Settings, get_settings
 from podbay_nodeagent.accel import Accel, host_tsc_khz, qemu_version, resolve_accel
+from podbay.contracts.egress import TAP_PREFIX
 from podbay_nodeagent.image import BaseImage, ImageBuildError, ProgressFn, build_base_image
+from podbay_nodeagent.network import create_tap
 from podbay_nodeagent.vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "template_main",
     "GUESTD_CONSOLE_MARKER",
     "TEMPLATES",
+    "MACHINE",
 ]
 
 TEMPLATES = ("base",)
@@ -78,6 +81,7 @@ class TemplateSnapshot(BaseModel):
     boot_s: float = Field(description="Fresh boot to guestd answering, in seconds.")
     paused_ms: float = Field(description="Guest pause for the snapshot, in ms.")
     created_at: str
+    machine: str = Field("", description="The device set it was booted with (MACHINE); '' before NICs.")
 
     @classmethod
     def load(cls, directory: Path) -> TemplateSnapshot:
@@ -143,8 +147,14 @@ async def wait_guest_ready(vmm: Vmm, vm: VmHandle, timeout_s: float) -> str:
     raise TimeoutError(f"guestd did not answer within {timeout_s} s (last error: {last!r})")
 
 
+#: Bumped when the machine's devices change (the snapshot's device state must match every restore's):
+#: "net1" = one virtio-net NIC. Part of the key, and recorded in template.json so that a node agent never
+#: imports a build made for another device set (e.g. by an older agent sharing the build cache).
+MACHINE = "net1"
+
+
 def _key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:
-    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz])
+    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz, MACHINE])
     return hashlib.sha256(src.encode()).hexdigest()
 
 
@@ -225,7 +235,13 @@ async def _boot_and_snapshot(
             boot_timeout_s=settings.boot_timeout_s,
         )
         t0 = time.monotonic()
-        vm = await vmm.boot(config, vm_dir)
+        # The NIC needs a backend while the template boots; a tap of its own (the ruleset covers "pbt*"),
+        # gone with QEMU. No address: the template never talks to the network.
+        tap_fd = create_tap(f"{TAP_PREFIX}t{os.getpid() % 10**6}")
+        try:
+            vm = await vmm.boot(config, vm_dir, tap_fd=tap_fd)
+        finally:
+            os.close(tap_fd)
         report(step, 1.0)
         step = "guestd"
         report(step, 0.0)
@@ -246,7 +262,7 @@ async def _boot_and_snapshot(
             state=final / "state", ram=final / "ram", disk=final / "disk.img", memory_mib=config.memory_mib,
             vcpus=config.vcpus, tsc_khz=tsc, image_digest=image.digest, qemu_version=qver, accel=accel,
             boot_s=round(boot_s, 3), paused_ms=round(snap.paused_ms, 3),
-            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(), machine=MACHINE,
         )
         (tmp / "template.json").write_text(tpl.model_dump_json(indent=2))
         log_path.write_text(f"template {name} ready via {how} in {boot_s:.2f} s; snapshot paused "

@@ -23,7 +23,7 @@ import asyncpg
 from podbay.config import Settings
 
 from .store import NodeStore
-from .template import TemplateSnapshot
+from .template import MACHINE, TemplateSnapshot
 from .vmm import QemuVmm, VmHandle as QemuHandle, reflink_or_copy
 
 __all__ = ["TemplateImage", "VmHandle", "VmDriver"]
@@ -112,6 +112,8 @@ class VmDriver:
                 continue
             if self.settings.accel != "auto" and tpl.accel != self.settings.accel:
                 continue
+            if tpl.machine != MACHINE:
+                continue  # booted with other devices: its device state would not load on this machine
             mtime = meta.stat().st_mtime
             if tpl.name not in best or mtime > best[tpl.name][0]:
                 best[tpl.name] = (mtime, meta.parent)
@@ -171,25 +173,28 @@ class VmDriver:
                 await conn.execute("INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)",
                                    node_id, img.name, img.digest)
 
-    async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int) -> VmHandle:
-        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming)."""
+    async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int,
+                      tap_fd: int | None = None) -> VmHandle:
+        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming).
+        ``tap_fd``: the sandbox's tap (network.py), inherited by QEMU; None leaves the NIC unconnected."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config)
+        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config, tap_fd=tap_fd)
         return VmHandle(self.vmm, inner)
 
     async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                           vcpus: int, paused: bool = False) -> VmHandle:
+                           vcpus: int, paused: bool = False, tap_fd: int | None = None) -> VmHandle:
         """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused))
+        return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused,
+                                                         tap_fd=tap_fd))
 
     async def boot_disk(self, disk: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                        vcpus: int) -> VmHandle:
+                        vcpus: int, tap_fd: int | None = None) -> VmHandle:
         """Fresh boot of ``tpl``'s kernel on a reflink of ``disk`` (rollback to a disk-only snapshot)."""
         vm_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, disk, vm_dir / "disk.img")
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir))
+        return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir, tap_fd=tap_fd))
 
     async def snapshot_full(self, handle: VmHandle, dest: Path, *, leave_stopped: bool) -> float:
         """Memory, device state and disk into ``dest`` (DESIGN.md §3); returns the ms the guest was paused."""

@@ -3,7 +3,9 @@
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
 ``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
-``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). QEMU runs in its own session so that it outlives the node
+``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). One virtio-net NIC (MAC :data:`GUEST_MAC`) is backed by
+a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege), or else by an empty hub (never
+slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it outlives the node
 agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow DESIGN.md §3.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
@@ -46,12 +48,14 @@ from podbay_nodeagent.accel import Accel, host_tsc_khz
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
     "VmConfig", "VmPaths", "VmHandle", "SnapshotResult", "Vmm", "QemuVmm",
-    "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME",
+    "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME", "GUEST_MAC",
 ]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHANNEL_PORT_NAME = "org.podbay.channel"
+#: The guest NIC's MAC (locally administered). Migrated with the device state, so every restore keeps it.
+GUEST_MAC = "52:54:00:00:00:02"
 _QMP_CONNECT_TIMEOUT_S = 5.0
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -199,8 +203,13 @@ def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
     return f"{base} {extra}".strip()
 
 
-def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int) -> list[str]:
-    """QEMU's argv for ``config`` in ``paths``; ``incoming`` starts it paused, waiting for a migration stream."""
+def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int,
+                    tap_fd: int | None = None) -> list[str]:
+    """QEMU's argv for ``config`` in ``paths``; ``incoming`` starts it paused, waiting for a migration stream.
+
+    ``tap_fd`` is an open tap descriptor QEMU inherits (``pass_fds``) as the NIC's backend; None connects the
+    NIC to an empty hub (no network at all)."""
+    netdev = (f"tap,id=net0,fd={tap_fd},vhost=off" if tap_fd is not None else "hubport,id=net0,hubid=0")
     mem = f"{config.memory_mib}M"
     argv = [
         config.qemu_binary,
@@ -220,6 +229,7 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=ch0,path={paths.channel},server=on,wait=off",
         "-device", f"virtserialport,chardev=ch0,name={CHANNEL_PORT_NAME}",
+        "-netdev", netdev, "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}",
         "-qmp", f"unix:{paths.qmp},server=on,wait=off",
         "-pidfile", str(paths.pidfile),
     ]
@@ -235,11 +245,13 @@ class Vmm(abc.ABC):
     """What the node agent needs from a VMM. Every call is bounded by a timeout."""
 
     @abc.abstractmethod
-    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
-        """Fresh boot of kernel + initrd + ``vm_dir/disk.img``; returns once QMP answers (guest running)."""
+    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmHandle:
+        """Fresh boot of kernel + initrd + ``vm_dir/disk.img``; returns once QMP answers (guest running).
+        ``tap_fd``: the NIC's tap (see :func:`build_qemu_argv`); the caller keeps and closes its copy."""
 
     @abc.abstractmethod
-    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False,
+                      tap_fd: int | None = None) -> VmHandle:
         """Copy RAM and disk from ``snapshot_dir`` into ``vm_dir`` and resume the snapshot there."""
 
     @abc.abstractmethod
@@ -312,17 +324,18 @@ class QemuVmm(Vmm):
                 raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc
             raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
 
-    def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool) -> subprocess.Popen[bytes]:
+    def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool,
+               tap_fd: int | None = None) -> subprocess.Popen[bytes]:
         paths.dir.mkdir(parents=True, exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
-        argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config))
+        argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd)
         log.debug("starting %s", shlex.join(argv))
         with open(paths.qemu_log, "ab") as logf:
             try:
                 return subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=paths.dir,
-                    start_new_session=True, close_fds=True,
+                    start_new_session=True, close_fds=True, pass_fds=(tap_fd,) if tap_fd is not None else (),
                 )
             except OSError as exc:
                 raise VmStartError(f"cannot start {config.qemu_binary}: {exc}") from exc
@@ -418,13 +431,13 @@ class QemuVmm(Vmm):
 
     # -- operations
 
-    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
+    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmHandle:
         paths = VmPaths(vm_dir)
         if not paths.disk.exists():
             raise VmStartError(f"no disk image at {paths.disk}")
         paths.ram.unlink(missing_ok=True)  # a fresh boot starts from sparse RAM
         t0 = time.monotonic()
-        popen = self._spawn(config, paths, incoming=False)
+        popen = self._spawn(config, paths, incoming=False, tap_fd=tap_fd)
         vm: VmHandle | None = None
         try:
             vm = await self._connect(paths, popen.pid, popen, config, min(config.boot_timeout_s, 30.0))
@@ -442,7 +455,8 @@ class QemuVmm(Vmm):
         await self._qmp(vm, "migrate-set-capabilities",
                         {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
 
-    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False,
+                      tap_fd: int | None = None) -> VmHandle:
         """Restore ``snapshot_dir`` (``state``, ``ram``, ``disk.img``) into ``vm_dir``.
 
         Each attempt is bounded by ``config.restore_timeout_s``; up to ``config.restore_retries`` retries. With
@@ -459,7 +473,7 @@ class QemuVmm(Vmm):
                 RESTORE_RETRIES.inc()
             try:
                 vm = await self._bounded(
-                    "restore", self._restore_once(snapshot_dir, VmPaths(vm_dir), config, paused),
+                    "restore", self._restore_once(snapshot_dir, VmPaths(vm_dir), config, paused, tap_fd),
                     config.restore_timeout_s,
                 )
             except (VmmError, OSError) as exc:
@@ -474,11 +488,12 @@ class QemuVmm(Vmm):
             raise last
         raise VmStartError(f"restore of {snapshot_dir} failed: {last}") from last
 
-    async def _restore_once(self, snap: Path, paths: VmPaths, config: VmConfig, paused: bool) -> VmHandle:
+    async def _restore_once(self, snap: Path, paths: VmPaths, config: VmConfig, paused: bool,
+                            tap_fd: int | None) -> VmHandle:
         paths.dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, snap / "ram", paths.ram)
         await asyncio.to_thread(reflink_or_copy, snap / "disk.img", paths.disk)
-        popen = self._spawn(config, paths, incoming=True)
+        popen = self._spawn(config, paths, incoming=True, tap_fd=tap_fd)
         vm: VmHandle | None = None
         try:
             vm = await self._connect(paths, popen.pid, popen, config, _QMP_CONNECT_TIMEOUT_S)

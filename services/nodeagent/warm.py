@@ -269,11 +269,19 @@ class WarmPool:
         self._gauge()
         handle: VmHandle | None = None
         channel: GuestChannel | None = None
+        tap_fd: int | None = None
         t0 = time.perf_counter()
         try:
+            # The slot's address, tap and binding are those of the sandbox it becomes (generation 1), so a
+            # claim has nothing left to do for the network.
+            binding, tap_fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
             async with self.m.restore_slots:
-                handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir,
-                                                          memory_mib=res.memory_mib, vcpus=res.vcpus)
+                try:
+                    handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib,
+                                                              vcpus=res.vcpus, tap_fd=tap_fd)
+                finally:
+                    os.close(tap_fd)
+                    tap_fd = None
                 channel = await GuestChannel.connect(handle.channel_path,
                                                      timeout_s=self.m.settings.restore_timeout_s)
             # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
@@ -284,7 +292,8 @@ class WarmPool:
             # first use under TCG.
             hygiene = await channel.after_restore(hostname=slot_hostname(slot_id), seed=os.urandom(64),
                                                   time_ns=time.time_ns(), env={"PODBAY_SANDBOX_ID": slot_id},
-                                                  access_token=secrets.token_urlsafe(32))
+                                                  access_token=secrets.token_urlsafe(32),
+                                                  net=self.m.net.guest_net(binding))
             if not hygiene.crng_reseeded:
                 raise PodbayError("the guest did not reseed its CRNG")
             await channel.run(ExecSpec(argv=["true"]))
@@ -301,6 +310,9 @@ class WarmPool:
             self.slots.pop(slot_id, None)
             self.preparing.pop(slot_id, None)
             await self.m._teardown(handle, channel, vm_dir)  # noqa: SLF001  # the manager's own teardown
+            if tap_fd is not None:
+                os.close(tap_fd)
+            await self.m.release_net(slot_id)
             await self._mark_failed(slot_id, f"prepare: {_reason(exc)}")
             WARM_SLOT_EVENTS.labels(tpl.name, "prepare_failed").inc()
             self._gauge()
@@ -348,6 +360,8 @@ class WarmPool:
         # A restore of the same sandbox (the API's fallback after a late answer) may own the directory now.
         vm_dir = None if slot.id in self.m.vms else self.m.store.sandbox_dir(slot.id)
         await self.m._teardown(slot.handle, slot.channel, vm_dir)  # noqa: SLF001
+        if vm_dir is not None:
+            await self.m.release_net(slot.id)
         await self._mark_failed(slot.id, reason)
         WARM_SLOT_EVENTS.labels(slot.template, event).inc()
         self._gauge()

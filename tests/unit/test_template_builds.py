@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
 
 from podbay.config import Settings
 from podbay.errors import NotFound
+from podbay_nodeagent.network import SandboxNetwork
 from podbay_nodeagent.sandboxes import SandboxManager
 from podbay_nodeagent.store import NodeStore
-from podbay_nodeagent.template import TemplateSnapshot
+from podbay_nodeagent.template import MACHINE, TemplateSnapshot
 from podbay_nodeagent.vmdriver import VmDriver
 from podbay_nodeagent.vmm import QemuVmm
 
 _FILES = ("state", "ram", "disk.img", "vmlinuz", "initrd.img")
 
 
-def _write_build(directory: Path, key: str) -> None:
+def _write_build(directory: Path, key: str, machine: str = MACHINE) -> None:
     directory.mkdir(parents=True)
     for name in _FILES:
         (directory / name).write_bytes(key.encode())
@@ -26,7 +28,7 @@ def _write_build(directory: Path, key: str) -> None:
         name="base", key=key, dir=directory, kernel=directory / "vmlinuz", initrd=directory / "initrd.img",
         state=directory / "state", ram=directory / "ram", disk=directory / "disk.img", memory_mib=256, vcpus=1,
         tsc_khz=1, image_digest="img", qemu_version="8.2", accel="tcg", boot_s=1.0, paused_ms=1.0,
-        created_at="2026-01-01T00:00:00Z")
+        created_at="2026-01-01T00:00:00Z", machine=machine)
     (directory / "template.json").write_text(tpl.model_dump_json())
 
 
@@ -34,7 +36,7 @@ def _manager(tmp_path: Path) -> SandboxManager:
     settings = Settings(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", accel="tcg")
     store = NodeStore(settings.data_dir, settings.node_id, 1)
     driver = VmDriver(settings, store, QemuVmm())
-    return SandboxManager(settings, None, None, None, store, driver)  # type: ignore[arg-type]
+    return SandboxManager(settings, None, None, None, store, driver, SandboxNetwork(settings))  # type: ignore[arg-type]
 
 
 def test_an_earlier_build_in_the_store_is_loaded_once_and_a_missing_one_is_refused(tmp_path: Path) -> None:
@@ -61,3 +63,13 @@ def test_a_build_only_in_the_build_cache_is_imported_into_the_store_on_demand(tm
     img = asyncio.run(m.template("base", "d" * 64))
     assert img.snapshot.dir == m.store.template_dir("base", "d" * 64)
     assert (img.snapshot.dir / "ram").read_bytes() == b"d" * 64
+
+
+def test_a_cached_build_for_another_device_set_is_never_imported(tmp_path: Path) -> None:
+    m = _manager(tmp_path)
+    _write_build(tmp_path / "cache" / "templates" / "base-eeee", "e" * 64)
+    # Newer, but booted without the NIC (an older agent sharing the cache): its device state cannot load.
+    _write_build(tmp_path / "cache" / "templates" / "base-ffff", "f" * 64, machine="")
+    newer = (tmp_path / "cache" / "templates" / "base-eeee" / "template.json").stat().st_mtime + 60
+    os.utime(tmp_path / "cache" / "templates" / "base-ffff" / "template.json", (newer, newer))
+    assert m.driver._cached_templates() == {"base": tmp_path / "cache" / "templates" / "base-eeee"}

@@ -14,6 +14,7 @@ from qemu.qmp.models import ErrorResponse
 
 from podbay_nodeagent.accel import parse_tsc_khz
 from podbay_nodeagent.vmm import (
+    GUEST_MAC,
     QemuVmm,
     VmConfig,
     VmHandle,
@@ -60,7 +61,17 @@ def test_tcg_argv() -> None:
     assert _opt(argv, "-pidfile") == ["vm/qemu.pid"]
     assert any("file=vm/disk.img,format=raw" in d for d in _opt(argv, "-drive"))
     assert "-incoming" not in argv and "-S" not in argv
-    assert not any(a.startswith("-netdev") or a == "-nic" for a in argv)
+    # Without a tap the one NIC hangs off an empty hub: no network at all (never slirp, never -nic).
+    assert _opt(argv, "-netdev") == ["hubport,id=net0,hubid=0"]
+    assert "-nic" not in argv and not any("user" in n.split(",")[0] for n in _opt(argv, "-netdev"))
+    assert f"virtio-net-device,netdev=net0,mac={GUEST_MAC}" in devices
+
+
+def test_a_tap_descriptor_is_the_nic_backend() -> None:
+    argv = build_qemu_argv(_cfg(), VmPaths(Path("vm")), tsc_khz=1, tap_fd=7)
+    assert _opt(argv, "-netdev") == ["tap,id=net0,fd=7,vhost=off"]
+    assert f"virtio-net-device,netdev=net0,mac={GUEST_MAC}" in _opt(argv, "-device")
+    assert "-nic" not in argv
 
 
 def test_kvm_uses_host_cpu() -> None:

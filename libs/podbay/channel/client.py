@@ -40,6 +40,7 @@ from podbay.channel.frames import Frame, FrameType
 from podbay.contracts.channel import (
     AfterRestoreRequest,
     AfterRestoreResult,
+    GuestNet,
     ChannelErrorBody,
     ExecExit,
     ExecSpec,
@@ -545,15 +546,17 @@ class GuestChannel(ProcOps):
         time_ns: int | None = None,
         env: dict[str, str] | None = None,
         access_token: str | None = None,
+        net: GuestNet | None = None,
     ) -> AfterRestoreResult:
         """Post-restore hygiene: new hostname, RNG seed (credited), wall clock, exec env and access token
-        (DESIGN.md §3)."""
+        (DESIGN.md §3), and with ``net`` the guest's address, route, resolver and sandbox CA."""
         req = AfterRestoreRequest(
             hostname=hostname,
             seed_b64=base64.b64encode(seed).decode() if seed is not None else None,
             time_ns=time_ns,
             env=env,
             access_token=access_token,
+            net=net,
         )
         return await self._unary(Op.AFTER_RESTORE, req.model_dump(exclude_none=True), AfterRestoreResult)
 

@@ -38,6 +38,7 @@ __all__ = [
     "WatchRequest",
     "WatchEvent",
     "WatchResult",
+    "GuestNet",
     "AfterRestoreRequest",
     "AfterRestoreResult",
     "FreezeRequest",
@@ -249,6 +250,20 @@ class RemoveResult(_Lenient):
     removed: bool
 
 
+class GuestNet(_Strict):
+    """The guest's network (``after_restore.net``; docs/ARCHITECTURE.md "Sandbox network"): IPv4
+    ``address``/``prefix_len`` on the guest's NIC, the default route via ``gateway`` (the tap's host side),
+    ``/etc/resolv.conf`` naming ``dns``, and ``ca_cert_pem`` (the sandbox's CA certificate, PEM) installed
+    into the guest's trust store as ``/usr/local/share/ca-certificates/podbay-sandbox.crt`` and appended to
+    the template's original ``/etc/ssl/certs/ca-certificates.crt`` (replacing an earlier sandbox CA)."""
+
+    address: str = Field(pattern=r"^\d{1,3}(\.\d{1,3}){3}$")
+    prefix_len: int = Field(30, ge=8, le=30)
+    gateway: str = Field(pattern=r"^\d{1,3}(\.\d{1,3}){3}$")
+    dns: list[str] = Field(default_factory=list, max_length=3)
+    ca_cert_pem: str | None = Field(None, max_length=16384)
+
+
 class AfterRestoreRequest(_Strict):
     """Arguments of ``after_restore``, sent after every restore or fork (there is no vmgenid on microvm,
     DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
@@ -260,6 +275,8 @@ class AfterRestoreRequest(_Strict):
     time_ns: int | None = Field(None, ge=0)
     env: dict[str, str] | None = None
     access_token: str | None = Field(None, min_length=16, max_length=256)
+    #: the guest's address, route, resolver and trust store (set when the VM gets its tap)
+    net: GuestNet | None = None
 
 
 class AfterRestoreResult(_Lenient):
@@ -270,6 +287,8 @@ class AfterRestoreResult(_Lenient):
     clock_set: bool
     env_keys: list[str] = Field(default_factory=list)
     access_token_set: bool = False
+    #: the NIC ``net`` was applied to (None when no ``net`` was sent)
+    net_interface: str | None = None
 
 
 class FreezeRequest(_Strict):

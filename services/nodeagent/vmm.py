@@ -3,8 +3,10 @@
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
 ``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
-``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). QEMU runs in its own session so that it outlives the node
-agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow DESIGN.md §3.
+``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr). QEMU runs in its own session so that it
+outlives the node agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow
+DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
+the argv built here is wrapped, and the node agent writes ``qemu.pid`` from what bwrap reports.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
 
@@ -41,6 +43,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
+from podbay_nodeagent import confine
 from podbay_nodeagent.accel import Accel, host_tsc_khz
 
 __all__ = [
@@ -278,11 +281,24 @@ class Vmm(abc.ABC):
 # ----------------------------------------------------------------------------------------- QEMU driver
 
 
-class QemuVmm(Vmm):
-    """The QEMU implementation of :class:`Vmm`."""
+_FROM_SETTINGS: Any = object()
 
-    def __init__(self, *, tsc_khz: int | None = None) -> None:
+
+class QemuVmm(Vmm):
+    """The QEMU implementation of :class:`Vmm`. ``confinement``: None runs QEMU unconfined; by default it is
+    read from the settings (``PODBAY_VMM_CONFINE``, ``PODBAY_VMM_USER``) at the first start."""
+
+    def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS) -> None:
         self._tsc_khz = tsc_khz
+        self._confinement = confinement
+
+    def confinement(self) -> confine.Confinement | None:
+        """The confinement in force (resolved from the settings once); raises ``confine.ConfinementError``."""
+        if self._confinement is _FROM_SETTINGS:
+            from podbay.config import get_settings
+
+            self._confinement = confine.from_settings(get_settings())
+        return self._confinement
 
     # -- helpers
 
@@ -312,20 +328,29 @@ class QemuVmm(Vmm):
                 raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc
             raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
 
-    def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool) -> subprocess.Popen[bytes]:
+    async def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool) -> tuple[subprocess.Popen[bytes], int]:
+        """Start QEMU, confined unless turned off; returns its Popen (bwrap's when confined) and QEMU's pid."""
         paths.dir.mkdir(parents=True, exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
         argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config))
-        log.debug("starting %s", shlex.join(argv))
-        with open(paths.qemu_log, "ab") as logf:
-            try:
-                return subprocess.Popen(
+        try:
+            if (conf := self.confinement()) is not None:
+                return await confine.start_confined(
+                    argv, conf, vm_dir=paths.dir.absolute(), kvm=config.accel == "kvm", log_path=paths.qemu_log,
+                    read_only=[config.kernel.absolute(), config.initrd.absolute()], pidfile=paths.pidfile,
+                    timeout_s=_QMP_CONNECT_TIMEOUT_S,
+                )
+            log.debug("starting %s", shlex.join(argv))
+            with open(paths.qemu_log, "ab") as logf:
+                popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=paths.dir,
                     start_new_session=True, close_fds=True,
                 )
-            except OSError as exc:
-                raise VmStartError(f"cannot start {config.qemu_binary}: {exc}") from exc
+            return popen, popen.pid
+        except (OSError, confine.ConfinementError) as exc:
+            raise VmStartError(f"cannot start {config.qemu_binary}: {exc} {self._qemu_log_tail(paths)}",
+                               details={"vm_dir": str(paths.dir)}) from exc
 
     def _qemu_log_tail(self, paths: VmPaths) -> str:
         try:
@@ -382,18 +407,26 @@ class QemuVmm(Vmm):
         if vm.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 vm.exit_code = vm.popen.wait(timeout=1)
+            if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
+                vm.exit_code = 128 - vm.exit_code  # bwrap reports QEMU's death by signal N as 128 + N
+        # Confined, the node agent wrote qemu.pid (QEMU's -pidfile would say 1), so it removes it as QEMU would.
+        with contextlib.suppress(OSError, ValueError):
+            if int(vm.paths.pidfile.read_text().strip()) == vm.pid:
+                vm.paths.pidfile.unlink()
         vm._exited.set()
 
     async def _close_qmp(self, vm: VmHandle) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
 
-    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes]) -> None:
+    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes], pid: int) -> None:
         if vm is not None:
             await self.kill(vm)
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(popen.pid, signal.SIGKILL)
+        # Confined, ``pid`` is QEMU and ``popen`` bwrap, which does not take QEMU down with it.
+        for p in {pid, popen.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         await asyncio.to_thread(popen.wait)
 
     async def _migration_done(self, vm: VmHandle, what: str) -> None:
@@ -424,14 +457,14 @@ class QemuVmm(Vmm):
             raise VmStartError(f"no disk image at {paths.disk}")
         paths.ram.unlink(missing_ok=True)  # a fresh boot starts from sparse RAM
         t0 = time.monotonic()
-        popen = self._spawn(config, paths, incoming=False)
+        popen, pid = await self._spawn(config, paths, incoming=False)
         vm: VmHandle | None = None
         try:
-            vm = await self._connect(paths, popen.pid, popen, config, min(config.boot_timeout_s, 30.0))
+            vm = await self._connect(paths, pid, popen, config, min(config.boot_timeout_s, 30.0))
             await self._set_caps(vm)
         except BaseException:
             BOOTS.labels(config.accel, "failed").inc()
-            await self._abort_start(vm, popen)
+            await self._abort_start(vm, popen, pid)
             raise
         BOOTS.labels(config.accel, "ok").inc()
         BOOT_SECONDS.observe(time.monotonic() - t0)
@@ -478,10 +511,10 @@ class QemuVmm(Vmm):
         paths.dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, snap / "ram", paths.ram)
         await asyncio.to_thread(reflink_or_copy, snap / "disk.img", paths.disk)
-        popen = self._spawn(config, paths, incoming=True)
+        popen, pid = await self._spawn(config, paths, incoming=True)
         vm: VmHandle | None = None
         try:
-            vm = await self._connect(paths, popen.pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
+            vm = await self._connect(paths, pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
             await self._set_caps(vm)
             await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
             await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})
@@ -490,7 +523,7 @@ class QemuVmm(Vmm):
                 await self._qmp(vm, "cont")
             return vm
         except BaseException:
-            await self._abort_start(vm, popen)
+            await self._abort_start(vm, popen, pid)
             raise
 
     async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:

@@ -60,7 +60,7 @@ from podbay.errors import Unavailable
 __all__ = [
     "DEFAULT_VMM_USER", "ConfinementError", "VmmUser", "Confinement", "ensure_vmm_user", "confine_argv",
     "strip_pidfile", "own_vm_files", "check_readable", "kvm_group", "host_has_merged_usr", "from_settings",
-    "spawn_confined", "read_child_pid", "start_confined", "VM_WRITABLE_FILES",
+    "spawn_confined", "read_child_pid", "start_confined", "lock_run_dir", "VM_WRITABLE_FILES", "RUN_DIR",
 ]
 
 log = logging.getLogger("podbay.nodeagent.confine")
@@ -72,6 +72,8 @@ _ETC_FILES = ("/etc/ld.so.cache",)
 _DEVICES = ("/dev/null", "/dev/urandom")
 VM_WRITABLE_FILES = ("ram", "disk.img", "console.log")
 """Files of a VM directory that QEMU opens for writing (see ``vmm.VmPaths``); the node agent chowns them."""
+RUN_DIR = "run"
+"""The subdirectory of a VM directory where QEMU creates its QMP and channel sockets."""
 
 
 class ConfinementError(Unavailable):
@@ -244,20 +246,54 @@ def host_has_merged_usr() -> bool:
     return os.path.islink("/lib") and os.readlink("/lib").lstrip("/").startswith("usr")
 
 
-def own_vm_files(vm_dir: Path, names: tuple[str, ...], user: VmmUser) -> None:
-    """Give ``user`` the VM directory (mode 0700) and the files QEMU opens for writing in it.
+def own_vm_files(vm_dir: Path, run_dir: Path, names: tuple[str, ...], user: VmmUser) -> None:
+    """Prepare a VM directory for a confined QEMU: it may write the content of its files, never their names.
 
-    The node agent creates RAM and disk by reflink as root; QEMU opens them read-write, creates its sockets in
-    the directory and appends to the console log. Missing files are skipped (QEMU creates its own). Files it
-    only reads come as fds (migration state) or read-only binds (kernel, initramfs).
+    ``vm_dir`` stays root's, mode 0750 with the VMM user's group (QEMU can traverse it but cannot create,
+    rename, replace or unlink anything in it: the node agent, as root, later reflinks, reads, moves and writes
+    files there, and must never meet a symlink QEMU planted). Each of ``names`` (``ram``, ``disk.img``,
+    ``console.log``) is created empty when missing, since QEMU cannot create it, and given to the user; a
+    name that is not a regular file (a symlink, a directory) is refused with :class:`ConfinementError`.
+    ``run_dir`` (QEMU's sockets) is emptied and given to the user, who creates its sockets there; the agent
+    takes it back with :func:`lock_run_dir` once QEMU answers.
     """
-    os.chown(vm_dir, user.uid, user.gid)
-    os.chmod(vm_dir, 0o700)
+    os.chown(vm_dir, 0, user.gid, follow_symlinks=False)
+    os.chmod(vm_dir, 0o750, follow_symlinks=False)
     for name in names:
+        path = vm_dir / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.chown(vm_dir / name, user.uid, user.gid)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfinementError(f"{path} is not a regular file")
+            os.fchown(fd, user.uid, user.gid)
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
+        run_dir.unlink()
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    for entry in os.listdir(run_dir):
+        os.unlink(run_dir / entry)  # stale sockets of an earlier QEMU (run_dir holds no directories)
+    os.chown(run_dir, user.uid, user.gid, follow_symlinks=False)
+    os.chmod(run_dir, 0o700, follow_symlinks=False)
+
+
+def lock_run_dir(run_dir: Path, sockets: tuple[Path, ...]) -> None:
+    """Take ``run_dir`` back from QEMU once its sockets exist, and check each of ``sockets`` is a socket.
+
+    From then on QEMU cannot swap a socket for a symlink to some other socket of the host that the node
+    agent (root) would then connect to; its listening sockets keep working. Raises :class:`ConfinementError`
+    when a socket is missing or is not a socket.
+    """
+    os.chown(run_dir, 0, 0, follow_symlinks=False)
+    os.chmod(run_dir, 0o755, follow_symlinks=False)
+    for sock in sockets:
+        try:
+            mode = os.lstat(sock).st_mode
         except FileNotFoundError:
-            continue
+            continue  # QEMU creates the channel socket at start; a missing one just fails to connect later
+        if not stat.S_ISSOCK(mode):
+            raise ConfinementError(f"{sock} is not a socket")
 
 
 def check_readable(paths: list[Path]) -> None:
@@ -294,7 +330,7 @@ def spawn_confined(
     :class:`ConfinementError` (unreadable kernel), ``OSError`` (bwrap could not be executed).
     """
     check_readable(read_only)
-    own_vm_files(vm_dir, VM_WRITABLE_FILES, confinement.user)
+    own_vm_files(vm_dir, vm_dir / RUN_DIR, VM_WRITABLE_FILES, confinement.user)
     info_r, info_w = os.pipe2(os.O_CLOEXEC)
     try:
         argv = confine_argv(

@@ -2,7 +2,8 @@
 
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
-``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
+``run/qmp.sock``, ``run/channel.sock`` (virtio-serial port ``org.podbay.channel``; in a subdirectory so that a
+confined QEMU can create them without write access to the VM directory), ``console.log`` (serial console),
 ``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr). QEMU runs in its own session so that it
 outlives the node agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow
 DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
@@ -127,10 +128,11 @@ class VmConfig(BaseModel):
 
 @dataclass(frozen=True)
 class VmPaths:
-    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel``, ``console``, ``pidfile``,
-    ``qemu_log`` (QEMU's stdout and stderr)."""
+    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel`` (both in ``run``), ``console``,
+    ``pidfile``, ``qemu_log`` (QEMU's stdout and stderr)."""
 
     dir: Path
+    run: Path = field(init=False)
     disk: Path = field(init=False)
     ram: Path = field(init=False)
     qmp: Path = field(init=False)
@@ -140,8 +142,8 @@ class VmPaths:
     qemu_log: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        names = {"disk": "disk.img", "ram": "ram", "qmp": "qmp.sock", "channel": "channel.sock",
-                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log"}
+        names = {"disk": "disk.img", "ram": "ram", "qmp": "run/qmp.sock", "channel": "run/channel.sock",
+                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log", "run": "run"}
         for attr, name in names.items():
             object.__setattr__(self, attr, self.dir / name)
 
@@ -331,6 +333,7 @@ class QemuVmm(Vmm):
     async def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool) -> tuple[subprocess.Popen[bytes], int]:
         """Start QEMU, confined unless turned off; returns its Popen (bwrap's when confined) and QEMU's pid."""
         paths.dir.mkdir(parents=True, exist_ok=True)
+        paths.run.mkdir(exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
         argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config))
@@ -351,6 +354,14 @@ class QemuVmm(Vmm):
         except (OSError, confine.ConfinementError) as exc:
             raise VmStartError(f"cannot start {config.qemu_binary}: {exc} {self._qemu_log_tail(paths)}",
                                details={"vm_dir": str(paths.dir)}) from exc
+
+    def _lock(self, paths: VmPaths) -> None:
+        """Once QMP answers, a confined QEMU's socket directory goes back to root (``confine.lock_run_dir``)."""
+        if self.confinement() is not None:
+            try:
+                confine.lock_run_dir(paths.run, (paths.qmp, paths.channel))
+            except (OSError, confine.ConfinementError) as exc:
+                raise VmStartError(f"QEMU's socket directory: {exc}", details={"vm_dir": str(paths.dir)}) from exc
 
     def _qemu_log_tail(self, paths: VmPaths) -> str:
         try:
@@ -461,6 +472,7 @@ class QemuVmm(Vmm):
         vm: VmHandle | None = None
         try:
             vm = await self._connect(paths, pid, popen, config, min(config.boot_timeout_s, 30.0))
+            self._lock(paths)
             await self._set_caps(vm)
         except BaseException:
             BOOTS.labels(config.accel, "failed").inc()
@@ -515,6 +527,7 @@ class QemuVmm(Vmm):
         vm: VmHandle | None = None
         try:
             vm = await self._connect(paths, pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
+            self._lock(paths)
             await self._set_caps(vm)
             await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
             await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})

@@ -107,7 +107,8 @@ async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmHandle],
     assert _listing(pid, "/dev") == {"null", "urandom"}
     assert _listing(pid, "/etc") == {"ld.so.cache"}
     # Its own directory is there, read-write for it; the other VM's is not, nor anything beside its own.
-    assert {"ram", "disk.img", "qmp.sock", "channel.sock"} <= _listing(pid, a.dir)
+    assert {"ram", "disk.img", "console.log", "run"} <= _listing(pid, a.dir)
+    assert {"qmp.sock", "channel.sock"} <= _listing(pid, a.paths.run)
     assert not _inside(pid, b.dir).exists()
     assert _listing(pid, a.dir.parent) == {a.dir.name}
     # Of the template it sees the kernel and initramfs, not the snapshot it was restored from.
@@ -122,12 +123,33 @@ async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmHandle],
         assert _listing(pid, home) == {template.dir.relative_to(home).parts[0]}
 
 
-async def test_qemu_files_are_the_vmm_users(two_vms: list[VmHandle]) -> None:
-    uid = pwd.getpwnam(VMM_USER).pw_uid
+async def test_qemu_writes_its_files_but_cannot_rename_or_replace_them(two_vms: list[VmHandle]) -> None:
+    user = pwd.getpwnam(VMM_USER)
     vm = two_vms[0]
-    for p in (vm.dir, vm.paths.ram, vm.paths.disk, vm.paths.qmp, vm.paths.channel):
-        assert p.stat().st_uid == uid, p
-    assert vm.dir.stat().st_mode & 0o777 == 0o700
+    for p in (vm.paths.ram, vm.paths.disk, vm.paths.console, vm.paths.qmp, vm.paths.channel):
+        assert p.stat().st_uid == user.pw_uid, p
+    # The directories stay root's (QEMU may traverse, not write), so the node agent never meets a name
+    # QEMU swapped for a symlink; the socket directory was taken back once QMP answered.
+    st = vm.dir.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, user.pw_gid, 0o750)
+    assert vm.paths.run.stat().st_uid == 0
+    # Seen from QEMU's mount namespace with QEMU's credentials:
+    assert _in_qemu_view(vm.pid, ["test", "-w", str(vm.paths.ram)]) == 0
+    assert _in_qemu_view(vm.pid, ["test", "-w", str(vm.paths.disk)]) == 0
+    assert _in_qemu_view(vm.pid, ["touch", str(vm.dir / "planted")]) != 0
+    assert _in_qemu_view(vm.pid, ["ln", "-s", "/usr", str(vm.paths.run / "planted")]) != 0
+    assert _in_qemu_view(vm.pid, ["rm", "-f", str(vm.paths.console)]) != 0
+    assert vm.paths.console.exists()
+
+
+def _in_qemu_view(pid: int, argv: list[str]) -> int:
+    """Exit code of ``argv`` run in QEMU ``pid``'s mount namespace as the VMM user, without capabilities."""
+    user = pwd.getpwnam(VMM_USER)
+    return subprocess.run(
+        ["nsenter", "-t", str(pid), "-m", "--", "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+         "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--", *argv],
+        capture_output=True, check=False,
+    ).returncode
 
 
 async def test_confined_vm_snapshots_restores_and_reattaches(

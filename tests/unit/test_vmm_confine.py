@@ -108,7 +108,7 @@ def test_qemu_argv_follows_unchanged_but_for_the_pidfile() -> None:
     assert qemu[0] == "qemu-system-x86_64"
     assert "-pidfile" not in argv
     # Same paths inside as outside: the node agent's cmdline checks still find the VM's QMP socket.
-    assert f"unix:{VM}/qmp.sock,server=on,wait=off" in qemu
+    assert f"unix:{VM}/run/qmp.sock,server=on,wait=off" in qemu
 
 
 def test_strip_pidfile() -> None:
@@ -160,10 +160,50 @@ def test_read_child_pid_when_bwrap_failed() -> None:
         os.close(r)
 
 
-def test_own_vm_files_closes_the_dir_and_skips_missing(tmp_path: Path) -> None:
-    me = VmmUser("me", os.getuid(), os.getgid())
-    (tmp_path / "ram").write_bytes(b"")
-    os.chmod(tmp_path, 0o755)
-    own_vm_files(tmp_path, ("ram", "disk.img"), me)
-    assert tmp_path.stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "ram").stat().st_uid == os.getuid()
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chowns files to another user")
+OTHER = VmmUser("nobody", 65534, 65534)
+
+
+@needs_root
+def test_vm_dir_stays_roots_and_only_the_files_qemu_writes_are_the_users(tmp_path: Path) -> None:
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    (vm / "disk.img").write_bytes(b"disk")
+    (vm / "run").mkdir()
+    (vm / "run" / "qmp.sock").write_bytes(b"stale")
+    own_vm_files(vm, vm / "run", confine.VM_WRITABLE_FILES, OTHER)
+    st = vm.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, OTHER.gid, 0o750)
+    for name in confine.VM_WRITABLE_FILES:  # console.log and ram did not exist: made, since QEMU cannot
+        f = (vm / name).stat()
+        assert (f.st_uid, f.st_mode & 0o777) == (OTHER.uid, 0o600), name
+    assert (vm / "disk.img").read_bytes() == b"disk"
+    assert (vm / "run").stat().st_uid == OTHER.uid and os.listdir(vm / "run") == []
+
+
+@needs_root
+def test_a_planted_symlink_is_refused_not_followed(tmp_path: Path) -> None:
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    (vm / "console.log").symlink_to(secret)
+    with pytest.raises(OSError):
+        own_vm_files(vm, vm / "run", confine.VM_WRITABLE_FILES, OTHER)
+    assert secret.stat().st_uid == 0
+
+
+@needs_root
+def test_lock_run_dir_takes_it_back_and_checks_the_sockets(tmp_path: Path) -> None:
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chown(run, OTHER.uid, OTHER.gid)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(run / "qmp.sock"))
+        confine.lock_run_dir(run, (run / "qmp.sock", run / "channel.sock"))
+    assert run.stat().st_uid == 0
+    (run / "channel.sock").symlink_to("/run/some-host.sock")
+    with pytest.raises(ConfinementError, match="not a socket"):
+        confine.lock_run_dir(run, (run / "qmp.sock", run / "channel.sock"))

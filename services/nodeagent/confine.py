@@ -13,10 +13,15 @@ QEMU as::
 - **Filesystem.** The root is an empty tmpfs, remounted read-only once populated: ``/usr`` read-only (QEMU,
   its libraries, firmware under ``/usr/share/qemu`` and ``/usr/share/seabios``), the ``/lib*``, ``/bin``
   symlinks of a merged-usr host (or the directories themselves), ``/etc/ld.so.cache``; in ``/dev`` only
-  ``null``, ``urandom`` and, when accel is kvm, ``kvm``; the VM's own directory read-write and the kernel and
-  initramfs read-only, each at the same path as on the host so QEMU's argv (and the node agent's checks of
+  ``null``, ``urandom`` and, when accel is kvm, ``kvm``; the VM's own directory and the kernel and
+  initramfs (read-only), each at the same path as on the host so QEMU's argv (and the node agent's checks of
   ``/proc/<pid>/cmdline``) stay the same. No ``/proc`` at all, no ``/sys``, no ``/root``, no data dir, no
   other VM. Snapshots and the migration state file are never mounted: they travel as fds over QMP.
+- **Files.** The VM directory stays root's (group: the user's, mode 0750): QEMU writes the content of
+  ``ram``, ``disk.img`` and ``console.log`` (its own, mode 0600) but can neither create, rename, replace nor
+  unlink a name there, so the node agent (root), which reflinks, moves and writes files in that directory,
+  never follows a symlink QEMU planted. QEMU creates its sockets in ``run/``, which is the user's only until
+  QMP answers, then root's again (:func:`lock_run_dir`).
 - **Privileges.** ``setpriv`` switches to the user with no supplementary groups (the group of ``/dev/kvm``
   only under kvm), clears the inheritable, ambient and bounding capability sets and sets ``no_new_privs``, so
   the QEMU process has ``CapEff`` 0 and can never regain a capability.

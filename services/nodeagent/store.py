@@ -9,7 +9,7 @@ cost nothing until written.
 Layout::
 
     store/templates/<name>/<digest>/{template.json, state, ram, disk.img, vmlinuz, initrd.img}
-    store/sandboxes/<sandbox id>/{disk.img, ram, qmp.sock, channel.sock, console.log, qemu.pid, meta.json}
+    store/sandboxes/<sandbox id>/{disk.img, ram, run/qmp.sock, run/channel.sock, console.log, qemu.pid, meta.json}
 """
 
 from __future__ import annotations

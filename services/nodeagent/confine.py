@@ -334,6 +334,12 @@ def spawn_confined(
     The caller reads QEMU's host pid with :func:`read_child_pid` and closes the returned fd. Raises
     :class:`ConfinementError` (unreadable kernel), ``OSError`` (bwrap could not be executed).
     """
+    binary = shutil.which(qemu_argv[0])
+    if binary is None:
+        raise ConfinementError(f"{qemu_argv[0]} not found")
+    if not Path(binary).resolve().is_relative_to("/usr"):
+        read_only = [*read_only, Path(binary)]  # e.g. a QEMU of its own in /opt (its libraries must be in /usr)
+    qemu_argv = [binary, *qemu_argv[1:]]
     check_readable(read_only)
     own_vm_files(vm_dir, vm_dir / RUN_DIR, VM_WRITABLE_FILES, confinement.user)
     info_r, info_w = os.pipe2(os.O_CLOEXEC)

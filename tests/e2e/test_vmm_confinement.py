@@ -175,6 +175,24 @@ async def test_confined_vm_snapshots_restores_and_reattaches(
         await vmm.kill(copy)
 
 
+async def test_confined_fresh_boot_reaches_guestd(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> None:
+    """A boot (template build, rollback to a disk snapshot): QEMU creates its RAM file in a directory it
+    cannot write, so the node agent makes it for it."""
+    from podbay_nodeagent.template import wait_guest_ready
+    from podbay.reflink import reflink_or_copy
+
+    vm_dir = tmp_path / "boot"
+    vm_dir.mkdir()
+    reflink_or_copy(template.disk, vm_dir / "disk.img")
+    vm = await vmm.boot(template.vm_config(), vm_dir)
+    try:
+        assert_confined(vm.pid)
+        assert await wait_guest_ready(vmm, vm, 180.0) == "ping"
+        assert vm.paths.ram.stat().st_size == template.memory_mib << 20
+    finally:
+        await vmm.kill(vm)
+
+
 # ------------------------------------------------------------------------------------------------- stack
 
 

@@ -329,10 +329,11 @@ def spawn_confined(
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start ``qemu_argv`` confined; returns bwrap's Popen and the read end of its ``--info-fd`` pipe.
 
-    Gives the VMM user the VM directory and its writable files first. ``log_file`` receives stdout and stderr
+    Prepares the VM directory first (:func:`own_vm_files`). ``log_file`` receives stdout and stderr
     (bwrap's errors included); ``pass_fds`` are handed down to QEMU unchanged (e.g. an open tap device).
     The caller reads QEMU's host pid with :func:`read_child_pid` and closes the returned fd. Raises
-    :class:`ConfinementError` (unreadable kernel), ``OSError`` (bwrap could not be executed).
+    :class:`ConfinementError` (no QEMU binary, unreadable kernel), ``OSError`` (bwrap could not be executed,
+    a VM file is a symlink).
     """
     binary = shutil.which(qemu_argv[0])
     if binary is None:

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     restore_concurrency: int = Field(0, ge=0, description="Restores (and boots) a node runs at a time until the "
                                      "guest answers; 0 means one per host core.")
     qemu_binary: str = Field("qemu-system-x86_64")
+    vmm_confine: bool = Field(True, description="Run each QEMU inside bubblewrap as VMM_USER with no capabilities "
+                              "(DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
+    vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
+                          "start when missing.")
     paused_release_s: float = Field(60.0, description="A sandbox paused this long has its RAM written back to its "
                                     "file and released (QEMU exits; resume restores it); 0 = never.")
     lease_s: int = Field(3600, ge=10, description="Default sandbox lease; renewed by every call on the sandbox.")

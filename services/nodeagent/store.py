@@ -9,12 +9,13 @@ cost nothing until written.
 Layout::
 
     store/templates/<name>/<digest>/{template.json, state, ram, disk.img, vmlinuz, initrd.img}
-    store/sandboxes/<sandbox id>/{disk.img, ram, qmp.sock, channel.sock, console.log, qemu.pid, meta.json}
+    store/sandboxes/<sandbox id>/{disk.img, ram, run/qmp.sock, run/channel.sock, console.log, qemu.pid, meta.json}
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -82,6 +83,9 @@ class NodeStore:
         """Mount or create the btrfs store and its top-level folders. Raises ``StoreError``."""
         self.node_dir.mkdir(parents=True, exist_ok=True)
         self.loop_backed = ensure_btrfs(self.root, self.image, self.size_gib)
+        # Only root walks the store: a confined QEMU's user must not reach other VMs or templates even if it
+        # left its mount namespace; it gets its own VM directory by a bind mount (confine.py).
+        os.chmod(self.root, 0o700)
         self.templates_dir.mkdir(exist_ok=True)
         self.sandboxes_dir.mkdir(exist_ok=True)
 

@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from podbay.config import Settings, get_settings
+from podbay_nodeagent import confine
 from podbay_nodeagent.accel import Accel, host_tsc_khz, qemu_version, resolve_accel
 from podbay.contracts.egress import TAP_PREFIX
 from podbay_nodeagent.image import BaseImage, ImageBuildError, ProgressFn, build_base_image
@@ -206,9 +207,12 @@ async def prepare_template(
             for step in ("boot", "guestd", "snapshot"):
                 report(step, 1.0)
             return TemplateSnapshot.load(final)
-        return await _boot_and_snapshot(
-            name, settings, image, accel, qver, tsc, key, final, report, vmm or QemuVmm()
-        )
+        if vmm is None:
+            try:
+                vmm = QemuVmm(confinement=confine.from_settings(settings))
+            except confine.ConfinementError as exc:
+                raise TemplateError("boot", exc.message) from exc
+        return await _boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm)
 
 
 async def _boot_and_snapshot(

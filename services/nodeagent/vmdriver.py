@@ -22,6 +22,7 @@ import asyncpg
 
 from podbay.config import Settings
 
+from . import confine
 from .store import NodeStore
 from .template import MACHINE, TemplateSnapshot
 from .vmm import QemuVmm, VmHandle as QemuHandle, reflink_or_copy
@@ -96,7 +97,8 @@ class VmDriver:
 
     @classmethod
     async def create(cls, settings: Settings, store: NodeStore) -> VmDriver:
-        return cls(settings, store, QemuVmm())
+        """Raises ``confine.ConfinementError`` at start when QEMU should be confined but cannot be (no bwrap)."""
+        return cls(settings, store, QemuVmm(confinement=await asyncio.to_thread(confine.from_settings, settings)))
 
     def _cached_templates(self) -> dict[str, Path]:
         """Newest built snapshot directory per template name in the build cache."""

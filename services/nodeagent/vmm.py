@@ -2,11 +2,14 @@
 
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
-``qmp.sock``, ``channel.sock`` (virtio-serial port ``org.podbay.channel``), ``console.log`` (serial console),
-``qemu.pid`` and ``qemu.log`` (QEMU's own stderr). One virtio-net NIC (MAC :data:`GUEST_MAC`) is backed by
-a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege), or else by an empty hub (never
-slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it outlives the node
-agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow DESIGN.md §3.
+``run/qmp.sock``, ``run/channel.sock`` (virtio-serial port ``org.podbay.channel``; in a subdirectory so that a
+confined QEMU can create them without write access to the VM directory), ``console.log`` (serial console),
+``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr). One virtio-net NIC (MAC
+:data:`GUEST_MAC`) is backed by a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege),
+or else by an empty hub (never slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it
+outlives the node agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow
+DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
+the argv built here is wrapped, and the node agent writes ``qemu.pid`` from what bwrap reports.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
 
@@ -43,6 +46,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
+from podbay_nodeagent import confine
 from podbay_nodeagent.accel import Accel, host_tsc_khz
 
 __all__ = [
@@ -128,10 +132,11 @@ class VmConfig(BaseModel):
 
 @dataclass(frozen=True)
 class VmPaths:
-    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel``, ``console``, ``pidfile``,
-    ``qemu_log`` (QEMU's stdout and stderr)."""
+    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel`` (both in ``run``), ``console``,
+    ``pidfile``, ``qemu_log`` (QEMU's stdout and stderr)."""
 
     dir: Path
+    run: Path = field(init=False)
     disk: Path = field(init=False)
     ram: Path = field(init=False)
     qmp: Path = field(init=False)
@@ -141,8 +146,8 @@ class VmPaths:
     qemu_log: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        names = {"disk": "disk.img", "ram": "ram", "qmp": "qmp.sock", "channel": "channel.sock",
-                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log"}
+        names = {"disk": "disk.img", "ram": "ram", "qmp": "run/qmp.sock", "channel": "run/channel.sock",
+                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log", "run": "run"}
         for attr, name in names.items():
             object.__setattr__(self, attr, self.dir / name)
 
@@ -290,11 +295,24 @@ class Vmm(abc.ABC):
 # ----------------------------------------------------------------------------------------- QEMU driver
 
 
-class QemuVmm(Vmm):
-    """The QEMU implementation of :class:`Vmm`."""
+_FROM_SETTINGS: Any = object()
 
-    def __init__(self, *, tsc_khz: int | None = None) -> None:
+
+class QemuVmm(Vmm):
+    """The QEMU implementation of :class:`Vmm`. ``confinement``: None runs QEMU unconfined; by default it is
+    read from the settings (``PODBAY_VMM_CONFINE``, ``PODBAY_VMM_USER``) at the first start."""
+
+    def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS) -> None:
         self._tsc_khz = tsc_khz
+        self._confinement = confinement
+
+    def confinement(self) -> confine.Confinement | None:
+        """The confinement in force (resolved from the settings once); raises ``confine.ConfinementError``."""
+        if self._confinement is _FROM_SETTINGS:
+            from podbay.config import get_settings
+
+            self._confinement = confine.from_settings(get_settings())
+        return self._confinement
 
     # -- helpers
 
@@ -324,21 +342,41 @@ class QemuVmm(Vmm):
                 raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc
             raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
 
-    def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool,
-               tap_fd: int | None = None) -> subprocess.Popen[bytes]:
+    async def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool,
+                     tap_fd: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+        """Start QEMU, confined unless turned off; returns its Popen (bwrap's when confined) and QEMU's pid.
+        ``tap_fd`` (the sandbox's tap, opened by the node agent) is inherited by QEMU."""
         paths.dir.mkdir(parents=True, exist_ok=True)
+        paths.run.mkdir(exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
         argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd)
-        log.debug("starting %s", shlex.join(argv))
-        with open(paths.qemu_log, "ab") as logf:
-            try:
-                return subprocess.Popen(
+        fds = (tap_fd,) if tap_fd is not None else ()
+        try:
+            if (conf := self.confinement()) is not None:
+                return await confine.start_confined(
+                    argv, conf, vm_dir=paths.dir.absolute(), kvm=config.accel == "kvm", log_path=paths.qemu_log,
+                    read_only=[config.kernel.absolute(), config.initrd.absolute()], pidfile=paths.pidfile,
+                    timeout_s=_QMP_CONNECT_TIMEOUT_S, pass_fds=fds,
+                )
+            log.debug("starting %s", shlex.join(argv))
+            with open(paths.qemu_log, "ab") as logf:
+                popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=paths.dir,
                     start_new_session=True, close_fds=True, pass_fds=(tap_fd,) if tap_fd is not None else (),
                 )
-            except OSError as exc:
-                raise VmStartError(f"cannot start {config.qemu_binary}: {exc}") from exc
+            return popen, popen.pid
+        except (OSError, confine.ConfinementError) as exc:
+            raise VmStartError(f"cannot start {config.qemu_binary}: {exc} {self._qemu_log_tail(paths)}",
+                               details={"vm_dir": str(paths.dir)}) from exc
+
+    def _lock(self, paths: VmPaths) -> None:
+        """Once QMP answers, a confined QEMU's socket directory goes back to root (``confine.lock_run_dir``)."""
+        if self.confinement() is not None:
+            try:
+                confine.lock_run_dir(paths.run, (paths.qmp, paths.channel))
+            except (OSError, confine.ConfinementError) as exc:
+                raise VmStartError(f"QEMU's socket directory: {exc}", details={"vm_dir": str(paths.dir)}) from exc
 
     def _qemu_log_tail(self, paths: VmPaths) -> str:
         try:
@@ -395,18 +433,26 @@ class QemuVmm(Vmm):
         if vm.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 vm.exit_code = vm.popen.wait(timeout=1)
+            if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
+                vm.exit_code = 128 - vm.exit_code  # bwrap reports QEMU's death by signal N as 128 + N
+        # Confined, the node agent wrote qemu.pid (QEMU's -pidfile would say 1), so it removes it as QEMU would.
+        with contextlib.suppress(OSError, ValueError):
+            if int(vm.paths.pidfile.read_text().strip()) == vm.pid:
+                vm.paths.pidfile.unlink()
         vm._exited.set()
 
     async def _close_qmp(self, vm: VmHandle) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
 
-    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes]) -> None:
+    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes], pid: int) -> None:
         if vm is not None:
             await self.kill(vm)
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(popen.pid, signal.SIGKILL)
+        # Confined, ``pid`` is QEMU and ``popen`` bwrap, which does not take QEMU down with it.
+        for p in {pid, popen.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         await asyncio.to_thread(popen.wait)
 
     async def _migration_done(self, vm: VmHandle, what: str) -> None:
@@ -437,14 +483,15 @@ class QemuVmm(Vmm):
             raise VmStartError(f"no disk image at {paths.disk}")
         paths.ram.unlink(missing_ok=True)  # a fresh boot starts from sparse RAM
         t0 = time.monotonic()
-        popen = self._spawn(config, paths, incoming=False, tap_fd=tap_fd)
+        popen, pid = await self._spawn(config, paths, incoming=False, tap_fd=tap_fd)
         vm: VmHandle | None = None
         try:
-            vm = await self._connect(paths, popen.pid, popen, config, min(config.boot_timeout_s, 30.0))
+            vm = await self._connect(paths, pid, popen, config, min(config.boot_timeout_s, 30.0))
+            self._lock(paths)
             await self._set_caps(vm)
         except BaseException:
             BOOTS.labels(config.accel, "failed").inc()
-            await self._abort_start(vm, popen)
+            await self._abort_start(vm, popen, pid)
             raise
         BOOTS.labels(config.accel, "ok").inc()
         BOOT_SECONDS.observe(time.monotonic() - t0)
@@ -493,10 +540,11 @@ class QemuVmm(Vmm):
         paths.dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, snap / "ram", paths.ram)
         await asyncio.to_thread(reflink_or_copy, snap / "disk.img", paths.disk)
-        popen = self._spawn(config, paths, incoming=True, tap_fd=tap_fd)
+        popen, pid = await self._spawn(config, paths, incoming=True, tap_fd=tap_fd)
         vm: VmHandle | None = None
         try:
-            vm = await self._connect(paths, popen.pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
+            vm = await self._connect(paths, pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
+            self._lock(paths)
             await self._set_caps(vm)
             await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
             await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})
@@ -505,7 +553,7 @@ class QemuVmm(Vmm):
                 await self._qmp(vm, "cont")
             return vm
         except BaseException:
-            await self._abort_start(vm, popen)
+            await self._abort_start(vm, popen, pid)
             raise
 
     async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:

@@ -176,10 +176,11 @@ def _qemu_pid(slot_id: str) -> int:
         if not proc.name.isdigit():
             continue
         try:
-            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "qemu" in cmd and f"/{slot_id}/" in cmd:
+        # QEMU itself, not the bubblewrap process that started it (its argv names QEMU's too).
+        if "qemu" in Path(argv[0]).name and any(f"/{slot_id}/" in a for a in argv):
             return int(proc.name)
     raise AssertionError(f"no QEMU for slot {slot_id}")
 

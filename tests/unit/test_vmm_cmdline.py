@@ -56,8 +56,8 @@ def test_tcg_argv() -> None:
     assert "virtio-blk-device,drive=root" in devices
     assert "virtio-serial-device" in devices
     assert "virtserialport,chardev=ch0,name=org.podbay.channel" in devices
-    assert "socket,id=ch0,path=vm/channel.sock,server=on,wait=off" in _opt(argv, "-chardev")
-    assert _opt(argv, "-qmp") == ["unix:vm/qmp.sock,server=on,wait=off"]
+    assert "socket,id=ch0,path=vm/run/channel.sock,server=on,wait=off" in _opt(argv, "-chardev")
+    assert _opt(argv, "-qmp") == ["unix:vm/run/qmp.sock,server=on,wait=off"]
     assert _opt(argv, "-pidfile") == ["vm/qemu.pid"]
     assert any("file=vm/disk.img,format=raw" in d for d in _opt(argv, "-drive"))
     assert "-incoming" not in argv and "-S" not in argv

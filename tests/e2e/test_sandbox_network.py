@@ -1,6 +1,7 @@
 """The sandbox network with real microVMs (DESIGN.md §6; docs/ARCHITECTURE.md "Sandbox network"): each guest
 has its own /30 on its own tap, reaches nothing but the node's gateway ports (nothing listens there in this
-stack, so every connection is refused at once), and trusts a CA of its own that changes with every fork
+stack: the module stops the stack's gateway and restarts it afterwards, so every connection is refused at
+once and a stand-in can take the gateway's ports), and trusts a CA of its own that changes with every fork
 and rollback.
 """
 
@@ -28,6 +29,16 @@ from e2e_http import api_client as _client, sh as _sh
 from podbay.contracts.egress import TAP_PREFIX, NetBinding, bindings_dir
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_gateway(stack: Any) -> Iterator[None]:
+    """These tests check the network layer alone (tests/e2e/test_egress_e2e.py checks it with the gateway)."""
+    stack.services["gateway"].stop()
+    try:
+        yield
+    finally:
+        stack.restart("gateway")
 
 #: Run in the guest as ``python3 -c PROBE '<json targets>'``; prints what it saw as one JSON object.
 PROBE = r"""

@@ -290,7 +290,6 @@ def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
     (which reveals) share it and a restarted stack can still read what it sealed."""
     if env.get("PODBAY_CREDENTIAL_KEY"):
         return env["PODBAY_CREDENTIAL_KEY"]
-    from podbay.credentials import new_key
 
     path = data_dir / "credential.key"
     try:
@@ -394,7 +393,7 @@ class Stack:
         """The credential key (``PODBAY_CREDENTIAL_KEY`` from the caller, else generated once and kept in
         ``data_dir/credential.key``, mode 0600) and, for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
         external ``PODBAY_OPENBAO_ADDR``, an OpenBao dev server (in memory: its secrets end with it)."""
-        self.credential_key = self.base_env.get("PODBAY_CREDENTIAL_KEY") or _credential_key(self.data_dir)
+        self.credential_key = credential_key_for(self.data_dir, self.base_env)
         if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") != "openbao":
             return
         addr, token = self.base_env.get("PODBAY_OPENBAO_ADDR", ""), self.base_env.get("PODBAY_OPENBAO_TOKEN", "")
@@ -537,7 +536,6 @@ class Stack:
             "PODBAY_GATEWAY_PORT": str(p.gateway),
             "PODBAY_GATEWAY_PROXY_PORT": str(p.gateway_proxy),
             "PODBAY_GATEWAY_DNS_PORT": str(p.gateway_dns),
-            "PODBAY_CREDENTIAL_KEY": credential_key_for(self.data_dir, self.base_env),
             "PODBAY_NATS_PORT": str(p.nats),
             "PODBAY_PG_PORT": str(p.pg),
             "PODBAY_S3_PORT": str(p.s3),
@@ -566,17 +564,3 @@ class Stack:
             on_ready(name)
 
 
-def _credential_key(data_dir: Path) -> str:
-    """The stack's AES-256 credential key from ``data_dir/credential.key`` (mode 0600), created once: a new key
-    would make every sealed value unreadable."""
-    path = data_dir / "credential.key"
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    key = new_key()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(key + "\n")
-    return key

@@ -1,0 +1,211 @@
+"""Secrets never enter the sandbox, end to end (issue "Secrets never enter the sandbox"; DESIGN.md §6): a real
+microVM behind its tap, the node's nftables table, the real gateway of the stack, and an HTTPS destination in
+its own network namespace (so it is reachable from the host, but from a guest only through the gateway).
+
+The guest calls the allowed destination over TLS: the request arrives there with the credential injected,
+while the guest sees a redacted echo, finds the value nowhere (environment, files, /proc) and only the
+``PODBAY_CRED_<NAME>`` placeholder; a name outside the policy does not resolve, a plain HTTP request to the
+destination's address gets the gateway's 403 ``egress_denied``; the audit log has the credential use and the
+denial.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from e2e_http import api_client
+
+pytestmark = pytest.mark.e2e
+
+_PEERS = Path(__file__).parent.parent / "integration" / "gateway_peers.py"
+_UP_HOST, _UP_NS = "10.99.7.1", "10.99.7.2"  # outside the sandbox network and not an address of this node
+_ALLOWED, _OTHER = "api.upstream.test", "other.upstream.test"
+
+#: Runs in the guest: ``python3 -c GUEST_CALLS``; prints one JSON object.
+GUEST_CALLS = r"""
+import json, urllib.request, urllib.error
+def get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return {"status": r.status, "headers": dict(r.headers), "body": r.read().decode()}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "headers": dict(e.headers), "body": e.read().decode()}
+    except Exception as e:
+        return {"error": repr(e)}
+print(json.dumps({"allowed": get("https://%s/repos/echo" % ALLOWED), "other_path": get("https://%s/else" % ALLOWED),
+                  "denied_name": get("https://%s/" % OTHER), "denied_addr": get("http://%s/" % ADDR),
+                  "closed_port": get("http://%s:8080/" % ADDR)}))
+"""
+
+#: Runs in the guest with the secret REVERSED as argv[1] (so no command line holds it): every file under
+#: the usual writable trees, and every process's environ and cmdline, searched for the value.
+GUEST_SCAN = r"""
+import os, sys
+needle = sys.argv[1][::-1].encode()
+hits = []
+for root in ("/etc", "/root", "/home", "/tmp", "/var", "/usr/local", "/opt", "/run", "/srv"):
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.path.islink(p) or os.path.getsize(p) > 8 << 20:
+                    continue
+                with open(p, "rb") as fh:
+                    if needle in fh.read():
+                        hits.append(p)
+            except OSError:
+                pass
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        for what in ("environ", "cmdline"):
+            try:
+                with open("/proc/%s/%s" % (pid, what), "rb") as fh:
+                    if needle in fh.read():
+                        hits.append("/proc/%s/%s" % (pid, what))
+            except OSError:
+                pass
+print("\n".join(hits) or "clean")
+"""
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True)
+
+
+def _pki(d: Path) -> tuple[Path, Path, Path]:
+    """A CA and a leaf for both test names: ``(ca.pem, leaf.pem, leaf.key)``."""
+    now = dt.datetime.now(dt.UTC)
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "upstream test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+          .not_valid_after(now + dt.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _ALLOWED)]))
+            .issuer_name(ca_name).public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(_ALLOWED), x509.DNSName(_OTHER)]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (d / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (d / "leaf.pem").write_bytes(leaf.public_bytes(pem))
+    (d / "leaf.key").write_bytes(leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    return d / "ca.pem", d / "leaf.pem", d / "leaf.key"
+
+
+@pytest.fixture(scope="module")
+def upstream(stack: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The HTTPS echo server in namespace ``pbup<pid>``, and the stack's gateway restarted to resolve its
+    names (hosts file) and trust its CA; yields the file where the server logs each Authorization it got."""
+    d = tmp_path_factory.mktemp("upstream")
+    ca, leaf, key = _pki(d)
+    log = d / "auth.log"
+    log.touch()
+    ns, veth = f"pbup{time.time_ns() % 100000}", f"pbu{time.time_ns() % 100000}"
+    _ip("netns", "add", ns)
+    server: subprocess.Popen[str] | None = None
+    gateway = stack.services["gateway"]
+    saved = dict(gateway.env)
+    try:
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("addr", "add", f"{_UP_HOST}/30", "dev", veth)
+        _ip("link", "set", veth, "up")
+        _ip("-n", ns, "addr", "add", f"{_UP_NS}/30", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(_PEERS), "upstream", str(leaf),
+                                   str(key), str(log)], stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        hosts = d / "hosts"
+        hosts.write_text(f"{_UP_NS} {_ALLOWED} {_OTHER}\n")
+        gateway.env.update({"PODBAY_GATEWAY_HOSTS_FILE": str(hosts), "PODBAY_GATEWAY_UPSTREAM_CA": str(ca)})
+        stack.restart("gateway")
+        yield log
+    finally:
+        gateway.env.clear()
+        gateway.env.update(saved)
+        stack.restart("gateway")
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_credential_is_injected_at_the_gateway_and_appears_nowhere_in_the_guest(stack: Any, upstream: Path) -> None:
+    secret = "pbtest-" + secrets.token_hex(16)
+    name = f"upstream-{secrets.token_hex(3)}"
+    with api_client(stack) as c:
+        r = c.post("/v1/credentials", json={"name": name, "value": secret, "hosts": [_ALLOWED],
+                                            "path_prefix": "/repos", "header": "Authorization",
+                                            "format": "Bearer {value}", "rate_limit_per_min": 100})
+        assert r.status_code == 201, r.text
+        assert secret not in r.text
+        sb = c.post("/v1/sandboxes", json={"template": "base", "network": {
+            # Port 80 is open to another name only: a plain request to the destination's address on it is read
+            # and refused with the gateway's 403; port 8080 no rule opens, so it is closed at once.
+            "allow": [{"domain": _ALLOWED, "ports": [443]}, {"domain": "plain.upstream.test", "ports": [80]}]}})
+        assert sb.status_code == 201, sb.text
+        sid = sb.json()["id"]
+        try:
+            script = GUEST_CALLS.replace("ALLOWED", repr(_ALLOWED)).replace("OTHER", repr(_OTHER)).replace(
+                "ADDR", repr(_UP_NS))
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["python3", "-c", script]})
+            assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+            seen = json.loads(r.json()["stdout"])
+
+            # The destination received the real value, for the allowed path only.
+            received = upstream.read_text()
+            assert f"/repos/echo Bearer {secret}" in received, received
+            assert "/else" not in received
+            allowed = seen["allowed"]
+            assert allowed.get("status") == 200, allowed
+            # The echo of what arrived upstream comes back to the guest redacted.
+            assert "[podbay:redacted]" in allowed["body"] + json.dumps(allowed["headers"])
+            assert seen["other_path"].get("status") == 200 and "Authorization" not in seen["other_path"]["body"]
+            # Outside the policy: the name does not resolve, a plain request to the address is refused.
+            assert "error" in seen["denied_name"], seen["denied_name"]
+            denied = seen["denied_addr"]
+            assert denied.get("status") == 403 and "egress_denied" in denied["body"], denied
+            assert "X-Podbay-Denied" in denied["headers"] or "x-podbay-denied" in denied["headers"], denied
+            assert "error" in seen["closed_port"], seen["closed_port"]
+            assert secret not in r.text
+
+            # The value is nowhere in the guest; the placeholder is in its environment.
+            env = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["env"]}).json()["stdout"]
+            placeholder = name.upper().replace("-", "_")
+            assert f"PODBAY_CRED_{placeholder}=podbay-credential:{name}" in env
+            scan = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["python3", "-c", GUEST_SCAN, secret[::-1]]})
+            assert scan.status_code == 200 and scan.json()["stdout"].strip() == "clean", scan.text
+
+            # Audited: the credential use (allow) and the denial, for this sandbox.
+            deadline = time.monotonic() + 30
+            while True:
+                rows = c.get("/v1/audit", params={"sandbox_id": sid, "limit": 100}).json()
+                items = rows["entries"]
+                actions = {(a["action"], a.get("decision")) for a in items}
+                if {("credential.use", "allow"), ("egress.deny", "deny")} <= actions or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert ("credential.use", "allow") in actions, actions
+            assert ("egress.deny", "deny") in actions, actions
+            assert secret not in json.dumps(items)
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+            c.delete(f"/v1/credentials/{name}")

@@ -25,8 +25,10 @@ __all__ = ["run_service", "serve_http", "health_app"]
 log = logging.getLogger("podbay.service")
 
 
-def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, log_level: str | None = None) -> int:
-    """Run ``main(stop)`` on uvloop until it returns; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
+def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, log_level: str | None = None,
+                use_uvloop: bool = True) -> int:
+    """Run ``main(stop)`` on uvloop (or plain asyncio when ``use_uvloop`` is false: mitmproxy runs its own
+    servers on the stock loop) until it returns; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
     setup_logging(name, log_level)
 
     async def _runner() -> int:
@@ -42,7 +44,7 @@ def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, 
         log.info("%s stopped", name)
         return 0
 
-    return uvloop.run(_runner())
+    return uvloop.run(_runner()) if use_uvloop else asyncio.run(_runner())
 
 
 def health_app(name: str, is_healthy: Callable[[], dict[str, Any]]) -> FastAPI:

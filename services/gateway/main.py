@@ -20,14 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import signal
 
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import get_settings
 from podbay.outbox import Relay
-from podbay.service import health_app, serve_http
-from podbay.telemetry import setup_logging
+from podbay.service import health_app, run_service, serve_http
 
 from .dnsserver import DnsServer
 from .engine import Gateway
@@ -107,20 +105,4 @@ async def _main(stop: asyncio.Event) -> None:
 
 def main() -> None:
     """Entry point: plain asyncio (not uvloop), signals set the stop event; exit code 1 on failure."""
-    settings = get_settings()
-    setup_logging("gateway", settings.log_level)
-
-    async def _runner() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await _main(stop)
-        except Exception:
-            log.exception("gateway failed")
-            return 1
-        log.info("gateway stopped")
-        return 0
-
-    raise SystemExit(asyncio.run(_runner()))
+    raise SystemExit(run_service("gateway", _main, log_level=get_settings().log_level, use_uvloop=False))

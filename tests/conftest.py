@@ -154,12 +154,8 @@ def stack(test_root: Path) -> Iterator[Stack]:
         durable=False,
         # Paused sandboxes release their RAM after 6 s here (default 60 s), so tests can see it happen.
         # PODBAY_E2B_DOMAIN: E2B envd traffic is also routed by host name (tests/e2e/test_e2b.py).
-        # PODBAY_GATEWAY_*_PORT: the node's nftables rules send sandbox traffic to these ports; free ones, so
-        # that nothing else on this host answers there unless the stack's own gateway does.
         base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6"),
-                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test"),
-                  "PODBAY_GATEWAY_PROXY_PORT": os.environ.get("PODBAY_GATEWAY_PROXY_PORT", str(free_port())),
-                  "PODBAY_GATEWAY_DNS_PORT": os.environ.get("PODBAY_GATEWAY_DNS_PORT", str(free_port()))},
+                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test")},
     )
     running.start()
     try:

@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     gateway_bin: Path | None = Field(None, description="podbay-gateway executable; default: the gateway "
                                      "virtualenv beside this one (.venv-gateway), else beside python.")
 
+    operator_tenant: str = Field("dev", description="The tenant whose keys may change what all tenants share "
+                                 "(a template's default egress policy); `podbay up` creates it.")
+
     # credentials (DESIGN.md §6)
     credential_backend: Literal["pg", "openbao"] = Field("pg", description="Where credential values live.")
     credential_key: str = Field("", description="pg backend: base64 of the 32-byte AES-256-GCM key that seals "

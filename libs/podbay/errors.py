@@ -28,6 +28,7 @@ __all__ = [
     "PodbayError",
     "InvalidRequest",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "Conflict",
     "InvalidState",
@@ -72,6 +73,13 @@ class InvalidRequest(PodbayError):
 class Unauthorized(PodbayError):
     code = "unauthorized"
     http_status = 401
+
+
+class Forbidden(PodbayError):
+    """The caller is known but may not do this (e.g. a tenant other than the operator's changing a template)."""
+
+    code = "forbidden"
+    http_status = 403
 
 
 class NotFound(PodbayError):

@@ -6,7 +6,7 @@ nothing is allowed. The gateway reads the rows on every new connection and DNS q
 effect on the guest's next connection (open connections keep going). Forks inherit the parent's own policy.
 
 Templates are shared by every tenant: a template's default applies to all sandboxes of it that have no
-policy of their own, whichever tenant set it (each change is audited under the caller's tenant).
+policy of their own, so only the operator tenant (``PODBAY_OPERATOR_TENANT``) may change it (audited).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends
 from podbay.contracts.access import NetworkInfo
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.states import SandboxState
-from podbay.errors import InvalidState, NotFound
+from podbay.errors import Forbidden, InvalidState, NotFound
 
 from .auth import Principal
 from .context import ApiContext
@@ -92,9 +92,15 @@ async def get_template_network(name: str, ctx: CtxDep, who: PrincipalDep) -> Net
 @router.put("/templates/{name}/network", response_model=NetworkInfo)
 async def set_template_network(name: str, body: EgressPolicy, ctx: CtxDep, who: PrincipalDep) -> NetworkInfo:
     """Replace the template's default egress policy: it applies to its sandboxes without a policy of their
-    own, from their next connection. 404 ``not_found`` for an unknown template."""
+    own, from their next connection. 404 ``not_found`` for an unknown template; 403 ``forbidden`` unless the
+    caller belongs to the operator tenant (``PODBAY_OPERATOR_TENANT``): templates are shared by every tenant,
+    so one tenant must not widen another's egress."""
     policy = body.model_dump(mode="json")
     async with ctx.pool.acquire() as conn, conn.transaction():
+        tenant = await conn.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id)
+        if tenant != ctx.settings.operator_tenant:
+            raise Forbidden("only the operator tenant may change a template's egress policy (it applies to every "
+                            "tenant); set a policy on your sandboxes instead", details={"template": name})
         await _template_policy(conn, name, for_update=True)
         await conn.execute("UPDATE templates SET egress_policy=$2 WHERE name=$1", name, policy)
         await audit(conn, who, "template.network", name, detail={"allow": len(body.allow), "deny": len(body.deny)})

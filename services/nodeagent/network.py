@@ -7,8 +7,8 @@ for any IPv4 CIDR, within IFNAMSIZ). Leases live in ``DATA_DIR/nodes/<node>/net/
 atomically), so a restarted node agent re-attaches its VMs on the same addresses; a lease is released when
 the sandbox leaves the node (delete, suspend, failure) and the lowest free index is given out next.
 
-Tap: the node agent (root) creates it by opening ``/dev/net/tun`` (TUNSETIFF, ``IFF_TAP|IFF_NO_PI|
-IFF_VNET_HDR``), gives the host side its address with IPv6 disabled (pyroute2), and hands the descriptor
+Tap: the node agent (root) creates it by opening ``/dev/net/tun`` (TUNSETIFF, ``IFF_TAP|IFF_NO_PI``,
+without ``IFF_VNET_HDR`` so that QEMU's NIC state never depends on the backend: see vmm.build_qemu_argv), gives the host side its address with IPv6 disabled (pyroute2), and hands the descriptor
 to QEMU, which needs no privilege for it. The tap is not persistent: it lives exactly as long as some
 process holds the descriptor (QEMU), so a QEMU that exits takes its tap with it, and a new QEMU for the
 same sandbox (hibernation wake, rollback) gets a new tap of the same name and address.
@@ -56,7 +56,6 @@ IFNAMSIZ = 16
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
-IFF_VNET_HDR = 0x4000
 
 
 class NetworkError(Unavailable):
@@ -120,7 +119,7 @@ def create_tap(name: str) -> int:
     returns the descriptor (close-on-exec). Raises ``OSError`` (EBUSY: a live process holds that name)."""
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
     try:
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI))
         # No IPv6 at all (no link-local address, no router solicitations): the ruleset and the gateway
         # speak IPv4, and nothing may bypass them.
         with contextlib.suppress(FileNotFoundError):

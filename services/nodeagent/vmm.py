@@ -213,8 +213,12 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
     """QEMU's argv for ``config`` in ``paths``; ``incoming`` starts it paused, waiting for a migration stream.
 
     ``tap_fd`` is an open tap descriptor QEMU inherits (``pass_fds``) as the NIC's backend; None connects the
-    NIC to an empty hub (no network at all)."""
-    netdev = (f"tap,id=net0,fd={tap_fd},vhost=off" if tap_fd is not None else "hubport,id=net0,hubid=0")
+    NIC to an empty hub (no network at all). The tap is opened without ``IFF_VNET_HDR`` (QEMU takes vnet_hdr
+    from the descriptor; ``vnet_hdr=`` is refused with ``fd=``): a device whose state was saved with the
+    virtio-net header refuses to load on a backend without one ("saved image requires vnet_hdr=on"), so
+    without it a snapshot restores on a tap or on the hub alike (the guest loses offloads, not correctness)."""
+    netdev = (f"tap,id=net0,fd={tap_fd},vhost=off" if tap_fd is not None
+              else "hubport,id=net0,hubid=0")
     mem = f"{config.memory_mib}M"
     argv = [
         config.qemu_binary,

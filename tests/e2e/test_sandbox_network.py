@@ -257,8 +257,8 @@ def test_each_guest_has_its_own_address_route_and_nothing_but_the_gateway(stack:
 
             # Every TCP connection and every DNS query, wherever the guest sends it, lands on the gateway's
             # ports (a stand-in answers here): the host service is never reached.
-            proxy = int(stack.base_env["PODBAY_GATEWAY_PROXY_PORT"])
-            dns = int(stack.base_env["PODBAY_GATEWAY_DNS_PORT"])
+            # The gateway's ports (StackPorts.free(): free ones, the stack's gateway is stopped in this module).
+            proxy, dns = int(stack.ports.gateway_proxy), int(stack.ports.gateway_dns)
             with _listening(service, b"host-service\n"), _listening(proxy, b"gateway\n"), \
                     _listening(dns, b"gateway-dns", udp=True):
                 via = _probe(c, a["id"], {"tcp": [[h, service] for h in hosts] + [

@@ -95,8 +95,16 @@ def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> N
     with acme.http() as http:
         assert http.get(f"/v1/sandboxes/{sbx}/network").json() == {"policy": {"allow": [], "deny": []},
                                                                    "source": "default"}
-        t = http.put(f"/v1/templates/{tpl}/network", json={"allow": [{"domain": "pypi.org", "ports": [443]}]})
-        assert t.status_code == 200 and t.json()["source"] == "template"
+        # A template's default reaches every tenant's sandboxes: only the operator tenant may set it.
+        t = http.put(f"/v1/templates/{tpl}/network", json={"allow": [{"domain": "0.0.0.0", "ports": [443]}]})
+        assert t.status_code in (403, 422)
+        t = http.put(f"/v1/templates/{tpl}/network", json={"allow": [{"cidr": "0.0.0.0/0"}]})
+        assert t.status_code == 403 and t.json()["error"]["code"] == "forbidden", t.text
+        assert http.get(f"/v1/sandboxes/{sbx}/network").json()["source"] == "default"
+    with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}) as op:
+        t = op.put(f"/v1/templates/{tpl}/network", json={"allow": [{"domain": "pypi.org", "ports": [443]}]})
+        assert t.status_code == 200 and t.json()["source"] == "template", t.text
+    with acme.http() as http:
         got = http.get(f"/v1/sandboxes/{sbx}/network").json()
         assert got["source"] == "template" and got["policy"]["allow"][0]["domain"] == "pypi.org"
         policy = {"allow": [{"domain": "*.GitHub.com.", "ports": [443]}, {"cidr": "192.0.2.0/24"}],
@@ -117,7 +125,8 @@ def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> N
         assert http.get("/v1/sandboxes/sbx_nope/network").status_code == 404
         entries = http.get("/v1/audit", params={"sandbox_id": sbx}).json()["entries"]
         assert [e["action"] for e in entries] == ["sandbox.network"]
-        assert [e["action"] for e in http.get("/v1/audit", params={"action": "template.network"}).json()["entries"]]
+    with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}) as op:
+        assert [e["action"] for e in op.get("/v1/audit", params={"action": "template.network"}).json()["entries"]]
     _, gone = template_and_sandbox(stack, acme, state="deleted")
     with acme.http() as http:
         r = http.put(f"/v1/sandboxes/{gone}/network", json={"allow": []})

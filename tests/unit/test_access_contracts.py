@@ -35,6 +35,7 @@ def test_a_valid_credential_hides_its_value() -> None:
 @pytest.mark.parametrize("over", [
     {"name": "Bad Name"}, {"name": "-x"}, {"name": "a" * 64},
     {"value": ""}, {"value": "x" * (16 * 1024 + 1)}, {"value": "a\r\nX-Evil: 1"},
+    {"value": "SECRET\udc00CT"}, {"value": "S\u00c9CRET\u2713"},
     {"hosts": []}, {"hosts": ["not a host"]}, {"hosts": ["http://x.com"]}, {"hosts": ["a.*.com"]},
     {"header": "Bad Header"}, {"header": "Host"}, {"header": "connection"}, {"header": "Transfer-Encoding"},
     {"format": "Bearer"}, {"format": "Bearer {value}\r\n"},

@@ -87,6 +87,10 @@ class CredentialCreate(_In):
             raise ValueError(f"value is longer than {CREDENTIAL_VALUE_MAX} characters")
         if any(c in raw for c in "\r\n\x00"):
             raise ValueError("value must not contain CR, LF or NUL (it goes into an HTTP header)")
+        # RFC 9110 field values are visible ASCII, space and tab in practice; anything else (a lone surrogate
+        # from JSON, non-ASCII text) cannot be sealed or sent as a header.
+        if not all(" " <= c <= "~" or c == "\t" for c in raw):
+            raise ValueError("value must be printable ASCII (it goes into an HTTP header)")
         return v
 
     @field_validator("hosts")

@@ -152,3 +152,17 @@ async def test_async_sdk_namespaces_and_audit_query() -> None:
         await c.credentials.delete("github")
     assert dict(seen[1].url.params) == {"action": "egress.*", "sandbox_id": "sbx_1", "limit": "5"}
     assert (seen[2].method, seen[2].url.path) == ("DELETE", "/v1/credentials/github")
+
+
+def test_a_value_file_that_is_not_utf8_is_refused_without_quoting_it(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from podbay.cli.access import read_value
+
+    f = Path(str(tmp_path)) / "v"
+    f.write_bytes(b"\xff\xfeSECRETBYTES")
+    with pytest.raises(InvalidRequest) as info:
+        read_value(f)
+    assert "UTF-8" in str(info.value) and "SECRET" not in str(info.value) and "xff" not in str(info.value)
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        read_value(Path(str(tmp_path)) / "missing")

@@ -28,12 +28,18 @@ network_app = typer.Typer(help="A sandbox's egress policy (default: no egress)."
 def read_value(value_file: Path | None) -> str:
     """The credential value from ``value_file`` (``-`` = stdin) or, without it, from stdin when it is not a
     terminal. One trailing newline (what ``echo`` and editors add) is dropped. ``InvalidRequest`` otherwise."""
-    if value_file is not None and str(value_file) != "-":
-        raw = value_file.read_text()
-    elif value_file is not None or not sys.stdin.isatty():
-        raw = sys.stdin.read(CREDENTIAL_VALUE_MAX + 2)
-    else:
-        raise InvalidRequest("give the value with --value-file PATH or on standard input")
+    try:
+        if value_file is not None and str(value_file) != "-":
+            raw = value_file.read_text(encoding="utf-8")
+        elif value_file is not None or not sys.stdin.isatty():
+            raw = sys.stdin.read(CREDENTIAL_VALUE_MAX + 2)
+        else:
+            raise InvalidRequest("give the value with --value-file PATH or on standard input")
+    except UnicodeDecodeError:
+        # The decoder's message quotes bytes of the secret: say only what is wrong.
+        raise InvalidRequest("the credential value is not UTF-8 text") from None
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read the value file: {exc.strerror}") from None
     if raw.endswith("\n"):
         raw = raw[:-1]
         if raw.endswith("\r"):

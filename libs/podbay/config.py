@@ -118,6 +118,16 @@ class Settings(BaseSettings):
     warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")
     warm_demand_horizon_s: float = Field(10.0, gt=0, description="Warm pools: keep enough slots for this many "
                                          "seconds of recent demand (within the pool's min and max).")
+    memory_overcommit_ratio: float = Field(1.0, ge=1.0, le=8.0, description="Placement: memory committed on a "
+                                           "node may reach its advertised memory times this (1.0 = never "
+                                           "over-commit).")
+    vcpu_overcommit_ratio: float = Field(1.0, ge=1.0, le=64.0, description="Placement: vCPUs of running "
+                                         "sandboxes on a node may reach its advertised vCPUs times this.")
+    placement_candidates: int = Field(2, ge=1, le=64, description="Placement: best of this many random fitting "
+                                      "nodes (plus those holding the snapshot or a warm slot).")
+    lease_ttl_s: float = Field(6.0, gt=0, le=300, description="Leader leases (podbay_leases KV bucket): a "
+                               "leader that stops renewing loses the lease after this long and a standby "
+                               "takes over; renewed every third of it.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

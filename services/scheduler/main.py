@@ -7,6 +7,14 @@ generation; then publish ``podbay.cmd.node.<node>.create``. A ``wake`` command p
 sandbox the same way, on any node with room and its template, and sends ``wake`` (see ``wake.py``). A redelivered command finds the sandbox already
 ``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
 When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason.
+
+Replicas: any number of schedulers may run. They share the one durable consumer, so JetStream hands each
+command to one of them; a command whose handler died unacked is redelivered (after ``ack_wait``) to any of
+them. Placement is exactly-once all the same: the advisory lock serialises placements (so two replicas never
+both count a node's last free MiB), the row is read ``FOR UPDATE``, and the update is conditional on the
+state, node and generation just read; the node command's ``Nats-Msg-Id`` is ``<operation>.g<generation>``, so
+a re-send after a crash between commit and ack is dropped by the server. Load comes from one query per
+placement (``load.py``), scoring from ``placement.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
-from .placement import NodeLoad, NoCapacity, choose_node
+from .load import node_loads
+from .placement import NoCapacity, Request, choose_node
 from .wake import wake_command, wake_unplaceable
 
 __all__ = ["main"]
@@ -55,8 +64,8 @@ class Scheduler:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", PLACEMENT_LOCK_ID)
             row = await conn.fetchrow(
-                "SELECT state, node_id, generation, template_digest, hostname, memory_mib, vcpus FROM sandboxes"
-                " WHERE id = $1 FOR UPDATE", cmd.sandbox_id)
+                "SELECT state, node_id, generation, template_digest, hostname, memory_mib, vcpus,"
+                " suspended_snapshot_id FROM sandboxes WHERE id = $1 FOR UPDATE", cmd.sandbox_id)
             if row is None:
                 log.warning("place: sandbox %s does not exist; dropping", cmd.sandbox_id)
                 return True
@@ -64,23 +73,20 @@ class Scheduler:
             placed = "resuming" if cmd.wake else "starting"
             if row["state"] == placed and row["node_id"]:
                 node_id = row["node_id"]  # redelivery after we placed it: re-send the same node command
+                gen = row["generation"]
             elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
-                loads = {r["node_id"]: r for r in await conn.fetch(
-                    # Paused sandboxes use no CPU; their memory still counts (until released, which the
-                    # scheduler does not see). Warm slots wait paused: their memory counts too.
-                    "SELECT node_id, sum(mem)::int AS mem, sum(cpu)::int AS cpu FROM ("
-                    " SELECT node_id, memory_mib AS mem, CASE WHEN state <> 'paused' THEN vcpus ELSE 0 END AS cpu"
-                    " FROM sandboxes WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed')"
-                    " UNION ALL SELECT node_id, memory_mib, 0 FROM warm_slots WHERE state IN ('preparing', 'ready')"
-                    ") l GROUP BY node_id")}
-                candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
-                                       int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
-                              for hb in nodes]
+                t = time.perf_counter()
+                candidates = await node_loads(conn, nodes, tenant_id=cmd.tenant_id, template=cmd.template,
+                                              digest=row["template_digest"],
+                                              snapshot_id=row["suspended_snapshot_id"] if cmd.wake else None)
+                HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
+                req = Request(cmd.template, cmd.resources.memory_mib, cmd.resources.vcpus, wake=cmd.wake,
+                              memory_overcommit=self.settings.memory_overcommit_ratio,
+                              vcpu_overcommit=self.settings.vcpu_overcommit_ratio)
                 try:
-                    chosen = choose_node(candidates, template=cmd.template, memory_mib=cmd.resources.memory_mib,
-                                         vcpus=cmd.resources.vcpus)
+                    chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
                 except NoCapacity as exc:
                     if time.monotonic() - first_seen < NO_NODE_GRACE_S:
                         log.info("place %s: %s; retrying", cmd.sandbox_id, exc)
@@ -93,11 +99,17 @@ class Scheduler:
                     LIFECYCLE_OPERATIONS.labels("scheduler", "place", "failed").inc()
                     return True
                 node_id = chosen.node_id
-                await conn.execute(
+                # Conditional on the state we read: whichever replica gets here second (a redelivery racing
+                # the first delivery) changes nothing, so a sandbox is placed and its generation bumped once.
+                gen = await conn.fetchval(
                     "UPDATE sandboxes SET state=$3, node_id=$2, generation=generation+1, updated_at=now()"
-                    " WHERE id=$1", cmd.sandbox_id, node_id, placed)
+                    " WHERE id=$1 AND state=$4 AND node_id IS NOT DISTINCT FROM $5 AND generation=$6"
+                    " RETURNING generation",
+                    cmd.sandbox_id, node_id, placed, want, row["node_id"], row["generation"])
+                if gen is None:
+                    log.info("place %s: placed by another scheduler meanwhile", cmd.sandbox_id)
+                    return True
                 await conn.execute("UPDATE operations SET state='running' WHERE id=$1", cmd.operation_id)
-            gen = await conn.fetchval("SELECT generation FROM sandboxes WHERE id=$1", cmd.sandbox_id)
             if cmd.wake:
                 wake = await wake_command(conn, cmd, int(gen))
             create = CreateSandboxCmd(

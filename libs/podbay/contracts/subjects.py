@@ -6,6 +6,7 @@ __all__ = [
     "CMD_STREAM",
     "EVT_STREAM",
     "NODES_KV",
+    "LEASES_KV",
     "SCHEDULER_PLACE",
     "SCHEDULER_CONSUMER",
     "node_cmd",
@@ -33,6 +34,10 @@ EVT_STREAM = "PODBAY_EVT"
 
 NODES_KV = "podbay_nodes"
 """KV bucket: key = node id, value = ``NodeHeartbeat`` JSON; the bucket TTL expires silent nodes."""
+
+LEASES_KV = "podbay_leases"
+"""KV bucket of leader leases (``podbay.lease``): key = the singleton loop's name, value = holder JSON; the
+bucket TTL (``lease_ttl_s``) expires a lease its holder stopped renewing."""
 
 SCHEDULER_PLACE = "podbay.cmd.scheduler.place"
 SCHEDULER_CONSUMER = "scheduler"

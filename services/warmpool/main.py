@@ -11,6 +11,13 @@ Every ``warm_interval_s``, and at once when the API announces new bounds on ``po
    claimed/failed slot rows older than the demand window.
 
 The node agents do the work (services/nodeagent/warm.py): this service never touches a VM.
+
+Replicas: any number may run; one leads. The leader holds the ``warmpool`` lease in the ``podbay_leases`` KV
+bucket (``podbay.lease``: created when absent, renewed with a revision check every third of
+``lease_ttl_s``); the others renew nothing and retry the lease on the same cadence, so a standby takes over
+within ``lease_ttl_s`` of the leader's death (at once when it stops cleanly and releases). Only the leader
+writes targets; each pass also runs under a PostgreSQL advisory lock, so even two passes that overlapped
+while a lease changed hands would be serialised rather than interleaved.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from podbay import db
 from podbay.bus import Bus, connect_bus
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
+from podbay.lease import Lease
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS
 
@@ -33,6 +41,9 @@ __all__ = ["main", "reconcile_targets"]
 
 log = logging.getLogger("podbay.warmpool")
 
+WARMPOOL_LOCK_ID = 0x7761726D  # "warm": serialises reconcile passes of replicas
+LEASE_NAME = "warmpool"
+
 
 async def reconcile_targets(settings: Settings, pool: asyncpg.Pool, bus: Bus) -> dict[tuple[str, str], int]:
     """One pass of steps 1-4 above; returns the targets written, by (template, node)."""
@@ -40,6 +51,7 @@ async def reconcile_targets(settings: Settings, pool: asyncpg.Pool, bus: Bus) ->
     live = [hb.node_id for hb in nodes]
     window = settings.warm_demand_window_s
     async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", WARMPOOL_LOCK_ID)
         bounds = [PoolBounds(r["template"], r["min_size"], r["max_size"])
                   for r in await conn.fetch("SELECT template, min_size, max_size FROM warm_pools")]
         demand = {r["template"]: int(r["n"]) for r in await conn.fetch(
@@ -91,7 +103,7 @@ async def reconcile_targets(settings: Settings, pool: asyncpg.Pool, bus: Bus) ->
     return new
 
 
-async def _loop(settings: Settings, pool: asyncpg.Pool, bus: Bus, stop: asyncio.Event) -> None:
+async def _loop(settings: Settings, pool: asyncpg.Pool, bus: Bus, stop: asyncio.Event, lease: Lease) -> None:
     wake = asyncio.Event()
 
     async def _changed(msg: object) -> None:
@@ -99,20 +111,30 @@ async def _loop(settings: Settings, pool: asyncpg.Pool, bus: Bus, stop: asyncio.
 
     sub = await bus.nc.subscribe(subjects.WARM_POOLS_CHANGED, cb=_changed)
     loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        t = loop.time()
-        try:
-            await reconcile_targets(settings, pool, bus)
-        except Exception:
-            log.exception("warm targets not updated; trying again")
-        HOP_SECONDS.labels("warmpool", "reconcile").observe(loop.time() - t)
-        stopper = asyncio.ensure_future(stop.wait())
-        waker = asyncio.ensure_future(wake.wait())
-        await asyncio.wait({stopper, waker}, timeout=settings.warm_interval_s, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        waker.cancel()
-        wake.clear()
-    await sub.unsubscribe()
+    next_tick = 0.0
+    try:
+        while not stop.is_set():
+            t = loop.time()
+            if t >= next_tick or not lease.held:
+                await lease.tick()
+                next_tick = t + lease.renew_every_s
+            if lease.held:
+                try:
+                    await reconcile_targets(settings, pool, bus)
+                except Exception:
+                    log.exception("warm targets not updated; trying again")
+                HOP_SECONDS.labels("warmpool", "reconcile").observe(loop.time() - t)
+            # A standby waits for the lease, a leader for its next pass or renewal, whichever comes first.
+            wait_s = min(settings.warm_interval_s, lease.renew_every_s)
+            stopper = asyncio.ensure_future(stop.wait())
+            waker = asyncio.ensure_future(wake.wait())
+            await asyncio.wait({stopper, waker}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            waker.cancel()
+            wake.clear()
+    finally:
+        await lease.release()
+        await sub.unsubscribe()
 
 
 async def _main(stop: asyncio.Event) -> None:
@@ -121,11 +143,14 @@ async def _main(stop: asyncio.Event) -> None:
     await db.migrate(pool)
     bus = await connect_bus(settings.nats_url, name="podbay-warmpool", heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
 
+    lease = Lease(bus, LEASE_NAME, ttl_s=settings.lease_ttl_s)
+
     def health() -> dict[str, object]:
-        return {"ok": bus.nc.is_connected and not pool._closed}  # noqa: SLF001  # asyncpg has no public flag
+        return {"ok": bus.nc.is_connected and not pool._closed,  # noqa: SLF001  # asyncpg has no public flag
+                "leader": lease.held}
 
     app = health_app("warmpool", health)
-    worker = asyncio.create_task(_loop(settings, pool, bus, stop), name="warm-targets")
+    worker = asyncio.create_task(_loop(settings, pool, bus, stop, lease), name="warm-targets")
     log.info("warm-pool manager ready")
     await serve_http(app, "127.0.0.1", settings.warmpool_port, stop)
     await asyncio.wait({worker}, timeout=10)

@@ -11,7 +11,9 @@ Session fixtures (started once per test run, on demand):
 - ``stack``: a :class:`~podbay.devstack.stack.Stack` with its own servers (or the external ones above) and
   every service as a child process, started the way ``podbay up`` starts them, plus an API key. It offers
   ``api_url``, ``api_key``, ``nats_url``, ``pg_dsn``, ``data_dir``, ``log_dir``, ``env`` and
-  ``kill(service, signal)``, ``restart(service)``, ``log_tail(service)``.
+  ``kill(service, signal)``, ``restart(service)``, ``log_tail(service)``. ``PODBAY_API_REPLICAS``,
+  ``PODBAY_SCHEDULER_REPLICAS`` and ``PODBAY_WARMPOOL_REPLICAS`` start that many processes of each (``api-2``
+  ... on ports of their own, ``api_urls``); ``add_replica(service)`` adds one to the running stack.
 
 Everything lives in one temporary directory (mode 0711, so PostgreSQL's unprivileged user can reach its
 cluster), removed at the end unless ``PODBAY_KEEP_TEST_DATA=1``. Tests under ``tests/e2e`` (or marked

@@ -8,6 +8,12 @@ its configuration as ``PODBAY_*`` environment variables, its output in ``<log_di
 start-up finished only when ``GET http://127.0.0.1:<port>/healthz`` answers 200. Servers start first, then
 the services one by one in :data:`SERVICES` order (the API first: it applies the migrations).
 
+Replicas: ``PODBAY_API_REPLICAS``, ``PODBAY_SCHEDULER_REPLICAS`` and ``PODBAY_WARMPOOL_REPLICAS`` (default 1; or
+``Stack(replicas={...})``) start that many processes of the service. The first is ``api`` (``scheduler``,
+``warmpool``) on the usual port; each further one is ``api-2``, ``api-3``, ... on a free port of its own (its
+``PODBAY_<SERVICE>_PORT`` set to it), logging to ``<log_dir>/api-2.log``. They share everything else, as
+replicas on several hosts would. Other services run once per host and refuse a replica count.
+
 Layout under ``data_dir``: ``servers/{nats,postgres,s3}/`` for server state; the services use ``data_dir``
 itself (``PODBAY_DATA_DIR``) for theirs.
 """
@@ -40,6 +46,8 @@ from podbay.errors import Unavailable
 
 __all__ = [
     "SERVICES",
+    "REPLICABLE",
+    "replica_counts",
     "SERVER_NAMES",
     "ServiceSpec",
     "StackPorts",
@@ -77,6 +85,35 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("gateway", "podbay-gateway", "gateway"),
 )
 SERVER_NAMES: tuple[str, ...] = ("nats", "postgres", "s3")
+
+#: Services that may run as several processes at once (the others run one per host), and the variable of each
+#: one's port, which every further replica gets set to a free port.
+REPLICABLE: dict[str, str] = {"api": "PODBAY_API_PORT", "scheduler": "PODBAY_SCHEDULER_PORT",
+                              "warmpool": "PODBAY_WARMPOOL_PORT"}
+
+
+def replica_counts(env: dict[str, str], explicit: dict[str, int] | None = None) -> dict[str, int]:
+    """Processes per replicable service: ``explicit``, else ``PODBAY_<SERVICE>_REPLICAS`` from ``env``, else 1.
+
+    Raises :class:`StackError` for a count that is not an integer from 1 to 16, or a service that cannot have
+    replicas.
+    """
+    out: dict[str, int] = {}
+    for name in explicit or {}:
+        if name not in REPLICABLE:
+            raise StackError(f"{name} runs once per host; only {', '.join(REPLICABLE)} can have replicas",
+                             details={"part": name})
+    for name in REPLICABLE:
+        var = f"PODBAY_{name.upper()}_REPLICAS"
+        raw = (explicit or {}).get(name, env.get(var) or 1)
+        try:
+            n = int(raw)
+        except (TypeError, ValueError):
+            n = 0
+        if not 1 <= n <= 16:
+            raise StackError(f"{var} must be an integer from 1 to 16, not {raw!r}", details={"part": name})
+        out[name] = n
+    return out
 
 
 class StackPorts(BaseModel):
@@ -196,11 +233,13 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes] | None = None
     start_ticks: int | None = None
     log_offset: int = 0
+    #: Instance name of a further replica (``api-2``); empty for the first process of a service.
+    instance: str = ""
 
     @property
     def name(self) -> str:
-        """The service name (``api``, ``scheduler``, ...)."""
-        return self.spec.name
+        """The part name: the service's (``api``, ``scheduler``, ...), or a further replica's (``api-2``)."""
+        return self.instance or self.spec.name
 
     @property
     def url(self) -> str:
@@ -325,6 +364,8 @@ class Stack:
     #: Port of the OpenBao dev server (started only for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
     #: external ``PODBAY_OPENBAO_ADDR``); 0: ``PODBAY_OPENBAO_PORT``, else a free one.
     openbao_port: int = 0
+    #: Processes per replicable service (see the module docstring); empty: from ``base_env``.
+    replicas: dict[str, int] = field(default_factory=dict)
 
     servers: dict[str, srv.ServerProcess] = field(default_factory=dict)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -344,6 +385,18 @@ class Stack:
     def api_url(self) -> str:
         """``http://127.0.0.1:<api port>``."""
         return f"http://127.0.0.1:{self.ports.api}"
+
+    @property
+    def api_urls(self) -> list[str]:
+        """Every API process's URL, the first one (:attr:`api_url`) first."""
+        return [self.api_url, *(svc.url for name, svc in self.services.items() if name.startswith("api-"))]
+
+    def service_names(self) -> list[str]:
+        """Every service process this stack runs (or will), in start order: ``api``, ``api-2``, ...,
+        ``scheduler``, ... (raises :class:`StackError` for a bad replica count)."""
+        counts = replica_counts(self.base_env, self.replicas)
+        return [spec.name if i == 1 else f"{spec.name}-{i}"
+                for spec in SERVICES for i in range(1, counts.get(spec.name, 1) + 1)]
 
     # --- start ------------------------------------------------------------------------------------------
 
@@ -409,12 +462,14 @@ class Stack:
 
     def start_services(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Start each service in :data:`SERVICES` order, waiting for its ``/healthz`` before the next."""
+        counts = replica_counts(self.base_env, self.replicas)
         for spec in SERVICES:
-            svc = self._service(spec)
-            self.services[spec.name] = svc
-            svc.start()
-            svc.wait_healthy(self.start_timeout_s)
-            self._notify(on_ready, spec.name)
+            for i in range(1, counts.get(spec.name, 1) + 1):
+                svc = self._service(spec, i)
+                self.services[svc.name] = svc
+                svc.start()
+                svc.wait_healthy(self.start_timeout_s)
+                self._notify(on_ready, svc.name)
 
     def create_api_key(self, tenant: str = "dev", name: str = "dev") -> str:
         """Run ``podbay-api create-key --tenant T --name N``; stores and returns the key (``pb_...``).
@@ -487,6 +542,31 @@ class Stack:
         svc.start()
         svc.wait_healthy(timeout_s or self.start_timeout_s)
 
+    def add_replica(self, service: str, timeout_s: float | None = None) -> ServiceProcess:
+        """Start one more process of a replicable ``service`` on a running stack (``api-3`` after ``api-2``)
+        and wait until it answers; :meth:`stop` stops it with the rest. Raises :class:`StackError` for a
+        service that runs once per host."""
+        if service not in REPLICABLE:
+            raise StackError(f"{service} runs once per host; only {', '.join(REPLICABLE)} can have replicas",
+                             details={"part": service})
+        spec = next(s for s in SERVICES if s.name == service)
+        i = 2
+        while f"{service}-{i}" in self.services:
+            i += 1
+        svc = self._service(spec, i)
+        self.services[svc.name] = svc
+        svc.start()
+        svc.wait_healthy(timeout_s or self.start_timeout_s)
+        return svc
+
+    def remove_replica(self, name: str, grace_s: float = 10.0) -> None:
+        """Stop further replica ``name`` (``api-2``) and forget it; the first process of a service stays."""
+        svc = self.services[name]
+        if not svc.instance:
+            raise StackError(f"{name} is not a further replica", details={"part": name})
+        svc.stop(grace_s)
+        del self.services[name]
+
     def stop(self, grace_s: float = 10.0, *, purge: bool = False) -> None:
         """Stop services in reverse start order, then the servers; idempotent. Sandbox VMs keep running (the
         node agent leaves them on SIGTERM and re-attaches on its next start). With ``purge``, this data dir's
@@ -501,16 +581,21 @@ class Stack:
 
     # --- internals --------------------------------------------------------------------------------------
 
-    def _service(self, spec: ServiceSpec) -> ServiceProcess:
+    def _service(self, spec: ServiceSpec, replica: int = 1) -> ServiceProcess:
         if spec.name == "gateway":
             script = gateway_executable(self.base_env.get("PODBAY_GATEWAY_BIN"), self.bin_dir)
         else:
             script = self.bin_dir / spec.script
         if not script.exists():
             raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
-        return ServiceProcess(
-            spec, [str(script)], self.env, self.log_path(spec.name), getattr(self.ports, spec.port_field)
-        )
+        if replica == 1:
+            return ServiceProcess(
+                spec, [str(script)], self.env, self.log_path(spec.name), getattr(self.ports, spec.port_field)
+            )
+        # A further replica: same environment but its own HTTP port (and log), as on another host.
+        name, port = f"{spec.name}-{replica}", free_port()
+        env = {**self.env, REPLICABLE[spec.name]: str(port)}
+        return ServiceProcess(spec, [str(script)], env, self.log_path(name), port, instance=name)
 
     def _service_env(self) -> dict[str, str]:
         p = self.ports

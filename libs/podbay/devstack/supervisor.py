@@ -42,7 +42,6 @@ from podbay.config import Settings
 from podbay.devstack import servers as srv
 from podbay.devstack.procs import process_start_ticks, run_sync, same_process, stop_pid, tail
 from podbay.devstack.stack import (
-    SERVICES,
     External,
     PortInUse,
     Stack,
@@ -257,7 +256,7 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
             raise _StopRequested(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    follower = None if daemon else _LogFollower(console, {s.name: stack.log_path(s.name) for s in SERVICES})
+    follower = None if daemon else _LogFollower(console, {n: stack.log_path(n) for n in stack.service_names()})
     try:
         if follower:
             follower.start()
@@ -398,7 +397,7 @@ class _LogFollower(threading.Thread):
             for line in lines[:-1]:
                 if not line.strip():
                     continue
-                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(name, "dim"))
+                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(name.split("-")[0], "dim"))
                 self._console.print(prefix + Text(line))
 
 

@@ -27,8 +27,8 @@ import os
 import socket
 import time
 
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.api import KeyValueConfig
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from podbay.bus import Bus
@@ -57,7 +57,8 @@ class Lease:
     Call :meth:`tick` at least every ``ttl_s / 3`` seconds; do the singleton work only while :attr:`held`.
     """
 
-    def __init__(self, bus: Bus, name: str, *, ttl_s: float, holder: str | None = None, margin_s: float | None = None) -> None:
+    def __init__(self, bus: Bus, name: str, *, ttl_s: float, holder: str | None = None,
+                 margin_s: float | None = None) -> None:
         self._bus = bus
         self.name = name
         self.ttl_s = ttl_s

@@ -125,7 +125,8 @@ def test_fifty_creates_over_two_apis_and_two_schedulers_place_each_once(stack: A
         assert len(set(ids)) == CREATES
 
         while True:
-            rows = _q(stack, "SELECT id, state, node_id, generation FROM sandboxes WHERE id = ANY($1::text[])", ids)
+            rows = _q(stack, "SELECT id, state, node_id, generation, failure_reason FROM sandboxes"
+                      " WHERE id = ANY($1::text[])", ids)
             states = Counter(r["state"] for r in rows)
             if states["running"] == CREATES:
                 break

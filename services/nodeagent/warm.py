@@ -17,10 +17,8 @@ reseeded, env and access token; then one exec, and QMP ``stop``. The API claims 
 ``FOR UPDATE SKIP LOCKED`` in the statement that inserts the sandbox (``starting``, generation 1, this
 node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its open NATS connection. Here the
 claim resumes the VM, sets the guest clock (it stood still while the slot waited), and in one statement
-records the sandbox ``running`` with its ``started`` event. The three overlap: the clock request and the
-statement (in a transaction) are sent before QMP ``cont``, so the guest wakes to its request and the
-database works meanwhile; the transaction commits only once the guest has answered. Anything wrong with
-the slot rolls it back, discards the slot and answers ``ok: false``; the API then falls back to a restore,
+records the sandbox ``running`` with its ``started`` event. The clock request is written before QMP
+``cont``, so the guest wakes to it. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a restore,
 so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one slot at a
 time, within the node's memory, with the slot's QEMU at nice ``warm_prepare_nice`` until it waits (so
 refills yield the CPU to claims and running sandboxes) and only after a claim's answer has left; every

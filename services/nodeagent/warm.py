@@ -29,14 +29,13 @@ noticed at once through the pidfd).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 
@@ -174,20 +173,7 @@ class WarmPool:
             slot.monitor.cancel()
         self._gauge()
         hops: dict[str, float] = {}
-        event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
-                              tenant_id=req.tenant_id, generation=req.generation, data={"warm": True})
-        async with self.m.lock(slot.id), self.m.pool.acquire() as conn:
-            tx = conn.transaction()
-
-            async def stage() -> Any:
-                # Runs while the guest wakes; nothing is visible before the commit that follows its answer.
-                await tx.start()
-                return await conn.fetchval(
-                    STARTED_SQL, slot.id, req.generation, self.m.node_id, req.operation_id, event.id,
-                    subjects.sandbox_event(slot.id, "started"), json.loads(event.model_dump_json()))
-
-            staged: asyncio.Task[Any] | None = None
-            hygiene: asyncio.Task[Any] | None = None
+        async with self.m.lock(slot.id):
             try:
                 t = time.perf_counter()
                 # Identity and randomness were set when the slot was prepared; only the clock is stale. The
@@ -195,28 +181,29 @@ class WarmPool:
                 hygiene = asyncio.create_task(asyncio.wait_for(slot.channel.after_restore(
                     time_ns=time.time_ns(), hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
                     CLAIM_GUEST_TIMEOUT_S))
-                staged = asyncio.create_task(stage())
-                await asyncio.sleep(0)  # let both write their requests
-                await slot.handle.resume()
+                await asyncio.sleep(0)  # let the task write its frame
+                try:
+                    await slot.handle.resume()
+                except BaseException:
+                    hygiene.cancel()
+                    await asyncio.gather(hygiene, return_exceptions=True)
+                    raise
                 hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
                 await hygiene
                 hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
                 t = time.perf_counter()
-                updated_at = await staged
+                event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
+                                      tenant_id=req.tenant_id, generation=req.generation,
+                                      data={"warm": True, "ms": round((time.perf_counter() - t0) * 1000, 1)})
+                updated_at = await self.m.pool.fetchval(
+                    STARTED_SQL, slot.id, req.generation, self.m.node_id, req.operation_id, event.id,
+                    subjects.sandbox_event(slot.id, "started"), json.loads(event.model_dump_json()))
                 if updated_at is None:
                     raise _Moved()
-                await tx.commit()
                 hops["db"] = _lap(t, "warm_db")
                 # Inside the lock, so a delete that follows at once finds the VM.
                 self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
             except Exception as exc:
-                for task in (hygiene, staged):
-                    if task is not None and not task.done():
-                        task.cancel()
-                await asyncio.gather(*(x for x in (hygiene, staged) if x is not None), return_exceptions=True)
-                if conn.is_in_transaction():
-                    with contextlib.suppress(Exception):
-                        await tx.rollback()
                 why = "the sandbox moved on" if isinstance(exc, _Moved) else _reason(exc)
                 log.warning("claim of warm slot %s refused: %s", slot.id, why)
                 await self._discard(slot, f"claim: {why}", event="claim_refused")

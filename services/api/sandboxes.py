@@ -103,6 +103,9 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     cannot restore with), 500 ``sandbox_failed`` (with the reason), 503 ``unavailable``.
     """
     t0 = time.perf_counter()
+    # A warm claim looks the template up in its own statement; the checks below answer when it cannot.
+    if wait and (warm := await warm_create(ctx, who, body, t0)) is not None:
+        return warm
     tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates WHERE name = $1", body.template)
     if tpl is None:
         raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
@@ -116,8 +119,6 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
             f"template {body.template!r} is snapshotted with {tpl['vcpus']} vCPUs; vcpus must match",
             details={"template_vcpus": tpl["vcpus"]},
         )
-    if wait and (warm := await warm_create(ctx, who, tpl, body, t0)) is not None:
-        return warm
     sandbox_id = new_id("sbx")
     op_id = new_id("op")
     hostname = "sbx-" + sandbox_id[4:16]

@@ -37,27 +37,31 @@ __all__ = ["warm_create", "CLAIM_SQL"]
 
 log = logging.getLogger("podbay.api.warm")
 
-#: One statement, so one round trip and one transaction: claim the oldest ready slot of the template at its
-#: digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with the
-#: slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
+#: One statement, so one round trip and one transaction: look the template up (its current digest; the
+#: requested memory and vCPUs, $2 and $4, must match it when given), claim the oldest ready slot of it at
+#: that digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with
+#: the slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
 #: placeholders), its operation, the audit record and its event, and the ``created`` event (payloads patched
-#: with the id, which is known only here). Nothing is written when no slot is ready.
+#: with the id, which is known only here). Nothing is written when no slot is ready (or the template does
+#: not exist or does not match: the restore path then says why).
 CLAIM_SQL = (
-    "WITH c AS (SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
-    " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED),"
+    "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1"
+    " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)),"
+    " c AS (SELECT w.id FROM warm_slots w JOIN t ON w.template=t.name AND w.template_digest=t.digest"
+    " WHERE w.state='ready' ORDER BY w.created_at LIMIT 1 FOR UPDATE OF w SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"
     " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
     " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq,"
     " egress_policy, guest_env)"
-    " SELECT id, $3, $1, $2, 'starting', 'running', node_id, 1, $4, $5, 'sbx-' || substr(id, 5, 12), $6, $7, $8,"
-    " now() + $7::integer * interval '1 second', 1, $17::jsonb, "
-    + GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1") + " FROM slot RETURNING *),"
+    " SELECT slot.id, $3, $1, t.digest, 'starting', 'running', node_id, 1, t.memory_mib, t.vcpus,"
+    " 'sbx-' || substr(slot.id, 5, 12), $6, $7, $8, now() + $7::integer * interval '1 second', 1, $17::jsonb, "
+    + GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1") + " FROM slot, t RETURNING *),"
     " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
     " SELECT $9, $3, id, 'create', 'running' FROM sbx),"
     " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target, sandbox_id, detail)"
     " SELECT $3, $10, 'sandbox.create', id, id, $16::jsonb FROM sbx RETURNING id, sandbox_id),"
-    " aev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $18, $19,"
+    " aev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $18, $5,"
     " jsonb_set(jsonb_set(jsonb_set($15::jsonb, '{sandbox_id}', to_jsonb(sandbox_id)), '{data,audit_id}',"
     " to_jsonb(id)), '{data,target}', to_jsonb(sandbox_id)) FROM aud),"
     " ev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $11, $12 || id || $13,"
@@ -66,9 +70,10 @@ CLAIM_SQL = (
 )
 
 
-async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body: SandboxCreate,
-                      t0: float) -> SandboxInfo | None:
-    """Create the sandbox from a warm slot of ``tpl``; None when no slot is ready (nothing was written).
+async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: float) -> SandboxInfo | None:
+    """Create the sandbox from a warm slot of ``body.template``; None when no slot is ready, or the template
+    does not exist or does not match the requested resources (nothing was written; the caller's restore
+    path looks the template up and answers why).
 
     Returns the running sandbox (also after a fallback to a restore), or raises ``SandboxFailed``.
     Hops recorded in ``podbay_hop_seconds{service="api"}``: ``warm_claim_db``, ``warm_node``.
@@ -77,27 +82,28 @@ async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body
 
     op_id = new_id("op")
     event = sandbox_event("", "created", seq=1, state="starting", tenant_id=who.tenant_id, generation=1,
-                          data={"template": tpl["name"], "operation_id": op_id, "warm": True})
+                          data={"template": body.template, "operation_id": op_id, "warm": True})
     subject_head, subject_tail = subjects.sandbox_event("\x00", "created").split("\x00")
     # The audit row's event, as podbay.audit.record would emit it (its sandbox id and row id patched in SQL).
-    audit_detail = {"template": tpl["name"], "network": body.network is not None, "warm": True}
+    audit_detail = {"template": body.template, "network": body.network is not None, "warm": True}
     audit_event = Event(id=new_id("evt"), type="sandbox.create", tenant_id=who.tenant_id, at=datetime.now(UTC),
                         data={"audit_id": 0, "actor": who.key_id, "target": None, **audit_detail})
     t = time.perf_counter()
     row = await ctx.pool.fetchrow(
-        CLAIM_SQL, tpl["name"], tpl["digest"], who.tenant_id, tpl["memory_mib"], tpl["vcpus"], body.metadata,
+        CLAIM_SQL, body.template, body.memory_mib, who.tenant_id, body.vcpus,
+        subjects.audit_event(who.tenant_id, "sandbox.create"), body.metadata,
         body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
         event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
         json.loads(audit_event.model_dump_json()), audit_detail,
         body.network.model_dump(mode="json") if body.network is not None else None,
-        audit_event.id, subjects.audit_event(who.tenant_id, "sandbox.create"))
+        audit_event.id)
     if row is None:
         return None
     sandbox_id, node_id, hostname = row["id"], row["node_id"], row["hostname"]
     HOP_SECONDS.labels("api", "warm_claim_db").observe(time.perf_counter() - t)
-    ctx.relay.kick()
     reply = await _ask_node(ctx, node_id, WarmClaim(operation_id=op_id, sandbox_id=sandbox_id,
                                                     tenant_id=who.tenant_id, generation=1, hostname=hostname))
+    ctx.relay.kick()  # the ``created`` event; after the claim, so the relay does not compete with it
     if reply.ok:
         # The row as the node left it, without reading it back: running since the node's commit.
         info = sandbox_info({**dict(row), "state": "running", "updated_at": reply.updated_at or row["updated_at"]},
@@ -107,7 +113,7 @@ async def warm_create(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, body
         return info
     log.warning("warm slot %s on %s not handed over (%s): restoring instead", sandbox_id, node_id, reply.error)
     LIFECYCLE_OPERATIONS.labels("api", "create_warm", "fallback").inc()
-    return await _fall_back(ctx, who, tpl, sandbox_id, op_id, t0, load_sandbox, sandbox_info)
+    return await _fall_back(ctx, who, row, sandbox_id, op_id, t0, load_sandbox, sandbox_info)
 
 
 async def _ask_node(ctx: ApiContext, node_id: str, claim: WarmClaim) -> WarmClaimReply:
@@ -122,9 +128,9 @@ async def _ask_node(ctx: ApiContext, node_id: str, claim: WarmClaim) -> WarmClai
         HOP_SECONDS.labels("api", "warm_node").observe(time.perf_counter() - t)
 
 
-async def _fall_back(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, sandbox_id: str, op_id: str,
+async def _fall_back(ctx: ApiContext, who: Principal, row: asyncpg.Record, sandbox_id: str, op_id: str,
                      t0: float, load_sandbox: Any, sandbox_info: Any) -> SandboxInfo:
-    """Send the already recorded sandbox through the scheduler (restore path) and wait for it, bounded."""
+    """Send the already recorded sandbox (``row``) through the scheduler (restore path) and wait for it."""
     async with ctx.pool.acquire() as conn, conn.transaction():
         back = await conn.fetchval(
             "UPDATE sandboxes SET state='pending', node_id=NULL, updated_at=now()"
@@ -137,8 +143,8 @@ async def _fall_back(ctx: ApiContext, who: Principal, tpl: asyncpg.Record, sandb
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"})
     await ctx.bus.publish_command(
         subjects.SCHEDULER_PLACE,
-        PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl["name"],
-                     resources=Resources(memory_mib=tpl["memory_mib"], vcpus=tpl["vcpus"])),
+        PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=row["template"],
+                     resources=Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"])),
         msg_id=op_id)
     from .sandboxes import _finish
 

@@ -325,12 +325,13 @@ def from_settings(settings: Settings) -> Confinement | None:
 
 def spawn_confined(
     qemu_argv: list[str], confinement: Confinement, *, vm_dir: Path, read_only: list[Path], kvm: bool,
-    log_file: int, pass_fds: tuple[int, ...] = (),
+    log_file: int, pass_fds: tuple[int, ...] = (), prefix: list[str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start ``qemu_argv`` confined; returns bwrap's Popen and the read end of its ``--info-fd`` pipe.
 
     Prepares the VM directory first (:func:`own_vm_files`). ``log_file`` receives stdout and stderr
-    (bwrap's errors included); ``pass_fds`` are handed down to QEMU unchanged (e.g. an open tap device).
+    (bwrap's errors included); ``pass_fds`` are handed down to QEMU unchanged (e.g. an open tap device);
+    ``prefix`` runs before bwrap and must exec it (e.g. ``nice -n 10``).
     The caller reads QEMU's host pid with :func:`read_child_pid` and closes the returned fd. Raises
     :class:`ConfinementError` (no QEMU binary, unreadable kernel), ``OSError`` (bwrap could not be executed,
     a VM file is a symlink).
@@ -351,7 +352,7 @@ def spawn_confined(
             merged_usr=host_has_merged_usr(),
         )
         popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd="/",
+            [*(prefix or []), *argv], stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd="/",
             start_new_session=True, close_fds=True, pass_fds=(info_w, *pass_fds),
         )
     except BaseException:
@@ -389,6 +390,7 @@ def read_child_pid(fd: int, timeout_s: float) -> int:
 async def start_confined(
     qemu_argv: list[str], confinement: Confinement, *, vm_dir: Path, read_only: list[Path], kvm: bool,
     log_path: Path, pidfile: Path, timeout_s: float, pass_fds: tuple[int, ...] = (),
+    prefix: list[str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start ``qemu_argv`` confined; returns bwrap's Popen and QEMU's host pid, also written to ``pidfile``.
 
@@ -397,7 +399,7 @@ async def start_confined(
     """
     with open(log_path, "ab") as logf:
         popen, info_r = spawn_confined(qemu_argv, confinement, vm_dir=vm_dir, read_only=read_only, kvm=kvm,
-                                       log_file=logf.fileno(), pass_fds=pass_fds)
+                                       log_file=logf.fileno(), pass_fds=pass_fds, prefix=prefix)
     try:
         pid = await asyncio.to_thread(read_child_pid, info_r, timeout_s)
     except BaseException:

@@ -17,10 +17,13 @@ reseeded, env and access token; then one exec, and QMP ``stop``. The API claims 
 ``FOR UPDATE SKIP LOCKED`` in the statement that inserts the sandbox (``starting``, generation 1, this
 node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its open NATS connection. Here the
 claim resumes the VM, sets the guest clock (it stood still while the slot waited), and in one statement
-records the sandbox ``running`` with its ``started`` event. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a
-restore, so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one
-slot at a time, within the node's memory; every ``warm_interval_s`` it also checks that each waiting VM is
-alive and stopped (its QEMU's exit is also noticed at once through the pidfd).
+records the sandbox ``running`` with its ``started`` event. The clock request is written before QMP
+``cont``, so the guest wakes to it. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a restore,
+so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one slot at a
+time, within the node's memory, with the slot's QEMU at nice ``warm_prepare_nice`` until it waits (so
+refills yield the CPU to claims and running sandboxes) and only after a claim's answer has left; every
+``warm_interval_s`` it also checks that each waiting VM is alive and stopped (its QEMU's exit is also
+noticed at once through the pidfd).
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ class WarmPool:
             await msg.respond(reply.model_dump_json().encode())  # type: ignore[attr-defined]
         except Exception as exc:  # the caller gave up; its fallback fences this sandbox by generation
             log.warning("claim answer for %s not sent: %s", getattr(reply, "error", ""), exc)
+        finally:
+            self.after_claim()
 
     async def close(self) -> None:
         """Stop answering; leave the slot VMs (the next start removes them)."""
@@ -171,13 +176,20 @@ class WarmPool:
         async with self.m.lock(slot.id):
             try:
                 t = time.perf_counter()
-                await slot.handle.resume()
-                hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
-                t = time.perf_counter()
-                # Identity and randomness were set when the slot was prepared; only the clock is stale.
-                await asyncio.wait_for(slot.channel.after_restore(
+                # Identity and randomness were set when the slot was prepared; only the clock is stale. The
+                # request is written before ``cont``, so the guest wakes to it: its round trip overlaps QMP's.
+                hygiene = asyncio.create_task(asyncio.wait_for(slot.channel.after_restore(
                     time_ns=time.time_ns(), hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
-                    CLAIM_GUEST_TIMEOUT_S)
+                    CLAIM_GUEST_TIMEOUT_S))
+                await asyncio.sleep(0)  # let the task write its frame
+                try:
+                    await slot.handle.resume()
+                except BaseException:
+                    hygiene.cancel()
+                    await asyncio.gather(hygiene, return_exceptions=True)
+                    raise
+                hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
+                await hygiene
                 hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
                 t = time.perf_counter()
                 event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
@@ -196,12 +208,16 @@ class WarmPool:
                 log.warning("claim of warm slot %s refused: %s", slot.id, why)
                 await self._discard(slot, f"claim: {why}", event="claim_refused")
                 return WarmClaimReply(ok=False, error=why, hops_ms=hops)
-        self.m.relay.kick()
         WARM_SLOT_EVENTS.labels(slot.template, "claimed").inc()
         LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "warm_claim", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("nodeagent", "warm_claim", "ok").inc()
-        self.kick()
         return WarmClaimReply(ok=True, hops_ms=hops, updated_at=updated_at)
+
+    def after_claim(self) -> None:
+        """Relay the ``started`` event and refill the pool: called once the claim's answer is on its way, so
+        neither competes with it for the CPU."""
+        self.m.relay.kick()
+        self.kick()
 
     # ------------------------------------------------------------------ refill and health
 
@@ -277,8 +293,9 @@ class WarmPool:
             binding, tap_fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
             async with self.m.restore_slots:
                 try:
-                    handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib,
-                                                              vcpus=res.vcpus, tap_fd=tap_fd)
+                    handle = await self.m.driver.restore_from(
+                        tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib, vcpus=res.vcpus, tap_fd=tap_fd,
+                        nice=self.m.settings.warm_prepare_nice)
                 finally:
                     os.close(tap_fd)
                     tap_fd = None
@@ -298,6 +315,8 @@ class WarmPool:
                 raise PodbayError("the guest did not reseed its CRNG")
             await channel.run(ExecSpec(argv=["true"]))
             await handle.pause()
+            # Stopped now; once claimed it is a sandbox like any other, so it must not stay behind them.
+            await handle.set_nice(0)
             # What a re-attach after a restart reads; a claimed slot always starts at generation 1.
             (vm_dir / "meta.json").write_text(json.dumps(
                 {"sandbox_id": slot_id, "generation": 1, "memory_mib": res.memory_mib, "vcpus": res.vcpus}))

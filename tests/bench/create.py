@@ -216,7 +216,12 @@ def main() -> None:
     ap.add_argument("--template", default="base")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the stack's directory")
+    ap.add_argument("--phases", default="floor,cold,warm,warm8,density",
+                    help="comma-separated phases to run (default all: floor,cold,warm,warm8,density)")
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
+    if unknown := phases - {"floor", "cold", "warm", "warm8", "density"}:
+        ap.error(f"unknown phases: {', '.join(sorted(unknown))}")
 
     root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
     os.chmod(root, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
@@ -232,50 +237,20 @@ def main() -> None:
         headers = {"authorization": f"Bearer {stack.api_key}"}
         with httpx.Client(base_url=stack.api_url, headers=headers, timeout=120) as c:
             print(f"load average at start: {os.getloadavg()}")
-            results["floor_resume_ping"] = summarise(asyncio.run(_floor(store, args.runs)))
-
-            # Cold: no pool.
-            cold, ids = [], []
-            _create(c, args.template)  # warm-up, not counted
-            for _ in range(args.runs):
-                sid, ms = _create(c, args.template)
-                cold.append(ms)
-                _delete(c, [sid])
-            results["create_cold"] = summarise(cold)
-
-            # Warm, one client.
-            c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
-            _wait("the pool to fill", lambda: _ready(c, args.template) >= args.pool)
-            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
-            warm, ids = [], []
-            for _ in range(args.runs):
-                _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
-                sid, ms = _create(c, args.template)
-                warm.append(ms)
-                ids.append(sid)
-                _delete(c, [sid])
-            results["create_warm"] = summarise(warm)
-            results["warm_share"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids), 3), "n": len(ids)}
-            results.update(_hop_means("", before, _scrape(metrics)))
-
-            # Warm, 8 clients at once, in rounds of 8 with 8 slots ready.
-            warm8, ids8 = [], []
-            before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
-            with ThreadPoolExecutor(8) as ex:
-                while len(warm8) < args.runs:
-                    _wait("8 ready slots", lambda: _ready(c, args.template) >= 8)
-                    got = list(ex.map(lambda _: _create(c, args.template), range(8)))
-                    warm8 += [ms for _, ms in got]
-                    ids8 += [sid for sid, _ in got]
-                    _delete(c, [sid for sid, _ in got])
-            results["create_warm_8clients"] = summarise(warm8)
-            results.update(_hop_means("_8clients", before, _scrape(metrics)))
-            results["warm_share_8clients"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(ids8), 3),
-                                              "n": len(ids8)}
-            c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
-            _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
-
-            results.update(_density(c, args.template, store, args.density))
+            if "floor" in phases:
+                results["floor_resume_ping"] = summarise(asyncio.run(_floor(store, args.runs)))
+            _delete(c, [_create(c, args.template)[0]])  # warm-up, not counted
+            if "cold" in phases:  # no pool
+                cold = []
+                for _ in range(args.runs):
+                    sid, ms = _create(c, args.template)
+                    cold.append(ms)
+                    _delete(c, [sid])
+                results["create_cold"] = summarise(cold)
+            if phases & {"warm", "warm8"}:
+                _warm_phases(c, args, phases, metrics, results)
+            if "density" in phases:
+                results.update(_density(c, args.template, store, args.density))
             print(f"load average at end: {os.getloadavg()}")
     finally:
         stack.stop(purge=True)
@@ -283,6 +258,39 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report(results, args.json_path)
+
+
+def _warm_phases(c: httpx.Client, args: argparse.Namespace, phases: set[str], metrics: list[str],
+                 results: dict[str, dict[str, Any]]) -> None:
+    """``create_warm`` (one client) and ``create_warm_8clients``, with their hop means and warm shares."""
+    c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
+    _wait("the pool to fill", lambda: _ready(c, args.template) >= args.pool)
+    if "warm" in phases:
+        before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
+        warm: list[float] = []
+        for _ in range(args.runs):
+            _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
+            sid, ms = _create(c, args.template)
+            warm.append(ms)
+            _delete(c, [sid])
+        results["create_warm"] = summarise(warm)
+        results["warm_share"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(warm), 3), "n": len(warm)}
+        results.update(_hop_means("", before, _scrape(metrics)))
+    if "warm8" in phases:  # 8 clients at once, in rounds of 8 with 8 slots ready
+        warm8: list[float] = []
+        before, ok0 = _scrape(metrics), _warm_ok(metrics[0])
+        with ThreadPoolExecutor(8) as ex:
+            while len(warm8) < args.runs:
+                _wait("8 ready slots", lambda: _ready(c, args.template) >= 8)
+                got = list(ex.map(lambda _: _create(c, args.template), range(8)))
+                warm8 += [ms for _, ms in got]
+                _delete(c, [sid for sid, _ in got])
+        results["create_warm_8clients"] = summarise(warm8)
+        results.update(_hop_means("_8clients", before, _scrape(metrics)))
+        results["warm_share_8clients"] = {"value": round((_warm_ok(metrics[0]) - ok0) / len(warm8), 3),
+                                          "n": len(warm8)}
+    c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
+    _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
 
 
 if __name__ == "__main__":

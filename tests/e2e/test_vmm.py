@@ -106,6 +106,24 @@ async def test_restore_paused(vmm: QemuVmm, template: TemplateSnapshot, tmp_path
         await vmm.kill(vm)
 
 
+def _thread_nices(pid: int) -> set[int]:
+    return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+async def test_restore_at_a_nice_value_and_back(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> None:
+    """``VmConfig.nice`` starts every QEMU thread at that value (confined or not); ``set_nice`` moves them."""
+    config = template.vm_config().model_copy(update={"nice": 10})
+    vm = await vmm.restore(template.dir, tmp_path / "vm", config)
+    try:
+        assert _thread_nices(vm.pid) == {10}
+        out, code = await _run(vm, ["true"])
+        assert code == 0
+        await vmm.set_nice(vm, 0)
+        assert _thread_nices(vm.pid) == {0}
+    finally:
+        await vmm.kill(vm)
+
+
 async def test_pause_and_resume(vmm: QemuVmm, vm: VmHandle) -> None:
     await vmm.pause(vm)
     assert await vmm.query_status(vm) == "paused"

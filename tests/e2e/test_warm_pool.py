@@ -185,6 +185,15 @@ def _qemu_pid(slot_id: str) -> int:
     raise AssertionError(f"no QEMU for slot {slot_id}")
 
 
+def test_waiting_slots_run_at_normal_priority(stack: Any, pooled: httpx.Client) -> None:
+    """Slots are prepared at ``warm_prepare_nice`` but wait (and so are claimed) at nice 0, like sandboxes."""
+    pooled.put("/v1/pools/base", json={"size": 1})
+    slot = _wait_ready(stack, pooled, 1)[0]
+    pid = _qemu_pid(slot)
+    nices = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()}
+    assert nices == {0}
+
+
 def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pooled: httpx.Client) -> None:
     c = pooled
     c.put("/v1/pools/base", json={"size": 2})

@@ -1,16 +1,17 @@
 """Logging and Prometheus metrics shared by every service.
 
 Metric names are ``podbay_<what>_<unit>``; labels are small closed sets (states, operation kinds, outcomes),
-never ids. Every service serves ``/metrics`` (Prometheus text format) and ``/healthz``.
+never ids. Every service serves ``/metrics`` (Prometheus text format), ``/healthz`` and ``/readyz``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from prometheus_client import Counter, Histogram
+
+from podbay.logs import configure_logging
 
 __all__ = [
     "setup_logging",
@@ -48,18 +49,20 @@ HOP_SECONDS = Histogram(
 )
 
 
-class _Formatter(logging.Formatter):
-    def __init__(self, service: str) -> None:
-        super().__init__("%(asctime)s %(levelname)-5s " + service + " %(name)s: %(message)s", "%H:%M:%S")
+NODE_LOCAL_SERVICES = frozenset({"nodeagent", "snapshotter", "gateway"})
 
 
 def setup_logging(service: str, level: str | None = None) -> None:
-    """Readable one-line logs on stderr: ``HH:MM:SS LEVEL service logger: message``."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(service))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("PODBAY_LOG_LEVEL") or "INFO").upper())
+    """Logs on stderr in ``PODBAY_LOG_FORMAT`` (``text``: ``HH:MM:SS LEVEL service logger: message``; ``json``: one
+    object per line with sandbox/operation/node ids, see :mod:`podbay.logs`), secrets redacted."""
+    from podbay.config import get_settings
+
+    settings = get_settings()
+    static = {"node_id": settings.node_id} if service in NODE_LOCAL_SERVICES else {}
+    secrets = [settings.internal_token, settings.credential_key, settings.openbao_token,
+               os.environ.get("AWS_SECRET_ACCESS_KEY", ""), settings.api_key or ""]
+    configure_logging(service, level=(level or settings.log_level or "INFO"), fmt=settings.log_format,
+                      static=static, secrets=secrets)
     for noisy in ("uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # qemu.qmp logs every refused connect while QEMU is still creating its socket; the driver reports

@@ -25,6 +25,7 @@ from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import get_settings
 from podbay.outbox import Relay
+from podbay.health import nats_check, pg_check, task_check
 from podbay.service import health_app, run_service, serve_http
 
 from .dnsserver import DnsServer
@@ -79,8 +80,15 @@ async def _main(stop: asyncio.Event) -> None:
         stop.set()
 
     watchdog = asyncio.create_task(_proxy_died())
+
+    async def proxy_listening() -> str | None:
+        return None if ready.is_set() and not proxy_task.done() else "proxy not listening"
+
+    app = health_app("gateway", health, {"proxy": proxy_listening, "nats": nats_check(bus),
+                                         "postgres": pg_check(pool),
+                                         "node addresses": task_check("address watch", lambda: addr_task)})
     try:
-        await serve_http(health_app("gateway", health), "127.0.0.1", settings.gateway_port, stop)
+        await serve_http(app, "127.0.0.1", settings.gateway_port, stop)
     finally:
         ready_task.cancel()
         watchdog.cancel()

@@ -29,6 +29,8 @@ from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import PromoteCmd
 from podbay.errors import PodbayError, StorageError
+from podbay.health import consumer_check, nats_check, pg_check
+from podbay.logs import bind_log_context
 from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import Relay
 from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_path
@@ -88,6 +90,7 @@ class Snapshotter:
             log.error("dropping malformed promote command: %s", exc)
             await msg.term()
             return
+        bind_log_context(sandbox_id=cmd.sandbox_id)
         keepalive = asyncio.create_task(_keep_alive(msg))
         try:
             await self.promote_one(cmd.snapshot_id)
@@ -175,9 +178,15 @@ async def _main(stop: asyncio.Event) -> None:
 
         await check_s3()
         snap = Snapshotter(settings, pool, bus, store, relay)
-        app = health_app("snapshotter", lambda: dict(state))
         sub = await bus.pull_subscribe(subjects.snapshotter_consumer(settings.node_id),
                                        subjects.snapshotter_promote(settings.node_id), ack_wait_s=ACK_WAIT_S)
+
+        async def s3_ready() -> str | None:
+            return None if state["s3"] == "ok" else str(state["s3"])
+
+        app = health_app("snapshotter", lambda: dict(state), {
+            "nats": nats_check(bus), "postgres": pg_check(pool), "s3": s3_ready,
+            "consumer": consumer_check(lambda: sub)})
         tasks = [
             asyncio.create_task(relay.run()),
             asyncio.create_task(serve_http(app, "127.0.0.1", settings.snapshotter_port, stop)),

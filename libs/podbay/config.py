@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 
     # services' own HTTP (health + /metrics)
+    health_host: str = Field("127.0.0.1", description="Address the scheduler, snapshotter, warm-pool and gateway "
+                             "serve /healthz, /readyz and /metrics on; 0.0.0.0 for Kubernetes probes and "
+                             "Prometheus scraping from another host.")
     scheduler_port: int = Field(8091)
     snapshotter_port: int = Field(8092)
     warmpool_port: int = Field(8093)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from podbay.logs import configure_logging
 
@@ -20,6 +20,11 @@ __all__ = [
     "LIFECYCLE_OPERATIONS",
     "HOP_SECONDS",
     "LATENCY_BUCKETS",
+    "NODE_CAPACITY",
+    "NODE_USED",
+    "NODE_SANDBOXES",
+    "NODE_HEARTBEATS",
+    "PROMOTION_LAG_SECONDS",
 ]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -48,6 +53,16 @@ HOP_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 
+# Node capacity and load, as this node's agent puts them in its heartbeat (alerts: capacity; heartbeats stopping).
+NODE_CAPACITY = Gauge("podbay_node_capacity", "Resources this node offers to sandboxes (memory_mib, vcpus).",
+                      ["resource"])
+NODE_USED = Gauge("podbay_node_used", "Resources this node's sandboxes hold (memory_mib, vcpus).", ["resource"])
+NODE_SANDBOXES = Gauge("podbay_node_sandboxes", "Sandboxes on this node.")
+NODE_HEARTBEATS = Counter("podbay_node_heartbeats_total", "Heartbeats put into the node KV bucket, by outcome "
+                          "(ok, failed).", ["outcome"])
+# What a loss of this node would lose: the oldest "newest promoted snapshot" among its live sandboxes.
+PROMOTION_LAG_SECONDS = Gauge("podbay_snapshot_promotion_lag_seconds", "Largest age, over this node's running and "
+                              "paused sandboxes, of their newest promoted snapshot (or of the sandbox when none).")
 
 NODE_LOCAL_SERVICES = frozenset({"nodeagent", "snapshotter", "gateway"})
 

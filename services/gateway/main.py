@@ -72,8 +72,8 @@ async def _main(stop: asyncio.Event) -> None:
         ok = ready.is_set() and not proxy_task.done() and bus.nc.is_connected and not pool._closed  # noqa: SLF001
         return {"ok": ok, "proxy_port": settings.gateway_proxy_port, "dns_port": settings.gateway_dns_port}
 
-    log.info("gateway for node %s: proxy :%d, dns :%d, health 127.0.0.1:%d", settings.node_id,
-             settings.gateway_proxy_port, settings.gateway_dns_port, settings.gateway_port)
+    log.info("gateway for node %s: proxy :%d, dns :%d, health %s:%d", settings.node_id,
+             settings.gateway_proxy_port, settings.gateway_dns_port, settings.health_host, settings.gateway_port)
 
     async def _proxy_died() -> None:
         await asyncio.wait({proxy_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -88,7 +88,7 @@ async def _main(stop: asyncio.Event) -> None:
                                          "postgres": pg_check(pool),
                                          "node addresses": task_check("address watch", lambda: addr_task)})
     try:
-        await serve_http(app, "127.0.0.1", settings.gateway_port, stop)
+        await serve_http(app, settings.health_host, settings.gateway_port, stop)
     finally:
         ready_task.cancel()
         watchdog.cancel()

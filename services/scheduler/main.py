@@ -169,7 +169,7 @@ async def _main(stop: asyncio.Event) -> None:
     app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected}, {
         "nats": nats_check(bus), "postgres": pg_check(pool), "consumer": consumer_check(lambda: bound.get("sub"))})
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop, bound)),
-             asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop))]
+             asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop))]
     log.info("scheduler ready")
     await stop.wait()
     await asyncio.wait(tasks[1:], timeout=15)

@@ -35,6 +35,7 @@ from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import Relay
 from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_path
 from podbay.service import health_app, run_service, serve_http
+from podbay.telemetry import PROMOTION_LAG_SECONDS
 
 __all__ = ["main", "Snapshotter"]
 
@@ -147,6 +148,20 @@ async def _keep_alive(msg: Any) -> None:
             await msg.in_progress()
 
 
+PROMOTION_LAG_SQL = (
+    "SELECT coalesce(max(extract(epoch FROM now() - coalesce(p.newest, s.created_at))), 0)::float8"
+    " FROM sandboxes s LEFT JOIN LATERAL (SELECT max(created_at) AS newest FROM snapshots"
+    "  WHERE sandbox_id = s.id AND promotion = 'promoted') p ON true"
+    " WHERE s.node_id = $1 AND s.state IN ('running', 'paused')")
+
+
+async def measure_promotion_lag(pool: asyncpg.Pool, node_id: str) -> float:
+    """Set ``podbay_snapshot_promotion_lag_seconds`` for ``node_id`` and return it (seconds)."""
+    lag = float(await pool.fetchval(PROMOTION_LAG_SQL, node_id))
+    PROMOTION_LAG_SECONDS.set(lag)
+    return lag
+
+
 async def _every(seconds: float, stop: asyncio.Event, what: str, fn: Any) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
@@ -189,12 +204,14 @@ async def _main(stop: asyncio.Event) -> None:
             "consumer": consumer_check(lambda: sub)})
         tasks = [
             asyncio.create_task(relay.run()),
-            asyncio.create_task(serve_http(app, "127.0.0.1", settings.snapshotter_port, stop)),
+            asyncio.create_task(serve_http(app, settings.health_host, settings.snapshotter_port, stop)),
             asyncio.create_task(consume(sub, snap.handle, stop, finish_timeout_s=30)),
             asyncio.create_task(_every(10.0, stop, "S3 health check", check_s3)),
             asyncio.create_task(_every(settings.gc_interval_s, stop, "garbage collection",
                                        lambda: collect_garbage(pool, store, settings.gc_grace_s))),
         ]
+        tasks.append(asyncio.create_task(_every(15.0, stop, "promotion lag",
+                                                lambda: measure_promotion_lag(pool, settings.node_id))))
         if settings.promote_disk_interval_s > 0:
             tasks.append(asyncio.create_task(_every(min(settings.promote_disk_interval_s, 30.0), stop,
                                                     "disk promotion cadence", snap.cadence_once)))

@@ -129,7 +129,7 @@ async def _main(stop: asyncio.Event) -> None:
     app = health_app("warmpool", health, {"nats": nats_check(bus), "postgres": pg_check(pool),
                                           "targets loop": task_check("warm-target loop", lambda: worker)})
     log.info("warm-pool manager ready")
-    await serve_http(app, "127.0.0.1", settings.warmpool_port, stop)
+    await serve_http(app, settings.health_host, settings.warmpool_port, stop)
     await asyncio.wait({worker}, timeout=10)
     await bus.close()
     await pool.close()

@@ -8,6 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEB_PACKAGES=(
   qemu-system-x86 qemu-utils debootstrap btrfs-progs busybox-static e2fsprogs nftables iproute2
   libbtrfsutil-dev cpio zstd kmod bubblewrap ca-certificates
+  prometheus  # only for promtool, which checks deploy/prometheus rules in the tests
 )
 
 log="$(mktemp -t podbay-setup.XXXXXX)"

@@ -21,6 +21,7 @@ import uvloop
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from podbay.config import ConfigError, get_settings
 from podbay.health import Check, readiness_response
 from podbay.telemetry import setup_logging
 
@@ -33,8 +34,6 @@ def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, 
                 use_uvloop: bool = True) -> int:
     """Run ``main(stop)`` on uvloop (or plain asyncio when ``use_uvloop`` is false: mitmproxy runs its own
     servers on the stock loop) until it returns; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
-    from podbay.config import ConfigError, get_settings
-
     try:
         get_settings()  # a bad PODBAY_CONFIG_FILE stops the service here, with one clear line
     except ConfigError as exc:

@@ -113,4 +113,4 @@ async def _main(stop: asyncio.Event) -> None:
 
 def main() -> None:
     """Entry point: plain asyncio (not uvloop), signals set the stop event; exit code 1 on failure."""
-    raise SystemExit(run_service("gateway", _main, log_level=get_settings().log_level, use_uvloop=False))
+    raise SystemExit(run_service("gateway", _main, use_uvloop=False))  # level: PODBAY_LOG_LEVEL

@@ -56,7 +56,8 @@ def test_a_bad_file_is_one_clear_error(tmp_path: Path, clean_env: pytest.MonkeyP
     assert says in err.value.message and "\n" not in err.value.message
 
 
-@pytest.mark.parametrize("entry", ["podbay_scheduler.main", "podbay_api.main"])
+@pytest.mark.parametrize("entry", ["podbay_scheduler.main", "podbay_api.main", "podbay_warmpool.main",
+                                   "podbay_snapshotter.main", "podbay_nodeagent.main"])
 def test_a_service_with_a_bad_file_exits_with_one_line(tmp_path: Path, entry: str) -> None:
     f = tmp_path / "podbay.toml"
     f.write_text("[unclosed\n")

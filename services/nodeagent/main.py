@@ -144,7 +144,8 @@ async def _serve(stop: asyncio.Event) -> None:
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=60)
+    # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=75)
     await warm.close()
     await manager.close()
     relay_task.cancel()

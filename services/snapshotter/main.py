@@ -221,7 +221,7 @@ async def _main(stop: asyncio.Event) -> None:
             log.warning("resuming interrupted promotions failed: %s", exc)
         log.info("snapshotter ready (node %s, bucket %s: %s)", settings.node_id, settings.s3_bucket, state["s3"])
         await stop.wait()
-        await asyncio.wait(tasks[1:], timeout=40)
+        await asyncio.wait(tasks[1:], timeout=45)  # 30 s for promotions in flight, then hand-back
         tasks[0].cancel()
     await bus.close()
     await pool.close()

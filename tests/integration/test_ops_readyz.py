@@ -86,3 +86,54 @@ def test_readyz_follows_its_dependencies(service: str, own_nats: NatsServer, pg_
     assert lines, stderr_path.read_text()
     assert all({"time", "level", "service", "logger", "message"} <= set(line) for line in lines)
     assert "internal-token-not-in-logs" not in stderr_path.read_text()
+
+
+def test_scheduler_json_lines_carry_the_command_s_sandbox_and_operation(own_nats: NatsServer, pg_dsn: str,
+                                                                         tmp_path: Path) -> None:
+    """A place command for a sandbox that does not exist is logged (and dropped) with both ids on the line."""
+    from podbay.bus import connect_bus
+    from podbay.contracts import subjects
+    from podbay.contracts.messages import PlaceSandbox, Resources
+    from podbay.devstack.procs import run_sync
+    from podbay.outbox import new_id
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PODBAY_")}
+    env.update(PODBAY_NATS_URL=own_nats.url, PODBAY_PG_DSN=pg_dsn, PODBAY_LOG_FORMAT="json",
+               PODBAY_SCHEDULER_PORT=str(port))
+    stderr_path = tmp_path / "scheduler.stderr"
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", "from podbay_scheduler.main import main; main()"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+    sid, op = new_id("sbx"), new_id("op")
+
+    async def publish() -> None:
+        bus = await connect_bus(own_nats.url, name="test-ops")
+        try:
+            cmd = PlaceSandbox(operation_id=op, sandbox_id=sid, tenant_id="t", template="base",
+                               resources=Resources(memory_mib=256, vcpus=1))
+            await bus.publish_command(subjects.SCHEDULER_PLACE, cmd, msg_id=op)
+        finally:
+            await bus.close()
+
+    try:
+        _poll(f"http://127.0.0.1:{port}/readyz", 200)
+        run_sync(publish())
+        deadline = time.monotonic() + 60
+        found: dict[str, object] | None = None
+        while found is None and time.monotonic() < deadline:
+            for line in stderr_path.read_text().splitlines():
+                if line.startswith("{") and sid in line:
+                    found = json.loads(line)
+            time.sleep(0.2)
+        assert found is not None, stderr_path.read_text()
+        assert found["sandbox_id"] == sid and found["operation_id"] == op and found["service"] == "scheduler"
+        assert found["level"] == "WARNING" and found["logger"] == "podbay.scheduler"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -68,3 +68,16 @@ def test_a_service_with_a_bad_file_exits_with_one_line(tmp_path: Path, entry: st
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "not valid TOML" in lines[0] and str(f) in lines[0]
+
+
+def test_the_settings_table_in_docs_operations_is_current() -> None:
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_config_docs", root / "scripts" / "gen_config_docs.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    doc = (root / "docs" / "operations.md").read_text()
+    assert gen.render(doc) == doc, "run: .venv/bin/python scripts/gen_config_docs.py"
+    assert "`PODBAY_CONFIG_FILE`" in doc and "`PODBAY_LOG_FORMAT` / `log_format`" in doc

@@ -57,6 +57,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   run "apt-get update" as_root apt-get update
   run "apt-get install ${missing[*]}" as_root apt-get install -y --no-install-recommends "${missing[@]}"
+  # The prometheus package is here for promtool only: do not leave a server it just installed running.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
   python="$(pick_python)"
 fi
 

@@ -8,6 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEB_PACKAGES=(
   qemu-system-x86 qemu-utils debootstrap btrfs-progs busybox-static e2fsprogs nftables iproute2
   libbtrfsutil-dev cpio zstd kmod bubblewrap ca-certificates
+  prometheus  # only for promtool, which checks deploy/prometheus rules in the tests
 )
 
 log="$(mktemp -t podbay-setup.XXXXXX)"
@@ -56,6 +57,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   run "apt-get update" as_root apt-get update
   run "apt-get install ${missing[*]}" as_root apt-get install -y --no-install-recommends "${missing[@]}"
+  # The prometheus package is here for promtool only: do not leave a server it just installed running.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
   python="$(pick_python)"
 fi
 

@@ -199,10 +199,11 @@ async def consume(sub: Any, handle: Callable[[Msg], Awaitable[None]], stop: asyn
     rest of the batch until the pull request expires, which put up to a second on every command hop.
 
     ``handle`` acks, naks or terms the message itself. On ``stop`` no new message is fetched and the ones in
-    flight get ``finish_timeout_s`` to finish; an unacked message is redelivered after the consumer's
-    ``ack_wait``, which is what makes a crash mid-handler safe.
+    flight get ``finish_timeout_s`` to finish; those still running then are cancelled and their messages
+    nak'ed, so another replica (or this one restarted) gets them at once instead of after ``ack_wait``. A crash
+    mid-handler is safe too: the unacked message is redelivered after the consumer's ``ack_wait``.
     """
-    inflight: set[asyncio.Task[None]] = set()
+    inflight: dict[asyncio.Task[None], Msg] = {}
     while not stop.is_set():
         try:
             msgs = await sub.fetch(batch, timeout=1.0)
@@ -214,7 +215,26 @@ async def consume(sub: Any, handle: Callable[[Msg], Awaitable[None]], stop: asyn
             continue
         for m in msgs:
             task = asyncio.create_task(handle(m))
-            inflight.add(task)
-            task.add_done_callback(inflight.discard)
+            inflight[task] = m
+            task.add_done_callback(lambda t: inflight.pop(t, None))
     if inflight:
-        await asyncio.wait(inflight, timeout=finish_timeout_s)
+        await asyncio.wait(set(inflight), timeout=finish_timeout_s)
+    await _hand_back(inflight)
+
+
+async def _hand_back(inflight: dict[asyncio.Task[None], Msg]) -> None:
+    """Cancel handlers still running at shutdown and nak their messages for immediate redelivery."""
+    left = dict(inflight)
+    if not left:
+        return
+    log.warning("stopping with %d message(s) still being handled: handing them back", len(left))
+    for task in left:
+        task.cancel()
+    await asyncio.wait(set(left), timeout=10)
+    for task, msg in left.items():
+        if getattr(msg, "_ackd", False):
+            continue  # the handler acked, nak'ed or termed it before it was cancelled
+        try:
+            await msg.nak()
+        except Exception as exc:  # noqa: BLE001 - the server redelivers after ack_wait anyway
+            log.warning("could not hand back a message: %s", exc)

@@ -1,20 +1,38 @@
-"""Configuration for every podbay process, read from ``PODBAY_*`` environment variables.
+"""Configuration for every podbay process, read from ``PODBAY_*`` environment variables and a TOML file.
 
 One settings model serves all processes so that a variable means the same thing everywhere; each
-process reads the fields it needs. Every field is documented in README.md ("Configuration").
-Units are in the field names (``_ms``, ``_s``, ``_mib``, ``_gib``).
+process reads the fields it needs. Every field is documented in README.md ("Configuration") and
+docs/operations.md. Units are in the field names (``_ms``, ``_s``, ``_mib``, ``_gib``).
+
+Sources, strongest first: environment variables (``PODBAY_X_Y`` for field ``x_y``), then the TOML file named by
+``PODBAY_CONFIG_FILE`` (top-level keys are the field names: ``nats_url = "nats://..."``), then the defaults. A
+file that is missing, unreadable, not TOML, names an unknown key or holds a bad value raises
+:class:`ConfigError` with one line that says which and where; services print it and exit with status 2.
 """
 
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "default_data_dir", "default_cache_dir"]
+from podbay.errors import PodbayError
+
+__all__ = ["Settings", "get_settings", "default_data_dir", "default_cache_dir", "ConfigError", "CONFIG_FILE_ENV",
+           "load_settings"]
+
+CONFIG_FILE_ENV = "PODBAY_CONFIG_FILE"
+
+
+class ConfigError(PodbayError):
+    """The configuration (file or environment) cannot be used; the message says which key and where."""
+
+    code = "invalid_config"
+    http_status = 500
 
 
 def default_data_dir() -> Path:
@@ -135,6 +153,9 @@ class Settings(BaseSettings):
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 
     # services' own HTTP (health + /metrics)
+    health_host: str = Field("127.0.0.1", description="Address the scheduler, snapshotter, warm-pool and gateway "
+                             "serve /healthz, /readyz and /metrics on; 0.0.0.0 for Kubernetes probes and "
+                             "Prometheus scraping from another host.")
     scheduler_port: int = Field(8091)
     snapshotter_port: int = Field(8092)
     warmpool_port: int = Field(8093)
@@ -165,6 +186,8 @@ class Settings(BaseSettings):
     openbao_mount: str = Field("secret", description="openbao backend: KV version 2 mount.")
 
     log_level: str = Field("INFO")
+    log_format: Literal["text", "json"] = Field("text", description="Service logs on stderr: readable text, or "
+                                                "one JSON object per line with sandbox/operation/node ids.")
 
     @property
     def logs(self) -> Path:
@@ -172,12 +195,68 @@ class Settings(BaseSettings):
         return self.log_dir or (self.data_dir / "logs")
 
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Environment before the TOML file (``PODBAY_CONFIG_FILE``) before defaults."""
+        return init_settings, env_settings, _TomlFile(settings_cls)
+
+
+class _TomlFile(PydanticBaseSettingsSource):
+    """Top-level keys of the TOML file named by ``PODBAY_CONFIG_FILE`` (none when unset)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self.path = os.environ.get(CONFIG_FILE_ENV) or None
+        self.data = _read_toml(Path(self.path), settings_cls) if self.path else {}
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+def _read_toml(path: Path, settings_cls: type[BaseSettings]) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: cannot read {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path} is not valid TOML: {exc}") from exc
+    known = set(settings_cls.model_fields)
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        # A typo would otherwise be ignored silently and the default used.
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path}: unknown key(s) {', '.join(unknown)} "
+                          "(keys are the setting names in lower case, e.g. nats_url)")
+    return data
+
+
+def load_settings() -> Settings:
+    """Read the settings now. Raises :class:`ConfigError` (one line) on a bad file or value."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        where = os.environ.get(CONFIG_FILE_ENV)
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "?"
+        raise ConfigError(f"invalid setting {key}: {first['msg']} (from PODBAY_{key.upper()} or "
+                          f"{where or 'the defaults'})") from exc
+
+
 _settings: Settings | None = None
 
 
 def get_settings() -> Settings:
-    """The process-wide settings, read once from the environment."""
+    """The process-wide settings, read once from the environment and ``PODBAY_CONFIG_FILE``.
+    Raises :class:`ConfigError` on a bad file or value."""
     global _settings
     if _settings is None:
-        _settings = Settings()
+        _settings = load_settings()
     return _settings

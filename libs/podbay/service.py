@@ -2,14 +2,17 @@
 
 ``run_service(name, main)`` installs uvloop, runs ``main(stop_event)`` and sets ``stop_event`` on SIGTERM or
 SIGINT, so each service shuts down by finishing its own work rather than by being cancelled mid-step.
-``serve_http`` runs a FastAPI app on uvicorn inside the service's own loop.
+``serve_http`` runs a FastAPI app on uvicorn inside the service's own loop. ``health_app`` serves
+``/healthz`` (liveness), ``/readyz`` (readiness, see :mod:`podbay.health`) and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import json
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,9 +21,11 @@ import uvloop
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from podbay.config import ConfigError, get_settings
+from podbay.health import Check, readiness_response
 from podbay.telemetry import setup_logging
 
-__all__ = ["run_service", "serve_http", "health_app"]
+__all__ = ["run_service", "serve_http", "health_app", "readyz_route"]
 
 log = logging.getLogger("podbay.service")
 
@@ -29,6 +34,11 @@ def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, 
                 use_uvloop: bool = True) -> int:
     """Run ``main(stop)`` on uvloop (or plain asyncio when ``use_uvloop`` is false: mitmproxy runs its own
     servers on the stock loop) until it returns; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
+    try:
+        get_settings()  # a bad PODBAY_CONFIG_FILE stops the service here, with one clear line
+    except ConfigError as exc:
+        print(f"podbay-{name}: {exc}", file=sys.stderr)
+        return 2
     setup_logging(name, log_level)
 
     async def _runner() -> int:
@@ -47,20 +57,25 @@ def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, 
     return uvloop.run(_runner()) if use_uvloop else asyncio.run(_runner())
 
 
-def health_app(name: str, is_healthy: Callable[[], dict[str, Any]]) -> FastAPI:
-    """A FastAPI app with ``GET /healthz`` (200 when ``is_healthy()['ok']``, else 503) and ``GET /metrics``."""
+def health_app(name: str, is_healthy: Callable[[], dict[str, Any]],
+               ready_checks: dict[str, Check] | None = None) -> FastAPI:
+    """A FastAPI app with ``GET /healthz`` (200 when ``is_healthy()['ok']``, else 503), ``GET /readyz`` (200 when
+    every one of ``ready_checks`` passes, else 503 with the reasons; no checks = ready) and ``GET /metrics``.
+    ``ready_checks`` may be filled in after the app is made (a consumer is bound after the server starts)."""
     app = FastAPI(title=f"podbay-{name}", docs_url=None, redoc_url=None)
+    checks = ready_checks if ready_checks is not None else {}
+    app.state.ready_checks = checks
 
     @app.get("/healthz")
     async def healthz() -> Response:
         state = is_healthy()
-        import json
-
         return Response(
             json.dumps({"service": name, **state}),
             status_code=200 if state.get("ok") else 503,
             media_type="application/json",
         )
+
+    readyz_route(app, name, checks)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -87,3 +102,13 @@ async def serve_http(app: Any, host: str, port: int, stop: asyncio.Event) -> Non
         return
     server.should_exit = True
     await task
+
+
+def readyz_route(app: FastAPI, name: str, checks: dict[str, Check]) -> None:
+    """Add ``GET /readyz`` over ``checks`` to an app that is not made by :func:`health_app` (the API, the node
+    data plane)."""
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> Response:
+        status, body = await readiness_response(name, checks)
+        return Response(json.dumps(body), status_code=status, media_type="application/json")

@@ -1,16 +1,17 @@
 """Logging and Prometheus metrics shared by every service.
 
 Metric names are ``podbay_<what>_<unit>``; labels are small closed sets (states, operation kinds, outcomes),
-never ids. Every service serves ``/metrics`` (Prometheus text format) and ``/healthz``.
+never ids. Every service serves ``/metrics`` (Prometheus text format), ``/healthz`` and ``/readyz``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from podbay.logs import configure_logging
 
 __all__ = [
     "setup_logging",
@@ -19,6 +20,11 @@ __all__ = [
     "LIFECYCLE_OPERATIONS",
     "HOP_SECONDS",
     "LATENCY_BUCKETS",
+    "NODE_CAPACITY",
+    "NODE_USED",
+    "NODE_SANDBOXES",
+    "NODE_HEARTBEATS",
+    "PROMOTION_LAG_SECONDS",
 ]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -47,19 +53,31 @@ HOP_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 
+# Node capacity and load, as this node's agent puts them in its heartbeat (alerts: capacity; heartbeats stopping).
+NODE_CAPACITY = Gauge("podbay_node_capacity", "Resources this node offers to sandboxes (memory_mib, vcpus).",
+                      ["resource"])
+NODE_USED = Gauge("podbay_node_used", "Resources this node's sandboxes hold (memory_mib, vcpus).", ["resource"])
+NODE_SANDBOXES = Gauge("podbay_node_sandboxes", "Sandboxes on this node.")
+NODE_HEARTBEATS = Counter("podbay_node_heartbeats_total", "Heartbeats put into the node KV bucket, by outcome "
+                          "(ok, failed).", ["outcome"])
+# What a loss of this node would lose: the oldest "newest promoted snapshot" among its live sandboxes.
+PROMOTION_LAG_SECONDS = Gauge("podbay_snapshot_promotion_lag_seconds", "Largest age, over this node's running and "
+                              "paused sandboxes, of their newest promoted snapshot (or of the sandbox when none).")
 
-class _Formatter(logging.Formatter):
-    def __init__(self, service: str) -> None:
-        super().__init__("%(asctime)s %(levelname)-5s " + service + " %(name)s: %(message)s", "%H:%M:%S")
+NODE_LOCAL_SERVICES = frozenset({"nodeagent", "snapshotter", "gateway"})
 
 
 def setup_logging(service: str, level: str | None = None) -> None:
-    """Readable one-line logs on stderr: ``HH:MM:SS LEVEL service logger: message``."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(service))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("PODBAY_LOG_LEVEL") or "INFO").upper())
+    """Logs on stderr in ``PODBAY_LOG_FORMAT`` (``text``: ``HH:MM:SS LEVEL service logger: message``; ``json``: one
+    object per line with sandbox/operation/node ids, see :mod:`podbay.logs`), secrets redacted."""
+    from podbay.config import get_settings
+
+    settings = get_settings()
+    static = {"node_id": settings.node_id} if service in NODE_LOCAL_SERVICES else {}
+    secrets = [settings.internal_token, settings.credential_key, settings.openbao_token,
+               os.environ.get("AWS_SECRET_ACCESS_KEY", ""), settings.api_key or ""]
+    configure_logging(service, level=(level or settings.log_level or "INFO"), fmt=settings.log_format,
+                      static=static, secrets=secrets)
     for noisy in ("uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # qemu.qmp logs every refused connect while QEMU is still creating its socket; the driver reports

@@ -16,7 +16,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import Settings
+from podbay.health import nats_check, pg_check, task_check
+from podbay.logs import bind_from_path
 from podbay.outbox import Relay
+from podbay.service import readyz_route
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
@@ -41,6 +44,7 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         t = time.perf_counter()
+        bind_from_path(scope["path"])  # log lines of this request carry its sandbox / operation id
         status = 500  # what the client gets when the app raises before answering
 
         async def send_and_note(message: Message) -> None:
@@ -56,6 +60,14 @@ class RequestMetrics:
             path = getattr(scope.get("route"), "path", "unmatched")
             HTTP_REQUEST_SECONDS.labels("api", path, scope["method"], f"{status // 100}xx").observe(
                 time.perf_counter() - t)
+
+
+async def _starting() -> str:
+    return "starting"
+
+
+async def _stopping() -> str:
+    return "stopping"
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -75,10 +87,15 @@ def create_app(settings: Settings) -> FastAPI:
         await bus.nc.subscribe(subjects.API_KEY_REVOKED, cb=keys.on_revoked)
         relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
         app.state.ctx = ctx
+        ready_checks.clear()
+        ready_checks.update({"postgres": pg_check(pool), "nats": nats_check(bus),
+                             "outbox relay": task_check("outbox relay", lambda: relay_task)})
         await suspend.republish_unfinished(ctx)
         try:
             yield
         finally:
+            ready_checks.clear()
+            ready_checks["stopping"] = _stopping
             relay_task.cancel()
             await nodes_http.aclose()
             await bus.close()
@@ -112,6 +129,10 @@ def create_app(settings: Settings) -> FastAPI:
         ctx: ApiContext = app.state.ctx
         await ctx.pool.fetchval("SELECT 1")
         return {"service": "api", "ok": True, "nats": ctx.bus.nc.is_connected}
+
+    # Filled by the lifespan once the pool and bus exist; until then (and while stopping) the API is not ready.
+    ready_checks: dict[str, Any] = {"starting": _starting}
+    readyz_route(app, "api", ready_checks)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -17,7 +17,7 @@ import uvicorn
 import uvloop
 
 from podbay import db
-from podbay.config import get_settings
+from podbay.config import ConfigError, get_settings
 from podbay.errors import PodbayError
 from podbay.telemetry import setup_logging
 
@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--tenant", required=True)
     ck.add_argument("--name", default="default")
     args = parser.parse_args(argv)
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except ConfigError as exc:  # a bad PODBAY_CONFIG_FILE or value: one line, exit 2
+        print(f"podbay-api: {exc}", file=sys.stderr)
+        sys.exit(2)
     setup_logging("api", settings.log_level)
     try:
         if args.cmd == "create-key":

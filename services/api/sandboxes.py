@@ -21,6 +21,7 @@ from podbay.contracts.api import LeaseUpdate, OperationInfo, SandboxCreate, Sand
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import InvalidRequest, InvalidState, NotFound, SandboxFailed
+from podbay.logs import bind_log_context
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -120,7 +121,9 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
             details={"template_vcpus": tpl["vcpus"]},
         )
     sandbox_id = new_id("sbx")
+    bind_log_context(sandbox_id=sandbox_id)
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     hostname = "sbx-" + sandbox_id[4:16]
     t_db = time.perf_counter()
     async with ctx.pool.acquire() as conn, conn.transaction():
@@ -188,6 +191,7 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
     """
     t0 = time.perf_counter()
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     node_cmd: DeleteSandboxCmd | None = None
     node_id: str | None = None
     async with ctx.pool.acquire() as conn, conn.transaction():
@@ -242,6 +246,7 @@ async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, comm
     """Record an operation for ``command``, send it to the sandbox's node, and (bounded) wait for it."""
     t0 = time.perf_counter()
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(command, row["state"])

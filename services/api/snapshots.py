@@ -34,6 +34,7 @@ from podbay.contracts.api import (
 from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
+from podbay.logs import bind_log_context
 from podbay.outbox import emit_sandbox_event, new_id
 
 from .auth import Principal
@@ -118,6 +119,7 @@ async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, wh
     node). Errors: 404 ``not_found`` (sandbox or snapshot), 409 ``invalid_state``, 409 ``conflict`` (snapshot
     not ready)."""
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.RESTORE, row["state"])
@@ -142,6 +144,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
                        wait: bool = Query(True)) -> ForkResult:
     """Start ``count`` children (1..100) from a new full snapshot or ``snapshot_id`` (a full one)."""
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     children = [new_id("sbx") for _ in range(body.count)]
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)

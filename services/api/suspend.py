@@ -35,6 +35,7 @@ from podbay.errors import (
     Unavailable,
 )
 from podbay.faults import fault_point
+from podbay.logs import bind_log_context
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -125,6 +126,7 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
     ``Unavailable`` (no node has room; it stays suspended), ``SandboxFailed`` (the restore failed)."""
     t0 = time.perf_counter()
     op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         if row["state"] != SandboxState.SUSPENDED:

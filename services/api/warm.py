@@ -26,6 +26,7 @@ from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import Event, PlaceSandbox, Resources, WarmClaim, WarmClaimReply
 from podbay.errors import SandboxFailed
+from podbay.logs import bind_log_context
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -81,6 +82,8 @@ async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: 
     from .sandboxes import load_sandbox, sandbox_info  # sandboxes imports this module
 
     op_id = new_id("op")
+
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
     event = sandbox_event("", "created", seq=1, state="starting", tenant_id=who.tenant_id, generation=1,
                           data={"template": body.template, "operation_id": op_id, "warm": True})
     subject_head, subject_tail = subjects.sandbox_event("\x00", "created").split("\x00")

@@ -25,6 +25,7 @@ from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import get_settings
 from podbay.outbox import Relay
+from podbay.health import nats_check, pg_check, task_check
 from podbay.service import health_app, run_service, serve_http
 
 from .dnsserver import DnsServer
@@ -71,16 +72,23 @@ async def _main(stop: asyncio.Event) -> None:
         ok = ready.is_set() and not proxy_task.done() and bus.nc.is_connected and not pool._closed  # noqa: SLF001
         return {"ok": ok, "proxy_port": settings.gateway_proxy_port, "dns_port": settings.gateway_dns_port}
 
-    log.info("gateway for node %s: proxy :%d, dns :%d, health 127.0.0.1:%d", settings.node_id,
-             settings.gateway_proxy_port, settings.gateway_dns_port, settings.gateway_port)
+    log.info("gateway for node %s: proxy :%d, dns :%d, health %s:%d", settings.node_id,
+             settings.gateway_proxy_port, settings.gateway_dns_port, settings.health_host, settings.gateway_port)
 
     async def _proxy_died() -> None:
         await asyncio.wait({proxy_task}, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
 
     watchdog = asyncio.create_task(_proxy_died())
+
+    async def proxy_listening() -> str | None:
+        return None if ready.is_set() and not proxy_task.done() else "proxy not listening"
+
+    app = health_app("gateway", health, {"proxy": proxy_listening, "nats": nats_check(bus),
+                                         "postgres": pg_check(pool),
+                                         "node addresses": task_check("address watch", lambda: addr_task)})
     try:
-        await serve_http(health_app("gateway", health), "127.0.0.1", settings.gateway_port, stop)
+        await serve_http(app, settings.health_host, settings.gateway_port, stop)
     finally:
         ready_task.cancel()
         watchdog.cancel()
@@ -105,4 +113,4 @@ async def _main(stop: asyncio.Event) -> None:
 
 def main() -> None:
     """Entry point: plain asyncio (not uvloop), signals set the stop event; exit code 1 on failure."""
-    raise SystemExit(run_service("gateway", _main, log_level=get_settings().log_level, use_uvloop=False))
+    raise SystemExit(run_service("gateway", _main, use_uvloop=False))  # level: PODBAY_LOG_LEVEL

@@ -22,6 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, SnapshotDiff
 from podbay.contracts.channel import ExecSpec
 from podbay.errors import PodbayError, Unauthorized
+from podbay.health import consumer_check, mount_check, nats_check, pg_check
+from podbay.logs import bind_from_path
+from podbay.service import readyz_route
 from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
 
 from .diff import diff_snapshots
@@ -60,6 +63,7 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     @app.middleware("http")
     async def _auth_and_metrics(request: Request, call_next: Any) -> Response:
         t = time.perf_counter()
+        bind_from_path(request.url.path)  # log lines of this request carry its sandbox id
         if request.url.path.startswith("/internal/"):
             token = request.headers.get("x-podbay-internal-token", "")
             if not hmac.compare_digest(token.encode(), settings.internal_token.encode()):
@@ -78,6 +82,13 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     async def healthz() -> dict[str, object]:
         return {"service": "nodeagent", "ok": manager.ready, "node_id": settings.node_id,
                 "sandboxes": len(manager.vms), "accel": manager.accel}
+
+    async def agent_ready() -> str | None:
+        return None if manager.ready else "starting or stopping"
+
+    readyz_route(app, "nodeagent", {
+        "agent": agent_ready, "store": mount_check(manager.store.root), "nats": nats_check(manager.bus),
+        "postgres": pg_check(manager.pool), "consumer": consumer_check(lambda: manager.command_sub)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

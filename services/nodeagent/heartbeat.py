@@ -18,6 +18,7 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.config import Settings
 from podbay.contracts.messages import NodeHeartbeat
+from podbay.telemetry import NODE_CAPACITY, NODE_HEARTBEATS, NODE_SANDBOXES, NODE_USED
 
 __all__ = ["node_capacity", "register_node", "heartbeat_loop"]
 
@@ -50,14 +51,21 @@ async def heartbeat_loop(bus: Bus, settings: Settings, dataplane_url: str, accel
     (memory used MiB, vCPUs used, sandboxes, template names)."""
     kv = await bus.nodes_kv()
     mem, cpus = node_capacity(settings)
+    NODE_CAPACITY.labels("memory_mib").set(mem)
+    NODE_CAPACITY.labels("vcpus").set(cpus)
     while not stop.is_set():
         used_mem, used_cpu, count, templates = load()
+        NODE_USED.labels("memory_mib").set(used_mem)
+        NODE_USED.labels("vcpus").set(used_cpu)
+        NODE_SANDBOXES.set(count)
         hb = NodeHeartbeat(node_id=settings.node_id, dataplane_url=dataplane_url, memory_mib=mem,
                            memory_used_mib=used_mem, vcpus=cpus, vcpus_used=used_cpu, sandboxes=count,
                            templates=templates, accel=accel, at=datetime.now(UTC))
         try:
             await kv.put(settings.node_id, hb.model_dump_json().encode())
+            NODE_HEARTBEATS.labels("ok").inc()
         except Exception as exc:
+            NODE_HEARTBEATS.labels("failed").inc()
             log.warning("heartbeat failed: %s", exc)
         try:
             await asyncio.wait_for(stop.wait(), timeout=settings.node_heartbeat_s)

@@ -32,6 +32,7 @@ from podbay.contracts.messages import (
     SnapshotCmd,
     WakeCmd,
 )
+from podbay.logs import bind_from_message
 from podbay.objstore import open_store
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
@@ -58,9 +59,11 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
     node = manager.node_id
     sub = await manager.bus.pull_subscribe(subjects.node_consumer(node), subjects.node_cmd_filter(node),
                                            ack_wait_s=manager.settings.restore_timeout_s * 2 + 30)
+    manager.command_sub = sub  # for /readyz: the node's command consumer is bound
     async def one(msg: object) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
         data = msg.data  # type: ignore[attr-defined]
+        bind_from_message(data)  # this handler's task: every log line names the sandbox and operation
         try:
             if verb == "create":
                 await manager.create(CreateSandboxCmd.model_validate_json(data))
@@ -141,7 +144,8 @@ async def _serve(stop: asyncio.Event) -> None:
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=60)
+    # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=75)
     await warm.close()
     await manager.close()
     relay_task.cancel()

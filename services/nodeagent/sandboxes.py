@@ -83,6 +83,7 @@ class SandboxManager:
         # Earlier builds of a template that sandboxes still run on, by (name, digest); loaded on demand.
         self._older_templates: dict[tuple[str, str], TemplateImage] = {}
         self.ready = False
+        self.command_sub: object | None = None  # the node's bound command consumer, for /readyz
         self._locks: dict[str, asyncio.Lock] = {}
         # Guests restored all at once share the cores and may all miss their HELLO timeout under TCG; a
         # bounded number at a time finish in order (creates, rollbacks, fork children, warm slots).

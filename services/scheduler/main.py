@@ -30,6 +30,8 @@ from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, PlaceSandbox
+from podbay.health import consumer_check, nats_check, pg_check
+from podbay.logs import bind_log_context
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -140,8 +142,9 @@ class Scheduler:
         self.relay.kick()
 
 
-async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
+async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, object]) -> None:
     sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_CONSUMER, subjects.SCHEDULER_PLACE, ack_wait_s=30.0)
+    bound["sub"] = sub
     first_seen: dict[str, float] = {}
     async def one(msg: object) -> None:
         try:
@@ -150,6 +153,7 @@ async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
             log.error("dropping malformed place command: %s", exc)
             await msg.term()  # type: ignore[attr-defined]
             return
+        bind_log_context(sandbox_id=cmd.sandbox_id, operation_id=cmd.operation_id)
         seen = first_seen.setdefault(cmd.operation_id, time.monotonic())
         try:
             done = await sched.handle(cmd, seen)
@@ -173,9 +177,11 @@ async def _main(stop: asyncio.Event) -> None:
     bus = await connect_bus(settings.nats_url, name="podbay-scheduler", heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
     relay = Relay(pool, bus)
     sched = Scheduler(settings, pool, bus, relay)
-    app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected})
-    tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop)),
-             asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop))]
+    bound: dict[str, object] = {}
+    app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected}, {
+        "nats": nats_check(bus), "postgres": pg_check(pool), "consumer": consumer_check(lambda: bound.get("sub"))})
+    tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop, bound)),
+             asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop))]
     log.info("scheduler ready")
     await stop.wait()
     await asyncio.wait(tasks[1:], timeout=15)

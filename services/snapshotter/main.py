@@ -29,10 +29,13 @@ from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import PromoteCmd
 from podbay.errors import PodbayError, StorageError
+from podbay.health import consumer_check, nats_check, pg_check
+from podbay.logs import bind_log_context
 from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import Relay
 from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_path
 from podbay.service import health_app, run_service, serve_http
+from podbay.telemetry import PROMOTION_LAG_SECONDS
 
 __all__ = ["main", "Snapshotter"]
 
@@ -88,6 +91,7 @@ class Snapshotter:
             log.error("dropping malformed promote command: %s", exc)
             await msg.term()
             return
+        bind_log_context(sandbox_id=cmd.sandbox_id)
         keepalive = asyncio.create_task(_keep_alive(msg))
         try:
             await self.promote_one(cmd.snapshot_id)
@@ -144,6 +148,20 @@ async def _keep_alive(msg: Any) -> None:
             await msg.in_progress()
 
 
+PROMOTION_LAG_SQL = (
+    "SELECT coalesce(max(extract(epoch FROM now() - coalesce(p.newest, s.created_at))), 0)::float8"
+    " FROM sandboxes s LEFT JOIN LATERAL (SELECT max(created_at) AS newest FROM snapshots"
+    "  WHERE sandbox_id = s.id AND promotion = 'promoted') p ON true"
+    " WHERE s.node_id = $1 AND s.state IN ('running', 'paused')")
+
+
+async def measure_promotion_lag(pool: asyncpg.Pool, node_id: str) -> float:
+    """Set ``podbay_snapshot_promotion_lag_seconds`` for ``node_id`` and return it (seconds)."""
+    lag = float(await pool.fetchval(PROMOTION_LAG_SQL, node_id))
+    PROMOTION_LAG_SECONDS.set(lag)
+    return lag
+
+
 async def _every(seconds: float, stop: asyncio.Event, what: str, fn: Any) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
@@ -175,17 +193,25 @@ async def _main(stop: asyncio.Event) -> None:
 
         await check_s3()
         snap = Snapshotter(settings, pool, bus, store, relay)
-        app = health_app("snapshotter", lambda: dict(state))
         sub = await bus.pull_subscribe(subjects.snapshotter_consumer(settings.node_id),
                                        subjects.snapshotter_promote(settings.node_id), ack_wait_s=ACK_WAIT_S)
+
+        async def s3_ready() -> str | None:
+            return None if state["s3"] == "ok" else str(state["s3"])
+
+        app = health_app("snapshotter", lambda: dict(state), {
+            "nats": nats_check(bus), "postgres": pg_check(pool), "s3": s3_ready,
+            "consumer": consumer_check(lambda: sub)})
         tasks = [
             asyncio.create_task(relay.run()),
-            asyncio.create_task(serve_http(app, "127.0.0.1", settings.snapshotter_port, stop)),
+            asyncio.create_task(serve_http(app, settings.health_host, settings.snapshotter_port, stop)),
             asyncio.create_task(consume(sub, snap.handle, stop, finish_timeout_s=30)),
             asyncio.create_task(_every(10.0, stop, "S3 health check", check_s3)),
             asyncio.create_task(_every(settings.gc_interval_s, stop, "garbage collection",
                                        lambda: collect_garbage(pool, store, settings.gc_grace_s))),
         ]
+        tasks.append(asyncio.create_task(_every(15.0, stop, "promotion lag",
+                                                lambda: measure_promotion_lag(pool, settings.node_id))))
         if settings.promote_disk_interval_s > 0:
             tasks.append(asyncio.create_task(_every(min(settings.promote_disk_interval_s, 30.0), stop,
                                                     "disk promotion cadence", snap.cadence_once)))
@@ -195,7 +221,7 @@ async def _main(stop: asyncio.Event) -> None:
             log.warning("resuming interrupted promotions failed: %s", exc)
         log.info("snapshotter ready (node %s, bucket %s: %s)", settings.node_id, settings.s3_bucket, state["s3"])
         await stop.wait()
-        await asyncio.wait(tasks[1:], timeout=40)
+        await asyncio.wait(tasks[1:], timeout=45)  # 30 s for promotions in flight, then hand-back
         tasks[0].cancel()
     await bus.close()
     await pool.close()

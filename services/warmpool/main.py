@@ -31,6 +31,7 @@ from podbay import db
 from podbay.bus import Bus, connect_bus
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
+from podbay.health import nats_check, pg_check, task_check
 from podbay.lease import Lease
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS
@@ -149,10 +150,11 @@ async def _main(stop: asyncio.Event) -> None:
         return {"ok": bus.nc.is_connected and not pool._closed,  # noqa: SLF001  # asyncpg has no public flag
                 "leader": lease.held}
 
-    app = health_app("warmpool", health)
     worker = asyncio.create_task(_loop(settings, pool, bus, stop, lease), name="warm-targets")
+    app = health_app("warmpool", health, {"nats": nats_check(bus), "postgres": pg_check(pool),
+                                          "targets loop": task_check("warm-target loop", lambda: worker)})
     log.info("warm-pool manager ready")
-    await serve_http(app, "127.0.0.1", settings.warmpool_port, stop)
+    await serve_http(app, settings.health_host, settings.warmpool_port, stop)
     await asyncio.wait({worker}, timeout=10)
     await bus.close()
     await pool.close()

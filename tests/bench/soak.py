@@ -12,6 +12,7 @@ schedule whether or not earlier ones finished, at most one at a time per sandbox
 Operations, chosen at random per idle sandbox: ``exec`` of ``true`` (40%), ``pause`` of a running or
 ``resume`` of a paused one (30%), a ``snapshot`` (disk, 10%) and ``recreate`` (delete, then create a new
 one in its place; 20%). An operation on a paused sandbox other than pause/resume resumes it instead.
+While fewer than ``--sandboxes`` exist (a create failed), the next scheduled operation is a create.
 
 Metrics (DESIGN.md §7 format): ``op_<kind>`` latencies (``create``, ``exec``, ``pause``, ``resume``,
 ``snapshot``, ``delete``); ``errors_<kind>`` and ``errors_total`` (answers >= 400 or no answer);
@@ -108,6 +109,7 @@ class Soak:
         self.error_examples: list[str] = []
         self.lost: set[str] = set()
         self.ops = 0
+        self.creating = 0
 
     async def _timed(self, kind: str, method: str, path: str, **kw: Any) -> httpx.Response | None:
         t0 = time.perf_counter()
@@ -135,6 +137,15 @@ class Soak:
         sid = str(r.json()["id"])
         self.state[sid] = "running"
         return sid
+
+    async def top_up(self) -> None:
+        """One create that brings the pool back towards its target."""
+        self.creating += 1
+        self.ops += 1
+        try:
+            await self.create()
+        finally:
+            self.creating -= 1
 
     async def delete(self, sid: str) -> None:
         self.state.pop(sid, None)
@@ -215,6 +226,13 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         while time.monotonic() < deadline and (args.runs is None or started < args.runs):
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at += interval
+            if len(soak.state) + soak.creating < args.sandboxes:
+                # Below the target (a create failed, or a recreate's create did): top up first.
+                task = asyncio.create_task(soak.top_up())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                started += 1
+                continue
             idle = [s for s in soak.state if s not in soak.busy]
             if not idle:
                 skipped += 1  # every sandbox busy: the stack is behind the rate

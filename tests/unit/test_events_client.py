@@ -107,3 +107,27 @@ def test_cli_position_file_round_trip_and_bad_input(tmp_path: Path, monkeypatch:
     for bad in ("../up", "", "a/b", "x" * 65):
         with pytest.raises(InvalidRequest):
             cli_events.position_file(bad)
+
+
+def test_sandbox_events_are_scoped_to_the_sandbox() -> None:
+    now = datetime.now(UTC).isoformat()
+    info = {"id": "sbx_1", "template": "base", "state": "running", "desired_state": "running", "node_id": None,
+            "generation": 1, "memory_mib": 256, "vcpus": 1, "hostname": "h", "metadata": {}, "created_at": now,
+            "updated_at": now}
+    seen: list[httpx.Request] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req)
+        if req.url.path == "/v1/events":
+            return httpx.Response(200, text=_line(3, "paused"))
+        return httpx.Response(200, json=info)
+
+    from podbay.sdk import AsyncSandbox
+
+    async def go() -> list[str]:
+        async with AsyncClient("http://api", "k", transport=httpx.MockTransport(handler)) as c:
+            sb = await AsyncSandbox.connect("sbx_1", client=c)
+            return [e.type async for e in sb.events(types=["paused"])]
+
+    assert asyncio.run(go()) == ["paused"]
+    assert seen[-1].url.params.get_list("sandbox") == ["sbx_1"] and seen[-1].url.params["type"] == "paused"

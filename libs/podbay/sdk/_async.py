@@ -448,6 +448,11 @@ class AsyncSandbox:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
 
+    def events(self, *, types: Sequence[str] | None = None, after: int | None = None,
+               follow: bool = False) -> AsyncIterator[EventOut]:
+        """``async for event in sb.events(follow=True)``: this sandbox's lifecycle events (``Client.events``)."""
+        return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
+
 
     async def network(self) -> NetworkInfo:
         """This sandbox's effective egress policy."""

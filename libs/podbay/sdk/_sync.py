@@ -481,6 +481,11 @@ class Sandbox:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
 
+    def events(self, *, types: Sequence[str] | None = None, after: int | None = None,
+               follow: bool = False) -> Iterator[EventOut]:
+        """This sandbox's lifecycle events: see ``Client.events``."""
+        return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
+
 
     def network(self) -> NetworkInfo:
         """This sandbox's effective egress policy."""

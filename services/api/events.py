@@ -18,7 +18,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query
@@ -98,18 +98,25 @@ def _to_line(seq: int, payload: dict[str, object]) -> bytes | None:
         return None
 
 
-async def stream_events(bus: Bus, f: EventFilter, *, after: int, follow: bool) -> AsyncIterator[bytes]:
-    """Yield NDJSON lines of the events after stream position ``after`` that pass ``f``.
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""  # makes this an async generator
 
-    With ``follow`` it runs until cancelled (blank keep-alive lines while idle); without, it stops at the
-    last event that existed when it started. Raises ``Unavailable`` when JetStream does not answer.
+
+async def stream_events(bus: Bus, f: EventFilter, *, after: int, follow: bool) -> AsyncIterator[bytes]:
+    """Open the consumer now, then return an iterator of NDJSON lines of the events after stream position
+    ``after`` that pass ``f``.
+
+    Opening first means a JetStream that does not answer is a 503 ``Unavailable`` before any byte of the
+    answer, not a broken stream. With ``follow`` the iterator runs until cancelled (blank keep-alive lines
+    while idle); without, it stops at the last event that existed when it started.
     """
     try:
         last = (await bus.js.stream_info(subjects.EVT_STREAM)).state.last_seq
     except Exception as exc:
         raise Unavailable(f"the event stream did not answer: {exc}") from exc
     if not follow and last <= after:
-        return
+        return _nothing()
     cfg = ConsumerConfig(inactive_threshold=INACTIVE_S)
     if after > 0:
         cfg.deliver_policy, cfg.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, after + 1
@@ -120,7 +127,11 @@ async def stream_events(bus: Bus, f: EventFilter, *, after: int, follow: bool) -
                                      config=cfg, idle_heartbeat=5.0)
     except Exception as exc:
         raise Unavailable(f"could not open the event stream: {exc}") from exc
-    consumer: str | None = None
+    return _pump(bus, sub, f, last=last, follow=follow)
+
+
+async def _pump(bus: Bus, sub: Any, f: EventFilter, *, last: int, follow: bool) -> AsyncIterator[bytes]:
+    consumer: str | None = getattr(sub, "_consumer", None)  # updated from each message after a reset
     try:
         while True:
             try:
@@ -130,7 +141,11 @@ async def stream_events(bus: Bus, f: EventFilter, *, after: int, follow: bool) -
                     yield b"\n"
                     continue
                 # Nothing arrived: done once the consumer has nothing more to send.
-                info = await sub.consumer_info()
+                try:
+                    info = await sub.consumer_info()
+                except Exception as exc:  # the consumer was reset or the server left: end; the client resumes
+                    log.info("event consumer info failed, ending the listing: %s", exc)
+                    return
                 if info.num_pending == 0:
                     return
                 continue
@@ -184,6 +199,6 @@ async def list_events(
         if not last_event_id.strip().isdigit():
             raise InvalidRequest(f"invalid Last-Event-ID {last_event_id[:40]!r}: expected a stream position")
         start = int(last_event_id.strip())
-    body = stream_events(ctx.bus, f, after=start or 0, follow=follow)
+    body = await stream_events(ctx.bus, f, after=start or 0, follow=follow)
     return StreamingResponse(body, media_type="application/x-ndjson",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

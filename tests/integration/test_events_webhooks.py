@@ -267,10 +267,12 @@ def test_webhook_signed_retried_after_500_and_state_recorded(stack: Stack, acme:
     assert len(receiver.requests) == 2  # the other tenant's and the 'started' events were never sent here
 
 
-def test_several_deliverers_deliver_each_event_once(stack: Stack, acme: Tenant, receiver: Receiver) -> None:
+def test_several_deliverers_deliver_each_event_once(stack: Stack, acme: Tenant, receiver: Receiver,
+                                                    tmp_path: Path) -> None:
     _, sbx = template_and_sandbox(stack, acme)
-    with acme.http() as http:
-        assert http.post("/v1/webhooks", json={"url": receiver.url}).status_code == 201
+    added = _cli(stack, acme, tmp_path / "config.json", "webhook", "add", receiver.url, "--json")
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["secret"].startswith("whsec_")
     n = 12
 
     async def run() -> None:

@@ -222,7 +222,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def test_webhook_signed_retried_after_500_and_state_recorded(stack: Stack, acme: Tenant, other: Tenant,
-                                                            receiver: Receiver) -> None:
+                                                            receiver: Receiver, tmp_path: Path) -> None:
     receiver.script = [500]
     _, sbx = template_and_sandbox(stack, acme)
     _, theirs = template_and_sandbox(stack, other)
@@ -256,7 +256,7 @@ def test_webhook_signed_retried_after_500_and_state_recorded(stack: Stack, acme:
     assert state["last_status"] == 200 and state["last_attempts"] == 2 and state["failures"] == 0
     assert state["last_event_seq"] == body["seq"] and state["last_error"] is None
     # The CLI shows it; deleting stops deliveries (the other tenant cannot delete it).
-    cfg = Path(os.environ.get("TMPDIR", "/tmp")) / f"podbay-cfg-{hook['id']}.json"
+    cfg = tmp_path / "config.json"
     out = _cli(stack, acme, cfg, "webhook", "list")
     assert out.returncode == 0 and hook["id"] in out.stdout and "200" in out.stdout, out.stderr
     with other.http() as http:

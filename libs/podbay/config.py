@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
     exec_timeout_s: float = Field(300.0, description="Default exec timeout when the request gives none.")
     internal_token: str = Field("", description="Shared secret between the API and node data planes.")
+    webhook_max_attempts: int = Field(6, ge=1, le=20, description="POSTs per webhook and event before giving up.")
+    webhook_backoff_s: float = Field(1.0, gt=0, description="First wait between webhook attempts; doubles each time.")
+    webhook_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between webhook attempts.")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="Bound on one webhook POST.")
+    webhooks_enabled: bool = Field(True, description="Run the webhook deliverer in this API process.")
     e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
                                    "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
 

@@ -54,10 +54,17 @@ async def emit_sandbox_event(
     generation: int | None = None,
     data: dict[str, Any] | None = None,
 ) -> Event:
-    """Bump the sandbox's event sequence and emit ``podbay.evt.sandbox.<id>.<type>`` in this transaction."""
-    seq = await conn.fetchval(
-        "UPDATE sandboxes SET event_seq = event_seq + 1 WHERE id = $1 RETURNING event_seq", sandbox_id
+    """Bump the sandbox's event sequence and emit ``podbay.evt.sandbox.<id>.<type>`` in this transaction.
+
+    ``tenant_id`` defaults to the sandbox row's: every sandbox event names its tenant, because subscribers
+    (``GET /v1/events``, webhooks) only ever see their own tenant's events.
+    """
+    row = await conn.fetchrow(
+        "UPDATE sandboxes SET event_seq = event_seq + 1 WHERE id = $1 RETURNING event_seq, tenant_id", sandbox_id
     )
+    seq = row["event_seq"] if row else 0
+    if tenant_id is None and row is not None:
+        tenant_id = row["tenant_id"]
     event = sandbox_event(sandbox_id, event_type, seq=int(seq or 0), state=state, reason=reason, node_id=node_id,
                           tenant_id=tenant_id, generation=generation, data=data)
     await emit(conn, subjects.sandbox_event(sandbox_id, event_type), event)

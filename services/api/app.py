@@ -20,11 +20,13 @@ from podbay.health import nats_check, pg_check, task_check
 from podbay.logs import bind_from_path
 from podbay.outbox import Relay
 from podbay.service import readyz_route
+from podbay.webhooks import Deliverer
 from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import audit_log, credentials, dataplane, e2b, e2b_envd, keys, network, pools, sandboxes, snapshots, suspend
+from . import (audit_log, credentials, dataplane, e2b, e2b_envd, events, keys, network, pools, sandboxes, snapshots,
+               suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -91,11 +93,25 @@ def create_app(settings: Settings) -> FastAPI:
         ready_checks.update({"postgres": pg_check(pool), "nats": nats_check(bus),
                              "outbox relay": task_check("outbox relay", lambda: relay_task)})
         await suspend.republish_unfinished(ctx)
+        # Webhook delivery runs beside the API (podbay.webhooks): replicas share one durable consumer.
+        hooks_stop = asyncio.Event()
+        hooks_task: asyncio.Task[None] | None = None
+        if settings.webhooks_enabled:
+            deliverer = Deliverer(pool, bus, max_attempts=settings.webhook_max_attempts,
+                                  backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s,
+                                  timeout_s=settings.webhook_timeout_s)
+            hooks_task = asyncio.create_task(deliverer.run(hooks_stop), name="webhooks")
         try:
             yield
         finally:
             ready_checks.clear()
             ready_checks["stopping"] = _stopping
+            hooks_stop.set()
+            if hooks_task is not None:
+                try:
+                    await asyncio.wait_for(hooks_task, timeout=8)
+                except Exception:  # its unacked events are redelivered to another replica
+                    hooks_task.cancel()
             relay_task.cancel()
             await nodes_http.aclose()
             await bus.close()
@@ -121,6 +137,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(keys.router)
     app.include_router(audit_log.router)
     app.include_router(network.router)
+    app.include_router(events.router)
+    app.include_router(webhooks.router)
 
     app.add_middleware(RequestMetrics)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from podbay.cli import access, files, pool, sandbox, snapshot, stack, template
+from podbay.cli import access, events, files, pool, sandbox, snapshot, stack, template
 from podbay.cli._common import CliState, OneLineErrorsGroup
 from podbay.cli.exec_cmd import exec_command
 
@@ -31,6 +31,8 @@ app.add_typer(access.credential_app, name="credential")
 app.add_typer(access.key_app, name="key")
 sandbox.app.add_typer(access.network_app, name="network")
 app.command("audit")(access.audit)
+app.command("events")(events.events)
+app.add_typer(events.webhook_app, name="webhook")
 app.add_typer(template.template_app, name="template")
 app.add_typer(template.operation_app, name="operation")
 app.command("exec")(exec_command)

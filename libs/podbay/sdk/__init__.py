@@ -12,6 +12,8 @@
 - ``client.credentials`` / ``client.keys`` namespaces, ``client.audit(...)``, ``sb.set_network(policy)`` and
   ``Sandbox.create(..., network=policy)``: credentials (values are write-only), API keys, the audit log and
   egress policy (docs/credentials.md).
+- ``client.events(sandbox=, types=, after=, follow=)``: the tenant's lifecycle events (``EventOut`` with
+  ``.seq``, the position to resume after), a sync or async iterator; ``client.webhooks`` namespace.
 - Results are the pydantic models of ``podbay.contracts.api``; errors are the ``podbay.errors`` classes
   (re-exported here), carrying the server's ``code``, ``message`` and ``details``.
 
@@ -40,6 +42,7 @@ from podbay.errors import (
     Unprocessable,
 )
 from podbay.contracts.egress import EgressPolicy, EgressRule
+from podbay.contracts.events import EventOut, WebhookCreated, WebhookInfo
 from podbay.sdk._async import AsyncClient, AsyncFiles, AsyncSandbox
 from podbay.sdk._http import DEFAULT_TIMEOUT_S
 from podbay.sdk._sync import Client, Files, Sandbox
@@ -65,6 +68,9 @@ __all__ = [
     "AuditEntry",
     "AuditPage",
     "NetworkInfo",
+    "EventOut",
+    "WebhookCreated",
+    "WebhookInfo",
     "DEFAULT_TIMEOUT_S",
     "PodbayError",
     "SnapshotCorrupt",

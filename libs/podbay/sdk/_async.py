@@ -11,9 +11,10 @@ awaits them. Method docstrings say what differs; the rest is documented on the s
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import io
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from types import TracebackType
@@ -33,7 +34,9 @@ from podbay.contracts.api import (
     SnapshotInfo,
     TemplateInfo,
 )
-from podbay.errors import NotFound, PodbayError
+from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
+from podbay.contracts.events import EventOut
+from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _calls as calls
@@ -76,6 +79,8 @@ class AsyncClient:
         #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
         self.credentials = access.AsyncCredentials(self._call)
         self.keys = access.AsyncKeys(self._call)
+        #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
+        self.webhooks = sdk_events.AsyncWebhooks(self._call)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
@@ -229,6 +234,27 @@ class AsyncClient:
         """
         req = calls.exec_request(cmd, **opts)
         return self._events(calls.exec_stream_call(sandbox_id, req))
+
+    async def events(self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
+                     after: int | None = None, follow: bool = False) -> AsyncIterator[EventOut]:
+        """The tenant's lifecycle events after stream position ``after`` (``async for``); see ``Client.events``."""
+        last, wait = after, sdk_events.RECONNECT_S
+        while True:
+            call = sdk_events.events_call(sandbox=sandbox, types=types, after=last, follow=follow)
+            try:
+                async with self._stream(call) as resp:
+                    async for line in resp.aiter_lines():
+                        event = sdk_events.parse_event_line(line, self.api_url + call.path)
+                        if event is not None:
+                            last, wait = event.seq, sdk_events.RECONNECT_S
+                            yield event
+                if not follow:
+                    return
+            except (Unavailable, Timeout):
+                if not follow:
+                    raise
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 10.0)
 
     async def _events(self, call: Call[None]) -> AsyncIterator[ExecEvent]:
         reader = EventReader(self.api_url + call.path)
@@ -421,6 +447,11 @@ class AsyncSandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
         """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    def events(self, *, types: Sequence[str] | None = None, after: int | None = None,
+               follow: bool = False) -> AsyncIterator[EventOut]:
+        """``async for event in sb.events(follow=True)``: this sandbox's lifecycle events (``Client.events``)."""
+        return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
 
 
     async def network(self) -> NetworkInfo:

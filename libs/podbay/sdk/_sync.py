@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import builtins
 import io
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from types import TracebackType
@@ -34,7 +35,9 @@ from podbay.contracts.api import (
     SnapshotInfo,
     TemplateInfo,
 )
-from podbay.errors import NotFound, PodbayError
+from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
+from podbay.contracts.events import EventOut
+from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _calls as calls
@@ -82,6 +85,8 @@ class Client:
         #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
         self.credentials = access.Credentials(self._call)
         self.keys = access.Keys(self._call)
+        #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
+        self.webhooks = sdk_events.Webhooks(self._call)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -247,6 +252,33 @@ class Client:
         """
         req = calls.exec_request(cmd, **opts)
         return self._events(calls.exec_stream_call(sandbox_id, req))
+
+    def events(self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
+               after: int | None = None, follow: bool = False) -> Iterator[EventOut]:
+        """Yield the tenant's lifecycle events (``EventOut``) after stream position ``after``, in order.
+
+        ``sandbox`` (one id or several) and ``types`` filter. Without ``follow`` it ends at the newest
+        event; with it, it waits for new ones forever, and a dropped connection is reopened after the last
+        ``seq`` seen, so nothing is lost or repeated. Keep ``event.seq`` to resume later with ``after``.
+        Raises ``InvalidRequest`` for a bad filter; without ``follow``, ``Unavailable``/``Timeout`` too.
+        """
+        last, wait = after, sdk_events.RECONNECT_S
+        while True:
+            call = sdk_events.events_call(sandbox=sandbox, types=types, after=last, follow=follow)
+            try:
+                with self._stream(call) as resp:
+                    for line in resp.iter_lines():
+                        event = sdk_events.parse_event_line(line, self.api_url + call.path)
+                        if event is not None:
+                            last, wait = event.seq, sdk_events.RECONNECT_S
+                            yield event
+                if not follow:
+                    return
+            except (Unavailable, Timeout):
+                if not follow:
+                    raise
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
 
     def _events(self, call: Call[None]) -> Iterator[ExecEvent]:
         reader = EventReader(self.api_url + call.path)
@@ -448,6 +480,11 @@ class Sandbox:
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
+
+    def events(self, *, types: Sequence[str] | None = None, after: int | None = None,
+               follow: bool = False) -> Iterator[EventOut]:
+        """This sandbox's lifecycle events: see ``Client.events``."""
+        return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
 
 
     def network(self) -> NetworkInfo:

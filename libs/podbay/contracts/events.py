@@ -1,0 +1,97 @@
+"""HTTP API bodies for event subscribers: the event stream (``GET /v1/events``) and webhooks (``/v1/webhooks``).
+
+An event on the wire is one JSON object per line (NDJSON), the lifecycle ``Event`` plus ``seq``: its
+position in the ``PODBAY_EVT`` JetStream stream. Positions only grow, so a subscriber that keeps the last
+``seq`` it handled resumes with ``after=<seq>`` and sees every later event once.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+__all__ = [
+    "EVENT_TYPE_PATTERN",
+    "EVENT_TYPES",
+    "EventOut",
+    "WebhookCreate",
+    "WebhookInfo",
+    "WebhookCreated",
+    "WebhookList",
+]
+
+#: An event type token: lower-case letters, digits and underscores (it is one NATS subject token).
+EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+
+#: The sandbox lifecycle event types podbay emits today (DESIGN.md §4); filters accept any well-formed type.
+EVENT_TYPES = ("created", "started", "paused", "resumed", "snapshotted", "promoted", "suspending", "suspended",
+               "resuming", "restored", "forked", "reattached", "failed", "deleted")
+
+EventType = Annotated[str, StringConstraints(pattern=EVENT_TYPE_PATTERN)]
+
+
+class EventOut(BaseModel):
+    """One lifecycle event as a subscriber sees it.
+
+    ``seq`` is the stream position (resume after it); ``data.seq`` orders one sandbox's own events.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    seq: int = Field(description="Position in the event stream; pass it back as `after` to resume.")
+    id: str = Field(description="Event id (unique; the webhook delivery carries it too).")
+    type: str
+    sandbox_id: str | None = None
+    node_id: str | None = None
+    tenant_id: str | None = None
+    generation: int | None = None
+    state: str | None = None
+    reason: str | None = None
+    at: datetime
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class WebhookCreate(BaseModel):
+    """``POST /v1/webhooks``: where to POST events, and which types (empty: all)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=8, max_length=2048, description="http:// or https:// URL that receives POSTs.")
+    types: list[EventType] = Field(default_factory=list, max_length=32,
+                                   description="Only these event types; empty means every type.")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^\s/?#]+[^\s]*$", v):
+            raise ValueError("must be an http:// or https:// URL without spaces")
+        return v
+
+
+class WebhookInfo(BaseModel):
+    """A webhook and the state of its deliveries (never its secret)."""
+
+    id: str
+    url: str
+    types: list[str]
+    created_at: datetime
+    deliveries: int = Field(0, description="Events delivered (a 2xx answer).")
+    failures: int = Field(0, description="Events given up on after the last attempt.")
+    last_status: int | None = Field(None, description="HTTP status of the last attempt (null: no answer).")
+    last_attempts: int | None = Field(None, description="Attempts the last event took.")
+    last_error: str | None = None
+    last_event_seq: int | None = Field(None, description="Stream position of the last event handled.")
+    last_attempt_at: datetime | None = None
+
+
+class WebhookCreated(WebhookInfo):
+    """The answer to a create: the signing secret, shown this once."""
+
+    secret: str = Field(description="HMAC-SHA256 key for the `Podbay-Signature` header; shown only now.")
+
+
+class WebhookList(BaseModel):
+    webhooks: list[WebhookInfo]

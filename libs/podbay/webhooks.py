@@ -1,0 +1,196 @@
+"""Webhook signing and delivery: a signed POST per lifecycle event to each matching tenant webhook.
+
+Signature (header ``Podbay-Signature``), in the style of Stripe's::
+
+    Podbay-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." + raw body bytes)>
+
+The receiver recomputes the HMAC over the timestamp, a dot and the raw body with the secret it got at
+creation, compares in constant time, and refuses a timestamp older than a few minutes (replays).
+``verify_signature`` does all that. Other headers: ``Podbay-Event-Id`` (dedupe: a delivery may repeat
+after a crash), ``Podbay-Event-Seq`` (stream position), ``Podbay-Event-Type``, ``Podbay-Webhook-Id``.
+
+Delivery (``Deliverer``): one durable pull consumer ``webhooks`` on ``PODBAY_EVT`` (``podbay.evt.sandbox.>``)
+shared by every process that runs a deliverer, so each event is handed to one of them; events are handled
+concurrently (one slow endpoint holds only its own events), each webhook gets up to ``max_attempts`` POSTs
+with exponential backoff, and the event is acked once every webhook is done (delivered or given up), so a
+crash mid-way redelivers it to another replica (at least once; dedupe by ``Podbay-Event-Id``). The outcome
+is recorded on the webhook row (``deliveries``, ``failures``, ``last_*``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+import asyncpg
+import httpx
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from podbay.bus import Bus, consume
+from podbay.contracts import subjects
+
+__all__ = ["SIGNATURE_HEADER", "sign", "signature_header", "verify_signature", "Deliverer", "DELIVERER_CONSUMER"]
+
+log = logging.getLogger("podbay.webhooks")
+
+SIGNATURE_HEADER = "Podbay-Signature"
+DELIVERER_CONSUMER = "webhooks"
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """Hex HMAC-SHA256 of ``"<timestamp>." + body`` under ``secret``."""
+    return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+def signature_header(secret: str, body: bytes, *, timestamp: int | None = None) -> str:
+    """The ``Podbay-Signature`` value for ``body``: ``t=<unix s>,v1=<hex>``."""
+    t = int(time.time()) if timestamp is None else timestamp
+    return f"t={t},v1={sign(secret, t, body)}"
+
+
+def verify_signature(secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0,
+                     now: float | None = None) -> bool:
+    """True when ``header`` signs ``body`` under ``secret`` and its timestamp is within ``tolerance_s``."""
+    parts: dict[str, list[str]] = {}
+    for item in header.split(","):
+        key, sep, value = item.strip().partition("=")
+        if sep:
+            parts.setdefault(key, []).append(value)
+    try:
+        t = int(parts["t"][0])
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - t) > tolerance_s:
+        return False
+    want = sign(secret, t, body)
+    return any(hmac.compare_digest(want, v) for v in parts.get("v1", []))
+
+
+class _Retryable(Exception):
+    """A delivery attempt that may succeed later (network error, 408, 429, 5xx)."""
+
+    def __init__(self, message: str, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Deliverer:
+    """Delivers events to webhooks; ``run(stop)`` is its background task (see the module docstring).
+
+    ``max_attempts`` POSTs per webhook and event, waiting ``backoff_s`` × 2^n (at most ``backoff_max_s``)
+    between them; each POST is bounded by ``timeout_s``.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, bus: Bus, *, max_attempts: int = 5, backoff_s: float = 1.0,
+                 backoff_max_s: float = 60.0, timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._pool = pool
+        self._bus = bus
+        self._max_attempts = max_attempts
+        self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self._http = httpx.AsyncClient(timeout=timeout_s, transport=transport, follow_redirects=False,
+                                       headers={"User-Agent": "podbay-webhooks/0.1"})
+        # The longest one event can take, so JetStream does not redeliver it while we are still at it.
+        self._ack_wait_s = max_attempts * (timeout_s + backoff_max_s) + 30.0
+
+    async def _subscribe(self) -> Any:
+        cfg = ConsumerConfig(
+            durable_name=DELIVERER_CONSUMER,
+            filter_subject="podbay.evt.sandbox.>",
+            ack_policy=AckPolicy.EXPLICIT,
+            # A new installation delivers from now on, not the stream's week of history.
+            deliver_policy=DeliverPolicy.NEW,
+            ack_wait=self._ack_wait_s,
+            max_deliver=5,
+            max_ack_pending=1000,
+        )
+        try:
+            await self._bus.js.add_consumer(subjects.EVT_STREAM, cfg)
+        except Exception as exc:  # exists already (another replica made it), same config: bind to it
+            log.debug("webhooks consumer: %s", exc)
+        return await self._bus.js.pull_subscribe_bind(durable=DELIVERER_CONSUMER, stream=subjects.EVT_STREAM)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume events until ``stop``; events in flight get a short grace, the rest are redelivered."""
+        sub = await self._subscribe()
+        try:
+            await consume(sub, self.handle, stop, finish_timeout_s=5.0)
+        finally:
+            await self._http.aclose()
+
+    async def handle(self, msg: Msg) -> None:
+        """Deliver one event to its tenant's matching webhooks, then ack it."""
+        try:
+            payload = json.loads(msg.data)
+            tenant_id = payload.get("tenant_id")
+            event_type = payload.get("type")
+        except (ValueError, AttributeError):
+            await msg.term()
+            return
+        seq = msg.metadata.sequence.stream
+        if not tenant_id:
+            await msg.ack()
+            return
+        try:
+            hooks = await self._pool.fetch(
+                "SELECT id, url, secret FROM webhooks WHERE tenant_id = $1 AND deleted_at IS NULL"
+                " AND (cardinality(types) = 0 OR $2 = ANY(types))", tenant_id, event_type)
+        except Exception as exc:  # PostgreSQL away: let JetStream redeliver later
+            log.warning("webhooks: cannot read webhooks (event %s redelivered later): %s", seq, exc)
+            await msg.nak(delay=5)
+            return
+        if hooks:
+            body = json.dumps({**payload, "seq": seq}, separators=(",", ":")).encode()
+            await asyncio.gather(*(self._deliver(h, body, payload, seq) for h in hooks))
+        await msg.ack()
+
+    async def _deliver(self, hook: asyncpg.Record, body: bytes, payload: dict[str, Any], seq: int) -> None:
+        attempts = 0
+        status: int | None = None
+        error: str | None = None
+
+        async def attempt() -> int:
+            nonlocal attempts
+            attempts += 1
+            headers = {"Content-Type": "application/json",
+                       SIGNATURE_HEADER: signature_header(hook["secret"], body),
+                       "Podbay-Event-Id": str(payload.get("id", "")), "Podbay-Event-Seq": str(seq),
+                       "Podbay-Event-Type": str(payload.get("type", "")), "Podbay-Webhook-Id": hook["id"]}
+            try:
+                resp = await self._http.post(hook["url"], content=body, headers=headers)
+            except httpx.HTTPError as exc:
+                raise _Retryable(f"{type(exc).__name__}: {exc}"[:300], None) from exc
+            if resp.status_code in (408, 429) or resp.status_code >= 500:
+                raise _Retryable(f"HTTP {resp.status_code}", resp.status_code)
+            return resp.status_code
+
+        try:
+            async for a in AsyncRetrying(stop=stop_after_attempt(self._max_attempts),
+                                         wait=wait_exponential(multiplier=self._backoff_s, max=self._backoff_max_s),
+                                         retry=retry_if_exception_type(_Retryable), reraise=True):
+                with a:
+                    status = await attempt()
+        except _Retryable as exc:
+            status, error = exc.status, str(exc)
+        except RetryError as exc:  # not raised with reraise=True; kept for safety
+            error = str(exc)
+        ok = status is not None and 200 <= status < 300
+        if not ok and error is None:
+            error = f"HTTP {status}"  # a 4xx other than 408/429: the receiver refused it, no retry
+        try:
+            await self._pool.execute(
+                "UPDATE webhooks SET deliveries = deliveries + $2, failures = failures + $3, last_status = $4,"
+                " last_attempts = $5, last_error = $6, last_event_seq = $7, last_attempt_at = now() WHERE id = $1",
+                hook["id"], int(ok), int(not ok), status, attempts, None if ok else error, seq)
+        except Exception as exc:
+            log.warning("webhooks: could not record delivery state of %s: %s", hook["id"], exc)
+        if not ok:
+            log.info("webhook %s gave up on event %s after %d attempts: %s", hook["id"], seq, attempts, error)

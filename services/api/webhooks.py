@@ -1,0 +1,87 @@
+"""``/v1/webhooks``: a tenant's webhooks (create with a once-shown secret, list with delivery state, delete).
+
+Delivery itself is ``podbay.webhooks.Deliverer``, run as a background task of every API process (see
+``app.py``): the API already holds the PostgreSQL pool and the NATS connection, replicas share one durable
+consumer so an event is delivered by one of them, and scaling the API scales delivery. Changes are audited
+(``webhook.create``, ``webhook.delete``); the secret never is.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+import asyncpg
+from fastapi import APIRouter, Depends, Path
+
+from podbay.audit import record
+from podbay.contracts.events import WebhookCreate, WebhookCreated, WebhookInfo, WebhookList
+from podbay.errors import InvalidRequest, NotFound
+from podbay.outbox import new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router", "MAX_WEBHOOKS"]
+
+router = APIRouter(prefix="/v1")
+
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+#: Webhooks one tenant may have (each event fans out to all of them).
+MAX_WEBHOOKS = 20
+
+_COLS = ("id, url, types, created_at, deliveries, failures, last_status, last_attempts, last_error, last_event_seq,"
+         " last_attempt_at")
+
+
+def _info(r: asyncpg.Record) -> WebhookInfo:
+    return WebhookInfo(id=r["id"], url=r["url"], types=list(r["types"]), created_at=r["created_at"],
+                       deliveries=r["deliveries"], failures=r["failures"], last_status=r["last_status"],
+                       last_attempts=r["last_attempts"], last_error=r["last_error"],
+                       last_event_seq=r["last_event_seq"], last_attempt_at=r["last_attempt_at"])
+
+
+@router.post("/webhooks", status_code=201, response_model=WebhookCreated)
+async def create_webhook(ctx: CtxDep, who: PrincipalDep, body: WebhookCreate) -> WebhookCreated:
+    """Add a webhook; the answer carries its signing ``secret``, shown this once. 400 past ``MAX_WEBHOOKS``."""
+    hook_id = new_id("whk")
+    secret = "whsec_" + secrets.token_hex(24)
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        count = await conn.fetchval(
+            "SELECT count(*) FROM webhooks WHERE tenant_id = $1 AND deleted_at IS NULL", who.tenant_id)
+        if count >= MAX_WEBHOOKS:
+            raise InvalidRequest(f"a tenant may have at most {MAX_WEBHOOKS} webhooks")
+        row = await conn.fetchrow(
+            f"INSERT INTO webhooks (id, tenant_id, url, types, secret) VALUES ($1, $2, $3, $4, $5) RETURNING {_COLS}",
+            hook_id, who.tenant_id, body.url, sorted(set(body.types)), secret)
+        await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action="webhook.create", target=hook_id,
+                     detail={"url": body.url, "types": sorted(set(body.types))})
+    ctx.relay.kick()
+    return WebhookCreated(**_info(row).model_dump(), secret=secret)
+
+
+@router.get("/webhooks", response_model=WebhookList)
+async def list_webhooks(ctx: CtxDep, who: PrincipalDep) -> WebhookList:
+    """The tenant's webhooks with the state of their last delivery, oldest first."""
+    rows = await ctx.pool.fetch(
+        f"SELECT {_COLS} FROM webhooks WHERE tenant_id = $1 AND deleted_at IS NULL ORDER BY created_at, id",
+        who.tenant_id)
+    return WebhookList(webhooks=[_info(r) for r in rows])
+
+
+@router.delete("/webhooks/{webhook_id}", response_model=WebhookInfo)
+async def delete_webhook(ctx: CtxDep, who: PrincipalDep,
+                         webhook_id: str = Path(max_length=64)) -> WebhookInfo:
+    """Stop deliveries to a webhook (events in flight may still arrive once). 404 ``not_found``."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await conn.fetchrow(
+            f"UPDATE webhooks SET deleted_at = now() WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL"
+            f" RETURNING {_COLS}", webhook_id, who.tenant_id)
+        if row is None:
+            raise NotFound(f"no webhook {webhook_id}")
+        await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action="webhook.delete", target=webhook_id)
+    ctx.relay.kick()
+    return _info(row)

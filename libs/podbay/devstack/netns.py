@@ -28,7 +28,7 @@ from pathlib import Path
 
 from podbay.errors import Unavailable
 
-__all__ = ["NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE"]
+__all__ = ["node_ids_for", "NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE"]
 
 STATE_FILE = "netns.json"
 #: Second octet of the /24 networks tried for the bridge: 10.77.<k>.0/24.
@@ -129,6 +129,13 @@ class NodeNetwork:
         except (OSError, ValueError):
             return None
         return cls(**{**raw, "nodes": [NodeLink(**n) for n in raw.get("nodes", [])]})
+
+
+def node_ids_for(count: int) -> list[str]:
+    """Node ids of a ``count``-node dev stack: ``node-a``, ``node-b``, ... (``node-1``... beyond 26)."""
+    if count <= 26:
+        return [f"node-{chr(ord('a') + i)}" for i in range(count)]
+    return [f"node-{i + 1}" for i in range(count)]
 
 
 def _tag(data_dir: Path) -> str:

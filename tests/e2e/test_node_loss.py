@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import httpx
 import nats
+import pytest
 
 from podbay.contracts import subjects
 from podbay.contracts.messages import PromoteCmd
@@ -27,6 +28,9 @@ from podbay.devstack.procs import run_sync
 from podbay.devstack.vms import find_strays
 
 from e2e_http import api_client, sh
+
+# Two nodes start (each its agent, snapshotter and gateway), a promotion, a loss and a restart: minutes on TCG.
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:

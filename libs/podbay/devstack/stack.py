@@ -34,6 +34,7 @@ from podbay.config import Settings
 from podbay.credentials import new_key
 from podbay.devstack import servers as srv
 from podbay.devstack.netns import NodeNetwork, plan_network, purge_networks
+from podbay.devstack.nodeops import NodeOps
 from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
@@ -320,7 +321,7 @@ def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
 
 
 @dataclass
-class Stack:
+class Stack(NodeOps):
     """Servers and services of one stack. Start with :meth:`start`, stop with :meth:`stop` (reverse order).
 
     After :meth:`start`: ``nats_url``, ``pg_dsn``, ``s3_url``, ``s3_bucket``, ``s3_keys`` and ``env`` (the
@@ -554,53 +555,6 @@ class Stack:
         if purge:
             purge_networks(self.data_dir)
             self.network = None
-
-    # --- nodes of a multi-node stack ---------------------------------------------------------------------
-
-    def node_services(self, node_id: str) -> list[ServiceProcess]:
-        """The per-node services of ``node_id`` in start order (node agent, snapshotter, gateway).
-        Raises ``KeyError`` for an unknown node."""
-        found = [svc for svc in self.services.values() if svc.node_id == node_id]
-        if not found:
-            raise KeyError(node_id)
-        return found
-
-    def stop_node(self, node_id: str, grace_s: float = 10.0) -> None:
-        """SIGTERM (then SIGKILL after ``grace_s``) every process of ``node_id``, in reverse start order. Its
-        VMs keep running, as on any node agent stop."""
-        for svc in reversed(self.node_services(node_id)):
-            svc.stop(grace_s)
-
-    def kill_node(self, node_id: str, sig: int = signal.SIGKILL, *, only: str | None = None) -> None:
-        """Send ``sig`` to every process of ``node_id`` (or only to service ``only``, e.g. ``"nodeagent"``)
-        and reap them for SIGKILL. Its QEMUs are not signalled: a crashed host agent leaves them behind."""
-        for svc in reversed(self.node_services(node_id)):
-            if only and svc.spec.name != only:
-                continue
-            if svc.alive() and svc.proc is not None:
-                svc.proc.send_signal(sig)
-                if sig == signal.SIGKILL:
-                    svc.proc.wait(timeout=10)
-
-    def restart_node(self, node_id: str, timeout_s: float | None = None) -> None:
-        """Stop what still runs of ``node_id`` and start its services again (same ports, data, namespace),
-        each waited for."""
-        self.stop_node(node_id)
-        for svc in self.node_services(node_id):
-            svc.start()
-            svc.wait_healthy(timeout_s or self.start_timeout_s)
-
-    def cut_link(self, node_id: str) -> None:
-        """Take ``node_id``'s veth down: its processes keep running but reach nothing (a network partition)."""
-        if self.network is None:
-            raise KeyError(node_id)
-        self.network.cut(node_id)
-
-    def restore_link(self, node_id: str) -> None:
-        """Bring ``node_id``'s veth up again."""
-        if self.network is None:
-            raise KeyError(node_id)
-        self.network.restore(node_id)
 
     # --- internals --------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ last put. Each scheduler polls the bucket every ``PODBAY_NODE_LOSS_CHECK_S`` and
      suspended sandbox (``wake.py``); event ``rescheduled`` says which node was lost and how much work was
      lost (``lost_work_s``: seconds between that snapshot and the loss);
    - ``starting`` without one (a create in flight): back to ``pending`` and placed again;
+   - ``suspending`` with a promoted full snapshot: ``suspended`` at it (what was asked);
    - ``deleting``: deleted (its files went with the node);
    - otherwise: ``failed`` with a reason that says so.
    Its ready or preparing warm slots fail; operations in flight on those sandboxes fail with ``node_lost``.
@@ -79,6 +80,7 @@ class LossReport:
     replaced: list[str] = field(default_factory=list)  # creates in flight, placed again
     failed: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    suspended: list[str] = field(default_factory=list)  # was suspending: suspended at its promoted snapshot
     placements: list[PlaceSandbox] = field(default_factory=list)
 
 
@@ -113,7 +115,7 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     event = Event(id=new_id("evt"), type="lost", node_id=node_id, state="lost", at=datetime.now(UTC),
                   reason="heartbeat absent beyond the grace period",
                   data={"rescheduled": report.rescheduled, "replaced": report.replaced, "failed": report.failed,
-                        "deleted": report.deleted})
+                        "deleted": report.deleted, "suspended": report.suspended})
     await emit(conn, subjects.node_event(node_id, "lost"), event)
     return report
 
@@ -137,6 +139,17 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         report.deleted.append(sid)
         return
     snap = await conn.fetchrow(_NEWEST_PROMOTED, sid)
+    if snap is not None and state == "suspending":
+        # It was being suspended: it ends suspended (at its newest promoted snapshot), as asked.
+        gen = await conn.fetchval(
+            "UPDATE sandboxes SET state='suspended', node_id=NULL, generation=generation+1,"
+            " suspended_snapshot_id=$2, updated_at=now() WHERE id=$1 RETURNING generation", sid, snap["id"])
+        await emit_sandbox_event(conn, sid, "suspended", state="suspended", tenant_id=tenant, generation=gen,
+                                 reason=f"{lost} while suspending; suspended at snapshot {snap['id']}",
+                                 data={"lost_node": node_id, "snapshot_id": snap["id"],
+                                       "lost_work_s": round(float(snap["age_s"]), 3)})
+        report.suspended.append(sid)
+        return
     if snap is not None:
         op_id = new_id("op")
         gen = await conn.fetchval(

@@ -399,6 +399,19 @@ def test_pool_set_and_list(fake_api: FakeApi) -> None:
     assert [(p["template"], p["max_size"]) for p in listed] == [("base", 5)]
 
 
+def test_node_list_table_and_json(fake_api: FakeApi) -> None:
+    table = run(fake_api, "node", "list")
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.split("\n")
+    assert lines[0].split() == ["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY", "MIB", "FREE",
+                                "MIB", "RUNNING", "PAUSED", "WARM"]
+    assert lines[1].split() == ["node-a", "ready", "yes", "0.4s", "tcg", "1/8", "512/2048", "1536", "1", "1", "0"]
+    assert lines[2].split()[:4] == ["node-b", "lost", "no", "expired"]
+    listed = json.loads(run(fake_api, "node", "list", "--json").stdout)
+    assert [(n["id"], n["state"], n["heartbeat_age_s"]) for n in listed] == [("node-a", "ready", 0.4),
+                                                                             ("node-b", "lost", None)]
+
+
 def test_pool_set_refuses_bad_bounds_before_sending(fake_api: FakeApi) -> None:
     assert_error_line(run(fake_api, "pool", "set", "base", "--size", "3", "--max", "2"), "invalid_request", 2)
     assert not [r for r in fake_api.requests if "/pools" in r.path]

@@ -281,6 +281,18 @@ def test_up_down_status(supervisor: types.SimpleNamespace) -> None:
     assert supervisor.calls == [("up", True), ("down", False), ("down", True)]
 
 
+def test_up_nodes_reaches_the_supervisor_settings(
+        supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    import podbay.devstack
+
+    seen: list[int] = []
+    monkeypatch.setenv("PODBAY_NODES", "1")  # restored after the test, whatever the command sets
+    monkeypatch.setattr(podbay.devstack.supervisor, "up", lambda settings, detach: seen.append(settings.nodes))
+    assert CliRunner().invoke(app, ["up", "--detach", "--nodes", "2"]).exit_code == 0
+    assert seen == [2]
+    assert CliRunner().invoke(app, ["up", "--nodes", "65"]).exit_code != 0  # at most 64
+
+
 def test_failed_up_exits_non_zero_and_does_not_claim_success(
         supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     import podbay.devstack

@@ -195,9 +195,12 @@ class NodeLossWatcher:
         self.pool, self.bus, self.relay = pool, bus, relay
         self.grace_s, self.interval_s = grace_s, interval_s
         self.absent_since: dict[str, float] = {}
+        #: Placements committed but not yet published (NATS failed): retried every pass.
+        self.unsent: list[PlaceSandbox] = []
 
     async def check(self) -> list[LossReport]:
         """One pass: read live heartbeats and node states, declare what is lost, publish its placements."""
+        await self._publish()
         live = {hb.node_id for hb in await self.bus.live_nodes()}
         states = {r["id"]: r["state"] for r in await self.pool.fetch("SELECT id, state FROM nodes")}
         reports = []
@@ -210,10 +213,17 @@ class NodeLossWatcher:
             self.relay.kick()
             log.warning("node %s lost: %d rescheduled, %d placed again, %d failed, %d deleted", nid,
                         len(report.rescheduled), len(report.replaced), len(report.failed), len(report.deleted))
-            for place in report.placements:
-                await self.bus.publish_command(subjects.SCHEDULER_PLACE, place, msg_id=place.operation_id)
+            self.unsent.extend(report.placements)
             reports.append(report)
+        await self._publish()
         return reports
+
+    async def _publish(self) -> None:
+        # The operation id is the Nats-Msg-Id, so a placement sent twice is dropped as a duplicate.
+        while self.unsent:
+            place = self.unsent[0]
+            await self.bus.publish_command(subjects.SCHEDULER_PLACE, place, msg_id=place.operation_id)
+            self.unsent.pop(0)
 
     async def run(self, stop: asyncio.Event) -> None:
         """:meth:`check` every ``interval_s`` until ``stop``; a failed pass is logged and retried."""

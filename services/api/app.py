@@ -25,8 +25,8 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import (audit_log, credentials, dataplane, e2b, e2b_envd, events, keys, network, pools, sandboxes, snapshots,
-               suspend, webhooks)
+from . import (audit_log, credentials, dataplane, e2b, e2b_envd, events, keys, network, nodes, pools, sandboxes,
+               snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -133,6 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     app.include_router(suspend.router)
     app.include_router(pools.router)
+    app.include_router(nodes.router)
     app.include_router(credentials.router)
     app.include_router(keys.router)
     app.include_router(audit_log.router)

@@ -49,7 +49,10 @@ CLAIM_SQL = (
     "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1"
     " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)),"
     " c AS (SELECT w.id FROM warm_slots w JOIN t ON w.template=t.name AND w.template_digest=t.digest"
-    " WHERE w.state='ready' ORDER BY w.created_at LIMIT 1 FOR UPDATE OF w SKIP LOCKED),"
+    " WHERE w.state='ready'"
+    # Only on nodes that take placements (not draining, drained or lost).
+    " AND w.node_id IN (SELECT id FROM nodes WHERE state='ready')"
+    " ORDER BY w.created_at LIMIT 1 FOR UPDATE OF w SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"
     " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"

@@ -39,6 +39,7 @@ from podbay.service import run_service, serve_http
 
 from .cadence import cadence_loop
 from .dataplane import create_dataplane_app
+from .fence import fence_loop, rejoin
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
@@ -132,11 +133,13 @@ async def _serve(stop: asyncio.Event) -> None:
     warm = WarmPool(manager)
     await warm.reset()
     await reconcile(manager)
+    await rejoin(manager)  # a node declared lost takes placements again only now, its stale VMs gone
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
+    fencing = asyncio.create_task(fence_loop(manager, stop), name="fencing")
     await warm.start()
     refill = asyncio.create_task(warm.run(stop), name="warm-pool")
     manager.ready = True
@@ -145,7 +148,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await stop.wait()
     manager.ready = False
     # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=75)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing}, timeout=75)
     await warm.close()
     await manager.close()
     relay_task.cancel()

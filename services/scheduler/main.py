@@ -14,7 +14,10 @@ them. Placement is exactly-once all the same: the advisory lock serialises place
 both count a node's last free MiB), the row is read ``FOR UPDATE``, and the update is conditional on the
 state, node and generation just read; the node command's ``Nats-Msg-Id`` is ``<operation>.g<generation>``, so
 a re-send after a crash between commit and ack is dropped by the server. Load comes from one query per
-placement (``load.py``), scoring from ``placement.py``.
+placement (``load.py``), scoring from ``placement.py``. Only nodes that are live (heartbeat key present)
+AND ``ready`` in ``nodes.state`` are candidates (:func:`.placement.ready_nodes`). A second loop declares
+silent nodes lost and moves their sandboxes (``nodeloss.py``); with several schedulers, one conditional
+update decides which of them acts on a lost node.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .load import node_loads
-from .placement import NoCapacity, Request, choose_node
+from .nodeloss import NodeLossWatcher
+from .placement import NoCapacity, Request, choose_node, ready_nodes
 from .wake import wake_command, wake_unplaceable
 
 __all__ = ["main"]
@@ -80,7 +84,8 @@ class Scheduler:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
                 t = time.perf_counter()
-                candidates = await node_loads(conn, nodes, tenant_id=cmd.tenant_id, template=cmd.template,
+                states = {r["id"]: r["state"] for r in await conn.fetch("SELECT id, state FROM nodes")}
+                candidates = await node_loads(conn, ready_nodes(nodes, states), tenant_id=cmd.tenant_id, template=cmd.template,
                                               digest=row["template_digest"],
                                               snapshot_id=row["suspended_snapshot_id"] if cmd.wake else None)
                 HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
@@ -180,8 +185,11 @@ async def _main(stop: asyncio.Event) -> None:
     bound: dict[str, object] = {}
     app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected}, {
         "nats": nats_check(bus), "postgres": pg_check(pool), "consumer": consumer_check(lambda: bound.get("sub"))})
+    watcher = NodeLossWatcher(pool, bus, relay, grace_s=settings.node_lost_grace_s,
+                              interval_s=settings.node_loss_check_s)
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop, bound)),
-             asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop))]
+             asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop)),
+             asyncio.create_task(watcher.run(stop), name="node-loss")]
     log.info("scheduler ready")
     await stop.wait()
     await asyncio.wait(tasks[1:], timeout=15)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from podbay.contracts.messages import NodeHeartbeat
 
-__all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "NoCapacity",
+__all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "NoCapacity", "ready_nodes",
            "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT"]
 
 #: Score weights (dimensionless). Locality and warm slots outweigh a full node's worth of free capacity
@@ -70,6 +70,12 @@ class NodeLoad:
     def free_memory_mib(self) -> int:
         """Free memory without over-commit, MiB (may be negative on an over-committed node)."""
         return self.heartbeat.memory_mib - self.memory_used_mib
+
+
+def ready_nodes(live: list[NodeHeartbeat], states: dict[str, str]) -> list[NodeHeartbeat]:
+    """The live nodes that take placements: those whose ``nodes.state`` is ``ready`` (not ``draining``,
+    ``drained`` or ``lost``; a heartbeat without a row is not placed on either)."""
+    return [hb for hb in live if states.get(hb.node_id) == "ready"]
 
 
 @dataclass(frozen=True)

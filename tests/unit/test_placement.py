@@ -162,3 +162,13 @@ def test_property_one_tenant_spreads_evenly_over_equal_nodes(n_nodes: int, n_san
                  for nid, c in count.items()]
         count[choose_node(loads, Request("base", 256, 1), k=n_nodes, rng=rng).node_id] += 1
     assert max(count.values()) - min(count.values()) <= 1
+
+
+def test_only_live_nodes_in_state_ready_take_placements() -> None:
+    from podbay_scheduler.placement import ready_nodes
+
+    live = [_hb("a"), _hb("b"), _hb("c"), _hb("d"), _hb("e")]
+    states = {"a": "ready", "b": "draining", "c": "drained", "d": "lost"}  # e: a heartbeat without a row
+    assert [hb.node_id for hb in ready_nodes(live, states)] == ["a"]
+    # A ready row without a heartbeat is not live, so not a candidate either.
+    assert ready_nodes([], {"a": "ready"}) == []

@@ -59,9 +59,17 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
 
 
 @handle_errors
-def up(detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return.")) -> None:
+def up(
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return."),
+    nodes: int = typer.Option(0, "--nodes", min=0, max=64, help="Nodes to run (each in its own network namespace; "
+                              "default PODBAY_NODES, else 1)."),
+) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
-    code = _settle(_supervisor().up(_settings(), detach=detach))
+    settings = _settings()
+    if nodes:
+        # Marked as set, so a detached supervisor is given PODBAY_NODES too.
+        settings = settings.model_copy(update={"nodes": nodes})
+    code = _settle(_supervisor().up(settings, detach=detach))
     if code:
         raise typer.Exit(int(code))
     if detach:

@@ -189,7 +189,7 @@ class NodeHeartbeat(_Msg):
 
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
-                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked"]
+                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled"]
 
 
 class Event(_Msg):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from rich.text import Text
 from podbay.clientconfig import ClientConfig, save_client_config
 from podbay.config import Settings
 from podbay.devstack import servers as srv
+from podbay.devstack.netns import node_ids_for, purge_networks
 from podbay.devstack.procs import process_start_ticks, run_sync, same_process, stop_pid, tail
 from podbay.devstack.stack import (
     External,
@@ -81,6 +83,8 @@ class PartRecord(BaseModel):
     pid: int | None = None
     start_ticks: int | None = None
     log: str | None = None
+    #: The network namespace a node's service runs in (multi-node stacks); probed from inside it.
+    netns: str | None = None
 
 
 class StackState(BaseModel):
@@ -240,6 +244,7 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
     stack = Stack(
         data_dir=settings.data_dir, log_dir=settings.logs, cache_dir=settings.cache_dir,
         ports=StackPorts.from_settings(settings), external=_external(settings),
+        node_ids=node_ids_for(settings.nodes) if settings.nodes > 1 else [],
     )  # fmt: skip
     me = os.getpid()
     state = StackState(
@@ -324,7 +329,7 @@ def _record(settings: Settings, state: StackState, stack: Stack) -> None:
     for svc in stack.services.values():
         if svc.pid:
             parts.append(PartRecord(name=svc.name, kind="service", url=svc.url, pid=svc.pid,
-                                    start_ticks=svc.start_ticks, log=str(svc.log_path)))  # fmt: skip
+                                    start_ticks=svc.start_ticks, log=str(svc.log_path), netns=svc.netns))  # fmt: skip
     state.parts, state.env = parts, dict(stack.env)
     _write_state(settings, state)
 
@@ -397,7 +402,7 @@ class _LogFollower(threading.Thread):
             for line in lines[:-1]:
                 if not line.strip():
                     continue
-                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(name.split("-")[0], "dim"))
+                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(re.split("[-@]", name)[0], "dim"))
                 self._console.print(prefix + Text(line))
 
 
@@ -450,7 +455,9 @@ def down(settings: Settings, *, purge: bool = False) -> int:
     if purge:
         killed = kill_strays(settings.data_dir)
         stores = unmount_node_stores(settings.data_dir)
-        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted")
+        nets = purge_networks(settings.data_dir)
+        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted"
+                      + (", node namespaces and bridge removed" if nets else ""))
         return code
     left = find_strays(settings.data_dir)
     if left:
@@ -520,6 +527,14 @@ async def _probe_all(state: StackState, supervised: bool) -> list[PartStatus]:
                 from podbay.devstack.openbao import probe_openbao
 
                 await asyncio.wait_for(probe_openbao(part.url, env.get("PODBAY_OPENBAO_TOKEN", "")), 3)
+            elif part.netns:
+                # A node's service in its own network namespace: ask from inside it.
+                argv = ["nsenter", f"--net=/run/netns/{part.netns}", "--", "curl", "-s", "-o", "/dev/null",
+                        "-w", "%{http_code}", "-m", "3", f"{part.url}/healthz"]
+                done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=10,
+                                               check=False)
+                if done.stdout.strip() != "200":
+                    raise RuntimeError(f"/healthz answered {done.stdout.strip() or 'nothing'} in {part.netns}")
             else:
                 async with httpx.AsyncClient(timeout=3) as client:
                     resp = await client.get(f"{part.url}/healthz")

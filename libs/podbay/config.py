@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")
     warm_demand_horizon_s: float = Field(10.0, gt=0, description="Warm pools: keep enough slots for this many "
                                          "seconds of recent demand (within the pool's min and max).")
+    migrate_host: str = Field("", description="Address this node accepts live-migration streams on (drain); "
+                              "empty = node_host.")
+    migrate_timeout_s: float = Field(600.0, gt=0, description="Bound on one live migration (RAM and disk).")
+    migrate_bandwidth_mib_s: int = Field(1024, ge=1, description="Cap on one migration stream.")
+    migrate_max_downtime_ms: int = Field(50, ge=1, description="Stop-and-copy phase QEMU aims for.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

@@ -27,6 +27,7 @@ from podbay.contracts.messages import (
     CreateSandboxCmd,
     DeleteSandboxCmd,
     ForkCmd,
+    MigrateOutCmd,
     RestoreCmd,
     SandboxOpCmd,
     SnapshotCmd,
@@ -41,6 +42,7 @@ from .dataplane import create_dataplane_app
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
+from .migrate import MigrationOps
 from .network import SandboxNetwork
 from .reconcile import reconcile
 from .sandboxes import SandboxManager
@@ -80,6 +82,8 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.suspend_ops.suspend(SandboxOpCmd.model_validate_json(data))
             elif verb == "wake":
                 await manager.suspend_ops.wake(WakeCmd.model_validate_json(data))
+            elif verb == "migrate_out":
+                await manager.migrations.migrate_out(MigrateOutCmd.model_validate_json(data))
             else:
                 log.error("unknown node command %s; dropping", verb)
                 await msg.term()  # type: ignore[attr-defined]
@@ -129,6 +133,8 @@ async def _serve(stop: asyncio.Event) -> None:
     warm = WarmPool(manager)
     await warm.reset()
     await reconcile(manager)
+    manager.migrations = MigrationOps(manager)
+    await manager.migrations.start()  # answers migrations into this node (drain of another node)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
@@ -143,6 +149,7 @@ async def _serve(stop: asyncio.Event) -> None:
     manager.ready = False
     await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=60)
     await warm.close()
+    await manager.migrations.close()
     await manager.close()
     relay_task.cancel()
     try:

@@ -21,12 +21,13 @@ from podbay import db
 from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, PlaceSandbox
+from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, PlaceSandbox
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
-from .placement import NodeLoad, NoCapacity, choose_node
+from .drain import drain_node, node_loads
+from .placement import NoCapacity, choose_node
 from .wake import wake_command, wake_unplaceable
 
 __all__ = ["main"]
@@ -67,17 +68,8 @@ class Scheduler:
             elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
-                loads = {r["node_id"]: r for r in await conn.fetch(
-                    # Paused sandboxes use no CPU; their memory still counts (until released, which the
-                    # scheduler does not see). Warm slots wait paused: their memory counts too.
-                    "SELECT node_id, sum(mem)::int AS mem, sum(cpu)::int AS cpu FROM ("
-                    " SELECT node_id, memory_mib AS mem, CASE WHEN state <> 'paused' THEN vcpus ELSE 0 END AS cpu"
-                    " FROM sandboxes WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed')"
-                    " UNION ALL SELECT node_id, memory_mib, 0 FROM warm_slots WHERE state IN ('preparing', 'ready')"
-                    ") l GROUP BY node_id")}
-                candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
-                                       int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
-                              for hb in nodes]
+                # Only ``ready`` nodes take new sandboxes (a draining or drained node gets none).
+                candidates = await node_loads(conn, nodes)
                 try:
                     chosen = choose_node(candidates, template=cmd.template, memory_mib=cmd.resources.memory_mib,
                                          vcpus=cmd.resources.vcpus)
@@ -154,6 +146,38 @@ async def _consume(sched: Scheduler, stop: asyncio.Event) -> None:
     await consume(sub, one, stop, finish_timeout_s=10)
 
 
+async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
+    """``podbay.cmd.scheduler.drain``: one drain at a time per scheduler; the message is kept alive with
+    ``in_progress`` while sandboxes move (a drain takes as long as its migrations)."""
+    sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_DRAIN_CONSUMER, subjects.SCHEDULER_DRAIN, ack_wait_s=60.0)
+
+    async def one(msg: object) -> None:
+        try:
+            cmd = DrainNodeCmd.model_validate_json(msg.data)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            log.error("dropping malformed drain command: %s", exc)
+            await msg.term()  # type: ignore[attr-defined]
+            return
+        last = time.monotonic()
+
+        async def keepalive() -> None:
+            nonlocal last
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                await msg.in_progress()  # type: ignore[attr-defined]
+
+        try:
+            await drain_node(sched.pool, sched.bus, cmd, migrate_timeout_s=sched.settings.migrate_timeout_s,
+                             keepalive=keepalive)
+        except Exception:
+            log.exception("drain of %s failed; will be redelivered", cmd.node_id)
+            await msg.nak(delay=2.0)  # type: ignore[attr-defined]
+            return
+        await msg.ack()  # type: ignore[attr-defined]
+
+    await consume(sub, one, stop, finish_timeout_s=10)
+
+
 async def _main(stop: asyncio.Event) -> None:
     settings = get_settings()
     pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=10)
@@ -163,6 +187,7 @@ async def _main(stop: asyncio.Event) -> None:
     sched = Scheduler(settings, pool, bus, relay)
     app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected})
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop)),
+             asyncio.create_task(_consume_drains(sched, stop)),
              asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop))]
     log.info("scheduler ready")
     await stop.wait()

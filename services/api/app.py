@@ -20,7 +20,7 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import audit_log, credentials, dataplane, e2b, e2b_envd, keys, network, pools, sandboxes, snapshots, suspend
+from . import audit_log, credentials, dataplane, drain, e2b, e2b_envd, keys, network, pools, sandboxes, snapshots, suspend
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -73,6 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(keys.router)
     app.include_router(audit_log.router)
     app.include_router(network.router)
+    app.include_router(drain.router)
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Any) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from podbay.cli import access, files, pool, sandbox, snapshot, stack, template
+from podbay.cli import access, files, node, pool, sandbox, snapshot, stack, template
 from podbay.cli._common import CliState, OneLineErrorsGroup
 from podbay.cli.exec_cmd import exec_command
 
@@ -27,6 +27,7 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(files.app, name="files")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(pool.app, name="pool")
+app.add_typer(node.app, name="node")
 app.add_typer(access.credential_app, name="credential")
 app.add_typer(access.key_app, name="key")
 sandbox.app.add_typer(access.network_app, name="network")

@@ -22,6 +22,7 @@ from typing import IO, Any, TypeVar, Unpack
 import httpx
 
 from podbay.contracts.api import (
+    DrainStarted,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -212,6 +213,10 @@ class AsyncClient:
     async def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
         """See ``Client.set_pool``."""
         return await self._call(calls.set_pool_call(template, size, max_size))
+
+    async def drain_node(self, node_id: str) -> DrainStarted:
+        """See ``Client.drain_node``."""
+        return await self._call(calls.drain_node_call(node_id))
 
     async def list_pools(self) -> builtins.list[PoolInfo]:
         """See ``Client.list_pools``."""

@@ -23,6 +23,7 @@ from typing import IO, Any, TypeVar, Unpack
 import httpx
 
 from podbay.contracts.api import (
+    DrainStarted,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -221,6 +222,11 @@ class Client:
         """Keep at least ``size`` warm slots of ``template`` (up to ``max_size`` when demand asks);
         ``size`` 0 ends the pool. Creates from the template then claim a slot instead of restoring."""
         return self._call(calls.set_pool_call(template, size, max_size))
+
+    def drain_node(self, node_id: str) -> DrainStarted:
+        """Start moving every sandbox off ``node_id`` (operator tenant only): running ones by live migration,
+        paused ones paused; follow the returned operation with ``get_operation`` (``progress``)."""
+        return self._call(calls.drain_node_call(node_id))
 
     def list_pools(self) -> builtins.list[PoolInfo]:
         """Every warm pool: bounds, target, and per node ready, preparing, claimed and failing slots."""

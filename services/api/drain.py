@@ -40,9 +40,10 @@ _DRAINABLE = ("ready", "draining", "drained")
 async def drain_node(node_id: str, ctx: CtxDep, who: PrincipalDep) -> DrainStarted:
     """Move every sandbox off ``node_id`` (running ones by live migration, paused ones paused) and mark it
     ``drained``; see the module docstring. 403 ``forbidden`` unless the caller is the operator tenant."""
-    if who.tenant_id != ctx.settings.operator_tenant:
-        raise Forbidden("only the operator tenant may drain a node (it moves every tenant's sandboxes)")
     async with ctx.pool.acquire() as conn, conn.transaction():
+        # The operator tenant is named by ``PODBAY_OPERATOR_TENANT`` (its name, as for template policies).
+        if await conn.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id) != ctx.settings.operator_tenant:
+            raise Forbidden("only the operator tenant may drain a node (it moves every tenant's sandboxes)")
         state = await conn.fetchval("SELECT state FROM nodes WHERE id=$1 FOR UPDATE", node_id)
         if state is None:
             raise NotFound(f"node {node_id} does not exist")

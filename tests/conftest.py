@@ -165,3 +165,44 @@ def stack(test_root: Path) -> Iterator[Stack]:
         # Purge: a test stack's VMs and loop-mounted store must not outlive the session.
         running.stop(purge=True)
         kill_strays(data_dir)
+
+
+@pytest.fixture(scope="module")
+def multinode_stack(test_root: Path) -> Iterator[Stack]:
+    """A stack with two nodes, ``node-a`` and ``node-b``, each in its own network namespace with its own node
+    agent, snapshotter and gateway (:mod:`podbay.devstack.netns`), plus an API key; its own servers listen on
+    the host bridge address. Module scope: started once per test module, purged (VMs, stores, namespaces,
+    veths, bridge) at its end.
+
+    Each node offers 2048 MiB and 8 vCPUs (``PODBAY_NODE_MEMORY_MIB``/``PODBAY_NODE_VCPUS``). The heartbeat
+    TTL is 4 s and the lost-node grace 3 s unless ``PODBAY_NODE_HEARTBEAT_TTL_S``/``PODBAY_NODE_LOST_GRACE_S``
+    say otherwise. Helpers (besides everything of ``stack``):
+
+    - ``stop_node(node_id)``: SIGTERM then SIGKILL the node's agent, snapshotter and gateway (VMs stay);
+    - ``kill_node(node_id, sig=SIGKILL, only=None)``: signal them (``only="nodeagent"`` for the agent alone);
+    - ``restart_node(node_id)``: start them again (same namespace, ports, data) and wait until healthy;
+    - ``cut_link(node_id)`` / ``restore_link(node_id)``: take the node's veth down / up (a partition);
+    - ``network.node(node_id).address``: the node's address; ``node_services(node_id)``: its processes.
+    """
+    data_dir = test_root / "multinode"
+    node_env = {"PODBAY_NODE_MEMORY_MIB": "2048", "PODBAY_NODE_VCPUS": "8"}
+    running = Stack(
+        data_dir=data_dir,
+        log_dir=data_dir / "logs",
+        cache_dir=Settings().cache_dir,
+        ports=StackPorts.free(),
+        durable=False,
+        node_ids=["node-a", "node-b"],
+        node_env={"node-a": dict(node_env), "node-b": dict(node_env)},
+        base_env={**os.environ,
+                  "PODBAY_NODE_HEARTBEAT_S": os.environ.get("PODBAY_NODE_HEARTBEAT_S", "1"),
+                  "PODBAY_NODE_HEARTBEAT_TTL_S": os.environ.get("PODBAY_NODE_HEARTBEAT_TTL_S", "4"),
+                  "PODBAY_NODE_LOST_GRACE_S": os.environ.get("PODBAY_NODE_LOST_GRACE_S", "3")},
+    )
+    try:
+        running.start()
+        running.create_api_key("dev", "dev")
+        yield running
+    finally:
+        running.stop(purge=True)
+        kill_strays(data_dir)

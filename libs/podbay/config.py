@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     pg_port: int = Field(5432, description="PostgreSQL port for the dev stack.")
     s3_port: int = Field(8333, description="S3 (SeaweedFS) port for the dev stack.")
     bin_dir: Path | None = Field(None, description="Where the podbay-* entry points live; default beside python.")
+    nodes: int = Field(1, ge=1, le=64, description="`podbay up`: how many nodes to run on this host. Above 1, each "
+                       "node (node-a, node-b, ...) gets its own network namespace, node agent, snapshotter and "
+                       "gateway, and the servers listen on the namespaces' host bridge (needs root).")
 
     # api
     api_host: str = Field("127.0.0.1")
@@ -73,6 +76,14 @@ class Settings(BaseSettings):
     node_store_size_gib: int = Field(40, description="Size of the loop-backed btrfs file when DATA_DIR is not btrfs.")
     node_heartbeat_s: float = Field(2.0)
     node_heartbeat_ttl_s: float = Field(10.0)
+    node_lost_grace_s: float = Field(60.0, ge=0, description="Scheduler: a ready or draining node whose heartbeat "
+                                     "key expired (HEARTBEAT_TTL_S) and stays absent this much longer is marked "
+                                     "lost; its sandboxes are fenced and restored elsewhere from their newest "
+                                     "promoted full snapshot.")
+    node_loss_check_s: float = Field(1.0, gt=0, description="Scheduler: how often heartbeats are checked for "
+                                     "lost nodes.")
+    node_fence_check_s: float = Field(5.0, gt=0, description="Node agent: how often it checks that each VM it "
+                                      "runs is still its own (node and generation) and stops those that are not.")
     accel: Literal["auto", "kvm", "tcg"] = Field("auto", description="VMM acceleration.")
     kvm_probe_timeout_s: float = Field(8.0)
     boot_timeout_s: float = Field(90.0)

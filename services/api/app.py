@@ -20,7 +20,8 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import audit_log, credentials, dataplane, drain, e2b, e2b_envd, keys, network, pools, sandboxes, snapshots, suspend
+from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, keys, network, nodes, pools, sandboxes, snapshots,
+               suspend)
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -69,6 +70,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     app.include_router(suspend.router)
     app.include_router(pools.router)
+    app.include_router(nodes.router)
     app.include_router(credentials.router)
     app.include_router(keys.router)
     app.include_router(audit_log.router)

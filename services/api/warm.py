@@ -44,6 +44,8 @@ log = logging.getLogger("podbay.api.warm")
 #: with the id, which is known only here). Nothing is written when no slot is ready.
 CLAIM_SQL = (
     "WITH c AS (SELECT id FROM warm_slots WHERE template=$1 AND template_digest=$2 AND state='ready'"
+    # Only on nodes that take placements (not draining, drained or lost).
+    " AND node_id IN (SELECT id FROM nodes WHERE state='ready')"
     " ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"

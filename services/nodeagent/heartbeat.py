@@ -35,12 +35,14 @@ def node_capacity(settings: Settings) -> tuple[int, int]:
 
 
 async def register_node(pool: asyncpg.Pool, settings: Settings, dataplane_url: str, accel: str) -> None:
-    """Upsert this node's row (capacity, data-plane URL, accelerator)."""
+    """Upsert this node's row (capacity, data-plane URL, accelerator). A new node is ``ready``; a known one
+    keeps its state: ``draining``/``drained`` stay until an operator changes them, and ``lost`` until the agent
+    has reconciled and stopped its stale VMs (``fence.rejoin``)."""
     mem, cpus = node_capacity(settings)
     await pool.execute(
         "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state, started_at, seen_at)"
         " VALUES ($1,$2,$3,$4,$5,'ready',now(),now()) ON CONFLICT (id) DO UPDATE SET dataplane_url=$2,"
-        " memory_mib=$3, vcpus=$4, accel=$5, state='ready', started_at=now(), seen_at=now()",
+        " memory_mib=$3, vcpus=$4, accel=$5, started_at=now(), seen_at=now()",
         settings.node_id, dataplane_url, mem, cpus, accel)
 
 

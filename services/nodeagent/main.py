@@ -39,6 +39,7 @@ from podbay.service import run_service, serve_http
 
 from .cadence import cadence_loop
 from .dataplane import create_dataplane_app
+from .fence import fence_loop, rejoin
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
@@ -133,6 +134,7 @@ async def _serve(stop: asyncio.Event) -> None:
     warm = WarmPool(manager)
     await warm.reset()
     await reconcile(manager)
+    await rejoin(manager)  # a node declared lost takes placements again only now, its stale VMs gone
     manager.migrations = MigrationOps(manager)
     await manager.migrations.start()  # answers migrations into this node (drain of another node)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
@@ -140,6 +142,7 @@ async def _serve(stop: asyncio.Event) -> None:
     consumer = asyncio.create_task(_consume(manager, stop))
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
+    fencing = asyncio.create_task(fence_loop(manager, stop), name="fencing")
     await warm.start()
     refill = asyncio.create_task(warm.run(stop), name="warm-pool")
     manager.ready = True
@@ -147,7 +150,7 @@ async def _serve(stop: asyncio.Event) -> None:
              sorted(manager.templates), len(manager.vms))
     await stop.wait()
     manager.ready = False
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill}, timeout=60)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing}, timeout=60)
     await warm.close()
     await manager.migrations.close()
     await manager.close()

@@ -31,7 +31,7 @@ from podbay.contracts import subjects
 from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat
 from podbay.outbox import new_id
 
-from .placement import NodeLoad, NoCapacity, choose_node
+from .placement import NodeLoad, NoCapacity, choose_node, ready_nodes
 
 __all__ = ["LOAD_SQL", "node_loads", "DrainProgress", "drain_node"]
 
@@ -53,10 +53,10 @@ async def node_loads(conn: asyncpg.Connection, nodes: list[NodeHeartbeat], *,
                      exclude: str | None = None) -> list[NodeLoad]:
     """Live nodes that may take sandboxes (``nodes.state`` is ``ready``; not ``exclude``) with their load."""
     loads = {r["node_id"]: r for r in await conn.fetch(LOAD_SQL)}
-    ready = {r["id"] for r in await conn.fetch("SELECT id FROM nodes WHERE state = 'ready'")}
+    states = {r["id"]: r["state"] for r in await conn.fetch("SELECT id, state FROM nodes")}
     return [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
                      int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
-            for hb in nodes if hb.node_id in ready and hb.node_id != exclude]
+            for hb in ready_nodes(nodes, states) if hb.node_id != exclude]
 
 
 class DrainProgress:

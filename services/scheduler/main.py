@@ -6,7 +6,9 @@ their committed load from PostgreSQL, choose a node, move the sandbox ``pending 
 generation; then publish ``podbay.cmd.node.<node>.create``. A ``wake`` command places a ``resuming`` (suspended)
 sandbox the same way, on any node with room and its template, and sends ``wake`` (see ``wake.py``). A redelivered command finds the sandbox already
 ``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
-When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason.
+When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason. Only nodes that are live (heartbeat
+key present) AND ``ready`` in ``nodes.state`` are candidates (:func:`.placement.ready_nodes`). A second loop
+declares silent nodes lost and moves their sandboxes (``nodeloss.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
-from .drain import drain_node, node_loads
-from .placement import NoCapacity, choose_node
+from .drain import drain_node
+from .nodeloss import NodeLossWatcher
+from .placement import NodeLoad, NoCapacity, choose_node, ready_nodes
 from .wake import wake_command, wake_unplaceable
 
 __all__ = ["main"]
@@ -68,8 +71,18 @@ class Scheduler:
             elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
-                # Only ``ready`` nodes take new sandboxes (a draining or drained node gets none).
-                candidates = await node_loads(conn, nodes)
+                loads = {r["node_id"]: r for r in await conn.fetch(
+                    # Paused sandboxes use no CPU; their memory still counts (until released, which the
+                    # scheduler does not see). Warm slots wait paused: their memory counts too.
+                    "SELECT node_id, sum(mem)::int AS mem, sum(cpu)::int AS cpu FROM ("
+                    " SELECT node_id, memory_mib AS mem, CASE WHEN state <> 'paused' THEN vcpus ELSE 0 END AS cpu"
+                    " FROM sandboxes WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed')"
+                    " UNION ALL SELECT node_id, memory_mib, 0 FROM warm_slots WHERE state IN ('preparing', 'ready')"
+                    ") l GROUP BY node_id")}
+                states = {r["id"]: r["state"] for r in await conn.fetch("SELECT id, state FROM nodes")}
+                candidates = [NodeLoad(hb, int(loads[hb.node_id]["mem"]) if hb.node_id in loads else 0,
+                                       int(loads[hb.node_id]["cpu"]) if hb.node_id in loads else 0)
+                              for hb in ready_nodes(nodes, states)]
                 try:
                     chosen = choose_node(candidates, template=cmd.template, memory_mib=cmd.resources.memory_mib,
                                          vcpus=cmd.resources.vcpus)
@@ -186,9 +199,12 @@ async def _main(stop: asyncio.Event) -> None:
     relay = Relay(pool, bus)
     sched = Scheduler(settings, pool, bus, relay)
     app = health_app("scheduler", lambda: {"ok": bus.nc.is_connected})
+    watcher = NodeLossWatcher(pool, bus, relay, grace_s=settings.node_lost_grace_s,
+                              interval_s=settings.node_loss_check_s)
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop)),
              asyncio.create_task(_consume_drains(sched, stop)),
-             asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop))]
+             asyncio.create_task(serve_http(app, "127.0.0.1", settings.scheduler_port, stop)),
+             asyncio.create_task(watcher.run(stop), name="node-loss")]
     log.info("scheduler ready")
     await stop.wait()
     await asyncio.wait(tasks[1:], timeout=15)

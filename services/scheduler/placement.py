@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from podbay.contracts.messages import NodeHeartbeat
 
-__all__ = ["NodeLoad", "choose_node", "NoCapacity"]
+__all__ = ["NodeLoad", "choose_node", "NoCapacity", "ready_nodes"]
 
 
 class NoCapacity(Exception):
@@ -29,6 +29,12 @@ class NodeLoad:
     @property
     def free_memory_mib(self) -> int:
         return self.heartbeat.memory_mib - self.memory_used_mib
+
+
+def ready_nodes(live: list[NodeHeartbeat], states: dict[str, str]) -> list[NodeHeartbeat]:
+    """The live nodes that take placements: those whose ``nodes.state`` is ``ready`` (not ``draining``,
+    ``drained`` or ``lost``; a heartbeat without a row is not placed on either)."""
+    return [hb for hb in live if states.get(hb.node_id) == "ready"]
 
 
 def choose_node(nodes: list[NodeLoad], *, template: str, memory_mib: int, vcpus: int, k: int = 2,

@@ -50,3 +50,13 @@ def test_best_of_k_prefers_more_free_memory() -> None:
     for seed in range(20):
         got = choose_node([busy, idle], template="base", memory_mib=256, vcpus=1, k=2, rng=random.Random(seed))
         assert got.node_id == "idle"
+
+
+def test_only_live_nodes_in_state_ready_take_placements() -> None:
+    from podbay_scheduler.placement import ready_nodes
+
+    live = [_hb("a"), _hb("b"), _hb("c"), _hb("d"), _hb("e")]
+    states = {"a": "ready", "b": "draining", "c": "drained", "d": "lost"}  # e: a heartbeat without a row
+    assert [hb.node_id for hb in ready_nodes(live, states)] == ["a"]
+    # A ready row without a heartbeat is not live, so not a candidate either.
+    assert ready_nodes([], {"a": "ready"}) == []

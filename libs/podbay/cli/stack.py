@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import shlex
 import sys
 from types import ModuleType
@@ -59,8 +60,14 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
 
 
 @handle_errors
-def up(detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return.")) -> None:
+def up(
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return."),
+    nodes: int = typer.Option(0, "--nodes", min=0, max=64, help="Nodes to run (each in its own network namespace; "
+                              "default PODBAY_NODES, else 1)."),
+) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
+    if nodes:
+        os.environ["PODBAY_NODES"] = str(nodes)  # read by the settings, and by a detached supervisor
     code = _settle(_supervisor().up(_settings(), detach=detach))
     if code:
         raise typer.Exit(int(code))

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from .egress import EgressPolicy
 
 __all__ = [
+    "NodeResources",
+    "NodeInfo",
+    "NodeList",
     "SandboxCreate",
     "SandboxInfo",
     "SandboxList",
@@ -320,3 +323,47 @@ class PoolInfo(BaseModel):
 
 class PoolList(BaseModel):
     pools: list[PoolInfo]
+
+
+NodeState = Literal["ready", "draining", "drained", "lost"]
+
+
+class NodeResources(BaseModel):
+    """Memory (MiB) and vCPUs."""
+
+    memory_mib: int
+    vcpus: int
+
+
+class NodeInfo(BaseModel):
+    """``GET /v1/nodes`` item: one node as the control plane sees it.
+
+    ``capacity``: what the node offers sandboxes (``PODBAY_NODE_MEMORY_MIB``/``PODBAY_NODE_VCPUS``);
+    ``used``: what its placed sandboxes (and warm slots) take according to PostgreSQL (paused sandboxes keep
+    their memory and use no vCPU); ``free`` = capacity - used. ``heartbeat_age_s``: seconds since its last
+    heartbeat, ``null`` when its heartbeat key has expired (``live`` false). ``schedulable``: the scheduler
+    places new sandboxes here (live, state ``ready``, and the node says it takes work)."""
+
+    id: str
+    state: NodeState
+    live: bool
+    schedulable: bool
+    accel: str
+    dataplane_url: str
+    capacity: NodeResources
+    used: NodeResources
+    free: NodeResources
+    running: int = Field(description="Sandboxes running (or starting, resuming) on the node.")
+    paused: int
+    sandboxes: int = Field(description="Every sandbox placed on the node that is not deleted or failed.")
+    warm_slots: int = Field(description="Warm slots ready to be claimed on the node.")
+    heartbeat_age_s: float | None
+    started_at: datetime
+    state_changed_at: datetime | None = None
+    lost_at: datetime | None = None
+
+
+class NodeList(BaseModel):
+    """``GET /v1/nodes``: every node known to the control plane, by id."""
+
+    nodes: list[NodeInfo]

@@ -195,7 +195,7 @@ class NodeHeartbeat(_Msg):
 
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
-                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "migrated"]
+                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled", "migrated"]
 
 
 class Event(_Msg):

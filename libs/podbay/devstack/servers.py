@@ -279,8 +279,11 @@ async def probe_nats(url: str) -> None:
         await nc.close()
 
 
-def start_nats(data_dir: Path, port: int, *, log_dir: Path | None = None, timeout_s: float = 30.0) -> NatsServer:
-    """Start ``nats-server -js`` with its store in ``data_dir`` on ``127.0.0.1:port``.
+def start_nats(
+    data_dir: Path, port: int, *, log_dir: Path | None = None, timeout_s: float = 30.0, host: str = _HOST
+) -> NatsServer:
+    """Start ``nats-server -js`` with its store in ``data_dir`` on ``host:port`` (default ``127.0.0.1``; a
+    multi-node stack binds the bridge address so that node network namespaces reach it).
 
     Returns once JetStream answers. Raises :class:`ServerError` (with the log tail) on failure and
     ``FileNotFoundError`` when the binary is missing.
@@ -288,9 +291,9 @@ def start_nats(data_dir: Path, port: int, *, log_dir: Path | None = None, timeou
     data_dir.mkdir(parents=True, exist_ok=True)
     _check_port("nats", port)
     log_path = (log_dir or data_dir) / "nats.log"
-    argv = [str(find_binary("nats-server")), "-js", "-sd", str(data_dir), "-a", _HOST, "-p", str(port)]
+    argv = [str(find_binary("nats-server")), "-js", "-sd", str(data_dir), "-a", host, "-p", str(port)]
     proc, offset = _spawn("nats", argv, log_path)
-    url = f"nats://{_HOST}:{port}"
+    url = f"nats://{host}:{port}"
     server = NatsServer("nats", proc, log_path, port, signal.SIGTERM, offset, url=url, store_dir=data_dir)
     _wait_ready(server, lambda: probe_nats(url), timeout_s)
     return server
@@ -330,8 +333,8 @@ async def _ensure_role_and_db(superuser_dsn: str, user: str, password: str, data
         await conn.close()
 
 
-def _dsn(user: str, password: str, port: int, database: str) -> str:
-    return f"postgresql://{quote(user, safe='')}:{quote(password, safe='')}@{_HOST}:{port}/{quote(database, safe='')}"
+def _dsn(user: str, password: str, port: int, database: str, host: str = _HOST) -> str:
+    return f"postgresql://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/{quote(database, safe='')}"
 
 
 def start_postgres(
@@ -345,8 +348,12 @@ def start_postgres(
     run_as: str = pgaccount.DEFAULT_RUN_AS,
     durable: bool = True,
     timeout_s: float = 60.0,
+    host: str = _HOST,
+    client_cidr: str | None = None,
 ) -> PostgresServer:
-    """Start PostgreSQL for ``data_dir`` on ``127.0.0.1:port``; ``initdb`` runs once, on the first start.
+    """Start PostgreSQL for ``data_dir`` on ``host:port`` (default ``127.0.0.1``); ``initdb`` runs once, on the
+    first start. ``client_cidr`` (e.g. a multi-node stack's bridge ``/24``) is also allowed to sign in, by a
+    ``pg_hba.conf`` line added once.
 
     Ensures the login role ``user`` (password: given, else saved or generated) owns database ``database``,
     and returns once that role's ``SELECT 1`` answers. Authentication is scram-sha-256 over TCP only (no unix
@@ -362,16 +369,18 @@ def start_postgres(
     pgdata = pgaccount.cluster_dir(data_dir, account)
     if not (pgdata / "PG_VERSION").exists():
         _initdb(bin_dir, pgdata, account, creds["superuser_password"], log_path)
+    if client_cidr:
+        _allow_clients(pgdata, client_cidr)
 
     argv = [
         str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port),
-        "-c", f"listen_addresses={_HOST}", "-c", "unix_socket_directories=", "-c", "max_connections=200",
+        "-c", f"listen_addresses={host}", "-c", "unix_socket_directories=", "-c", "max_connections=200",
     ]  # fmt: skip
     if not durable:
         argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
     proc, offset = _spawn("postgres", argv, log_path, cwd=pgdata, **pgaccount.popen_kwargs(account))
-    superuser_dsn = _dsn("postgres", creds["superuser_password"], port, "postgres")
-    dsn = _dsn(user, creds["password"], port, database)
+    superuser_dsn = _dsn("postgres", creds["superuser_password"], port, "postgres", host)
+    dsn = _dsn(user, creds["password"], port, database, host)
     server = PostgresServer(
         "postgres", proc, log_path, port, signal.SIGINT, offset,  # SIGINT is PostgreSQL's "fast" shutdown
         dsn=dsn, superuser_dsn=superuser_dsn, pgdata=pgdata, user=user, database=database,
@@ -385,6 +394,16 @@ def start_postgres(
 
     _wait_ready(server, ready, timeout_s)
     return server
+
+
+def _allow_clients(pgdata: Path, cidr: str) -> None:
+    """Append ``host all all CIDR scram-sha-256`` to ``pg_hba.conf`` unless a line for ``cidr`` is there."""
+    hba = pgdata / "pg_hba.conf"
+    text = hba.read_text()
+    if any(line.split()[3:4] == [cidr] for line in text.splitlines() if line.startswith("host")):
+        return
+    with open(hba, "a") as f:  # appending keeps the file's owner (the unprivileged server account)
+        f.write(f"host all all {cidr} scram-sha-256\n")
 
 
 def _initdb(
@@ -477,8 +496,10 @@ def start_s3(
     secret_key: str | None = None,
     region: str = "us-east-1",
     timeout_s: float = 90.0,
+    host: str = _HOST,
 ) -> S3Server:
-    """Start ``weed mini`` with data in ``data_dir`` and its S3 endpoint on ``127.0.0.1:port``.
+    """Start ``weed mini`` with data in ``data_dir`` and its S3 endpoint on ``host:port`` (default
+    ``127.0.0.1``; every weed listener binds ``host``).
 
     Every other listener (master, volume, filer, their gRPC ports, S3 gRPC, admin) gets an explicit free
     loopback port; WebDAV, Iceberg, Lance and telemetry are off. The keys (given, else saved or generated)
@@ -493,7 +514,7 @@ def start_s3(
     store = data_dir / "weed"
     store.mkdir(exist_ok=True)
     argv = [
-        str(find_binary("weed")), "-logtostderr", "mini", f"-dir={store}", f"-ip={_HOST}", f"-ip.bind={_HOST}",
+        str(find_binary("weed")), "-logtostderr", "mini", f"-dir={store}", f"-ip={host}", f"-ip.bind={host}",
         f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
         f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
         f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
@@ -504,7 +525,7 @@ def start_s3(
     ]  # fmt: skip
     env = {**os.environ, "AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"]}
     proc, offset = _spawn("s3", argv, log_path, env=env, cwd=data_dir)
-    url = f"http://{_HOST}:{port}"
+    url = f"http://{host}:{port}"
     server = S3Server(
         "s3", proc, log_path, port, signal.SIGTERM, offset, url=url, bucket=bucket, access_key=creds["access_key"],
         secret_key=creds["secret_key"], region=region, aux_ports=ports,

@@ -33,6 +33,8 @@ from pydantic import BaseModel
 from podbay.config import Settings
 from podbay.credentials import new_key
 from podbay.devstack import servers as srv
+from podbay.devstack.netns import NodeNetwork, plan_network, purge_networks
+from podbay.devstack.nodeops import NodeOps
 from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
@@ -56,6 +58,7 @@ __all__ = [
     "default_bin_dir",
     "gateway_executable",
     "credential_key_for",
+    "NODE_SERVICES",
 ]
 
 
@@ -77,6 +80,9 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("gateway", "podbay-gateway", "gateway"),
 )
 SERVER_NAMES: tuple[str, ...] = ("nats", "postgres", "s3")
+#: Services that run once per node; in a multi-node stack each node's copy is named ``<service>@<node id>``
+#: and runs inside that node's network namespace (:mod:`podbay.devstack.netns`).
+NODE_SERVICES: frozenset[str] = frozenset({"nodeagent", "snapshotter", "gateway"})
 
 
 class StackPorts(BaseModel):
@@ -196,16 +202,22 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes] | None = None
     start_ticks: int | None = None
     log_offset: int = 0
+    #: Address its health endpoint answers on (a node's namespace address for a multi-node node agent).
+    host: str = "127.0.0.1"
+    #: The network namespace it runs in (multi-node stacks), entered with ``nsenter``; None: the host's.
+    netns: str | None = None
+    #: The node it belongs to, for per-node services of a multi-node stack.
+    node_id: str | None = None
 
     @property
     def name(self) -> str:
-        """The service name (``api``, ``scheduler``, ...)."""
-        return self.spec.name
+        """The service name (``api``, ``scheduler``, ...; ``nodeagent@node-a`` for a node's copy)."""
+        return f"{self.spec.name}@{self.node_id}" if self.node_id else self.spec.name
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:<port>``."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://<host>:<port>`` (host ``127.0.0.1`` unless the service runs in a node namespace)."""
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -230,7 +242,12 @@ class ServiceProcess:
         self.start_ticks = process_start_ticks(self.proc.pid)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
-        """Whether ``GET /healthz`` answers 200 now."""
+        """Whether ``GET /healthz`` answers 200 now (asked from inside its namespace when it listens on that
+        namespace's loopback)."""
+        if self.netns and self.host == "127.0.0.1":
+            argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", "curl", "-sf", "-o", "/dev/null",
+                    "-m", str(timeout_s), f"{self.url}/healthz"]
+            return subprocess.run(argv, capture_output=True, timeout=timeout_s + 5, check=False).returncode == 0
         try:
             return httpx.get(f"{self.url}/healthz", timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
@@ -304,7 +321,7 @@ def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
 
 
 @dataclass
-class Stack:
+class Stack(NodeOps):
     """Servers and services of one stack. Start with :meth:`start`, stop with :meth:`stop` (reverse order).
 
     After :meth:`start`: ``nats_url``, ``pg_dsn``, ``s3_url``, ``s3_bucket``, ``s3_keys`` and ``env`` (the
@@ -325,6 +342,13 @@ class Stack:
     #: Port of the OpenBao dev server (started only for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
     #: external ``PODBAY_OPENBAO_ADDR``); 0: ``PODBAY_OPENBAO_PORT``, else a free one.
     openbao_port: int = 0
+    #: Multi-node: ids of the nodes, each with its own network namespace, node agent, snapshotter and gateway
+    #: (:mod:`podbay.devstack.netns`); the servers then listen on the bridge address. Empty: one node
+    #: (``PODBAY_NODE_ID``) in the host's namespace, servers on 127.0.0.1.
+    node_ids: list[str] = field(default_factory=list)
+    #: Extra environment per node id (e.g. ``PODBAY_NODE_MEMORY_MIB``), over :attr:`env`.
+    node_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    network: NodeNetwork | None = None
 
     servers: dict[str, srv.ServerProcess] = field(default_factory=dict)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -353,12 +377,35 @@ class Stack:
         called as each part answers."""
         try:
             check_ports_free(self.ports, self.external)
+            self.start_network()
             self.start_servers(on_ready)
             self.start_services(on_ready)
         except BaseException:
             self.stop(grace_s=5.0)
             raise
         return self
+
+    def start_network(self) -> None:
+        """Multi-node only: create (or reuse) the bridge and the node namespaces, recorded in the data dir."""
+        if not self.node_ids or self.network is not None:
+            return
+        net = plan_network(self.data_dir, list(self.node_ids))
+        net.save(self.data_dir)  # first, so that `down --purge` finds a half-made network
+        net.create()
+        self.network = net
+
+    @property
+    def server_host(self) -> str:
+        """Where the stack's own servers listen: the bridge address of a multi-node stack, else 127.0.0.1."""
+        return self.network.host_address if self.network else "127.0.0.1"
+
+    def _server_kwargs(self, name: str) -> dict[str, Any]:
+        if self.network is None:
+            return {}
+        extra: dict[str, Any] = {"host": self.network.host_address}
+        if name == "postgres":
+            extra["client_cidr"] = self.network.cidr
+        return extra
 
     def start_servers(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Start (or adopt the external) NATS, PostgreSQL and S3, and build :attr:`env`."""
@@ -368,14 +415,15 @@ class Stack:
             self._probe_external("nats", srv.probe_nats(ext.nats_url))
             self.nats_url = ext.nats_url
         else:
-            nats = srv.start_nats(sdir / "nats", self.ports.nats, log_dir=self.log_dir)
+            nats = srv.start_nats(sdir / "nats", self.ports.nats, log_dir=self.log_dir, **self._server_kwargs("nats"))
             self.servers["nats"], self.nats_url = nats, nats.url
         self._notify(on_ready, "nats")
         if ext.pg_dsn:
             self._probe_external("postgres", srv.probe_postgres(ext.pg_dsn))
             self.pg_dsn = ext.pg_dsn
         else:
-            pg = srv.start_postgres(sdir / "postgres", self.ports.pg, log_dir=self.log_dir, durable=self.durable)
+            pg = srv.start_postgres(sdir / "postgres", self.ports.pg, log_dir=self.log_dir, durable=self.durable,
+                                    **self._server_kwargs("postgres"))
             self.servers["postgres"], self.pg_dsn = pg, pg.dsn
         self._notify(on_ready, "postgres")
         if ext.s3_url:
@@ -383,7 +431,8 @@ class Stack:
             self._probe_external("s3", srv.probe_s3(ext.s3_url, *keys, bucket=self.s3_bucket))
             self.s3_url, self.s3_keys = ext.s3_url, keys
         else:
-            s3 = srv.start_s3(sdir / "s3", self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
+            s3 = srv.start_s3(sdir / "s3", self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket,
+                              **self._server_kwargs("s3"))
             self.servers["s3"], self.s3_url, self.s3_keys = s3, s3.url, (s3.access_key, s3.secret_key)
         self._notify(on_ready, "s3")
         self._start_credentials(on_ready)
@@ -410,11 +459,13 @@ class Stack:
     def start_services(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Start each service in :data:`SERVICES` order, waiting for its ``/healthz`` before the next."""
         for spec in SERVICES:
-            svc = self._service(spec)
-            self.services[spec.name] = svc
-            svc.start()
-            svc.wait_healthy(self.start_timeout_s)
-            self._notify(on_ready, spec.name)
+            nodes: list[str | None] = list(self.node_ids) if self.node_ids and spec.name in NODE_SERVICES else [None]
+            for node_id in nodes:
+                svc = self._service(spec, node_id)
+                self.services[svc.name] = svc
+                svc.start()
+                svc.wait_healthy(self.start_timeout_s)
+                self._notify(on_ready, svc.name)
 
     def create_api_key(self, tenant: str = "dev", name: str = "dev") -> str:
         """Run ``podbay-api create-key --tenant T --name N``; stores and returns the key (``pb_...``).
@@ -471,16 +522,19 @@ class Stack:
         if name in self.servers:
             self.servers[name].stop()
             sdir = self.data_dir / "servers" / name
+            kw = self._server_kwargs(name)
             if name == "nats":
-                self.servers[name] = srv.start_nats(sdir, self.ports.nats, log_dir=self.log_dir)
+                self.servers[name] = srv.start_nats(sdir, self.ports.nats, log_dir=self.log_dir, **kw)
             elif name == "postgres":
-                self.servers[name] = srv.start_postgres(sdir, self.ports.pg, log_dir=self.log_dir, durable=self.durable)
+                self.servers[name] = srv.start_postgres(sdir, self.ports.pg, log_dir=self.log_dir,
+                                                        durable=self.durable, **kw)
             elif name == "openbao":
                 # Dev mode keeps secrets in memory: a restarted server starts empty, with the same token.
                 self.servers[name] = start_openbao(sdir, self.openbao_port, token=self.openbao_token,
                                                    log_dir=self.log_dir)
             else:
-                self.servers[name] = srv.start_s3(sdir, self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket)
+                self.servers[name] = srv.start_s3(sdir, self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket,
+                                                  **kw)
             return
         svc = self.services[name]
         svc.stop()
@@ -498,19 +552,31 @@ class Stack:
             unmount_node_stores(self.data_dir)
         for server in reversed(list(self.servers.values())):
             server.stop(grace_s)
+        if purge:
+            purge_networks(self.data_dir)
+            self.network = None
 
     # --- internals --------------------------------------------------------------------------------------
 
-    def _service(self, spec: ServiceSpec) -> ServiceProcess:
+    def _service(self, spec: ServiceSpec, node_id: str | None = None) -> ServiceProcess:
         if spec.name == "gateway":
             script = gateway_executable(self.base_env.get("PODBAY_GATEWAY_BIN"), self.bin_dir)
         else:
             script = self.bin_dir / spec.script
         if not script.exists():
             raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
-        return ServiceProcess(
-            spec, [str(script)], self.env, self.log_path(spec.name), getattr(self.ports, spec.port_field)
-        )
+        port = getattr(self.ports, spec.port_field)
+        if node_id is None or self.network is None:
+            return ServiceProcess(spec, [str(script)], self.env, self.log_path(spec.name), port)
+        link = self.network.node(node_id)
+        # Each namespace has its own ports, so every node uses the same ones; the data plane listens on the
+        # namespace's bridge address, which the node advertises (nodes.dataplane_url) so the API reaches it.
+        env = {**self.env, "PODBAY_NODE_ID": node_id, "PODBAY_NODE_HOST": link.address,
+               **self.node_env.get(node_id, {})}
+        host = link.address if spec.name == "nodeagent" else "127.0.0.1"
+        name = f"{spec.name}@{node_id}"
+        return ServiceProcess(spec, [*link.nsenter(), str(script)], env, self.log_path(name), port,
+                              host=host, netns=link.netns, node_id=node_id)
 
     def _service_env(self) -> dict[str, str]:
         p = self.ports

@@ -40,8 +40,10 @@ from rich.text import Text
 from podbay.clientconfig import ClientConfig, save_client_config
 from podbay.config import Settings
 from podbay.devstack import servers as srv
+from podbay.devstack.netns import node_ids_for, purge_networks
 from podbay.devstack.procs import process_start_ticks, run_sync, same_process, stop_pid, tail
 from podbay.devstack.stack import (
+    NODE_SERVICES,
     SERVICES,
     External,
     PortInUse,
@@ -241,6 +243,7 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
     stack = Stack(
         data_dir=settings.data_dir, log_dir=settings.logs, cache_dir=settings.cache_dir,
         ports=StackPorts.from_settings(settings), external=_external(settings),
+        node_ids=node_ids_for(settings.nodes) if settings.nodes > 1 else [],
     )  # fmt: skip
     me = os.getpid()
     state = StackState(
@@ -257,7 +260,9 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
             raise _StopRequested(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    follower = None if daemon else _LogFollower(console, {s.name: stack.log_path(s.name) for s in SERVICES})
+    names = [f"{s.name}@{n}" if s.name in NODE_SERVICES and stack.node_ids else s.name
+             for s in SERVICES for n in (stack.node_ids or [""])]
+    follower = None if daemon else _LogFollower(console, {n: stack.log_path(n) for n in dict.fromkeys(names)})
     try:
         if follower:
             follower.start()
@@ -398,7 +403,7 @@ class _LogFollower(threading.Thread):
             for line in lines[:-1]:
                 if not line.strip():
                     continue
-                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(name, "dim"))
+                prefix = Text(f"{name:<{width}} | ", style=_COLOURS.get(name.split("@")[0], "dim"))
                 self._console.print(prefix + Text(line))
 
 
@@ -451,7 +456,9 @@ def down(settings: Settings, *, purge: bool = False) -> int:
     if purge:
         killed = kill_strays(settings.data_dir)
         stores = unmount_node_stores(settings.data_dir)
-        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted")
+        nets = purge_networks(settings.data_dir)
+        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted"
+                      + (", node namespaces and bridge removed" if nets else ""))
         return code
     left = find_strays(settings.data_dir)
     if left:

@@ -29,6 +29,7 @@ from podbay.contracts.api import (
     ForkResult,
     OperationInfo,
     PoolInfo,
+    NodeInfo,
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
@@ -213,6 +214,10 @@ class AsyncClient:
     async def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
         """See ``Client.set_pool``."""
         return await self._call(calls.set_pool_call(template, size, max_size))
+
+    async def list_nodes(self) -> builtins.list[NodeInfo]:
+        """See ``Client.list_nodes``."""
+        return await self._call(calls.list_nodes_call())
 
     async def drain_node(self, node_id: str) -> DrainStarted:
         """See ``Client.drain_node``."""

@@ -34,6 +34,8 @@ from podbay.contracts.api import (
     OperationInfo,
     LeaseUpdate,
     PoolInfo,
+    NodeInfo,
+    NodeList,
     PoolList,
     PoolSet,
     SandboxCreate,
@@ -68,6 +70,7 @@ __all__ = [
     "with_auto_resume",
     "set_pool_call",
     "list_pools_call",
+    "list_nodes_call",
     "format_mode",
     "ID_PATTERN",
     "PATH_MAX_CHARS",
@@ -469,6 +472,11 @@ def set_pool_call(template: str, size: int, max_size: int | None = None) -> Call
     body = _validate(PoolSet, {"size": size, "max_size": max_size}, "pool")
     return Call("PUT", f"/v1/pools/{quote(check_id(template, 'template'), safe='')}", _model(PoolInfo),
                 json=body.model_dump(exclude_none=True))
+
+
+def list_nodes_call() -> Call[builtins.list[NodeInfo]]:
+    """``GET /v1/nodes`` -> ``{"nodes": [NodeInfo]}``, returned as the list (operator tenant only)."""
+    return Call("GET", "/v1/nodes", lambda r: _model(NodeList)(r).nodes)
 
 
 def list_pools_call() -> Call[builtins.list[PoolInfo]]:

@@ -30,6 +30,7 @@ from podbay.contracts.api import (
     ForkResult,
     OperationInfo,
     PoolInfo,
+    NodeInfo,
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
@@ -222,6 +223,11 @@ class Client:
         """Keep at least ``size`` warm slots of ``template`` (up to ``max_size`` when demand asks);
         ``size`` 0 ends the pool. Creates from the template then claim a slot instead of restoring."""
         return self._call(calls.set_pool_call(template, size, max_size))
+
+    def list_nodes(self) -> builtins.list[NodeInfo]:
+        """Every node (operator tenant only): state, liveness, capacity, used and free resources, counts.
+        Raises ``Forbidden`` for other tenants."""
+        return self._call(calls.list_nodes_call())
 
     def drain_node(self, node_id: str) -> DrainStarted:
         """Start moving every sandbox off ``node_id`` (operator tenant only): running ones by live migration,

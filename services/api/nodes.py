@@ -1,0 +1,73 @@
+"""Node endpoints: the operator's view of the nodes (docs/ARCHITECTURE.md "Nodes, loss and fencing").
+
+``GET /v1/nodes`` joins three sources: the ``nodes`` rows (state, capacity, accelerator), the live heartbeats
+in the ``podbay_nodes`` KV bucket (liveness, age), and the sandboxes and warm slots placed on each node in
+PostgreSQL (used and free resources, counts), counted the way the scheduler counts them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from podbay.contracts.api import NodeInfo, NodeList, NodeResources
+from podbay.errors import Forbidden
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1")
+
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+#: Per node: memory of every placed sandbox that is not deleted or failed plus warm slots being prepared or
+#: ready (the scheduler's count), vCPUs of those not paused, and the counts by state.
+_LOAD = (
+    "SELECT node_id, sum(mem)::int AS mem, sum(cpu)::int AS cpu, sum(run)::int AS running,"
+    " sum(paused)::int AS paused, sum(sbx)::int AS sandboxes, sum(warm)::int AS warm FROM ("
+    " SELECT node_id, memory_mib AS mem, CASE WHEN state <> 'paused' THEN vcpus ELSE 0 END AS cpu,"
+    " (state IN ('running', 'starting', 'resuming'))::int AS run, (state = 'paused')::int AS paused, 1 AS sbx,"
+    " 0 AS warm FROM sandboxes WHERE node_id IS NOT NULL AND state NOT IN ('deleted', 'failed')"
+    " UNION ALL SELECT node_id, memory_mib, 0, 0, 0, 0, (state = 'ready')::int FROM warm_slots"
+    " WHERE state IN ('preparing', 'ready')"
+    ") l GROUP BY node_id")
+
+
+@router.get("/nodes", response_model=NodeList)
+async def list_nodes(ctx: CtxDep, who: PrincipalDep) -> NodeList:
+    """Every node: state (``ready``, ``draining``, ``drained``, ``lost``), liveness and heartbeat age,
+    capacity, used and free resources, running and paused sandboxes, ready warm slots, and whether the
+    scheduler places new sandboxes there. 403 ``forbidden`` unless the caller belongs to the operator tenant
+    (``PODBAY_OPERATOR_TENANT``): nodes are shared by every tenant."""
+    tenant = await ctx.pool.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id)
+    if tenant != ctx.settings.operator_tenant:
+        raise Forbidden("only the operator tenant may list nodes (they are shared by every tenant)")
+    heartbeats = {hb.node_id: hb for hb in await ctx.bus.live_nodes()}
+    async with ctx.pool.acquire() as conn:
+        rows = await conn.fetch("SELECT * FROM nodes ORDER BY id")
+        loads = {r["node_id"]: r for r in await conn.fetch(_LOAD)}
+    now = datetime.now(UTC)
+    nodes = []
+    for r in rows:
+        hb = heartbeats.get(r["id"])
+        load = loads.get(r["id"])
+        mem_used, cpu_used = (int(load["mem"]), int(load["cpu"])) if load else (0, 0)
+        live = hb is not None
+        nodes.append(NodeInfo(
+            id=r["id"], state=r["state"], live=live,
+            schedulable=live and r["state"] == "ready" and bool(hb and hb.schedulable),
+            accel=r["accel"], dataplane_url=r["dataplane_url"],
+            capacity=NodeResources(memory_mib=r["memory_mib"], vcpus=r["vcpus"]),
+            used=NodeResources(memory_mib=mem_used, vcpus=cpu_used),
+            free=NodeResources(memory_mib=r["memory_mib"] - mem_used, vcpus=r["vcpus"] - cpu_used),
+            running=int(load["running"]) if load else 0, paused=int(load["paused"]) if load else 0,
+            sandboxes=int(load["sandboxes"]) if load else 0, warm_slots=int(load["warm"]) if load else 0,
+            heartbeat_age_s=round(max(0.0, (now - hb.at).total_seconds()), 3) if hb else None,
+            started_at=r["started_at"], state_changed_at=r.get("state_changed_at"), lost_at=r.get("lost_at")))
+    return NodeList(nodes=nodes)

@@ -1,0 +1,61 @@
+"""The multi-node dev stack: two node agents, each in its own network namespace, reach the shared servers
+across the bridge, register their namespace addresses, and a cut link makes a node unreachable."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+from typing import Any
+
+import httpx
+
+from podbay.devstack.netns import NodeNetwork
+from podbay.devstack.procs import run_sync
+
+
+async def _nodes(dsn: str) -> dict[str, str]:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT id, dataplane_url FROM nodes")
+    finally:
+        await conn.close()
+    return {r["id"]: r["dataplane_url"] for r in rows}
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_two_nodes_in_their_own_namespaces(multinode_stack: Any) -> None:
+    st = multinode_stack
+    net: NodeNetwork = st.network
+    assert net is not None and sorted(n.node_id for n in net.nodes) == ["node-a", "node-b"]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert all(n.netns in namespaces for n in net.nodes)
+    assert ipaddress.ip_address(net.host_address) in ipaddress.ip_network(net.cidr)
+    assert not ipaddress.ip_network(net.cidr).overlaps(ipaddress.ip_network("10.88.0.0/16"))
+    # The servers listen on the bridge, where the node namespaces reach them.
+    assert net.host_address in st.nats_url and net.host_address in st.pg_dsn and net.host_address in st.s3_url
+    urls = run_sync(_nodes(st.pg_dsn))
+    for link in net.nodes:
+        assert urls[link.node_id] == f"http://{link.address}:{st.ports.node}"
+        assert _reachable(urls[link.node_id])
+        assert {s.spec.name for s in st.node_services(link.node_id)} == {"nodeagent", "snapshotter", "gateway"}
+        assert all(s.alive() for s in st.node_services(link.node_id))
+
+
+def test_a_cut_link_makes_the_node_unreachable_until_restored(multinode_stack: Any) -> None:
+    st = multinode_stack
+    url = f"http://{st.network.node('node-b').address}:{st.ports.node}"
+    st.cut_link("node-b")
+    try:
+        assert not _reachable(url)
+        assert _reachable(f"http://{st.network.node('node-a').address}:{st.ports.node}")
+    finally:
+        st.restore_link("node-b")
+    assert _reachable(url)

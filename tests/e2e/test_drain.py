@@ -64,15 +64,24 @@ def _count(c: httpx.Client, sid: str) -> tuple[int, int]:
     return int(pid), int(count)
 
 
-def _create_on(c: httpx.Client, node: str) -> str:
-    """A sandbox on ``node`` (creates land on either node: retry until one does, delete the others)."""
-    for _ in range(8):
+async def _node_state(dsn: str, node: str, state: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("UPDATE nodes SET state=$2 WHERE id=$1", node, state)
+    finally:
+        await conn.close()
+
+
+def _create_on(c: httpx.Client, st: Any, node: str, other: str) -> str:
+    """A sandbox on ``node``: ``other`` is held out of placement (``draining``) while it is created."""
+    run_sync(_node_state(st.pg_dsn, other, "draining"))
+    try:
         r = c.post("/v1/sandboxes", json={"template": "base"})
         assert r.status_code in (200, 201), r.text
-        if r.json()["node_id"] == node:
-            return str(r.json()["id"])
-        c.delete(f"/v1/sandboxes/{r.json()['id']}")
-    raise AssertionError(f"no sandbox was placed on {node}")
+        assert r.json()["node_id"] == node
+        return str(r.json()["id"])
+    finally:
+        run_sync(_node_state(st.pg_dsn, other, "ready"))
 
 
 def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) -> None:
@@ -81,8 +90,8 @@ def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) 
     with api_client(st, timeout_s=600) as c:
         _until("both nodes ready and live", lambda: (lambda n: n if len(n) == 2 and all(
             x["schedulable"] for x in n) else None)(c.get("/v1/nodes").json()["nodes"]), 120)
-        run = _create_on(c, src)
-        paused = _create_on(c, src)
+        run = _create_on(c, st, src, dst)
+        paused = _create_on(c, st, src, dst)
         try:
             import base64
 

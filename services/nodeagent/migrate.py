@@ -326,6 +326,14 @@ class MigrationOps:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         stats: vmmigrate.MigrationStats | None = None
+        # The guest must arrive with its channel's host side closed: a guest that migrated while the host
+        # was connected never answered the destination's HELLO (measured in tests/e2e/test_drain.py), so
+        # the channel is closed first (calls on the sandbox wait for its lock meanwhile) and reopened on
+        # whichever node runs the guest afterwards.
+        if vm.channel is not None:
+            with contextlib.suppress(Exception):
+                await vm.channel.close()
+            vm.channel = None
         try:
             sock.setblocking(False)
             await asyncio.wait_for(loop.sock_connect(sock, (prep.host, prep.port)), 10.0)
@@ -336,6 +344,7 @@ class MigrationOps:
                 max_downtime_ms=m.settings.migrate_max_downtime_ms, bandwidth_mib_s=m.settings.migrate_bandwidth_mib_s)
         except BaseException:
             await self._tell(cmd, ok=False)  # the source carries on (migrate_out resumed it)
+            await self._reopen(vm)
             raise
         finally:
             sock.close()
@@ -348,6 +357,7 @@ class MigrationOps:
             if new_gen is not None:
                 vm.generation = int(new_gen)
                 await vmmigrate.resume_source(m.driver.vmm, vm.handle.inner, stats.was_running)
+                await self._reopen(vm)
                 raise RuntimeError("the destination did not take the sandbox over"
                                    + (f": {reply.error}" if reply is not None and reply.error else ""))
             # The destination committed; its answer was lost.
@@ -362,6 +372,15 @@ class MigrationOps:
         LIFECYCLE_OPERATIONS.labels("nodeagent", "migrate_out", "ok").inc()
         log.info("sandbox %s moved to %s: total %.0f ms, downtime %.1f ms", cmd.sandbox_id, cmd.dest_node,
                  stats.total_ms, stats.downtime_ms)
+
+    async def _reopen(self, vm: RunningVm) -> None:
+        """Reconnect the source's guest channel after a migration that did not happen (a paused guest's
+        channel is reopened by its resume)."""
+        try:
+            if await vm.handle.status() == "running":
+                vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=self.m.settings.restore_timeout_s)
+        except Exception as exc:  # the VM monitor or the next call reports a VM that is really gone
+            log.warning("guest channel of %s not reopened: %s", vm.sandbox_id, _reason(exc))
 
     async def _tell(self, cmd: MigrateOutCmd, *, ok: bool,
                     stats: vmmigrate.MigrationStats | None = None) -> MigrateFinishReply | None:

@@ -118,15 +118,15 @@ async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float,
     waiter = asyncio.ensure_future(events())
     exited = asyncio.ensure_future(vm._exited.wait())  # noqa: SLF001
     try:
-        # A terminal state may already have passed before the listener saw it: check once first.
+        # The listener was registered before the migrate command, so the terminal event cannot be missed. No
+        # query-migrate before it: on a QEMU that itself arrived by migration it can still report that
+        # earlier, completed incoming migration.
+        done, _ = await asyncio.wait({waiter, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise VmTimeout(f"{what} migration did not finish within {timeout_s} s", details={"op": what})
+        if exited in done:
+            raise VmOperationError(f"QEMU exited during the {what} migration")
         info = await vmm._qmp(vm, "query-migrate")  # noqa: SLF001
-        if info.get("status") not in _END_STATES:
-            done, _ = await asyncio.wait({waiter, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise VmTimeout(f"{what} migration did not finish within {timeout_s} s", details={"op": what})
-            if exited in done:
-                raise VmOperationError(f"QEMU exited during the {what} migration")
-            info = await vmm._qmp(vm, "query-migrate")  # noqa: SLF001
         return info if isinstance(info, dict) else {}
     finally:
         waiter.cancel()
@@ -179,7 +179,7 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
         raise
     ram = info.get("ram") or {}
     disk = info.get("disk") or {}
-    stats = MigrationStats(total_ms=float(info.get("total-time", (time.monotonic() - t0) * 1000)),
+    stats = MigrationStats(total_ms=float(info.get("total-time") or (time.monotonic() - t0) * 1000),
                            downtime_ms=float(info.get("downtime", 0)) if was_running else 0.0,
                            ram_bytes=int(ram.get("transferred", 0)), disk_bytes=int(disk.get("transferred", 0)),
                            was_running=was_running)

@@ -197,6 +197,17 @@ class MigrationOps:
                 inc.arrived.set_exception(exc if isinstance(exc, Exception) else RuntimeError("cancelled"))
             if not isinstance(exc, Exception):
                 raise
+            # No stream (the source died or gave up before connecting): if no finish comes to clean up,
+            # the waiting QEMU and its tap go after the migration bound.
+            self._spawn(self._expire(inc))
+
+    async def _expire(self, inc: _Incoming) -> None:
+        await asyncio.sleep(self.m.settings.migrate_timeout_s)
+        if self._incoming.get(inc.cmd.sandbox_id) is inc:
+            async with self.m.lock(inc.cmd.sandbox_id):
+                if self._incoming.get(inc.cmd.sandbox_id) is inc:
+                    log.warning("migration of %s into this node abandoned; discarding its VM", inc.cmd.sandbox_id)
+                    await self._drop_incoming(inc.cmd.sandbox_id)
 
     async def _drop_incoming(self, sandbox_id: str) -> None:
         inc = self._incoming.pop(sandbox_id, None)

@@ -14,6 +14,7 @@ last put. Each scheduler polls the bucket every ``PODBAY_NODE_LOSS_CHECK_S`` and
      suspended sandbox (``wake.py``); event ``rescheduled`` says which node was lost and how much work was
      lost (``lost_work_s``: seconds between that snapshot and the loss);
    - ``starting`` without one (a create in flight): back to ``pending`` and placed again;
+   - ``suspending`` with a promoted full snapshot: ``suspended`` at it (what was asked);
    - ``deleting``: deleted (its files went with the node);
    - otherwise: ``failed`` with a reason that says so.
    Its ready or preparing warm slots fail; operations in flight on those sandboxes fail with ``node_lost``.
@@ -79,6 +80,7 @@ class LossReport:
     replaced: list[str] = field(default_factory=list)  # creates in flight, placed again
     failed: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    suspended: list[str] = field(default_factory=list)  # was suspending: suspended at its promoted snapshot
     placements: list[PlaceSandbox] = field(default_factory=list)
 
 
@@ -113,7 +115,7 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     event = Event(id=new_id("evt"), type="lost", node_id=node_id, state="lost", at=datetime.now(UTC),
                   reason="heartbeat absent beyond the grace period",
                   data={"rescheduled": report.rescheduled, "replaced": report.replaced, "failed": report.failed,
-                        "deleted": report.deleted})
+                        "deleted": report.deleted, "suspended": report.suspended})
     await emit(conn, subjects.node_event(node_id, "lost"), event)
     return report
 
@@ -137,6 +139,17 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         report.deleted.append(sid)
         return
     snap = await conn.fetchrow(_NEWEST_PROMOTED, sid)
+    if snap is not None and state == "suspending":
+        # It was being suspended: it ends suspended (at its newest promoted snapshot), as asked.
+        gen = await conn.fetchval(
+            "UPDATE sandboxes SET state='suspended', node_id=NULL, generation=generation+1,"
+            " suspended_snapshot_id=$2, updated_at=now() WHERE id=$1 RETURNING generation", sid, snap["id"])
+        await emit_sandbox_event(conn, sid, "suspended", state="suspended", tenant_id=tenant, generation=gen,
+                                 reason=f"{lost} while suspending; suspended at snapshot {snap['id']}",
+                                 data={"lost_node": node_id, "snapshot_id": snap["id"],
+                                       "lost_work_s": round(float(snap["age_s"]), 3)})
+        report.suspended.append(sid)
+        return
     if snap is not None:
         op_id = new_id("op")
         gen = await conn.fetchval(
@@ -182,9 +195,12 @@ class NodeLossWatcher:
         self.pool, self.bus, self.relay = pool, bus, relay
         self.grace_s, self.interval_s = grace_s, interval_s
         self.absent_since: dict[str, float] = {}
+        #: Placements committed but not yet published (NATS failed): retried every pass.
+        self.unsent: list[PlaceSandbox] = []
 
     async def check(self) -> list[LossReport]:
         """One pass: read live heartbeats and node states, declare what is lost, publish its placements."""
+        await self._publish()
         live = {hb.node_id for hb in await self.bus.live_nodes()}
         states = {r["id"]: r["state"] for r in await self.pool.fetch("SELECT id, state FROM nodes")}
         reports = []
@@ -197,10 +213,17 @@ class NodeLossWatcher:
             self.relay.kick()
             log.warning("node %s lost: %d rescheduled, %d placed again, %d failed, %d deleted", nid,
                         len(report.rescheduled), len(report.replaced), len(report.failed), len(report.deleted))
-            for place in report.placements:
-                await self.bus.publish_command(subjects.SCHEDULER_PLACE, place, msg_id=place.operation_id)
+            self.unsent.extend(report.placements)
             reports.append(report)
+        await self._publish()
         return reports
+
+    async def _publish(self) -> None:
+        # The operation id is the Nats-Msg-Id, so a placement sent twice is dropped as a duplicate.
+        while self.unsent:
+            place = self.unsent[0]
+            await self.bus.publish_command(subjects.SCHEDULER_PLACE, place, msg_id=place.operation_id)
+            self.unsent.pop(0)
 
     async def run(self, stop: asyncio.Event) -> None:
         """:meth:`check` every ``interval_s`` until ``stop``; a failed pass is logged and retried."""

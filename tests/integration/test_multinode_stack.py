@@ -59,3 +59,23 @@ def test_a_cut_link_makes_the_node_unreachable_until_restored(multinode_stack: A
     finally:
         st.restore_link("node-b")
     assert _reachable(url)
+
+
+def test_the_operator_lists_the_nodes_and_other_tenants_may_not(multinode_stack: Any) -> None:
+    st = multinode_stack
+    headers = {"authorization": f"Bearer {st.api_key}"}
+    r = httpx.get(f"{st.api_url}/v1/nodes", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    nodes = {n["id"]: n for n in r.json()["nodes"]}
+    assert set(nodes) == {"node-a", "node-b"}
+    for n in nodes.values():
+        assert n["state"] == "ready" and n["live"] and n["schedulable"]
+        assert n["capacity"] == {"memory_mib": 2048, "vcpus": 8} and n["free"]["memory_mib"] <= 2048
+        assert n["heartbeat_age_s"] is not None and n["heartbeat_age_s"] >= 0 and n["lost_at"] is None
+    mine = (st.api_key, st.tenant_id)
+    try:
+        other = st.create_api_key("someone-else", "k")  # a tenant that is not the operator's
+    finally:
+        st.api_key, st.tenant_id = mine  # create_api_key keeps the last key; the fixture keeps its own
+    r = httpx.get(f"{st.api_url}/v1/nodes", headers={"authorization": f"Bearer {other}"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"

@@ -66,6 +66,8 @@ async def test_two_schedulers_declare_a_node_lost_once_and_every_sandbox_is_fenc
     no_snap = await _sandbox(pool, tenant, node, "paused")
     creating = await _sandbox(pool, tenant, node, "starting")
     deleting = await _sandbox(pool, tenant, node, "deleting", op_kind="delete")
+    suspending = await _sandbox(pool, tenant, node, "suspending", op_kind="suspend")
+    suspend_snap = await _snapshot(pool, tenant, suspending, promotion="promoted")
 
     async def race() -> object:
         async with pool.acquire() as conn, conn.transaction():
@@ -77,14 +79,16 @@ async def test_two_schedulers_declare_a_node_lost_once_and_every_sandbox_is_fenc
     report = acted[0]
     assert (report.rescheduled, report.failed, report.replaced, report.deleted) == (
         [with_snap], [no_snap], [creating], [deleting])
+    assert report.suspended == [suspending]
     rows = {r["id"]: r for r in await pool.fetch(
         "SELECT id, state, node_id, generation, suspended_snapshot_id, failure_reason FROM sandboxes"
-        " WHERE id = ANY($1::text[])", [with_snap, no_snap, creating, deleting])}
+        " WHERE id = ANY($1::text[])", [with_snap, no_snap, creating, deleting, suspending])}
     assert all(r["node_id"] is None and r["generation"] == 3 for r in rows.values())
     assert rows[with_snap]["state"] == "resuming" and rows[with_snap]["suspended_snapshot_id"] == newest
     assert rows[no_snap]["state"] == "failed" and node in rows[no_snap]["failure_reason"]
     assert "no promoted full snapshot" in rows[no_snap]["failure_reason"]
     assert rows[creating]["state"] == "pending" and rows[deleting]["state"] == "deleted"
+    assert rows[suspending]["state"] == "suspended" and rows[suspending]["suspended_snapshot_id"] == suspend_snap
     assert {p.sandbox_id: p.wake for p in report.placements} == {with_snap: True, creating: False}
     assert await pool.fetchval("SELECT state FROM nodes WHERE id=$1", node) == "lost"
 

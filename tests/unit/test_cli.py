@@ -281,6 +281,18 @@ def test_up_down_status(supervisor: types.SimpleNamespace) -> None:
     assert supervisor.calls == [("up", True), ("down", False), ("down", True)]
 
 
+def test_up_nodes_reaches_the_supervisor_settings(
+        supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    import podbay.devstack
+
+    seen: list[int] = []
+    monkeypatch.setenv("PODBAY_NODES", "1")  # restored after the test, whatever the command sets
+    monkeypatch.setattr(podbay.devstack.supervisor, "up", lambda settings, detach: seen.append(settings.nodes))
+    assert CliRunner().invoke(app, ["up", "--detach", "--nodes", "2"]).exit_code == 0
+    assert seen == [2]
+    assert CliRunner().invoke(app, ["up", "--nodes", "65"]).exit_code != 0  # at most 64
+
+
 def test_failed_up_exits_non_zero_and_does_not_claim_success(
         supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     import podbay.devstack
@@ -397,6 +409,19 @@ def test_pool_set_and_list(fake_api: FakeApi) -> None:
     assert table.stdout.split("\n")[1].split() == ["base", "3-5", "node-1", "3", "3", "0", "1", "0"]
     listed = json.loads(run(fake_api, "pool", "list", "--json").stdout)
     assert [(p["template"], p["max_size"]) for p in listed] == [("base", 5)]
+
+
+def test_node_list_table_and_json(fake_api: FakeApi) -> None:
+    table = run(fake_api, "node", "list")
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.split("\n")
+    assert lines[0].split() == ["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY", "MIB", "FREE",
+                                "MIB", "RUNNING", "PAUSED", "WARM"]
+    assert lines[1].split() == ["node-a", "ready", "yes", "0.4s", "tcg", "1/8", "512/2048", "1536", "1", "1", "0"]
+    assert lines[2].split()[:4] == ["node-b", "lost", "no", "expired"]
+    listed = json.loads(run(fake_api, "node", "list", "--json").stdout)
+    assert [(n["id"], n["state"], n["heartbeat_age_s"]) for n in listed] == [("node-a", "ready", 0.4),
+                                                                             ("node-b", "lost", None)]
 
 
 def test_pool_set_refuses_bad_bounds_before_sending(fake_api: FakeApi) -> None:

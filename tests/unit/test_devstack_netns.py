@@ -37,3 +37,16 @@ def test_a_saved_plan_is_reused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(netns, "_used_networks", lambda: [ipaddress.ip_network(plan.cidr)])
     assert plan_network(tmp_path, ["node-a", "node-b"]) == plan  # our own bridge does not push us away
     assert plan.node("node-b").address == plan.nodes[1].address
+
+
+def test_a_multi_node_stack_refuses_external_servers_on_loopback(tmp_path: Path) -> None:
+    import pytest
+
+    from podbay.devstack.stack import External, Stack, StackError
+
+    st = Stack(data_dir=tmp_path, log_dir=tmp_path, cache_dir=tmp_path,
+               external=External(pg_dsn="postgresql://u:p@127.0.0.1:5432/db"))
+    st.network = NodeNetwork(tag="t", bridge="pbb-t", cidr="10.77.1.0/24", host_address="10.77.1.1")
+    with pytest.raises(StackError, match="postgres server at 127.0.0.1 is not reachable"):
+        st.start_servers()
+    assert not st.servers

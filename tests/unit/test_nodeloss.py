@@ -56,3 +56,37 @@ def test_a_node_agent_copy_is_stale_when_the_row_moved_on() -> None:
     assert stale("node-a", 3, None, 4)  # fenced, not yet placed
     assert stale("node-a", 3, "node-a", 4)  # placed here again at a newer generation: our copy is old
     assert stale("node-a", 3, None, None)  # the row is gone
+
+
+async def test_placements_not_published_are_sent_on_the_next_pass() -> None:
+    import pytest
+
+    from podbay.contracts.messages import PlaceSandbox, Resources
+    from podbay_scheduler.nodeloss import NodeLossWatcher
+
+    class Bus:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.fail = True
+
+        async def live_nodes(self) -> list[object]:
+            return []
+
+        async def publish_command(self, subject: str, msg: PlaceSandbox, *, msg_id: str) -> None:
+            if self.fail:
+                raise ConnectionError("nats is away")
+            self.sent.append(msg_id)
+
+    class Pool:
+        async def fetch(self, sql: str, *args: object) -> list[object]:
+            return []
+
+    bus = Bus()
+    w = NodeLossWatcher(Pool(), bus, None, grace_s=1.0, interval_s=1.0)  # type: ignore[arg-type]
+    w.unsent = [PlaceSandbox(operation_id=f"op_{i}", sandbox_id=f"sbx_{i}", tenant_id="t", template="base",
+                             resources=Resources(memory_mib=256, vcpus=1), wake=True) for i in range(2)]
+    with pytest.raises(ConnectionError):
+        await w.check()
+    bus.fail = False
+    await w.check()
+    assert bus.sent == ["op_0", "op_1"] and w.unsent == []

@@ -206,6 +206,20 @@ def build_app(fake: FakeApi) -> FastAPI:
     async def pools() -> dict[str, Any]:
         return {"pools": [p.model_dump(mode="json") for p in fake.pools.values()]}
 
+    @app.get("/v1/nodes")
+    async def nodes() -> dict[str, Any]:
+        now = datetime.now(timezone.utc).isoformat()
+        res = {"memory_mib": 2048, "vcpus": 8}
+        return {"nodes": [
+            {"id": "node-a", "state": "ready", "live": True, "schedulable": True, "accel": "tcg",
+             "dataplane_url": "http://10.77.0.2:8090", "capacity": res, "used": {"memory_mib": 512, "vcpus": 1},
+             "free": {"memory_mib": 1536, "vcpus": 7}, "running": 1, "paused": 1, "sandboxes": 2, "warm_slots": 0,
+             "heartbeat_age_s": 0.4, "started_at": now},
+            {"id": "node-b", "state": "lost", "live": False, "schedulable": False, "accel": "tcg",
+             "dataplane_url": "http://10.77.0.3:8090", "capacity": res, "used": {"memory_mib": 0, "vcpus": 0},
+             "free": res, "running": 0, "paused": 0, "sandboxes": 0, "warm_slots": 0, "heartbeat_age_s": None,
+             "started_at": now, "lost_at": now}]}
+
     @app.get("/v1/templates")
     async def templates() -> dict[str, Any]:
         now = datetime.now(timezone.utc).isoformat()

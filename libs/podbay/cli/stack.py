@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import shlex
 import sys
 from types import ModuleType
@@ -66,9 +65,11 @@ def up(
                               "default PODBAY_NODES, else 1)."),
 ) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
+    settings = _settings()
     if nodes:
-        os.environ["PODBAY_NODES"] = str(nodes)  # read by the settings, and by a detached supervisor
-    code = _settle(_supervisor().up(_settings(), detach=detach))
+        # Marked as set, so a detached supervisor is given PODBAY_NODES too.
+        settings = settings.model_copy(update={"nodes": nodes})
+    code = _settle(_supervisor().up(settings, detach=detach))
     if code:
         raise typer.Exit(int(code))
     if detach:

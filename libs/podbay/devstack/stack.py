@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel
@@ -408,9 +409,16 @@ class Stack(NodeOps):
         return extra
 
     def start_servers(self, on_ready: Callable[[str], None] | None = None) -> None:
-        """Start (or adopt the external) NATS, PostgreSQL and S3, and build :attr:`env`."""
+        """Start (or adopt the external) NATS, PostgreSQL and S3, and build :attr:`env`. A multi-node stack
+        refuses external servers on a loopback address: its node namespaces could not reach them."""
         sdir = self.data_dir / "servers"
         ext = self.external
+        if self.network is not None:
+            for name, url in (("nats", ext.nats_url), ("postgres", ext.pg_dsn), ("s3", ext.s3_url)):
+                host = (urlsplit(url).hostname or "") if url else ""
+                if host in ("localhost", "::1") or host.startswith("127."):
+                    raise StackError(f"external {name} server at {host} is not reachable from the node namespaces "
+                                     "of a multi-node stack; give an address they can reach", details={"part": name})
         if ext.nats_url:
             self._probe_external("nats", srv.probe_nats(ext.nats_url))
             self.nats_url = ext.nats_url

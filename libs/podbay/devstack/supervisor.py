@@ -84,6 +84,8 @@ class PartRecord(BaseModel):
     pid: int | None = None
     start_ticks: int | None = None
     log: str | None = None
+    #: The network namespace a node's service runs in (multi-node stacks); probed from inside it.
+    netns: str | None = None
 
 
 class StackState(BaseModel):
@@ -330,7 +332,7 @@ def _record(settings: Settings, state: StackState, stack: Stack) -> None:
     for svc in stack.services.values():
         if svc.pid:
             parts.append(PartRecord(name=svc.name, kind="service", url=svc.url, pid=svc.pid,
-                                    start_ticks=svc.start_ticks, log=str(svc.log_path)))  # fmt: skip
+                                    start_ticks=svc.start_ticks, log=str(svc.log_path), netns=svc.netns))  # fmt: skip
     state.parts, state.env = parts, dict(stack.env)
     _write_state(settings, state)
 
@@ -528,6 +530,14 @@ async def _probe_all(state: StackState, supervised: bool) -> list[PartStatus]:
                 from podbay.devstack.openbao import probe_openbao
 
                 await asyncio.wait_for(probe_openbao(part.url, env.get("PODBAY_OPENBAO_TOKEN", "")), 3)
+            elif part.netns:
+                # A node's service in its own network namespace: ask from inside it.
+                argv = ["nsenter", f"--net=/run/netns/{part.netns}", "--", "curl", "-s", "-o", "/dev/null",
+                        "-w", "%{http_code}", "-m", "3", f"{part.url}/healthz"]
+                done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=10,
+                                               check=False)
+                if done.stdout.strip() != "200":
+                    raise RuntimeError(f"/healthz answered {done.stdout.strip() or 'nothing'} in {part.netns}")
             else:
                 async with httpx.AsyncClient(timeout=3) as client:
                     resp = await client.get(f"{part.url}/healthz")

@@ -65,7 +65,8 @@ class MigrationStats(BaseModel):
     downtime_ms: float = Field(description="QEMU's downtime: guest stopped on the source until the end of the "
                                            "stream, ms (0 when the guest was paused anyway).")
     ram_bytes: int = Field(0, description="RAM bytes sent.")
-    disk_bytes: int = Field(0, description="Disk bytes sent (block migration).")
+    disk_bytes: int = Field(0, description="Disk bytes sent (block migration); QEMU 7.2 stops reporting it once "
+                                           "the migration completed, so it is usually 0.")
     was_running: bool = True
 
 

@@ -29,11 +29,11 @@ pytestmark = [
 ]
 
 COUNTER = ("import os,time\n"
-           "open('/tmp/counter.pid','w').write(str(os.getpid()))\n"
+           "open('/home/user/counter.pid','w').write(str(os.getpid()))\n"
            "n=0\n"
            "while True:\n"
            "    n+=1\n"
-           "    open('/tmp/count.tmp','w').write(str(n)); os.replace('/tmp/count.tmp','/tmp/count')\n"
+           "    open('/home/user/count.tmp','w').write(str(n)); os.replace('/home/user/count.tmp','/home/user/count')\n"
            "    time.sleep(0.05)\n")
 
 
@@ -70,7 +70,7 @@ async def _start_counter(vm: VmHandle) -> int:
     out, code = await _run(vm, ["sh", "-c", _inline_counter()])
     assert (out, code) == (b"ok\n", 0)
     for _ in range(200):
-        out, code = await _run(vm, ["sh", "-c", "cat /tmp/counter.pid 2>/dev/null; echo; cat /tmp/count 2>/dev/null"])
+        out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid 2>/dev/null; echo; cat /home/user/count 2>/dev/null"])
         lines = out.decode().split()
         if code == 0 and len(lines) == 2 and int(lines[1]) >= 3:
             return int(lines[0])
@@ -82,13 +82,13 @@ def _inline_counter() -> str:
     import base64
 
     b64 = base64.b64encode(COUNTER.encode()).decode()
-    return (f"echo {b64} | base64 -d > /tmp/counter.py && (setsid python3 /tmp/counter.py "
+    return (f"echo {b64} | base64 -d > /home/user/counter.py && (setsid python3 /home/user/counter.py "
             ">/dev/null 2>&1 </dev/null &) && echo ok")
 
 
 async def _count(vm: VmHandle) -> tuple[int, int]:
-    out, code = await _run(vm, ["sh", "-c", "cat /tmp/counter.pid; echo; cat /tmp/count; echo;"
-                                            " kill -0 $(cat /tmp/counter.pid) && echo alive"])
+    out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid; echo; cat /home/user/count; echo;"
+                                            " kill -0 $(cat /home/user/counter.pid) && echo alive"])
     pid, count, alive = out.decode().split()
     assert code == 0 and alive == "alive"
     return int(pid), int(count)
@@ -133,7 +133,7 @@ async def test_running_guest_moves_with_its_process_memory_and_disk(vmm: QemuVmm
     dest, stats, state = await _migrate(vmm, vm, tmp_path / "dst")
     try:
         print(f"\nlive migration: total {stats.total_ms:.0f} ms, downtime {stats.downtime_ms:.1f} ms, "
-              f"RAM {stats.ram_bytes / 2**20:.1f} MiB, disk {stats.disk_bytes / 2**20:.1f} MiB")
+              f"RAM {stats.ram_bytes / 2**20:.1f} MiB")
         assert state == "running"
         assert stats.was_running
         assert await vmm.query_status(vm) == "postmigrate"  # the source gave the guest up

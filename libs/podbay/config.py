@@ -165,6 +165,11 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(6.0, gt=0, le=300, description="Leader leases (podbay_leases KV bucket): a "
                                "leader that stops renewing loses the lease after this long and a standby "
                                "takes over; renewed every third of it.")
+    migrate_host: str = Field("", description="Address this node accepts live-migration streams on (drain); "
+                              "empty = node_host.")
+    migrate_timeout_s: float = Field(600.0, gt=0, description="Bound on one live migration (RAM and disk).")
+    migrate_bandwidth_mib_s: int = Field(1024, ge=1, description="Cap on one migration stream.")
+    migrate_max_downtime_ms: int = Field(50, ge=1, description="Stop-and-copy phase QEMU aims for.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

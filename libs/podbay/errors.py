@@ -160,6 +160,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         PodbayError,
         InvalidRequest,
         Unauthorized,
+        Forbidden,
         NotFound,
         Conflict,
         InvalidState,

@@ -25,8 +25,8 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import (audit_log, credentials, dataplane, e2b, e2b_envd, events, keys, network, nodes, pools, sandboxes,
-               snapshots, suspend, webhooks)
+from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, events, keys, network, nodes, pools,
+               sandboxes, snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
 
@@ -140,6 +140,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(network.router)
     app.include_router(events.router)
     app.include_router(webhooks.router)
+    app.include_router(drain.router)
 
     app.add_middleware(RequestMetrics)
 

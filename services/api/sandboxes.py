@@ -321,14 +321,15 @@ async def set_timeout(sandbox_id: str, body: LeaseUpdate, ctx: CtxDep, who: Prin
 async def get_operation(operation_id: str, ctx: CtxDep, who: PrincipalDep) -> OperationInfo:
     """A lifecycle operation's state and, when it failed, its error."""
     row = await ctx.pool.fetchrow(
-        "SELECT id, kind, sandbox_id, state, error_code, error_message, created_at, finished_at FROM operations"
-        " WHERE id = $1 AND tenant_id = $2", operation_id, who.tenant_id)
+        "SELECT id, kind, sandbox_id, state, error_code, error_message, created_at, finished_at, node_id,"
+        " progress, data FROM operations WHERE id = $1 AND tenant_id = $2", operation_id, who.tenant_id)
     if row is None:
         raise NotFound(f"operation {operation_id} does not exist")
     err = {"code": row["error_code"], "message": row["error_message"] or ""} if row["error_code"] else None
     return OperationInfo(id=row["id"], kind=row["kind"], sandbox_id=row["sandbox_id"],
                          state=OperationState(row["state"]).value, error=err,  # type: ignore[arg-type]
-                         created_at=row["created_at"], finished_at=row["finished_at"])
+                         created_at=row["created_at"], finished_at=row["finished_at"], node_id=row["node_id"],
+                         progress=row["progress"], data=row["data"])
 
 
 @router.get("/templates")

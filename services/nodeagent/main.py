@@ -27,6 +27,7 @@ from podbay.contracts.messages import (
     CreateSandboxCmd,
     DeleteSandboxCmd,
     ForkCmd,
+    MigrateOutCmd,
     RestoreCmd,
     SandboxOpCmd,
     SnapshotCmd,
@@ -43,6 +44,7 @@ from .fence import fence_loop, rejoin
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
+from .migrate import MigrationOps
 from .network import SandboxNetwork
 from .reconcile import reconcile
 from .sandboxes import SandboxManager
@@ -84,6 +86,8 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.suspend_ops.suspend(SandboxOpCmd.model_validate_json(data))
             elif verb == "wake":
                 await manager.suspend_ops.wake(WakeCmd.model_validate_json(data))
+            elif verb == "migrate_out":
+                await manager.migrations.migrate_out(MigrateOutCmd.model_validate_json(data))
             else:
                 log.error("unknown node command %s; dropping", verb)
                 await msg.term()  # type: ignore[attr-defined]
@@ -134,6 +138,8 @@ async def _serve(stop: asyncio.Event) -> None:
     await warm.reset()
     await reconcile(manager)
     await rejoin(manager)  # a node declared lost takes placements again only now, its stale VMs gone
+    manager.migrations = MigrationOps(manager)
+    await manager.migrations.start()  # answers migrations into this node (drain of another node)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
     consumer = asyncio.create_task(_consume(manager, stop))
@@ -150,6 +156,7 @@ async def _serve(stop: asyncio.Event) -> None:
     # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
     await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing}, timeout=75)
     await warm.close()
+    await manager.migrations.close()
     await manager.close()
     relay_task.cancel()
     try:

@@ -94,6 +94,9 @@ class SandboxManager:
         from .suspend import SuspendOps
 
         self.suspend_ops: SuspendOps  # set by main once the node's object store is open
+        from .migrate import MigrationOps
+
+        self.migrations: MigrationOps  # set by main (answers live migrations into this node)
 
     @property
     def node_id(self) -> str:

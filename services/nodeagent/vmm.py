@@ -212,8 +212,10 @@ def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
 
 
 def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int,
-                    tap_fd: int | None = None) -> list[str]:
+                    tap_fd: int | None = None, autostart: bool = False) -> list[str]:
     """QEMU's argv for ``config`` in ``paths``; ``incoming`` starts it paused, waiting for a migration stream.
+    With ``autostart`` (live migration, ``migrate.py``) an incoming QEMU runs the guest as soon as the stream
+    ends if the source was running (no ``-S``), so the node agent's ``cont`` is not part of the downtime.
 
     ``tap_fd`` is an open tap descriptor QEMU inherits (``pass_fds``) as the NIC's backend; None connects the
     NIC to an empty hub (no network at all). The tap is opened without ``IFF_VNET_HDR`` (QEMU takes vnet_hdr
@@ -246,7 +248,7 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
         "-pidfile", str(paths.pidfile),
     ]
     if incoming:
-        argv += ["-S", "-incoming", "defer"]
+        argv += (["-incoming", "defer"] if autostart else ["-S", "-incoming", "defer"])
     return argv
 
 
@@ -369,14 +371,15 @@ class QemuVmm(Vmm):
             raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
 
     async def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool,
-                     tap_fd: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                     tap_fd: int | None = None, autostart: bool = False) -> tuple[subprocess.Popen[bytes], int]:
         """Start QEMU, confined unless turned off; returns its Popen (bwrap's when confined) and QEMU's pid.
         ``tap_fd`` (the sandbox's tap, opened by the node agent) is inherited by QEMU."""
         paths.dir.mkdir(parents=True, exist_ok=True)
         paths.run.mkdir(exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
-        argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd)
+        argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd,
+                               autostart=autostart)
         # Through nice(1) rather than a preexec function (not safe with the agent's threads); it execs, so
         # the pid stays the one bwrap (or QEMU) gets.
         prefix = ["nice", "-n", str(config.nice)] if config.nice else []

@@ -32,13 +32,14 @@ from podbay import db
 from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, PlaceSandbox
+from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, PlaceSandbox
 from podbay.health import consumer_check, nats_check, pg_check
 from podbay.logs import bind_log_context
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
+from .drain import drain_node
 from .load import node_loads
 from .nodeloss import NodeLossWatcher
 from .placement import NoCapacity, Request, choose_node, ready_nodes
@@ -175,6 +176,38 @@ async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, objec
     await consume(sub, one, stop, finish_timeout_s=10)
 
 
+async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
+    """``podbay.cmd.scheduler.drain``: one drain at a time per scheduler; the message is kept alive with
+    ``in_progress`` while sandboxes move (a drain takes as long as its migrations)."""
+    sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_DRAIN_CONSUMER, subjects.SCHEDULER_DRAIN, ack_wait_s=60.0)
+
+    async def one(msg: object) -> None:
+        try:
+            cmd = DrainNodeCmd.model_validate_json(msg.data)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            log.error("dropping malformed drain command: %s", exc)
+            await msg.term()  # type: ignore[attr-defined]
+            return
+        last = time.monotonic()
+
+        async def keepalive() -> None:
+            nonlocal last
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                await msg.in_progress()  # type: ignore[attr-defined]
+
+        try:
+            await drain_node(sched.pool, sched.bus, cmd, migrate_timeout_s=sched.settings.migrate_timeout_s,
+                             keepalive=keepalive)
+        except Exception:
+            log.exception("drain of %s failed; will be redelivered", cmd.node_id)
+            await msg.nak(delay=2.0)  # type: ignore[attr-defined]
+            return
+        await msg.ack()  # type: ignore[attr-defined]
+
+    await consume(sub, one, stop, finish_timeout_s=10)
+
+
 async def _main(stop: asyncio.Event) -> None:
     settings = get_settings()
     pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=10)
@@ -188,6 +221,7 @@ async def _main(stop: asyncio.Event) -> None:
     watcher = NodeLossWatcher(pool, bus, relay, grace_s=settings.node_lost_grace_s,
                               interval_s=settings.node_loss_check_s)
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop, bound)),
+             asyncio.create_task(_consume_drains(sched, stop)),
              asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop)),
              asyncio.create_task(watcher.run(stop), name="node-loss")]
     log.info("scheduler ready")

@@ -86,6 +86,13 @@ def test_incoming_waits_paused_for_a_deferred_stream() -> None:
     assert "-S" in argv
 
 
+def test_a_live_migration_target_runs_the_guest_on_arrival() -> None:
+    # Without -S QEMU starts the guest when the stream ends if the source ran it (the downtime then excludes
+    # a node-agent round trip); a paused source's guest still arrives paused (QEMU's global state).
+    argv = build_qemu_argv(_cfg(), VmPaths(Path("vm")), incoming=True, tsc_khz=1, autostart=True)
+    assert _opt(argv, "-incoming") == ["defer"] and "-S" not in argv
+
+
 def test_tsc_sources_in_order_of_trust() -> None:
     dmesg = "[0.1] tsc: Detected 2445.432 MHz processor\n[1.2] tsc: Refined TSC clocksource calibration: 2445.5 MHz\n"
     assert parse_tsc_khz("2100000\n", dmesg, None) == 2100000

@@ -1,14 +1,17 @@
-"""``podbay node list``: the nodes as the control plane sees them (operator tenant only)."""
+"""``podbay node list`` and ``podbay node drain``: the nodes as the control plane sees them, and moving every
+sandbox off one before maintenance (operator tenant only)."""
 
 from __future__ import annotations
 
+import time
+
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_table
+from podbay.cli._common import client, fail, handle_errors, print_json, print_table
 
 __all__ = ["app"]
 
-app = typer.Typer(help="Nodes: state, liveness, capacity and load.", no_args_is_help=True)
+app = typer.Typer(help="Nodes: state, liveness, capacity and load; drain one before maintenance.", no_args_is_help=True)
 
 
 def _age(seconds: float | None) -> str:
@@ -32,3 +35,48 @@ def list_(
              n.free.memory_mib, n.running, n.paused, n.warm_slots) for n in nodes]
     print_table(["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY MIB", "FREE MIB", "RUNNING",
                  "PAUSED", "WARM"], rows)
+
+
+@app.command("drain")
+@handle_errors
+def drain(
+    ctx: typer.Context,
+    node_id: str = typer.Argument(..., metavar="NODE"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Print the operation id and return at once."),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait for the drain."),
+    as_json: bool = typer.Option(False, "--json", help="Print the final operation as JSON."),
+) -> None:
+    """Mark NODE draining (no new sandboxes), live-migrate its running sandboxes and move its paused ones to
+    other nodes, then mark it drained. A sandbox that cannot move keeps running on NODE and the drain ends
+    with drain_incomplete (exit 1)."""
+    c = client(ctx)
+    started = c.drain_node(node_id)
+    if no_wait:
+        print(started.operation_id)
+        return
+    deadline = time.monotonic() + timeout
+    shown = ""
+    while True:
+        op = c.get_operation(started.operation_id)
+        prog = op.progress or {}
+        line = f"{node_id}: {prog.get('moved', 0)}/{prog.get('total', '?')} moved"
+        if line != shown and not as_json:
+            print(line, flush=True)
+            shown = line
+        if op.state in ("succeeded", "failed"):
+            break
+        if time.monotonic() > deadline:
+            fail(f"the drain of {node_id} is still running after {timeout:.0f} s (operation "
+                 f"{started.operation_id})", "timeout", 1)
+        time.sleep(1.0)
+    if as_json:
+        print_json(op)
+    else:
+        for m in prog.get("moves", []):
+            print(f"  {m['sandbox_id']} -> {m['destination']}: downtime {m.get('downtime_ms')} ms, "
+                  f"total {m.get('total_ms')} ms")
+    if op.state == "failed":
+        err = op.error or {}
+        fail(err.get("message", "the drain failed"), err.get("code", "drain_incomplete"), 1)
+    if not as_json:
+        print(f"{node_id}: drained")

@@ -7,7 +7,7 @@ Sizes are bytes, durations carry their unit in the name. Every error body is
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -21,6 +21,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxList",
     "OperationInfo",
+    "DrainStarted",
     "ExecRequest",
     "ExecResult",
     "ExecEvent",
@@ -111,6 +112,20 @@ class OperationInfo(BaseModel):
     error: dict[str, str] | None = None
     created_at: datetime
     finished_at: datetime | None = None
+    node_id: str | None = Field(None, description="The node a drain (or a migration) is about.")
+    progress: dict[str, Any] | None = Field(None, description="A drain's progress: total, moved, failed "
+                                            "[{sandbox_id, reason}], moves [{sandbox_id, destination, "
+                                            "downtime_ms, total_ms}].")
+    data: dict[str, Any] | None = Field(None, description="A migration's figures: source, destination, "
+                                        "downtime_ms, total_ms.")
+
+
+class DrainStarted(BaseModel):
+    """``POST /v1/nodes/{id}/drain`` (202): the node is ``draining``; follow ``GET /v1/operations/{id}``."""
+
+    operation_id: str
+    node_id: str
+    state: Literal["draining", "drained"]
 
 
 class ExecRequest(_In):

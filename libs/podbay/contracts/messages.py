@@ -29,6 +29,12 @@ __all__ = [
     "WarmClaimReply",
     "Event",
     "EventType",
+    "DrainNodeCmd",
+    "MigrateOutCmd",
+    "MigratePrepare",
+    "MigratePrepareReply",
+    "MigrateFinish",
+    "MigrateFinishReply",
 ]
 
 
@@ -189,7 +195,7 @@ class NodeHeartbeat(_Msg):
 
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
-                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled"]
+                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled", "migrated"]
 
 
 class Event(_Msg):
@@ -205,3 +211,73 @@ class Event(_Msg):
     reason: str | None = None
     at: datetime
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ drain and migration
+
+
+class DrainNodeCmd(_Msg):
+    """``podbay.cmd.scheduler.drain``: move every sandbox off ``node_id`` (already ``draining``), then mark it
+    ``drained``; progress and outcome go to operation ``operation_id``."""
+
+    operation_id: str
+    node_id: str
+
+
+class MigrateOutCmd(_Msg):
+    """``podbay.cmd.node.<source>.migrate_out``: live-migrate sandbox ``sandbox_id`` (at ``generation`` on the
+    source) to node ``dest_node``; the outcome is operation ``operation_id`` (``data``: downtime and times)."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    dest_node: str
+
+
+class MigratePrepare(_Msg):
+    """Request on ``podbay.migrate.<dest>.prepare`` (core NATS, from the source node agent): start a QEMU
+    waiting for the sandbox's migration stream and listen for one connection. The destination takes the
+    sandbox at ``generation + 1`` once the stream arrived and the source confirmed (``MigrateFinish``)."""
+
+    operation_id: str
+    sandbox_id: str
+    tenant_id: str
+    source_node: str
+    generation: int = Field(ge=1)
+    template: str
+    template_digest: str
+    resources: Resources
+    hostname: str
+    disk_size: int = Field(gt=0, description="Bytes of the source's disk.img.")
+
+
+class MigratePrepareReply(_Msg):
+    """Answer to ``MigratePrepare``: connect to ``host``:``port`` and send ``token`` (32 bytes, hex) first."""
+
+    ok: bool
+    error: str | None = None
+    host: str = ""
+    port: int = 0
+    token: str = ""
+
+
+class MigrateFinish(_Msg):
+    """Request on ``podbay.migrate.<dest>.finish``: the source's outgoing migration ended (``ok``) with these
+    figures; the destination waits for its side, runs the after-arrival hygiene and commits the move
+    (``node_id`` = dest, generation + 1, event ``migrated``). ``ok`` False: tear the destination down."""
+
+    operation_id: str
+    sandbox_id: str
+    generation: int = Field(ge=1)
+    ok: bool
+    downtime_ms: float = 0.0
+    total_ms: float = 0.0
+    was_running: bool = True
+
+
+class MigrateFinishReply(_Msg):
+    """Answer to ``MigrateFinish``: ``committed`` True once the row names the destination."""
+
+    committed: bool
+    error: str | None = None
+    generation: int | None = None

@@ -24,6 +24,10 @@ __all__ = [
     "API_KEY_REVOKED",
     "audit_event",
     "egress_event",
+    "SCHEDULER_DRAIN",
+    "SCHEDULER_DRAIN_CONSUMER",
+    "migrate_prepare",
+    "migrate_finish",
 ]
 
 CMD_STREAM = "PODBAY_CMD"
@@ -41,6 +45,9 @@ bucket TTL (``lease_ttl_s``) expires a lease its holder stopped renewing."""
 
 SCHEDULER_PLACE = "podbay.cmd.scheduler.place"
 SCHEDULER_CONSUMER = "scheduler"
+SCHEDULER_DRAIN = "podbay.cmd.scheduler.drain"
+"""``DrainNodeCmd``: the scheduler moves every sandbox off a draining node (its own durable consumer)."""
+SCHEDULER_DRAIN_CONSUMER = "scheduler-drain"
 
 
 def node_cmd(node_id: str, verb: str) -> str:
@@ -113,3 +120,14 @@ def audit_event(tenant_id: str, action: str) -> str:
 def egress_event(sandbox_id: str, event_type: str) -> str:
     """``podbay.evt.egress.<sandbox>.<type>`` (types: denied, credential_used, credential_refused)."""
     return f"podbay.evt.egress.{sandbox_id}.{event_type}"
+
+
+def migrate_prepare(node_id: str) -> str:
+    """``podbay.migrate.<dest>.prepare``: core-NATS request/reply from a source node agent to the destination
+    of a live migration (``MigratePrepare``); nothing to keep, a lost request fails the migration."""
+    return f"podbay.migrate.{node_id}.prepare"
+
+
+def migrate_finish(node_id: str) -> str:
+    """``podbay.migrate.<dest>.finish``: core-NATS request/reply (``MigrateFinish``)."""
+    return f"podbay.migrate.{node_id}.finish"

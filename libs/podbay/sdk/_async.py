@@ -23,6 +23,7 @@ from typing import IO, Any, TypeVar, Unpack
 import httpx
 
 from podbay.contracts.api import (
+    DrainStarted,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -222,6 +223,10 @@ class AsyncClient:
     async def list_nodes(self) -> builtins.list[NodeInfo]:
         """See ``Client.list_nodes``."""
         return await self._call(calls.list_nodes_call())
+
+    async def drain_node(self, node_id: str) -> DrainStarted:
+        """See ``Client.drain_node``."""
+        return await self._call(calls.drain_node_call(node_id))
 
     async def list_pools(self) -> builtins.list[PoolInfo]:
         """See ``Client.list_pools``."""

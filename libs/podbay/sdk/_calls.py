@@ -19,6 +19,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from podbay.contracts.api import (
+    DrainStarted,
     ExecRequest,
     ForkRequest,
     ForkResult,
@@ -481,3 +482,8 @@ def list_nodes_call() -> Call[builtins.list[NodeInfo]]:
 def list_pools_call() -> Call[builtins.list[PoolInfo]]:
     """``GET /v1/pools`` -> ``{"pools": [PoolInfo]}``, returned as the list."""
     return Call("GET", "/v1/pools", lambda r: _model(PoolList)(r).pools)
+
+
+def drain_node_call(node_id: str) -> Call[DrainStarted]:
+    """``POST /v1/nodes/{id}/drain`` -> ``DrainStarted`` (operator tenant only; 403 ``forbidden`` otherwise)."""
+    return Call("POST", f"/v1/nodes/{quote(check_id(node_id, 'node id'), safe='')}/drain", _model(DrainStarted))

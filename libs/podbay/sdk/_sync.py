@@ -24,6 +24,7 @@ from typing import IO, Any, TypeVar, Unpack
 import httpx
 
 from podbay.contracts.api import (
+    DrainStarted,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -232,6 +233,11 @@ class Client:
         """Every node (operator tenant only): state, liveness, capacity, used and free resources, counts.
         Raises ``Forbidden`` for other tenants."""
         return self._call(calls.list_nodes_call())
+
+    def drain_node(self, node_id: str) -> DrainStarted:
+        """Start moving every sandbox off ``node_id`` (operator tenant only): running ones by live migration,
+        paused ones paused; follow the returned operation with ``get_operation`` (``progress``)."""
+        return self._call(calls.drain_node_call(node_id))
 
     def list_pools(self) -> builtins.list[PoolInfo]:
         """Every warm pool: bounds, target, and per node ready, preparing, claimed and failing slots."""

@@ -1,0 +1,178 @@
+"""Live migration between two real QEMUs over a TCP connection the host opened (vmmigrate.py).
+
+The source guest runs a python3 process that counts in memory and writes the count to a file; after the
+migration the same process (same pid) keeps counting on the destination from where it was, the disk came
+along (block migration), and a failed migration leaves the source running. Needs root, QEMU and the base
+template. Downtime figures are printed (``-s``), never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+import pytest
+
+from podbay.config import Settings
+from podbay_nodeagent import vmmigrate
+from podbay_nodeagent.template import TemplateSnapshot, prepare_template
+from podbay_nodeagent.vmm import QemuVmm, VmHandle, VmOperationError
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None or os.geteuid() != 0,
+                       reason="needs root and qemu-system-x86_64"),
+]
+
+COUNTER = ("import os,time\n"
+           "open('/home/user/counter.pid','w').write(str(os.getpid()))\n"
+           "n=0\n"
+           "while True:\n"
+           "    n+=1\n"
+           "    open('/home/user/count.tmp','w').write(str(n)); os.replace('/home/user/count.tmp','/home/user/count')\n"
+           "    time.sleep(0.05)\n")
+
+
+@pytest.fixture(scope="module")
+async def template() -> TemplateSnapshot:
+    return await prepare_template("base", Settings())
+
+
+@pytest.fixture
+def vmm() -> QemuVmm:
+    return QemuVmm()
+
+
+@pytest.fixture
+async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmHandle]:
+    handle = await vmm.restore(template.dir, tmp_path / "src", template.vm_config())
+    yield handle
+    await vmm.kill(handle)
+
+
+async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
+    from podbay.channel.client import GuestChannel
+    from podbay.contracts.channel import ExecSpec
+
+    ch = await GuestChannel.connect(vm.paths.channel, timeout_s=30)
+    try:
+        out, _err, exit_ = await ch.run(ExecSpec(argv=argv))
+        return out, exit_.exit_code
+    finally:
+        await ch.close()
+
+
+async def _start_counter(vm: VmHandle) -> int:
+    out, code = await _run(vm, ["sh", "-c", _inline_counter()])
+    assert (out, code) == (b"ok\n", 0)
+    for _ in range(200):
+        out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid 2>/dev/null; echo; cat /home/user/count 2>/dev/null"])
+        lines = out.decode().split()
+        if code == 0 and len(lines) == 2 and int(lines[1]) >= 3:
+            return int(lines[0])
+        await asyncio.sleep(0.1)
+    raise AssertionError("the counter did not start")
+
+
+def _inline_counter() -> str:
+    import base64
+
+    b64 = base64.b64encode(COUNTER.encode()).decode()
+    return (f"echo {b64} | base64 -d > /home/user/counter.py && (setsid python3 /home/user/counter.py "
+            ">/dev/null 2>&1 </dev/null &) && echo ok")
+
+
+async def _count(vm: VmHandle) -> tuple[int, int]:
+    out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid; echo; cat /home/user/count; echo;"
+                                            " kill -0 $(cat /home/user/counter.pid) && echo alive"])
+    pid, count, alive = out.decode().split()
+    assert code == 0 and alive == "alive"
+    return int(pid), int(count)
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair over loopback, as two node agents would have (source, destination)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    try:
+        src = socket.create_connection(srv.getsockname())
+        dst, _ = srv.accept()
+    finally:
+        srv.close()
+    return src, dst
+
+
+async def _migrate(vmm: QemuVmm, vm: VmHandle, dest_dir: Path) -> tuple[VmHandle, vmmigrate.MigrationStats, str]:
+    assert vm.config is not None
+    dest = await vmmigrate.start_incoming(vmm, vm.config, dest_dir, disk_size=vmmigrate.disk_size(vm.dir))
+    src_sock, dst_sock = _tcp_pair()
+    try:
+        with dest.qmp.listener("MIGRATION") as listener:
+            await vmmigrate.accept_incoming(vmm, dest, dst_sock)
+            dst_sock.close()
+            out_task = asyncio.ensure_future(vmmigrate.migrate_out(vmm, vm, src_sock, timeout_s=300))
+            state = await vmmigrate.wait_incoming(vmm, dest, listener, 300)
+            stats = await out_task
+    except BaseException:
+        await vmm.kill(dest)
+        raise
+    finally:
+        src_sock.close()
+    return dest, stats, state
+
+
+async def test_running_guest_moves_with_its_process_memory_and_disk(vmm: QemuVmm, vm: VmHandle,
+                                                                   tmp_path: Path) -> None:
+    out, code = await _run(vm, ["sh", "-c", "echo kept > /home/user/mark && sync && echo ok"])
+    assert (out, code) == (b"ok\n", 0)
+    pid = await _start_counter(vm)
+    _, before = await _count(vm)
+    dest, stats, state = await _migrate(vmm, vm, tmp_path / "dst")
+    try:
+        print(f"\nlive migration: total {stats.total_ms:.0f} ms, downtime {stats.downtime_ms:.1f} ms, "
+              f"RAM {stats.ram_bytes / 2**20:.1f} MiB")
+        assert state == "running"
+        assert stats.was_running
+        assert await vmm.query_status(vm) == "postmigrate"  # the source gave the guest up
+        pid_after, after = await _count(dest)
+        assert pid_after == pid
+        assert after >= before  # carried on from memory, not reset
+        await asyncio.sleep(0.5)
+        _, later = await _count(dest)
+        assert later > after  # still counting on the destination
+        out, code = await _run(dest, ["cat", "/home/user/mark"])
+        assert (out, code) == (b"kept\n", 0)
+    finally:
+        await vmm.kill(dest)
+
+
+async def test_paused_guest_arrives_paused(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+    pid = await _start_counter(vm)
+    await vmm.pause(vm)
+    dest, stats, state = await _migrate(vmm, vm, tmp_path / "dst")
+    try:
+        print(f"\npaused migration: total {stats.total_ms:.0f} ms")
+        assert state == "paused"
+        assert not stats.was_running and stats.downtime_ms == 0
+        await vmm.resume(dest)
+        pid_after, _ = await _count(dest)
+        assert pid_after == pid
+    finally:
+        await vmm.kill(dest)
+
+
+async def test_failed_migration_leaves_the_source_running(vmm: QemuVmm, vm: VmHandle) -> None:
+    pid = await _start_counter(vm)
+    src_sock, dst_sock = _tcp_pair()
+    dst_sock.close()  # nobody reads the stream: QEMU's writes fail
+    try:
+        with pytest.raises(VmOperationError):
+            await vmmigrate.migrate_out(vmm, vm, src_sock, timeout_s=120)
+    finally:
+        src_sock.close()
+    assert await vmm.query_status(vm) == "running"
+    pid_after, _ = await _count(vm)
+    assert pid_after == pid

@@ -20,7 +20,7 @@ claim resumes the VM, sets the guest clock (it stood still while the slot waited
 records the sandbox ``running`` with its ``started`` event. The clock request is written before QMP
 ``cont``, so the guest wakes to it. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a restore,
 so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one slot at a
-time, within the node's memory, with the slot's QEMU at nice ``warm_prepare_nice`` until it waits (so
+time, within the node's memory, with the slot's QEMU at nice ``warm_prepare_nice`` from its restore until it waits (so
 refills yield the CPU to claims and running sandboxes) and only after a claim's answer has left; every
 ``warm_interval_s`` it also checks that each waiting VM is alive and stopped (its QEMU's exit is also
 noticed at once through the pidfd).
@@ -293,14 +293,16 @@ class WarmPool:
             binding, tap_fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
             async with self.m.restore_slots:
                 try:
-                    handle = await self.m.driver.restore_from(
-                        tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib, vcpus=res.vcpus, tap_fd=tap_fd,
-                        nice=self.m.settings.warm_prepare_nice)
+                    handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib,
+                                                              vcpus=res.vcpus, tap_fd=tap_fd)
                 finally:
                     os.close(tap_fd)
                     tap_fd = None
                 channel = await GuestChannel.connect(handle.channel_path,
                                                      timeout_s=self.m.settings.restore_timeout_s)
+            # Restored at normal priority: the restore holds one of the node's restore slots, which creates
+            # wait for too. Its first steps after that (hygiene, first exec) yield to sandboxes and claims.
+            await handle.set_nice(self.m.settings.warm_prepare_nice)
             # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
             # env and access token are set here, with a seed of its own (the CRNG is reseeded, so its
             # /dev/urandom already differs from every other guest restored from the template). The claim

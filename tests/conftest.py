@@ -186,7 +186,10 @@ def multinode_stack(test_root: Path) -> Iterator[Stack]:
     - ``cut_link(node_id)`` / ``restore_link(node_id)``: take the node's veth down / up (a partition);
     - ``network.node(node_id).address``: the node's address; ``node_services(node_id)``: its processes.
     """
-    data_dir = test_root / "multinode"
+    # A directory (so a PostgreSQL cluster and node rows) per module: a drained or lost node of one module
+    # must not start the next one drained or lost.
+    data_dir = Path(tempfile.mkdtemp(prefix="multinode-", dir=test_root))
+    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
     node_env = {"PODBAY_NODE_MEMORY_MIB": "2048", "PODBAY_NODE_VCPUS": "8"}
     running = Stack(
         data_dir=data_dir,

@@ -217,7 +217,10 @@ def test_a_slot_the_node_does_not_have_falls_back_to_a_restore(stack: Any, poole
             await conn.execute(
                 "INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus, state, created_at)"
                 " SELECT $1, n.id, t.name, t.digest, t.memory_mib, t.vcpus, 'ready', now() - interval '1 day'"
-                " FROM templates t, nodes n WHERE t.name='base' LIMIT 1", ghost)
+                " FROM templates t, nodes n WHERE t.name='base' AND n.state='ready'"
+                # The stack's own node (its heartbeat is the newest): other tests leave rows of nodes that
+                # are gone or lost, whose slots no create would claim.
+                " ORDER BY n.seen_at DESC LIMIT 1", ghost)
         finally:
             await conn.close()
 

@@ -86,6 +86,10 @@ def test_cli_follow_sees_lifecycle_in_order_and_resumes(stack: Any, tmp_path: Pa
             sid = None
             second = Follower(stack, key, config)
             seen += [second.next(), second.next()]
+            # It stores the position right after printing its line: give it that moment before the kill.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and pos_file.read_text().strip() != str(seen[-1]["seq"]):
+                time.sleep(0.05)
         finally:
             first.kill()
             if second is not None:
@@ -98,8 +102,4 @@ def test_cli_follow_sees_lifecycle_in_order_and_resumes(stack: Any, tmp_path: Pa
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     # Nothing after 'deleted' was pending for the second follower (no repeat of what the first printed).
     assert second is not None and second.lines.empty()
-    # The follower stores a position right after printing its line: give it that moment (bounded).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and pos_file.read_text().strip() != str(seqs[-1]):
-        time.sleep(0.05)
     assert pos_file.read_text().strip() == str(seqs[-1])

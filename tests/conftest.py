@@ -188,7 +188,7 @@ def multinode_stack(test_root: Path) -> Iterator[Stack]:
     """
     # A directory (so a PostgreSQL cluster and node rows) per module: a drained or lost node of one module
     # must not start the next one drained or lost.
-    data_dir = Path(tempfile.mkdtemp(prefix="multinode-", dir=test_root))
+    data_dir = Path(tempfile.mkdtemp(prefix="m", dir=test_root))  # short: UNIX socket paths below it
     os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
     node_env = {"PODBAY_NODE_MEMORY_MIB": "2048", "PODBAY_NODE_VCPUS": "8"}
     running = Stack(

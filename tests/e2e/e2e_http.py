@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -28,3 +30,16 @@ def sh_output(c: httpx.Client, sid: str, script: str) -> str:
     r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script})
     assert r.status_code == 200, r.text
     return str(r.json()["stdout"])
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
+    """Call ``check`` every ``every_s`` seconds until it returns something truthy (returned); raise
+    ``AssertionError`` naming ``what`` and the last value after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")

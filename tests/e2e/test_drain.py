@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -23,7 +22,7 @@ import pytest
 
 from podbay.devstack.procs import run_sync
 
-from e2e_http import api_client, sh
+from e2e_http import api_client, sh, until as _until
 
 # Two nodes start and two guests move (RAM and a 2 GiB disk each) under TCG: minutes.
 pytestmark = pytest.mark.timeout(1800)
@@ -35,17 +34,6 @@ COUNTER = ("import os,time\n"
            "    n+=1\n"
            "    open('/root/count.tmp','w').write(str(n)); os.replace('/root/count.tmp','/root/count')\n"
            "    time.sleep(0.05)\n")
-
-
-def _until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every_s)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
 async def _events(dsn: str, subject_like: str) -> list[dict[str, Any]]:

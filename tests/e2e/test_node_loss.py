@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +26,10 @@ from podbay.contracts.messages import PromoteCmd
 from podbay.devstack.procs import run_sync
 from podbay.devstack.vms import find_strays
 
-from e2e_http import api_client, sh
+from e2e_http import api_client, sh, until as _until
 
 # Two nodes start (each its agent, snapshotter and gateway), a promotion, a loss and a restart: minutes on TCG.
 pytestmark = pytest.mark.timeout(1500)
-
-
-def _until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every_s)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
 async def _publish_promote(nats_url: str, node: str, sandbox_id: str, snapshot_id: str) -> None:

@@ -147,9 +147,10 @@ class Settings(BaseSettings):
                             "(e.g. promote.uploaded, suspend.promoted, resume.fetched); empty = never.")
     warm_claim_timeout_s: float = Field(5.0, gt=0, description="How long a create waits for a node to hand over a "
                                         "claimed warm slot before it falls back to a restore.")
-    warm_prepare_nice: int = Field(10, ge=0, le=19, description="Warm pools: nice value of a slot's QEMU after "
-                                   "its restore, during its hygiene and first exec, so refills yield the CPU to "
-                                   "running sandboxes and claims; back to 0 once the slot waits.")
+    warm_prepare_nice: int = Field(19, ge=0, le=19, description="Warm pools: nice value of a slot's QEMU from "
+                                   "its start (restore, hygiene, first exec) until it waits, so refills take only "
+                                   "the CPU that claims, creates and running sandboxes leave; back to 0 once the "
+                                   "slot waits.")
     warm_interval_s: float = Field(2.0, gt=0, description="Warm pools: how often targets are recomputed and "
                                    "slots checked (refills also start at once after a claim).")
     warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")

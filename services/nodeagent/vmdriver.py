@@ -188,9 +188,12 @@ class VmDriver:
         return VmHandle(self.vmm, inner)
 
     async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
-                           vcpus: int, paused: bool = False, tap_fd: int | None = None) -> VmHandle:
-        """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel."""
+                           vcpus: int, paused: bool = False, tap_fd: int | None = None, nice: int = 0) -> VmHandle:
+        """Restore a sandbox's own full snapshot (``state``, ``ram``, ``disk.img``) with ``tpl``'s kernel.
+        ``nice``: the nice value QEMU starts with (``VmConfig.nice``)."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
+        if nice:
+            config = config.model_copy(update={"nice": nice})
         return VmHandle(self.vmm, await self.vmm.restore(snapshot_dir, vm_dir, config, paused=paused,
                                                          tap_fd=tap_fd))
 

@@ -18,10 +18,13 @@ reseeded, env and access token; then one exec, and QMP ``stop``. The API claims 
 node), then sends ``WarmClaim`` on ``podbay.warm.<node>.claim`` over its open NATS connection. Here the
 claim resumes the VM, sets the guest clock (it stood still while the slot waited), and in one statement
 records the sandbox ``running`` with its ``started`` event. The clock request is written before QMP
-``cont``, so the guest wakes to it. Anything wrong with the slot discards it and answers ``ok: false``; the API then falls back to a restore,
-so the pool never makes a create fail. A refill task keeps ``warm_targets`` for this node, one slot at a
-time, within the node's memory, with the slot's QEMU at nice ``warm_prepare_nice`` from its restore until it waits (so
-refills yield the CPU to claims and running sandboxes) and only after a claim's answer has left; every
+``cont``, so the guest wakes to it; the record is written while the guest wakes, in a transaction that
+commits once the guest has answered, so only the commit follows the guest. Anything wrong with the slot
+discards it and answers ``ok: false``; the API then falls back to a restore, so the pool never makes a
+create fail. A refill task keeps ``warm_targets`` for this node, one slot at a time, within the node's
+memory, with the slot's QEMU at nice ``warm_prepare_nice`` from its start until it waits and outside the
+node's restore slots (so refills only take the CPU that claims, creates and running sandboxes leave), and
+only after a claim's answer has left; every
 ``warm_interval_s`` it also checks that each waiting VM is alive and stopped (its QEMU's exit is also
 noticed at once through the pidfd).
 """
@@ -29,14 +32,18 @@ noticed at once through the pidfd).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING
 
+from asyncpg.pool import PoolConnectionProxy
+from asyncpg.transaction import Transaction
 from prometheus_client import Counter, Gauge
 
 from podbay.channel.client import GuestChannel
@@ -174,37 +181,48 @@ class WarmPool:
         self._gauge()
         hops: dict[str, float] = {}
         async with self.m.lock(slot.id):
-            try:
-                t = time.perf_counter()
-                # Identity and randomness were set when the slot was prepared; only the clock is stale. The
-                # request is written before ``cont``, so the guest wakes to it: its round trip overlaps QMP's.
-                hygiene = asyncio.create_task(asyncio.wait_for(slot.channel.after_restore(
-                    time_ns=time.time_ns(), hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
-                    CLAIM_GUEST_TIMEOUT_S))
-                await asyncio.sleep(0)  # let the task write its frame
+            failure: Exception | None = None
+            async with self.m.pool.acquire() as conn:
+                tx = conn.transaction()
+                hygiene: asyncio.Task[object] | None = None
+                record: asyncio.Task[datetime | None] | None = None
                 try:
+                    t = time.perf_counter()
+                    # Identity and randomness were set when the slot was prepared; only the clock is stale. The
+                    # request is written before ``cont``, so the guest wakes to it: its round trip overlaps QMP's.
+                    hygiene = asyncio.create_task(asyncio.wait_for(slot.channel.after_restore(
+                        time_ns=time.time_ns(),
+                        hostname=req.hostname if req.hostname != slot_hostname(slot.id) else None),
+                        CLAIM_GUEST_TIMEOUT_S))
+                    # ``running`` and its event are written meanwhile, in a transaction committed only once the
+                    # guest has answered (nobody sees them before): after the guest only the commit is left.
+                    record = asyncio.create_task(self._record_started(conn, tx, slot.id, req))
+                    await asyncio.sleep(0)  # let both tasks write their requests
                     await slot.handle.resume()
-                except BaseException:
-                    hygiene.cancel()
-                    await asyncio.gather(hygiene, return_exceptions=True)
-                    raise
-                hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
-                await hygiene
-                hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
-                t = time.perf_counter()
-                event = sandbox_event(slot.id, "started", seq=0, state="running", node_id=self.m.node_id,
-                                      tenant_id=req.tenant_id, generation=req.generation,
-                                      data={"warm": True, "ms": round((time.perf_counter() - t0) * 1000, 1)})
-                updated_at = await self.m.pool.fetchval(
-                    STARTED_SQL, slot.id, req.generation, self.m.node_id, req.operation_id, event.id,
-                    subjects.sandbox_event(slot.id, "started"), json.loads(event.model_dump_json()))
-                if updated_at is None:
-                    raise _Moved()
-                hops["db"] = _lap(t, "warm_db")
-                # Inside the lock, so a delete that follows at once finds the VM.
-                self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
-            except Exception as exc:
-                why = "the sandbox moved on" if isinstance(exc, _Moved) else _reason(exc)
+                    hops["qemu_cont"] = _lap(t, "warm_qemu_cont")
+                    await hygiene
+                    hops["guest_hygiene"] = _lap(t, "warm_guest_hygiene")
+                    t = time.perf_counter()
+                    updated_at = await record
+                    if updated_at is None:
+                        raise _Moved()
+                    await tx.commit()
+                    hops["db"] = _lap(t, "warm_db")
+                    # Inside the lock, so a delete that follows at once finds the VM.
+                    self.m.adopt(slot.id, req.generation, slot.resources, slot.handle, slot.channel)
+                except BaseException as exc:
+                    pending = [task for task in (hygiene, record) if task is not None]
+                    for task in pending:
+                        task.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    if conn.is_in_transaction():
+                        with contextlib.suppress(Exception):
+                            await tx.rollback()
+                    if not isinstance(exc, Exception):
+                        raise
+                    failure = exc
+            if failure is not None:  # the connection is back in the pool: the discard needs one too
+                why = "the sandbox moved on" if isinstance(failure, _Moved) else _reason(failure)
                 log.warning("claim of warm slot %s refused: %s", slot.id, why)
                 await self._discard(slot, f"claim: {why}", event="claim_refused")
                 return WarmClaimReply(ok=False, error=why, hops_ms=hops)
@@ -212,6 +230,18 @@ class WarmPool:
         LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "warm_claim", "ok").observe(time.perf_counter() - t0)
         LIFECYCLE_OPERATIONS.labels("nodeagent", "warm_claim", "ok").inc()
         return WarmClaimReply(ok=True, hops_ms=hops, updated_at=updated_at)
+
+    async def _record_started(self, conn: PoolConnectionProxy, tx: Transaction, slot_id: str,
+                              req: WarmClaim) -> datetime | None:
+        """Open ``tx`` on ``conn`` and run ``STARTED_SQL`` in it (the caller commits); the row's new
+        ``updated_at``, or None when the row is no longer ``starting`` at ``req.generation`` on this node."""
+        await tx.start()
+        event = sandbox_event(slot_id, "started", seq=0, state="running", node_id=self.m.node_id,
+                              tenant_id=req.tenant_id, generation=req.generation, data={"warm": True})
+        updated_at: datetime | None = await conn.fetchval(
+            STARTED_SQL, slot_id, req.generation, self.m.node_id, req.operation_id, event.id,
+            subjects.sandbox_event(slot_id, "started"), json.loads(event.model_dump_json()))
+        return updated_at
 
     def after_claim(self) -> None:
         """Relay the ``started`` event and refill the pool: called once the claim's answer is on its way, so
@@ -291,18 +321,17 @@ class WarmPool:
             # The slot's address, tap and binding are those of the sandbox it becomes (generation 1), so a
             # claim has nothing left to do for the network.
             binding, tap_fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
-            async with self.m.restore_slots:
-                try:
-                    handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib,
-                                                              vcpus=res.vcpus, tap_fd=tap_fd)
-                finally:
-                    os.close(tap_fd)
-                    tap_fd = None
-                channel = await GuestChannel.connect(handle.channel_path,
-                                                     timeout_s=self.m.settings.restore_timeout_s)
-            # Restored at normal priority: the restore holds one of the node's restore slots, which creates
-            # wait for too. Its first steps after that (hygiene, first exec) yield to sandboxes and claims.
-            await handle.set_nice(self.m.settings.warm_prepare_nice)
+            # At nice ``warm_prepare_nice`` from its first instruction, and outside the node's restore slots:
+            # a refill only takes CPU that creates, claims and running sandboxes leave, and never makes a
+            # create wait for a slot. Refills run one at a time (``refill_once``), so they need no slot.
+            try:
+                handle = await self.m.driver.restore_from(tpl.snapshot.dir, tpl, vm_dir, memory_mib=res.memory_mib,
+                                                          vcpus=res.vcpus, tap_fd=tap_fd,
+                                                          nice=self.m.settings.warm_prepare_nice)
+            finally:
+                os.close(tap_fd)
+                tap_fd = None
+            channel = await GuestChannel.connect(handle.channel_path, timeout_s=self.m.settings.restore_timeout_s)
             # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,
             # env and access token are set here, with a seed of its own (the CRNG is reseeded, so its
             # /dev/urandom already differs from every other guest restored from the template). The claim

@@ -189,9 +189,59 @@ def test_waiting_slots_run_at_normal_priority(stack: Any, pooled: httpx.Client) 
     """Slots are prepared at ``warm_prepare_nice`` but wait (and so are claimed) at nice 0, like sandboxes."""
     pooled.put("/v1/pools/base", json={"size": 1})
     slot = _wait_ready(stack, pooled, 1)[0]
-    pid = _qemu_pid(slot)
-    nices = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()}
-    assert nices == {0}
+    assert _nices(_qemu_pid(slot)) == {0}
+
+
+def _nices(pid: int) -> set[int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_slots_are_restored_at_the_prepare_nice_value(stack: Any, pooled: httpx.Client) -> None:
+    """A refill's QEMU runs at ``warm_prepare_nice`` (19) from its start, so its restore only takes the CPU
+    that creates, claims and running sandboxes leave."""
+    pooled.put("/v1/pools/base", json={"size": 1})
+    deadline = time.monotonic() + SETTLE_S
+    seen: set[int] = set()
+    while not seen:
+        assert time.monotonic() < deadline, "no slot was seen preparing"
+        for slot in _slots(stack, "preparing"):
+            try:
+                seen = _nices(_qemu_pid(slot))
+            except (AssertionError, OSError):
+                continue  # not started yet, or already gone
+        time.sleep(0.02)
+    assert seen == {19}
+    _wait_ready(stack, pooled, 1)
+
+
+def test_a_slot_that_does_not_resume_at_its_claim_leaves_no_start_behind(stack: Any, pooled: httpx.Client) -> None:
+    """The node writes ``running`` and the ``started`` event while the guest wakes, in a transaction that
+    commits only once the guest answers. A slot whose QEMU is stopped (SIGSTOP) when it is claimed never
+    answers: that transaction rolls back, the API's fallback restores the same sandbox (generation 2), and
+    its events hold one ``started``, the restore's."""
+    c = pooled
+    c.put("/v1/pools/base", json={"size": 1})
+    victim = _wait_ready(stack, c, 1)[0]
+    pid = _qemu_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = c.post("/v1/sandboxes", json={"template": "base"})
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert r.status_code == 201, r.text
+    info = r.json()
+    try:
+        assert info["id"] == victim and info["state"] == "running" and info["generation"] == 2
+        assert _sh(c, victim, "echo ok") == "ok\n"
+        events = _events(stack, victim)
+        assert [e[0].rsplit(".", 1)[-1] for e in events] == ["created", "started"]
+        assert events[1][1]["generation"] == 2 and events[1][1]["data"].get("warm") is not True
+    finally:
+        _delete_all(c, [victim])
 
 
 def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pooled: httpx.Client) -> None:

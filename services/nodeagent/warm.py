@@ -278,16 +278,27 @@ class WarmPool:
             ready = [s for s in self.slots.values() if s.template == name]
             for slot in sorted(ready, key=lambda s: s.id)[: max(0, len(ready) - target)]:
                 await self._discard(slot, "above target", event="surplus")
-        for name, target in sorted(targets.items()):
+        for name in sorted(targets):
             tpl = self.m.templates.get(name)
             if tpl is None:
                 continue
-            while (stop is None or not stop.is_set()) and self._count(name) < target:
+            while stop is None or not stop.is_set():
+                # Read again before every restore (each takes about a second): a pool lowered meanwhile stops
+                # the refill at once instead of after the whole pass (the next pass discards the surplus).
+                target = await self._target(name)
+                if self._count(name) >= target:
+                    break
                 if not await self._has_room(tpl):
                     log.info("warm pool %s: node memory is full at %d of %d slots", name, self._count(name), target)
                     break
                 if not await self.prepare(tpl):
                     break  # a failing template would spin; the next pass tries again
+
+    async def _target(self, template: str) -> int:
+        """This node's current target for ``template`` (``warm_targets``; 0 when it has none)."""
+        target = await self.m.pool.fetchval("SELECT target FROM warm_targets WHERE node_id=$1 AND template=$2",
+                                            self.m.node_id, template)
+        return int(target or 0)
 
     def _count(self, template: str) -> int:
         return (sum(1 for s in self.slots.values() if s.template == template)

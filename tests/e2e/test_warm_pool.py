@@ -244,6 +244,44 @@ def test_a_slot_that_does_not_resume_at_its_claim_leaves_no_start_behind(stack: 
         _delete_all(c, [victim])
 
 
+def test_a_lowered_pool_stops_its_refill_at_once(stack: Any, pooled: httpx.Client) -> None:
+    """A refill re-reads its target before every restore: lowering a pool while it fills stops the filling
+    (at most the restore that was starting finishes), and the surplus is discarded."""
+    c = pooled
+    c.put("/v1/pools/base", json={"size": 6}).raise_for_status()
+    deadline = time.monotonic() + SETTLE_S
+    while len(_slots(stack)) < 2:
+        assert time.monotonic() < deadline, f"the pool did not start filling: {_pool(c)}"
+        time.sleep(0.2)
+    c.put("/v1/pools/base", json={"size": 1}).raise_for_status()
+
+    async def lowered_at() -> Any:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            while True:
+                # Once every target of the template says 1, no refill may start another restore.
+                if await conn.fetchval("SELECT bool_and(target <= 1) FROM warm_targets WHERE template='base'"):
+                    return await conn.fetchval("SELECT now()")
+                assert time.monotonic() < deadline, "the targets did not follow the pool"
+                await asyncio.sleep(0.05)
+        finally:
+            await conn.close()
+
+    async def started_since(at: Any) -> int:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            return int(await conn.fetchval(
+                "SELECT count(*) FROM warm_slots WHERE template='base' AND created_at > $1", at))
+        finally:
+            await conn.close()
+
+    at = asyncio.run(lowered_at())
+    _wait_ready(stack, c, 1)
+    # One restore may have read the old target just before it changed; without the re-read the pass would
+    # have gone on to 6.
+    assert asyncio.run(started_since(at)) <= 1
+
+
 def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pooled: httpx.Client) -> None:
     c = pooled
     c.put("/v1/pools/base", json={"size": 2})

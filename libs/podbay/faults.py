@@ -1,7 +1,7 @@
 """Fault injection for crash tests: ``PODBAY_FAULT_STEP`` names a step at which the process SIGKILLs itself.
 
 Steps are ``<operation>.<point>`` (``promote.manifest``, ``promote.uploaded``, ``suspend.snapshotted``,
-``suspend.promoted``, ``resume.fetched``, ...; README.md "Configuration" lists them). Production never sets it.
+``suspend.promoted``, ``resume.fetched``, ``vm.spawned``, ...; README.md "Configuration" lists them). Production never sets it.
 The kill is abrupt on purpose: no ``finally`` runs, as with a power cut or the OOM killer.
 """
 

@@ -61,6 +61,7 @@ from pathlib import Path, PurePosixPath
 
 from podbay.config import Settings
 from podbay.errors import Unavailable
+from podbay.faults import fault_point
 
 __all__ = [
     "DEFAULT_VMM_USER", "ConfinementError", "VmmUser", "Confinement", "ensure_vmm_user", "confine_argv",
@@ -409,6 +410,8 @@ async def start_confined(
         raise
     finally:
         os.close(info_r)
+    # A crash here leaves QEMU running with no pidfile: cleanup finds it by its VM directory instead.
+    fault_point("vm.spawned")
     # QEMU's own -pidfile would say 1 (its pid inside the namespace): attach and cleanup read this one.
     tmp = pidfile.with_name(pidfile.name + ".tmp")
     tmp.write_text(f"{pid}\n")

@@ -37,6 +37,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
+
 from podbay.config import Settings
 from podbay.contracts.channel import GuestNet
 from podbay.contracts.egress import TAP_PREFIX, NetBinding, binding_path, bindings_dir
@@ -52,6 +54,8 @@ log = logging.getLogger("podbay.nodeagent.network")
 
 #: Longest interface name plus its NUL (<linux/if.h>).
 IFNAMSIZ = 16
+#: How long opening a tap waits for a just-killed holder of its name to exit (seconds).
+TAP_BUSY_WAIT_S = 2.0
 # <linux/if_tun.h>
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
@@ -217,7 +221,11 @@ class SandboxNetwork:
         closes its own copy). The host side gets ``host_addr/30``, IPv6 off, link up. Raises
         :class:`NetworkError` (e.g. the name is held by a QEMU that is still alive)."""
         try:
-            fd = create_tap(lease.tap)
+            # EBUSY: the name is still held by a QEMU (or its bubblewrap) of an earlier attempt that was just
+            # killed; the kernel frees it once that process has exited.
+            fd = Retrying(stop=stop_after_delay(TAP_BUSY_WAIT_S), wait=wait_fixed(0.05), reraise=True,
+                          retry=retry_if_exception(lambda e: isinstance(e, OSError) and e.errno == errno.EBUSY),
+                          )(create_tap, lease.tap)
         except OSError as exc:
             raise NetworkError(f"cannot create tap {lease.tap} for {lease.sandbox_id}: {exc}") from exc
         try:

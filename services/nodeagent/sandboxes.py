@@ -9,6 +9,7 @@ crash between the two makes JetStream redeliver and the handler finish or skip t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -477,21 +478,24 @@ class SandboxManager:
             await self._discard_vm_dir(vm_dir)
 
     async def _discard_vm_dir(self, vm_dir: Path) -> None:
-        """Kill a QEMU recorded in ``vm_dir/qemu.pid`` if it still runs, then remove the directory."""
-        pid_file = vm_dir / "qemu.pid"
-        if pid_file.exists():
-            try:
-                pid = int(pid_file.read_text().strip())
-                if _is_qemu(pid, vm_dir):
-                    os.kill(pid, signal.SIGKILL)
-                    for _ in range(100):
-                        if not _pid_alive(pid):
-                            break
-                        await asyncio.sleep(0.02)
-            except (ValueError, ProcessLookupError, PermissionError):
-                pass
-        if vm_dir.exists():
-            await asyncio.to_thread(shutil.rmtree, vm_dir, True)
+        """Kill what still runs for ``vm_dir`` (the QEMU in ``qemu.pid``, and any QEMU or bubblewrap naming the
+        directory: a start cut short by a crash leaves QEMU running before its pidfile is written), wait until
+        they are gone (so the sandbox's tap is free again), then remove the directory."""
+        if not vm_dir.exists():
+            return
+        pids = set(await asyncio.to_thread(_vm_processes, vm_dir))
+        with contextlib.suppress(ValueError, OSError):
+            pid = int((vm_dir / "qemu.pid").read_text().strip())
+            if _is_qemu(pid, vm_dir):
+                pids.add(pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            if not any(_pid_alive(pid) for pid in pids):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(shutil.rmtree, vm_dir, True)
 
     async def mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
                            from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
@@ -563,6 +567,24 @@ def _pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _vm_processes(vm_dir: Path) -> list[int]:
+    """Pids of QEMU and bubblewrap processes that name ``vm_dir`` (or a path in it) in their arguments."""
+    where = str(vm_dir)
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if not (proc / "comm").read_text().startswith(("qemu-system", "bwrap")):
+                continue
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(a == where or where + "/" in a for a in args):
+            found.append(int(proc.name))
+    return found
 
 
 def _is_qemu(pid: int, vm_dir: Path) -> bool:

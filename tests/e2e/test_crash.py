@@ -29,6 +29,55 @@ def test_sigkill_nodeagent_then_restart_reattaches(stack: Any) -> None:
         c.delete(f"/v1/sandboxes/{sid}")
 
 
+def _vm_processes(sid: str, names: tuple[str, ...] = ("qemu-system", "bwrap")) -> list[int]:
+    """Processes named ``names`` (QEMU and its bubblewrap) whose arguments name the sandbox."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and (p / "comm").read_text().startswith(names) and \
+                    sid.encode() in (p / "cmdline").read_bytes():
+                out.append(int(p.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_create_cut_short_before_its_pidfile_is_finished_by_the_restarted_agent(stack: Any) -> None:
+    """The node agent dies right after starting a sandbox's QEMU, before it records QEMU's pid: the QEMU
+    keeps running and holds the sandbox's tap. The restarted agent finds it by its VM directory, kills it and
+    its bubblewrap, and restores the sandbox again on the freed tap; one VM is left."""
+    svc = stack.services["nodeagent"]
+    with _client(stack) as c:
+        try:
+            svc.env = {**stack.env, "PODBAY_FAULT_STEP": "vm.spawned"}
+            stack.restart("nodeagent")
+            r = c.post("/v1/sandboxes", json={"template": "base"}, params={"wait": "false"})
+            assert r.status_code == 202, r.text
+            sid = r.json()["id"]
+            deadline = time.monotonic() + 120
+            while svc.alive():
+                assert time.monotonic() < deadline, "the node agent never reached vm.spawned"
+                time.sleep(0.1)
+            assert _vm_processes(sid), "the interrupted start left no QEMU behind to clean up"
+        finally:
+            svc.env = stack.env
+            if not svc.alive():
+                stack.restart("nodeagent")
+        try:
+            info: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                info = c.get(f"/v1/sandboxes/{sid}").json()
+                if info["state"] in ("running", "failed"):
+                    break
+                time.sleep(0.2)
+            assert info["state"] == "running", info
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo", "ok"]})
+            assert r.status_code == 200 and r.json()["stdout"] == "ok\n", r.text
+            assert len(_vm_processes(sid, ("qemu-system",))) == 1
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
 def _qemu_pid(stack: Any, sid: str) -> int:
     pid_files = list(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}/qemu.pid"))
     assert pid_files, "the sandbox has a qemu.pid in its VM directory"

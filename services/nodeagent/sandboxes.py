@@ -31,6 +31,7 @@ from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Operat
 from podbay.errors import NotFound, PodbayError, StaleGeneration, Unavailable
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+from podbay.vmprocs import vm_processes
 
 from .network import SandboxNetwork
 from .store import NodeStore
@@ -483,11 +484,7 @@ class SandboxManager:
         they are gone (so the sandbox's tap is free again), then remove the directory."""
         if not vm_dir.exists():
             return
-        pids = set(await asyncio.to_thread(_vm_processes, vm_dir))
-        with contextlib.suppress(ValueError, OSError):
-            pid = int((vm_dir / "qemu.pid").read_text().strip())
-            if _is_qemu(pid, vm_dir):
-                pids.add(pid)
+        pids = await asyncio.to_thread(vm_processes, vm_dir)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -567,30 +564,3 @@ def _pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _vm_processes(vm_dir: Path) -> list[int]:
-    """Pids of QEMU and bubblewrap processes that name ``vm_dir`` (or a path in it) in their arguments."""
-    where = str(vm_dir)
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if not (proc / "comm").read_text().startswith(("qemu-system", "bwrap")):
-                continue
-            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if any(a == where or where + "/" in a for a in args):
-            found.append(int(proc.name))
-    return found
-
-
-def _is_qemu(pid: int, vm_dir: Path) -> bool:
-    """True when ``pid`` is a QEMU started for ``vm_dir`` (guards against a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return "qemu" in cmdline and str(vm_dir) in cmdline

@@ -58,6 +58,7 @@ def test_a_path_inside_an_argument_below_the_data_dir_counts(dirs: tuple[Path, P
     _proc(proc, 204, _qemu(ours / "nodes/n1/store/sandboxes/z"), state="Z")  # a zombie is already dead
     _proc(proc, 205, ["/usr/bin/qemu-system-x86_64", "-drive", f"file={ours}/../pb/x/disk.img"])
     assert find_strays(ours, proc_root=proc) == [201, 202, 205]
+    assert find_strays(ours, proc_root=proc, qemu_only=True) == [201, 205]  # one pid per VM: no bubblewrap
 
 
 def test_qemu_pid_files_count_only_when_the_process_names_that_vm_dir(dirs: tuple[Path, Path, Path]) -> None:
@@ -192,7 +193,8 @@ def test_a_server_refuses_to_start_on_a_taken_port(taken_port: int, tmp_path: Pa
 
 @pytest.fixture
 def vm_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Path]]:
-    """Records kill_strays and unmount_node_stores calls; find_strays reports two running VMs."""
+    """Records kill_strays and unmount_node_stores calls; find_strays reports one running VM: its QEMU (11)
+    and the bubblewrap confining it (12)."""
     calls: dict[str, list[Path]] = {"kill": [], "unmount": []}
 
     def kill(data_dir: Path) -> list[int]:
@@ -206,7 +208,8 @@ def vm_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Path]]:
     for module in (supervisor, stack):
         monkeypatch.setattr(module, "kill_strays", kill)
         monkeypatch.setattr(module, "unmount_node_stores", unmount)
-    monkeypatch.setattr(supervisor, "find_strays", lambda data_dir: [11, 12])
+    monkeypatch.setattr(supervisor, "find_strays",
+                        lambda data_dir, qemu_only=False: [11] if qemu_only else [11, 12])
     return calls
 
 
@@ -229,7 +232,8 @@ def test_down_leaves_vms_running_and_says_so(
     assert supervisor.down(settings) == 0
     assert vm_calls == {"kill": [], "unmount": []}
     out = capsys.readouterr().out
-    assert "2 sandbox VM(s) left running; the next podbay up re-attaches them; podbay down --purge stops them" in out
+    # One VM, although two processes (QEMU and its bubblewrap) belong to it.
+    assert "1 sandbox VM(s) left running; the next podbay up re-attaches them; podbay down --purge stops them" in out
     assert supervisor.read_state(settings) is None
 
 

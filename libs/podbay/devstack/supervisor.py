@@ -452,16 +452,16 @@ def down(settings: Settings, *, purge: bool = False) -> int:
     """
     console = Console(highlight=False, soft_wrap=True)
     code = _stop_supervisor(settings, console)
+    vms = len(find_strays(settings.data_dir, qemu_only=True))  # one per VM (not its bubblewrap too)
     if purge:
-        killed = kill_strays(settings.data_dir)
+        kill_strays(settings.data_dir)
         stores = unmount_node_stores(settings.data_dir)
         nets = purge_networks(settings.data_dir)
-        console.print(f"{len(killed)} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted"
+        console.print(f"{vms} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted"
                       + (", node namespaces and bridge removed" if nets else ""))
         return code
-    left = find_strays(settings.data_dir)
-    if left:
-        console.print(f"{len(left)} sandbox VM(s) left running; the next podbay up re-attaches them; "
+    if find_strays(settings.data_dir):  # a VM, or a bubblewrap still holding the store
+        console.print(f"{vms} sandbox VM(s) left running; the next podbay up re-attaches them; "
                       "podbay down --purge stops them")  # fmt: skip
     elif code == 0:
         # Neither a VM nor the node agent uses the stores any more; the next up mounts them again.

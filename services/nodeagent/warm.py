@@ -69,6 +69,10 @@ WARM_SLOT_EVENTS = Counter("podbay_warm_slot_events_total",
                            "Warm slot events: prepared, claimed, discarded (with why), claim_refused.",
                            ["template", "event"])
 
+#: Discards that are no failure (a pool that shrank, a template that changed): their rows end ``retired``,
+#: so a pool's ``failing`` count (``GET /v1/pools``) shows failures only.
+RETIRED_EVENTS = frozenset({"surplus", "stale"})
+
 #: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (fenced by
 #: generation and node), its operation finished, and its ``started`` event in the outbox with the next seq.
 STARTED_SQL = (
@@ -411,7 +415,8 @@ class WarmPool:
         await self._discard(slot, f"the VM exited while waiting (status {code})", event="vm_exited", watched=True)
 
     async def _discard(self, slot: WarmSlot, reason: str, *, event: str, watched: bool = False) -> None:
-        """Take ``slot`` out of service: kill its VM, remove its files, mark its row failed, refill."""
+        """Take ``slot`` out of service: kill its VM, remove its files, mark its row ``failed`` (``retired``
+        when nothing went wrong: ``event`` in :data:`RETIRED_EVENTS`), refill."""
         if self.slots.get(slot.id) is slot:
             del self.slots[slot.id]
         slot.taken = True
@@ -423,15 +428,16 @@ class WarmPool:
         await self.m._teardown(slot.handle, slot.channel, vm_dir)  # noqa: SLF001
         if vm_dir is not None:
             await self.m.release_net(slot.id)
-        await self._mark_failed(slot.id, reason)
+        await self._mark_failed(slot.id, reason, state="retired" if event in RETIRED_EVENTS else "failed")
         WARM_SLOT_EVENTS.labels(slot.template, event).inc()
         self._gauge()
         self.kick()
 
-    async def _mark_failed(self, slot_id: str, reason: str) -> None:
+    async def _mark_failed(self, slot_id: str, reason: str, *, state: str = "failed") -> None:
         # A claimed row belongs to its sandbox now (the API falls back to a restore for it).
         await self.m.pool.execute(
-            "UPDATE warm_slots SET state='failed', reason=$2, failed_at=now() WHERE id=$1 AND state <> 'claimed'", slot_id, reason)
+            "UPDATE warm_slots SET state=$3, reason=$2, failed_at=now() WHERE id=$1 AND state <> 'claimed'",
+            slot_id, reason, state)
 
     def _gauge(self) -> None:
         counts: dict[tuple[str, str], int] = {}

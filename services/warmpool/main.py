@@ -93,11 +93,11 @@ async def reconcile_targets(settings: Settings, pool: asyncpg.Pool, bus: Bus) ->
         for key in set(old) - set(new):
             await conn.execute("DELETE FROM warm_targets WHERE template=$1 AND node_id=$2", *key)
         if live:  # no heartbeat at all is more likely our own NATS trouble than every node gone
-            await conn.execute("DELETE FROM warm_slots WHERE state IN ('preparing', 'ready', 'failed')"
+            await conn.execute("DELETE FROM warm_slots WHERE state IN ('preparing', 'ready', 'failed', 'retired')"
                                " AND NOT (node_id = ANY($1::text[]))", live)
         await conn.execute(
             "DELETE FROM warm_slots WHERE (state='claimed' AND claimed_at < now() - make_interval(secs => $1))"
-            " OR (state='failed' AND failed_at < now() - make_interval(secs => $1))", window)
+            " OR (state IN ('failed', 'retired') AND failed_at < now() - make_interval(secs => $1))", window)
     changed = {node for key, node in ((k, k[1]) for k in set(old) | set(new)) if old.get(key) != new.get(key)}
     for node_id in sorted(changed & set(live)):
         await bus.nc.publish(subjects.warm_kick(node_id), b"")

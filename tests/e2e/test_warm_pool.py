@@ -104,6 +104,11 @@ def test_pool_set_and_list_validate_input(pooled: httpx.Client) -> None:
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
     r = c.put("/v1/pools/base", json={"size": -1})
     assert r.status_code == 422
+    for not_an_integer in (True, "3", 3.0):
+        r = c.put("/v1/pools/base", json={"size": not_an_integer})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", (not_an_integer, r.text)
+    r = c.put("/v1/pools/base", json={"size": 1, "max_size": False})
+    assert r.status_code == 422
     assert c.get("/v1/pools").json() == before
 
 
@@ -275,11 +280,23 @@ def test_a_lowered_pool_stops_its_refill_at_once(stack: Any, pooled: httpx.Clien
         finally:
             await conn.close()
 
+    async def ended_since(at: Any) -> dict[str, int]:
+        conn = await asyncpg.connect(stack.pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT state, count(*) AS n FROM warm_slots WHERE template='base'"
+                                    " AND failed_at > $1 GROUP BY state", at)
+            return {r["state"]: int(r["n"]) for r in rows}
+        finally:
+            await conn.close()
+
     at = asyncio.run(lowered_at())
     _wait_ready(stack, c, 1)
     # One restore may have read the old target just before it changed; without the re-read the pass would
     # have gone on to 6.
     assert asyncio.run(started_since(at)) <= 1
+    # The surplus was retired, not failed: the pool shows no failures for it.
+    ended = asyncio.run(ended_since(at))
+    assert ended.get("retired", 0) >= 1 and "failed" not in ended, ended
 
 
 def test_a_killed_waiting_slot_is_replaced_and_never_handed_out(stack: Any, pooled: httpx.Client) -> None:

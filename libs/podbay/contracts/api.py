@@ -290,8 +290,10 @@ class PoolSet(_In):
     when recent demand asks for more (default: exactly ``size``). ``size`` 0 with no ``max_size`` ends the
     pool. Slots are spread over the nodes that carry the template and bounded by each node's memory."""
 
-    size: int = Field(ge=0, le=1000, description="Slots kept whatever the demand (the operator's floor).")
-    max_size: int | None = Field(None, ge=0, le=1000, description="Upper bound when following demand.")
+    # Strict: a JSON integer only (not true, "3" or 3.0).
+    size: int = Field(ge=0, le=1000, strict=True, description="Slots kept whatever the demand (the operator's "
+                      "floor).")
+    max_size: int | None = Field(None, ge=0, le=1000, strict=True, description="Upper bound when following demand.")
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolSet:
@@ -302,7 +304,8 @@ class PoolSet(_In):
 
 class PoolNode(BaseModel):
     """One node's part of a pool. ``claimed``: slots handed to creates in the recent demand window;
-    ``failing``: slots discarded in that window (a failed health check or a VM that died)."""
+    ``failing``: slots that failed in that window (a failed health check, a VM that died, a refused claim);
+    slots retired on purpose (a pool that shrank, a template that changed) are not counted."""
 
     node_id: str
     target: int

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import httpx
 from pydantic import BaseModel
 
 from podbay.errors import InvalidRequest
@@ -62,14 +63,28 @@ def load_client_config(api_url: str | None = None, api_key: str | None = None) -
     """Explicit arguments win, then the environment, then the config file, then ``http://127.0.0.1:8080``.
 
     The file is read only when the URL or the key is still missing. Raises ``podbay.errors.InvalidRequest``
-    (naming the file and the problem) for a config file that exists but is unreadable or malformed.
+    (naming the file and the problem) for a config file that exists but is unreadable or malformed, and for
+    a URL that is not an absolute http(s) URL with a host.
     """
     url = api_url or os.environ.get("PODBAY_API_URL")
     key = api_key or os.environ.get("PODBAY_API_KEY")
     file_cfg = _read_file(config_path()) if not (url and key) else {}
     url = url or file_cfg.get("api_url") or "http://127.0.0.1:8080"
     key = key or file_cfg.get("api_key")
-    return ClientConfig(api_url=url.rstrip("/"), api_key=key)
+    return ClientConfig(api_url=_checked_url(url).rstrip("/"), api_key=key)
+
+
+def _checked_url(url: str) -> str:
+    """``url`` when it is an absolute http(s) URL with a host (parsed as httpx parses it), else
+    ``InvalidRequest`` saying so: a typo must not surface later as an internal error or a vague failure to
+    connect."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"the API URL {url!r} is not a valid URL ({exc}); expected http(s)://HOST[:PORT]") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InvalidRequest(f"the API URL {url!r} is not an http(s) URL with a host; expected http(s)://HOST[:PORT]")
+    return url
 
 
 def save_client_config(cfg: ClientConfig) -> Path:

@@ -57,3 +57,20 @@ def test_a_malformed_file_is_an_error_naming_it(
 def test_a_malformed_file_is_not_read_when_not_needed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _config(monkeypatch, tmp_path, "{broken")
     assert load_client_config("http://arg:2", "pb_arg").api_key == "pb_arg"
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "notaurl", "ftp://host:21", "http://", "127.0.0.1:8080"])
+def test_a_malformed_api_url_is_refused_with_a_clear_error(url: str) -> None:
+    with pytest.raises(InvalidRequest, match="the API URL"):
+        load_client_config(url, "pb_x")
+
+
+def test_the_cli_answers_a_malformed_api_url_as_a_usage_error() -> None:
+    from typer.testing import CliRunner
+
+    from podbay.cli.main import app
+
+    result = CliRunner().invoke(app, ["--api-url", "http://[::1", "--api-key", "pb_x", "pool", "list"])
+    assert result.exit_code == 2, result.output
+    assert "the API URL" in result.output and "(invalid_request)" in result.output
+    assert "Traceback" not in result.output

@@ -69,6 +69,18 @@ async def test_restore_then_ping_and_exec(vmm: QemuVmm, vm: VmHandle) -> None:
     assert (out, code) == (b"42\n1000\n", 0)
 
 
+async def test_the_template_snapshot_is_primed(vm: VmHandle) -> None:
+    """``template.prime_guest`` ran before the snapshot: a bare restore (no hygiene of its own) already has the
+    NIC up on the placeholder address, the trust store's pristine copy and the template's name as hostname
+    (every sandbox's hygiene replaces them: tests/e2e/test_sandbox_network.py)."""
+    out, code = await _run(vm, ["sh", "-c", "grep -c '192[.]0[.]2[.]2' /proc/net/fib_trie;"
+                                            " test -f /etc/ssl/certs/ca-certificates.crt.podbay-orig && echo orig;"
+                                            " hostname"])
+    assert code == 0, out
+    count, *rest = out.decode().split()
+    assert int(count) >= 1 and rest == ["orig", "base"], out
+
+
 async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
     out, code = await _run(vm, ["sh", "-c", "echo kept > /home/user/mark && sync && cat /home/user/mark"])
     assert (out, code) == (b"kept\n", 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -197,6 +198,17 @@ def test_waiting_slots_run_at_normal_priority(stack: Any, pooled: httpx.Client) 
     assert _nices(_qemu_pid(slot)) == {0}
 
 
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """QEMU ``pid`` stopped (SIGSTOP: alive, but answers nothing) for the block; continued after, if alive."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def _nices(pid: int) -> set[int]:
     """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
     return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()}
@@ -228,15 +240,8 @@ def test_a_slot_that_does_not_resume_at_its_claim_leaves_no_start_behind(stack: 
     c = pooled
     c.put("/v1/pools/base", json={"size": 1})
     victim = _wait_ready(stack, c, 1)[0]
-    pid = _qemu_pid(victim)
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(_qemu_pid(victim)):
         r = c.post("/v1/sandboxes", json={"template": "base"})
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     assert r.status_code == 201, r.text
     info = r.json()
     try:
@@ -349,15 +354,8 @@ def test_a_slot_that_fails_its_health_check_is_replaced(stack: Any, pooled: http
     c = pooled
     c.put("/v1/pools/base", json={"size": 2})
     victim = _wait_ready(stack, c, 2)[0]
-    pid = _qemu_pid(victim)
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped(_qemu_pid(victim)):
         _wait_ready(stack, c, 2, exclude=frozenset({victim}))
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     assert victim in _slots(stack, "failed")
 
     async def reason() -> str:

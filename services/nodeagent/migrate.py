@@ -8,6 +8,7 @@ Flow (source S, destination D; the scheduler's drain sends S ``podbay.cmd.node.<
                                          one TCP port of PODBAY_MIGRATE_HOST; answer host, port, token
     S: connect, send the token, hand the socket to QEMU (getfd), migrate (RAM + disk, vmmigrate.py)
        D: checks the token, hands its socket to its QEMU (migrate-incoming); the guest runs on arrival
+          (a running guest moved stop-and-copy under an old TCG arrives paused; finish resumes it)
     S ──podbay.migrate.<D>.finish (downtime, ok)──► D: wait for its stream's end, connect the guest
        channel, after-restore (clock, new address and CA); in one transaction: node = D, generation g+1
        (only if still S at g), event ``migrated`` {source, destination, downtime_ms, total_ms}; answer
@@ -242,6 +243,8 @@ class MigrationOps:
             channel: GuestChannel | None = None
             try:
                 state = await asyncio.wait_for(asyncio.shield(inc.arrived), m.settings.migrate_timeout_s)
+                # A running guest moved stop-and-copy arrives paused (vmmigrate.precopy_safe): resume it here.
+                state = await vmmigrate.arrive(m.driver.vmm, inc.handle.inner, state, req.was_running)
                 hygiene_net = m.net.guest_net(inc.binding)
                 if state == "running":
                     channel = await GuestChannel.connect(inc.handle.channel_path, timeout_s=m.settings.restore_timeout_s)

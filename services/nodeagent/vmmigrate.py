@@ -19,6 +19,19 @@ The destination QEMU starts with ``-incoming defer`` and without ``-S``: when th
 itself if the source was running (QEMU's global state), so no node-agent round trip adds to the downtime; a
 paused source arrives paused.
 
+Pre-copy (copying RAM while the guest runs) needs every guest store to mark its page dirty. Under TCG, QEMU
+before 9.0 does not: the fast path of ``cpu_physical_memory_sync_dirty_bitmap`` clears the dirty bits of
+aligned ranges without resetting the TCG TLB's dirty state, so stores through a cached TLB entry are lost
+(upstream commit 03bfc2188f, "physmem: Fix migration dirty bitmap coherency with TCG memory access", QEMU
+9.0). Seen here as destination guests dying of slab corruption or a jump to 0 seconds after the switch
+(``tests/e2e/test_vm_live_migration.py`` sweeps a buffer and catches the lost stores). Such a QEMU migrates a
+running guest stop-and-copy for its RAM instead (:func:`precopy_safe`): QEMU sends no RAM page before block
+migration's bulk pass over the disk ends (``qemu_savevm_state_iterate`` moves to the next section only once
+one reports its stage complete), so the guest keeps running through the disk's bulk pass (block dirty
+tracking is the block layer's and sound), is stopped just before it ends, and is resumed on the destination
+by :func:`arrive`. The downtime is the disk's tail, the RAM and the device state. KVM tracks dirty pages in
+the kernel and always pre-copies.
+
 Completion is awaited through QMP ``MIGRATION`` events (the ``events`` capability), not by polling, bounded by
 a timeout. A failed or timed-out outgoing migration is cancelled and the source guest resumes (it was never
 given up); the caller tears the destination down.
@@ -50,7 +63,8 @@ from .vmm import (
     _send_scm_rights,
 )
 
-__all__ = ["MigrationStats", "start_incoming", "accept_incoming", "wait_incoming", "migrate_out", "resume_source"]
+__all__ = ["MigrationStats", "start_incoming", "accept_incoming", "wait_incoming", "arrive", "migrate_out",
+           "resume_source", "precopy_safe"]
 
 log = logging.getLogger("podbay.nodeagent.vmmigrate")
 
@@ -68,6 +82,28 @@ class MigrationStats(BaseModel):
     disk_bytes: int = Field(0, description="Disk bytes sent (block migration); QEMU 7.2 stops reporting it once "
                                            "the migration completed, so it is usually 0.")
     was_running: bool = True
+    precopy: bool = Field(True, description="RAM was copied while the guest ran; False: stop-and-copy (see "
+                                            "precopy_safe), the downtime is the whole migration.")
+
+
+# First QEMU whose TCG marks every store dirty during a migration (upstream commit 03bfc2188f).
+_TCG_PRECOPY_FIXED = (9, 0)
+# Stop-and-copy of RAM: how often the disk's bulk pass is watched, and how close to its end the guest stops
+# (a floor, and the time the pass needs at its measured rate): far enough that the pass cannot end, and RAM
+# start to move, between two looks.
+_WATCH_S = 0.02
+_STOP_AHEAD_BYTES = 64 * 2**20
+_STOP_AHEAD_S = 0.25
+
+
+async def precopy_safe(vmm: QemuVmm, vm: VmHandle) -> bool:
+    """True when ``vm``'s QEMU tracks every guest store while RAM is copied: KVM always, TCG from QEMU 9.0
+    (QMP ``query-version``; see the module docstring)."""
+    if vm.config is not None and vm.config.accel == "kvm":
+        return True
+    ver = await vmm._qmp(vm, "query-version")  # noqa: SLF001
+    q = ver.get("qemu", {}) if isinstance(ver, dict) else {}
+    return (int(q.get("major", 0)), int(q.get("minor", 0))) >= _TCG_PRECOPY_FIXED
 
 
 async def _caps(vmm: QemuVmm, vm: VmHandle, caps: dict[str, bool]) -> None:
@@ -152,9 +188,46 @@ async def wait_incoming(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: fl
     return await vmm.query_status(vm)
 
 
+async def arrive(vmm: QemuVmm, vm: VmHandle, state: str, was_running: bool) -> str:
+    """Finish an arrival: a guest that ran on the source but arrived ``paused`` (stop-and-copy, see
+    :func:`precopy_safe`) is resumed here. Returns the guest's run state now."""
+    if state == "paused" and was_running:
+        await vmm.resume(vm)
+        return "running"
+    return state
+
+
+async def _stop_before_ram(vmm: QemuVmm, vm: VmHandle) -> float | None:
+    """Watch an outgoing migration (``query-migrate``) and stop the guest before its first RAM page is sent,
+    letting most of the disk's bulk pass run with the guest running. Returns the ``time.monotonic()`` of the
+    stop, or None when the migration ended first (the caller's wait reports how)."""
+    last: tuple[float, int] | None = None
+    while True:
+        info = await vmm._qmp(vm, "query-migrate")  # noqa: SLF001
+        if not isinstance(info, dict) or info.get("status") in _END_STATES:
+            return None
+        ram, disk = info.get("ram") or {}, info.get("disk") or {}
+        now, sent = time.monotonic(), int(disk.get("transferred", 0))
+        rate = (sent - last[1]) / (now - last[0]) if last and now > last[0] else 0.0
+        last = (now, sent)
+        ram_started = int(ram.get("normal", 0)) + int(ram.get("duplicate", 0)) > 0
+        if (info.get("status") == "active" and
+                (ram_started or int(disk.get("remaining", 0)) <= max(_STOP_AHEAD_BYTES, rate * _STOP_AHEAD_S))):
+            if ram_started:
+                log.warning("%s: RAM started to move before the guest was stopped; stores in that window may "
+                            "be lost (QEMU before 9.0 under TCG)", vm.dir)
+            await vmm.pause(vm)
+            return time.monotonic()
+        await asyncio.sleep(_WATCH_S)
+
+
 async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeout_s: float,
                       max_downtime_ms: int = 50, bandwidth_mib_s: int = 1024) -> MigrationStats:
     """Live-migrate ``vm`` (running or paused) over the connected ``sock``; returns QEMU's figures.
+
+    A running guest on a QEMU that is not :func:`precopy_safe` is stopped before its RAM moves and arrives
+    paused (the destination resumes it, :func:`arrive`); its ``downtime_ms`` is measured here from the stop
+    to the end of the stream.
 
     ``max_downtime_ms`` bounds the stop-and-copy phase QEMU aims for (``downtime-limit``);
     ``bandwidth_mib_s`` is the stream's cap (``max-bandwidth``; QEMU's default of 128 MiB/s made the bulk
@@ -164,28 +237,46 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
     the caller kills it once the destination confirmed, or calls :func:`resume_source`.
     """
     was_running = (await vmm.query_status(vm)) == "running"
+    precopy = not was_running or await precopy_safe(vmm, vm)
     await _caps(vmm, vm, _LIVE_CAPS)
     await vmm._qmp(vm, "migrate-set-parameters",  # noqa: SLF001
                    {"downtime-limit": max_downtime_ms, "max-bandwidth": bandwidth_mib_s * 2**20})
     t0 = time.monotonic()
+    stopped_at: float | None = None
+    watch: asyncio.Future[float | None] | None = None
     try:
         with vm.qmp.listener("MIGRATION") as listener:
             await _give_socket(vmm, vm, sock, "migout")
             await vmm._qmp(vm, "migrate", {"uri": "fd:migout"})  # noqa: SLF001
+            if not precopy:
+                watch = asyncio.ensure_future(_stop_before_ram(vmm, vm))
             info = await _wait_end(vmm, vm, listener, timeout_s, "outgoing")
+            if watch is not None:
+                stopped_at = await watch
         if info.get("status") != "completed":
             raise VmOperationError(f"outgoing migration {info.get('status')}: {info.get('error-desc', '')}")
     except BaseException:
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(BaseException):
+                await watch
         await resume_source(vmm, vm, was_running)
         raise
     ram = info.get("ram") or {}
     disk = info.get("disk") or {}
-    stats = MigrationStats(total_ms=float(info.get("total-time") or (time.monotonic() - t0) * 1000),
-                           downtime_ms=float(info.get("downtime", 0)) if was_running else 0.0,
+    elapsed_ms = (time.monotonic() - t0) * 1000
+    if not was_running:
+        downtime_ms = 0.0
+    elif precopy:
+        downtime_ms = float(info.get("downtime", 0))
+    else:
+        downtime_ms = round((time.monotonic() - (stopped_at or t0)) * 1000, 1)
+    stats = MigrationStats(total_ms=float(info.get("total-time") or elapsed_ms), downtime_ms=downtime_ms,
                            ram_bytes=int(ram.get("transferred", 0)), disk_bytes=int(disk.get("transferred", 0)),
-                           was_running=was_running)
-    log.info("migrated %s: total %.0f ms, downtime %.1f ms, RAM %d B, disk %d B", vm.dir, stats.total_ms,
-             stats.downtime_ms, stats.ram_bytes, stats.disk_bytes)
+                           was_running=was_running, precopy=precopy)
+    log.info("migrated %s (%s): total %.0f ms, downtime %.1f ms, RAM %d B, disk %d B", vm.dir,
+             "pre-copy" if precopy else "stop-and-copy", stats.total_ms, stats.downtime_ms, stats.ram_bytes,
+             stats.disk_bytes)
     return stats
 
 

@@ -6,9 +6,11 @@ Restores the newest build of the ``base`` template with the VMM driver alone (no
 node agent runs QEMU), starts a guest process that keeps writing to ``--dirty-mib`` MiB of memory, then
 migrates the guest back and forth between two VM directories over a loopback TCP connection that the host
 opened and handed to QEMU (fd passing, as between two node agents), RAM and disk (block migration) in one
-stream. Metrics: ``migrate_total`` (QEMU's total-time), ``migrate_downtime`` (QEMU's downtime: the guest
-stopped), ``migrate_wall`` (start of the incoming QEMU to the guest running on the destination), and
-``migrate_ram_MiB`` (RAM sent, mean). Needs root.
+stream. Metrics: ``migrate_total`` (QEMU's total-time), ``migrate_downtime`` (the guest stopped: QEMU's
+downtime under pre-copy; from the stop to the stream's end under stop-and-copy of RAM, see
+``vmmigrate.precopy_safe``), ``migrate_wall`` (start of the incoming QEMU to the guest running on the
+destination), ``migrate_ram_MiB`` (RAM sent, mean) and ``migrate_precopy`` (1 when RAM was pre-copied).
+Needs root.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ async def _migrate(vmm: QemuVmm, vm: VmHandle, dest_dir: Path) -> tuple[VmHandle
             out = asyncio.ensure_future(vmmigrate.migrate_out(vmm, vm, s, timeout_s=600))
             state = await vmmigrate.wait_incoming(vmm, dest, listener, 600)
             stats = await out
+        state = await vmmigrate.arrive(vmm, dest, state, stats.was_running)
     finally:
         s.close()
     assert state == "running", state
@@ -91,6 +94,7 @@ async def main(runs: int, json_path: str | None, dirty_mib: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="podbay-bench-migrate-"))
     samples: dict[str, list[float]] = {"migrate_total": [], "migrate_downtime": [], "migrate_wall": []}
     ram: list[float] = []
+    precopy: list[bool] = []
     vm = await vmm.restore(tpl.dir, work / "a", tpl.vm_config(get_settings()))
     try:
         await _dirty(vm, dirty_mib)
@@ -103,13 +107,16 @@ async def main(runs: int, json_path: str | None, dirty_mib: int) -> None:
             samples["migrate_downtime"].append(stats.downtime_ms)
             samples["migrate_wall"].append(wall)
             ram.append(stats.ram_bytes / 2**20)
-            print(f"run {i + 1}: total {stats.total_ms:.0f} ms, downtime {stats.downtime_ms:.1f} ms, "
+            precopy.append(stats.precopy)
+            print(f"run {i + 1}: {'pre-copy' if stats.precopy else 'stop-and-copy of RAM'}, "
+                  f"total {stats.total_ms:.0f} ms, downtime {stats.downtime_ms:.1f} ms, "
                   f"RAM {stats.ram_bytes / 2**20:.1f} MiB", flush=True)
     finally:
         await vmm.kill(vm)
         shutil.rmtree(work, ignore_errors=True)
     results = {k: summarise(v) for k, v in samples.items()}
     results["migrate_ram_MiB"] = {"value": round(sum(ram) / len(ram), 1) if ram else None}
+    results["migrate_precopy"] = {"value": int(all(precopy)) if precopy else None}
     report(results, json_path)
 
 

@@ -333,6 +333,7 @@ class QemuVmm(Vmm):
     def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS) -> None:
         self._tsc_khz = tsc_khz
         self._confinement = confinement
+        self._reaping: set[asyncio.Task[None]] = set()
 
     def confinement(self) -> confine.Confinement | None:
         """The confinement in force (resolved from the settings once); raises ``confine.ConfinementError``."""
@@ -429,6 +430,10 @@ class QemuVmm(Vmm):
                     details={"vm_dir": str(paths.dir)},
                 )
             try:
+                # Not before the socket exists: every failed connect makes qemu.qmp format and log a traceback
+                # (~3 ms on the event loop, which a warm claim may be waiting on).
+                if not paths.qmp.exists():
+                    raise FileNotFoundError(f"{paths.qmp} does not exist yet")
                 await asyncio.wait_for(qmp.connect(str(paths.qmp)), max(0.05, deadline - loop.time()))
                 break
             except (ConnectError, OSError, asyncio.TimeoutError) as exc:
@@ -462,9 +467,25 @@ class QemuVmm(Vmm):
         loop.add_reader(fd, ready)
 
     def _on_exit(self, vm: VmHandle) -> None:
+        """QEMU exited. Confined, ``popen`` is bwrap, which exits a moment after QEMU: it is reaped on a worker
+        thread (a blocking ``wait`` here held the event loop for milliseconds, up to 1 s) before ``_exited``
+        is set, so the exit code is known by then."""
+        if vm.popen is not None and vm.popen.poll() is None:
+            task = asyncio.get_running_loop().create_task(self._reap(vm))
+            self._reaping.add(task)
+            task.add_done_callback(self._reaping.discard)
+            return
+        self._exit_done(vm)
+
+    async def _reap(self, vm: VmHandle) -> None:
+        assert vm.popen is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(vm.popen.wait, 1)
+        self._exit_done(vm)
+
+    def _exit_done(self, vm: VmHandle) -> None:
         if vm.popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                vm.exit_code = vm.popen.wait(timeout=1)
+            vm.exit_code = vm.popen.returncode
             if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
                 vm.exit_code = 128 - vm.exit_code  # bwrap reports QEMU's death by signal N as 128 + N
         # Confined, the node agent wrote qemu.pid (QEMU's -pidfile would say 1), so it removes it as QEMU would.

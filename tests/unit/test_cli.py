@@ -400,7 +400,8 @@ def test_suspend_resume_and_snapshot_promotion_are_shown(fake_api: FakeApi) -> N
 def test_pool_set_and_list(fake_api: FakeApi) -> None:
     done = run(fake_api, "pool", "set", "base", "--size", "3", "--max", "5")
     assert done.exit_code == 0, done.output
-    assert done.stdout == "base: size 3, max 5, target 3, ready 3\n"
+    assert done.stdout == ("base: size 3, max 5 (target now 3, ready 3; targets follow the new bounds within "
+                           "seconds)\n")
     assert fake_api.last("/v1/pools/base").json() == {"size": 3, "max_size": 5}
     table = run(fake_api, "pool", "list")
     assert table.exit_code == 0

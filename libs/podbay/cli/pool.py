@@ -22,7 +22,10 @@ def set_(
 ) -> None:
     """Keep SIZE warm slots of TEMPLATE (up to --max when recent demand asks for more)."""
     p = client(ctx).set_pool(template, size, max_size)
-    print(f"{p.template}: size {p.size}, max {p.max_size}, target {p.target}, ready {p.ready}")
+    # The warm-pool service recomputes targets on the change a moment later: the target shown is the one
+    # in force when the bounds were written, so it is labelled as such.
+    print(f"{p.template}: size {p.size}, max {p.max_size} (target now {p.target}, ready {p.ready}; "
+          "targets follow the new bounds within seconds)")
 
 
 @app.command("list")

@@ -82,8 +82,9 @@ class MigrationStats(BaseModel):
     disk_bytes: int = Field(0, description="Disk bytes sent (block migration); QEMU 7.2 stops reporting it once "
                                            "the migration completed, so it is usually 0.")
     was_running: bool = True
-    precopy: bool = Field(True, description="RAM was copied while the guest ran; False: stop-and-copy (see "
-                                            "precopy_safe), the downtime is the whole migration.")
+    precopy: bool = Field(True, description="RAM was copied while the guest ran; False: the guest was stopped "
+                                            "before its RAM moved (see precopy_safe), the downtime runs from "
+                                            "that stop to the end of the stream.")
 
 
 # First QEMU whose TCG marks every store dirty during a migration (upstream commit 03bfc2188f).

@@ -68,7 +68,7 @@ async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
 
 
 async def _start_counter(vm: VmHandle) -> int:
-    out, code = await _run(vm, ["sh", "-c", _inline_counter()])
+    out, code = await _run(vm, ["sh", "-c", _detached("counter", COUNTER)])
     assert (out, code) == (b"ok\n", 0)
     for _ in range(200):
         out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid 2>/dev/null; echo; cat /home/user/count 2>/dev/null"])
@@ -79,11 +79,12 @@ async def _start_counter(vm: VmHandle) -> int:
     raise AssertionError("the counter did not start")
 
 
-def _inline_counter() -> str:
+def _detached(name: str, source: str) -> str:
+    """A shell line that writes ``source`` to /home/user/NAME.py, starts it detached and prints ``ok``."""
     import base64
 
-    b64 = base64.b64encode(COUNTER.encode()).decode()
-    return (f"echo {b64} | base64 -d > /home/user/counter.py && (setsid python3 /home/user/counter.py "
+    b64 = base64.b64encode(source.encode()).decode()
+    return (f"echo {b64} | base64 -d > /home/user/{name}.py && (setsid python3 /home/user/{name}.py "
             ">/dev/null 2>&1 </dev/null &) && echo ok")
 
 
@@ -203,11 +204,7 @@ SWEEPER = ("import os\n"
 
 async def test_memory_written_during_the_migration_arrives_intact(vmm: QemuVmm, vm: VmHandle,
                                                                  tmp_path: Path) -> None:
-    import base64
-
-    b64 = base64.b64encode(SWEEPER.encode()).decode()
-    out, code = await _run(vm, ["sh", "-c", f"echo {b64} | base64 -d > /home/user/sweeper.py && (setsid python3 "
-                                            "/home/user/sweeper.py >/dev/null 2>&1 </dev/null &) && echo ok"])
+    out, code = await _run(vm, ["sh", "-c", _detached("sweeper", SWEEPER)])
     assert (out, code) == (b"ok\n", 0)
     for _ in range(300):
         out, _code = await _run(vm, ["sh", "-c", "cat /home/user/sweeper.round 2>/dev/null || echo 0"])

@@ -184,8 +184,10 @@ class Settings(BaseSettings):
     gateway_port: int = Field(8095, description="Gateway health and /metrics.")
 
     # egress (DESIGN.md §6): every sandbox's traffic is redirected to this node's gateway
-    sandbox_cidr: str = Field("10.88.0.0/16", description="This node's sandbox addresses: one /30 per sandbox "
-                              "(tap host side .1 = gateway, guest .2).")
+    sandbox_cidr: str = Field("", description="This node's sandbox addresses: one /30 per sandbox (tap host side "
+                              ".1 = gateway, guest .2). Empty: a /16 of 10.128.0.0/10 chosen once per data directory "
+                              "(free on the host) and kept in DATA_DIR/network.json, so stacks side by side never "
+                              "share one.")
     gateway_proxy_port: int = Field(8094, description="Gateway's transparent TCP proxy; the node's nftables "
                                     "rules redirect every TCP connection from a sandbox tap here.")
     gateway_dns_port: int = Field(8053, description="Gateway's DNS server; UDP/TCP port 53 from taps lands here.")

@@ -18,6 +18,7 @@ from podbay.config import Settings
 from podbay.contracts.egress import NetBinding
 from podbay.credentials import Sealed, open_store
 from podbay.outbox import Relay
+from podbay.stacknet import gateway_denied_cidr
 
 from .identity import DnsMemory, node_addresses, read_binding
 from .metrics import DECISIONS
@@ -56,6 +57,7 @@ class Gateway:
         self.relay = relay
         self.resolver = resolver or Resolver(settings.gateway_hosts_file)
         self.memory = memory or DnsMemory()
+        self._sandbox_cidr = gateway_denied_cidr(settings)
         self.own_addrs: set[str] = set()  # filled by refresh_own_addresses() before serving
         self._generations: dict[str, tuple[str, int]] = {}
         self._dns_denials: dict[tuple[str, str], float] = {}  # (sandbox, name) -> monotonic s of last audit
@@ -104,7 +106,7 @@ class Gateway:
 
     def refuse_address(self, addr: str) -> Decision | None:
         """The always-denied check alone (before anything is known about the connection's protocol)."""
-        return always_denied(addr, own_addrs=self._own(), sandbox_cidr=self.settings.sandbox_cidr)
+        return always_denied(addr, own_addrs=self._own(), sandbox_cidr=self._sandbox_cidr)
 
     async def decide_named(self, peer: Peer, name: str | None, addr: str, port: int) -> Decision:
         """A TLS (SNI) or HTTP (Host) connection: the name must be allowed and ``addr`` must be one of its
@@ -117,14 +119,14 @@ class Gateway:
         if addr not in addrs:
             addrs = addrs + await self.resolver.resolve(norm)
         return decide(policy, name=norm, addr=addr, port=port, name_addrs=addrs, own_addrs=self._own(),
-                      sandbox_cidr=self.settings.sandbox_cidr)
+                      sandbox_cidr=self._sandbox_cidr)
 
     async def decide_raw(self, peer: Peer, addr: str, port: int) -> Decision:
         """Other TCP: by CIDR rules, or by the name our DNS answered this guest with ``addr``."""
         policy = peer.ctx.policy if peer.ctx else None
         name = self.memory.name_of(peer.guest, addr)
         return decide(policy, name=name, addr=addr, port=port, name_addrs=None, own_addrs=self._own(),
-                      sandbox_cidr=self.settings.sandbox_cidr)
+                      sandbox_cidr=self._sandbox_cidr)
 
     async def early_refusal(self, peer: Peer, addr: str, port: int) -> Decision | None:
         """A denial that holds whatever the guest sends next, so the connection can be closed before it sends

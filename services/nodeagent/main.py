@@ -22,7 +22,6 @@ from podbay import db
 from podbay.bus import connect_bus, consume
 from podbay.config import get_settings
 from podbay.contracts import subjects
-from podbay.contracts.egress import TAP_PREFIX
 from podbay.contracts.messages import (
     CreateSandboxCmd,
     DeleteSandboxCmd,
@@ -116,8 +115,8 @@ async def _serve(stop: asyncio.Event) -> None:
     log.info("node store at %s%s", store.root, " (loop-backed btrfs file)" if store.loop_backed else "")
     net = SandboxNetwork(settings)
     await asyncio.to_thread(net.start)  # raises: no guest runs on a node without its ruleset
-    log.info("sandbox network %s: taps %s*, traffic to the gateway on :%d (DNS :%d)", settings.sandbox_cidr,
-             TAP_PREFIX, settings.gateway_proxy_port, settings.gateway_dns_port)
+    log.info("sandbox network %s: taps %s*, traffic to the gateway on :%d (DNS :%d)", net.cidr,
+             net.tap_prefix, settings.gateway_proxy_port, settings.gateway_dns_port)
     pool = await db.connect_pool(settings.pg_dsn, min_size=2, max_size=10)
     await db.migrate(pool)
     bus = await connect_bus(settings.nats_url, name=f"podbay-nodeagent-{settings.node_id}",

@@ -1,9 +1,10 @@
 """The node's nftables ruleset (DESIGN.md §6): a sandbox reaches nothing but this node's gateway.
 
-One table, ``table inet podbay``, installed at node-agent start before any VM runs (fail closed), and
-replaced atomically as a whole (``nft -f``: create, delete, define in one transaction), so a restart with
-other ports never leaves a mix and no other table on the host is touched. For traffic entering a sandbox
-tap (``iifname "pbt*"``, :data:`podbay.contracts.egress.TAP_PREFIX`):
+One table per stack, ``table inet podbay_<tag>`` (:func:`podbay.stacknet.nft_table`), installed at
+node-agent start before any VM runs (fail closed), and replaced atomically as a whole (``nft -f``: create,
+delete, define in one transaction), so a restart with other ports never leaves a mix and no other table on
+the host (another stack's included) is touched. For traffic entering one of this stack's sandbox taps
+(``iifname "pb<tag>t*"``, :func:`podbay.stacknet.tap_prefix`):
 
 * ``raw_prerouting`` drops a packet whose source address does not route back through the tap it came in
   on (reverse-path check), so a guest cannot pose as another sandbox: the gateway tells sandboxes apart by
@@ -24,13 +25,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from podbay.contracts.egress import TAP_PREFIX
 from podbay.errors import PodbayError
 
-__all__ = ["TABLE", "NetfilterError", "render_ruleset", "install_ruleset", "remove_ruleset"]
-
-#: The one table this module owns (family ``inet``: IPv4 and IPv6 alike).
-TABLE = "podbay"
+__all__ = ["NetfilterError", "render_ruleset", "install_ruleset"]
 
 
 class NetfilterError(PodbayError):
@@ -39,17 +36,18 @@ class NetfilterError(PodbayError):
     code = "netfilter_failed"
 
 
-def render_ruleset(proxy_port: int, dns_port: int, *, tap_prefix: str = TAP_PREFIX) -> str:
-    """The ``nft -f`` script that (re)defines ``table inet podbay`` for the gateway's ``proxy_port`` and
-    ``dns_port`` (TCP/UDP ports on the host). Deterministic text, so tests can compare it."""
+def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str) -> str:
+    """The ``nft -f`` script that (re)defines ``table inet <table>`` for taps named ``<tap_prefix>*`` and the
+    gateway's ``proxy_port`` and ``dns_port`` (TCP/UDP ports on the host). Deterministic text, so tests can
+    compare it."""
     for port in (proxy_port, dns_port):
         if not 1 <= port <= 65535:
             raise ValueError(f"port {port} is out of range")
     taps = f'"{tap_prefix}*"'
     return f"""\
-table inet {TABLE}
-delete table inet {TABLE}
-table inet {TABLE} {{
+table inet {table}
+delete table inet {table}
+table inet {table} {{
     chain raw_prerouting {{
         type filter hook prerouting priority raw; policy accept;
         iifname {taps} fib saddr . iif oif missing drop
@@ -88,14 +86,10 @@ def _nft(script: str) -> None:
         raise NetfilterError(f"nft refused the ruleset: {proc.stderr.strip()[-800:]}")
 
 
-def install_ruleset(proxy_port: int, dns_port: int) -> str:
-    """Install (or replace) ``table inet podbay`` in one transaction; returns the script applied.
-    Blocking (runs ``nft``); raises :class:`NetfilterError`."""
-    script = render_ruleset(proxy_port, dns_port)
+def install_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str) -> str:
+    """Install (or replace) ``table inet <table>`` in one transaction; returns the script applied.
+    Blocking (runs ``nft``); raises :class:`NetfilterError`. Removal is
+    :func:`podbay.stacknet.remove_nft_table` (``podbay down --purge``, test teardown)."""
+    script = render_ruleset(proxy_port, dns_port, table=table, tap_prefix=tap_prefix)
     _nft(script)
     return script
-
-
-def remove_ruleset() -> None:
-    """Delete ``table inet podbay`` if present (tests and uninstall; a running node keeps it)."""
-    _nft(f"table inet {TABLE}\ndelete table inet {TABLE}\n")

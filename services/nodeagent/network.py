@@ -1,9 +1,10 @@
 """The node's sandbox network (DESIGN.md §6): one tap and one /30 per sandbox, its binding for the gateway.
 
-Address plan: ``settings.sandbox_cidr`` (default ``10.88.0.0/16``) is cut into /30s; sandbox lease ``i``
-gets ``base + 4i``: host side ``.1`` (the tap's address: router, DNS server and gateway for the guest),
-guest ``.2``. The tap is ``pbt<i>`` (:data:`~podbay.contracts.egress.TAP_PREFIX`, at most 10 characters
-for any IPv4 CIDR, within IFNAMSIZ). Leases live in ``DATA_DIR/nodes/<node>/net/leases.json`` (written
+Address plan: the stack's sandbox network (:func:`podbay.stacknet.sandbox_cidr`: ``PODBAY_SANDBOX_CIDR``, or
+a /16 chosen once per data directory) is cut into /30s; sandbox lease ``i`` gets ``base + 4i``: host side
+``.1`` (the tap's address: router, DNS server and gateway for the guest), guest ``.2``. The tap is
+``pb<tag>t<i>`` (:func:`podbay.stacknet.tap_prefix`: the stack's tag, so two stacks on one host never
+share a tap name; at most 15 characters for any IPv4 CIDR, within IFNAMSIZ). Leases live in ``DATA_DIR/nodes/<node>/net/leases.json`` (written
 atomically), so a restarted node agent re-attaches its VMs on the same addresses; a lease is released when
 the sandbox leaves the node (delete, suspend, failure) and the lowest free index is given out next.
 
@@ -41,9 +42,10 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from podbay.config import Settings
 from podbay.contracts.channel import GuestNet
-from podbay.contracts.egress import TAP_PREFIX, NetBinding, binding_path, bindings_dir
+from podbay.contracts.egress import NetBinding, binding_path, bindings_dir
 from podbay.errors import Unavailable
 from podbay.sandbox_ca import new_sandbox_ca
+from podbay.stacknet import nft_table, sandbox_cidr, tap_prefix
 
 from .netfilter import install_ruleset
 
@@ -102,9 +104,10 @@ def lease_addresses(cidr: str, index: int) -> tuple[str, str]:
     return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
 
 
-def tap_name(index: int) -> str:
-    """The tap of lease ``index``: ``pbt<index>``; raises ``ValueError`` if it would not fit IFNAMSIZ."""
-    name = f"{TAP_PREFIX}{index}"
+def tap_name(prefix: str, index: int) -> str:
+    """The tap of lease ``index``: ``<prefix><index>`` (``prefix`` from :func:`podbay.stacknet.tap_prefix`);
+    raises ``ValueError`` if it would not fit IFNAMSIZ."""
+    name = f"{prefix}{index}"
     if index < 0 or len(name) >= IFNAMSIZ:
         raise ValueError(f"tap name {name!r} does not fit IFNAMSIZ")
     return name
@@ -152,7 +155,8 @@ class SandboxNetwork:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.cidr = settings.sandbox_cidr
+        self.cidr = sandbox_cidr(settings)
+        self.tap_prefix = tap_prefix(settings.data_dir)
         self.capacity = lease_capacity(self.cidr)
         self.dir = settings.data_dir / "nodes" / settings.node_id / "net"
         self.ca_dir = self.dir / "ca"
@@ -169,7 +173,8 @@ class SandboxNetwork:
         for d in (self.dir, self.ca_dir, self.bindings):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ca_dir, 0o700)
-        install_ruleset(self.settings.gateway_proxy_port, self.settings.gateway_dns_port)
+        install_ruleset(self.settings.gateway_proxy_port, self.settings.gateway_dns_port,
+                        table=nft_table(self.settings.data_dir), tap_prefix=self.tap_prefix)
         self.load_leases()
 
     def load_leases(self) -> None:
@@ -190,7 +195,7 @@ class SandboxNetwork:
 
     def _lease(self, sandbox_id: str, index: int) -> Lease:
         host, guest = lease_addresses(self.cidr, index)
-        return Lease(sandbox_id, index, tap_name(index), host, guest)
+        return Lease(sandbox_id, index, tap_name(self.tap_prefix, index), host, guest)
 
     def lease(self, sandbox_id: str) -> Lease:
         """The sandbox's lease, allocated (lowest free index) and persisted when it has none."""

@@ -33,9 +33,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from podbay.config import Settings, get_settings
+from podbay.stacknet import builder_tap
 from podbay_nodeagent import confine
 from podbay_nodeagent.accel import Accel, host_tsc_khz, qemu_version, resolve_accel
-from podbay.contracts.egress import TAP_PREFIX
 from podbay_nodeagent.image import BaseImage, ImageBuildError, ProgressFn, build_base_image
 from podbay_nodeagent.network import create_tap
 from podbay_nodeagent.vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
@@ -104,6 +104,7 @@ class TemplateSnapshot(BaseModel):
             kernel=self.kernel, initrd=self.initrd, memory_mib=self.memory_mib, vcpus=self.vcpus,
             accel=self.accel, tsc_khz=self.tsc_khz, qemu_binary=s.qemu_binary, boot_timeout_s=s.boot_timeout_s,
             restore_timeout_s=s.restore_timeout_s, restore_retries=s.restore_retries,
+            tcg_tb_size_mib=s.tcg_tb_size_mib,
         )
         fields.update(overrides)
         return VmConfig(**fields)
@@ -276,12 +277,12 @@ async def _boot_and_snapshot(
         config = VmConfig(
             kernel=tmp / "vmlinuz", initrd=tmp / "initrd.img", memory_mib=settings.sandbox_memory_mib,
             vcpus=settings.sandbox_vcpus, accel=accel, tsc_khz=tsc, qemu_binary=settings.qemu_binary,
-            boot_timeout_s=settings.boot_timeout_s,
+            boot_timeout_s=settings.boot_timeout_s, tcg_tb_size_mib=settings.tcg_tb_size_mib,
         )
         t0 = time.monotonic()
-        # The NIC needs a backend while the template boots; a tap of its own (the ruleset covers "pbt*"),
+        # The NIC needs a backend while the template boots; a tap of its own (the stack's ruleset covers it),
         # gone with QEMU. No address: the template never talks to the network.
-        tap_fd = create_tap(f"{TAP_PREFIX}t{os.getpid() % 10**6}")
+        tap_fd = create_tap(builder_tap(settings.data_dir, os.getpid()))
         try:
             vm = await vmm.boot(config, vm_dir, tap_fd=tap_fd)
         finally:

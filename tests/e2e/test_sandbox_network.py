@@ -26,7 +26,8 @@ import httpx
 import pytest
 from e2e_http import api_client as _client, sh as _sh
 
-from podbay.contracts.egress import TAP_PREFIX, NetBinding, bindings_dir
+from podbay.contracts.egress import NetBinding, bindings_dir
+from podbay.stacknet import nft_table, tap_prefix
 
 pytestmark = pytest.mark.e2e
 
@@ -153,10 +154,10 @@ def _guest_certs(c: httpx.Client, sid: str) -> tuple[list[str], str]:
 
 
 def _host_addresses() -> list[str]:
-    """This host's own IPv4 addresses, other than loopback and sandbox taps."""
+    """This host's own IPv4 addresses, other than loopback and sandbox taps (of any stack)."""
     out = json.loads(subprocess.run(["ip", "-4", "-j", "addr", "show"], capture_output=True, text=True,
                                     check=True).stdout)
-    return [a["local"] for link in out if not link["ifname"].startswith(TAP_PREFIX)
+    return [a["local"] for link in out if not link["ifname"].startswith("pb")
             for a in link.get("addr_info", []) if not a["local"].startswith("127.")]
 
 
@@ -211,9 +212,11 @@ def _assert_fails_fast(results: dict[str, str]) -> None:
 
 
 def test_each_guest_has_its_own_address_route_and_nothing_but_the_gateway(stack: Any) -> None:
-    ruleset = subprocess.run(["nft", "list", "table", "inet", "podbay"], capture_output=True, text=True)
+    prefix = tap_prefix(stack.data_dir)
+    ruleset = subprocess.run(["nft", "list", "table", "inet", nft_table(stack.data_dir)], capture_output=True,
+                             text=True)
     assert ruleset.returncode == 0, ruleset.stderr
-    assert f'iifname "{TAP_PREFIX}*"' in ruleset.stdout
+    assert f'iifname "{prefix}*"' in ruleset.stdout
     with _client(stack) as c:
         a = c.post("/v1/sandboxes", json={"template": "base"}).json()
         b = c.post("/v1/sandboxes", json={"template": "base"}).json()
@@ -222,7 +225,7 @@ def test_each_guest_has_its_own_address_route_and_nothing_but_the_gateway(stack:
             ba, bb = _binding(stack, a), _binding(stack, b)
             # One /30 each, a tap each, on this node's address plan.
             assert ba.guest_addr != bb.guest_addr and ba.tap != bb.tap
-            assert ba.tap.startswith(TAP_PREFIX) and len(ba.tap) <= 15 and _tap_exists(ba.tap)
+            assert ba.tap.startswith(prefix) and len(ba.tap) <= 15 and _tap_exists(ba.tap)
             ca_file = Path(ba.ca_path)
             assert stat.S_IMODE(ca_file.stat().st_mode) == 0o600
             assert ca_file.read_text().index("PRIVATE KEY") < ca_file.read_text().index("BEGIN CERTIFICATE")

@@ -11,6 +11,7 @@ import httpx
 
 from podbay.devstack.netns import NodeNetwork
 from podbay.devstack.procs import run_sync
+from podbay.stacknet import SANDBOX_POOL
 
 
 async def _nodes(dsn: str) -> dict[str, str]:
@@ -38,7 +39,7 @@ def test_two_nodes_in_their_own_namespaces(multinode_stack: Any) -> None:
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert all(n.netns in namespaces for n in net.nodes)
     assert ipaddress.ip_address(net.host_address) in ipaddress.ip_network(net.cidr)
-    assert not ipaddress.ip_network(net.cidr).overlaps(ipaddress.ip_network("10.88.0.0/16"))
+    assert not ipaddress.ip_network(net.cidr).overlaps(ipaddress.ip_network(SANDBOX_POOL))
     # The servers listen on the bridge, where the node namespaces reach them.
     assert net.host_address in st.nats_url and net.host_address in st.pg_dsn and net.host_address in st.s3_url
     urls = run_sync(_nodes(st.pg_dsn))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from podbay.devstack import netns
 from podbay.devstack.netns import NodeNetwork, node_ids_for, plan_network
+from podbay.stacknet import SANDBOX_POOL, stack_tag
 
 
 def test_node_ids() -> None:
@@ -15,12 +16,12 @@ def test_node_ids() -> None:
 
 
 def test_plan_avoids_networks_in_use_and_the_sandbox_range(tmp_path: Path, monkeypatch) -> None:
-    tag = netns._tag(tmp_path)
+    tag = stack_tag(tmp_path)
     first = ipaddress.ip_network(f"10.77.{int(tag, 16) % 256}.0/24")
     monkeypatch.setattr(netns, "_used_networks", lambda: [first])
     plan = plan_network(tmp_path, ["node-a", "node-b"])
     net = ipaddress.ip_network(plan.cidr)
-    assert not net.overlaps(first) and not net.overlaps(ipaddress.ip_network("10.88.0.0/16"))
+    assert not net.overlaps(first) and not net.overlaps(ipaddress.ip_network(SANDBOX_POOL))
     assert ipaddress.ip_address(plan.host_address) in net
     addrs = [n.address for n in plan.nodes]
     assert len(set(addrs + [plan.host_address])) == 3 and all(ipaddress.ip_address(a) in net for a in addrs)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from podbay.config import Settings
-from podbay.contracts.egress import TAP_PREFIX, NetBinding, binding_path
-from podbay_nodeagent.netfilter import TABLE, render_ruleset
+from podbay.contracts.egress import NetBinding, binding_path
+from podbay.stacknet import SANDBOX_POOL, builder_tap, nft_table, sandbox_cidr, stack_tag, tap_prefix
+from podbay_nodeagent.netfilter import render_ruleset
 from podbay_nodeagent.network import (
     IFNAMSIZ,
     NetworkError,
@@ -43,12 +44,46 @@ def test_each_lease_is_a_slash_30_with_the_host_on_1_and_the_guest_on_2() -> Non
         seen |= {host, guest}
 
 
-def test_tap_names_carry_the_prefix_and_fit_ifnamsiz() -> None:
-    assert tap_name(0) == f"{TAP_PREFIX}0" and tap_name(17) == "pbt17"
+def test_tap_names_carry_the_stacks_prefix_and_fit_ifnamsiz(tmp_path: Path) -> None:
+    prefix = tap_prefix(tmp_path)
+    assert prefix == f"pb{stack_tag(tmp_path)}t" and len(stack_tag(tmp_path)) == 5
+    assert tap_name(prefix, 0) == f"{prefix}0" and tap_name(prefix, 17) == f"{prefix}17"
     biggest = lease_capacity("10.0.0.0/8") - 1
-    assert len(tap_name(biggest)) < IFNAMSIZ
+    assert len(tap_name(prefix, biggest)) < IFNAMSIZ
+    assert len(builder_tap(tmp_path, 2**31)) < IFNAMSIZ and builder_tap(tmp_path, 7).startswith(prefix)
     with pytest.raises(ValueError):
-        tap_name(10**13)
+        tap_name(prefix, 10**13)
+
+
+def test_two_stacks_never_share_a_tap_prefix_table_or_sandbox_network(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert tap_prefix(a) != tap_prefix(b) and nft_table(a) != nft_table(b)
+    # Neither prefix is a prefix of the other's taps (nftables matches "<prefix>*").
+    assert not tap_prefix(a).startswith(tap_prefix(b)) and not tap_prefix(b).startswith(tap_prefix(a))
+    ca, cb = sandbox_cidr(Settings(data_dir=a)), sandbox_cidr(Settings(data_dir=b))
+    pool = ipaddress.ip_network(SANDBOX_POOL)
+    for cidr in (ca, cb):
+        assert ipaddress.ip_network(cidr).subnet_of(pool)  # type: ignore[arg-type]
+    # The choice is kept: the same data directory always gets the same network, whatever the host shows later.
+    assert sandbox_cidr(Settings(data_dir=a)) == ca
+    assert json.loads((a / "network.json").read_text())["sandbox_cidr"] == ca
+    # A configured network wins and is not recorded.
+    assert sandbox_cidr(Settings(data_dir=tmp_path / "c", sandbox_cidr="10.99.0.0/24")) == "10.99.0.0/24"
+    assert not (tmp_path / "c" / "network.json").exists()
+
+
+def test_the_chosen_sandbox_network_avoids_blocks_in_use_on_the_host(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import podbay.stacknet as stacknet
+
+    first = stacknet._choose(stack_tag(tmp_path), [])
+    taken = [ipaddress.ip_network(first), ipaddress.ip_network("10.0.0.0/9")]  # and everything below the pool
+    monkeypatch.setattr(stacknet, "_host_networks", lambda: taken)
+    chosen = ipaddress.ip_network(sandbox_cidr(Settings(data_dir=tmp_path)))
+    assert not any(chosen.overlaps(t) for t in taken)
+    monkeypatch.setattr(stacknet, "_host_networks", lambda: [ipaddress.ip_network(SANDBOX_POOL)])
+    with pytest.raises(stacknet.StackNetError):
+        sandbox_cidr(Settings(data_dir=tmp_path / "full"))
 
 
 def test_lowest_free_index_and_exhaustion() -> None:
@@ -89,7 +124,8 @@ def test_a_binding_is_kept_within_a_generation_and_replaced_for_a_new_one(tmp_pa
     b1 = net.bind("sbx_a", 1)
     path = binding_path(tmp_path, "node-7", b1.guest_addr)
     assert NetBinding.model_validate_json(path.read_text()) == b1
-    assert (b1.tap, b1.host_addr, b1.guest_addr, b1.prefix_len) == ("pbt0", "10.88.0.1", "10.88.0.2", 30)
+    assert (b1.tap, b1.host_addr, b1.guest_addr, b1.prefix_len) == (f"{tap_prefix(tmp_path)}0", "10.88.0.1",
+                                                                     "10.88.0.2", 30)
     ca = Path(b1.ca_path)
     assert stat.S_IMODE(ca.stat().st_mode) == 0o600 and stat.S_IMODE(path.stat().st_mode) == 0o600
     text = ca.read_text()
@@ -121,11 +157,12 @@ def test_release_and_prune_remove_bindings_and_ca_files(tmp_path: Path) -> None:
 
 
 def test_the_ruleset_sends_taps_to_the_gateway_and_rejects_the_rest() -> None:
-    text = render_ruleset(8094, 8053)
+    text = render_ruleset(8094, 8053, table="podbay_1a2b3", tap_prefix="pb1a2b3t")
     lines = [line.strip() for line in text.splitlines()]
     # Replaces only its own table, atomically (create-if-missing, delete, define).
-    assert lines[:3] == [f"table inet {TABLE}", f"delete table inet {TABLE}", f"table inet {TABLE} {{"]
-    taps = f'iifname "{TAP_PREFIX}*"'
+    table = "podbay_1a2b3"
+    assert lines[:3] == [f"table inet {table}", f"delete table inet {table}", f"table inet {table} {{"]
+    taps = 'iifname "pb1a2b3t*"'
     assert f"{taps} fib saddr . iif oif missing drop" in lines  # no spoofing another sandbox's address
     dns = lines.index(f"{taps} meta l4proto {{ tcp, udp }} th dport 53 redirect to :8053")
     tcp = lines.index(f"{taps} meta l4proto tcp redirect to :8094")
@@ -135,7 +172,7 @@ def test_the_ruleset_sends_taps_to_the_gateway_and_rejects_the_rest() -> None:
                      "meta l4proto { tcp, udp } th dport 8053 ct status dnat accept",
                      "meta l4proto tcp reject with tcp reset", "reject with icmpx admin-prohibited"]
     assert f"{taps} jump from_sandbox" in lines
-    assert f"{taps} reject with icmpx admin-prohibited" in lines and f'oifname "{TAP_PREFIX}*" drop' in lines
-    assert render_ruleset(8094, 8053) == text
+    assert f"{taps} reject with icmpx admin-prohibited" in lines and 'oifname "pb1a2b3t*" drop' in lines
+    assert render_ruleset(8094, 8053, table=table, tap_prefix="pb1a2b3t") == text
     with pytest.raises(ValueError):
-        render_ruleset(0, 53)
+        render_ruleset(0, 53, table=table, tap_prefix="pb1a2b3t")

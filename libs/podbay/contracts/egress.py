@@ -34,11 +34,7 @@ __all__ = [
     "NetBinding",
     "bindings_dir",
     "binding_path",
-    "TAP_PREFIX",
 ]
-
-#: Every sandbox tap device's name starts with this (nftables matches ``iifname "pbt*"``).
-TAP_PREFIX = "pbt"
 
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")

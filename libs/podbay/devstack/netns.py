@@ -1,15 +1,16 @@
 """Network namespaces for a multi-node stack on one machine: one namespace per node, joined by a host bridge.
 
-Each node agent owns per-namespace things (the nftables table ``inet podbay``, tap names, its gateway's
-ports), so two node agents on one host clash unless each runs in its own network namespace. Layout:
+Each node agent owns per-namespace things (its stack's nftables table, tap names, its gateway's ports), so
+two node agents of one stack on one host clash unless each runs in its own network namespace. Layout:
 
-- a host bridge ``pbb-<tag>`` with address ``10.77.<k>.1/24`` (a private /24 outside the default sandbox
-  range ``10.88.0.0/16``; ``<k>`` is chosen so that no host address is already inside it);
+- a host bridge ``pbb-<tag>`` with address ``10.77.<k>.1/24`` (a private /24 outside the pool of sandbox
+  networks, :data:`podbay.stacknet.SANDBOX_POOL`; ``<k>`` is chosen so that no host address is already inside it);
 - per node ``i`` (0-based): a namespace ``pb-<tag>-<node id>`` with loopback up, a veth pair whose host end
   ``pbv-<tag>-<i>`` is a bridge port and whose namespace end is ``eth0`` with ``10.77.<k>.<i+2>/24``, and a
   default route through the bridge address.
 
-``<tag>`` is derived from the stack's data directory, so two stacks on one host do not collide. The plan is
+``<tag>`` is the stack's tag (:func:`podbay.stacknet.stack_tag`, from its data directory), so two stacks on
+one host do not collide. The plan is
 kept in ``DATA_DIR/netns.json`` so that ``podbay down --purge`` (:func:`purge_networks`) removes what a crashed
 stack left behind. Processes enter a node's namespace with ``nsenter --net=/run/netns/<ns>``, which changes
 the network namespace only: mounts (the node store's btrfs loop mount) stay visible to every process.
@@ -19,7 +20,6 @@ Everything here needs root (``ip`` from iproute2). Errors: :class:`NetnsError` (
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import subprocess
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from podbay.errors import Unavailable
+from podbay.stacknet import remove_nft_table, stack_tag
 
 __all__ = ["node_ids_for", "NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE"]
 
@@ -138,10 +139,6 @@ def node_ids_for(count: int) -> list[str]:
     return [f"node-{i + 1}" for i in range(count)]
 
 
-def _tag(data_dir: Path) -> str:
-    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:5]
-
-
 def _used_networks() -> list[ipaddress.IPv4Network]:
     out = _ip("-o", "-4", "addr", "show", check=False).stdout
     nets = []
@@ -162,7 +159,7 @@ def plan_network(data_dir: Path, node_ids: list[str], *, bridge_name: str | None
         return saved
     if len(node_ids) > 253:
         raise ValueError("at most 253 nodes")
-    tag = _tag(data_dir)
+    tag = stack_tag(data_dir)
     bridge = bridge_name or f"pbb-{tag}"
     used = _used_networks()
     start = int(tag, 16) % 256
@@ -180,10 +177,13 @@ def plan_network(data_dir: Path, node_ids: list[str], *, bridge_name: str | None
 
 
 def purge_networks(data_dir: Path) -> bool:
-    """Remove the namespaces, veths and bridge recorded in ``data_dir`` (and the record); True if any was."""
+    """Remove what the stack of ``data_dir`` made on the host's network: its nftables table in the host
+    namespace (a single-node stack's; taps go with their QEMUs) and the namespaces, veths and bridge recorded in
+    ``data_dir`` (and the record). Another stack's are never touched. True if there was any."""
+    table = remove_nft_table(data_dir)
     saved = NodeNetwork.load(data_dir)
     if saved is None:
-        return False
+        return table
     saved.destroy()
     (data_dir / STATE_FILE).unlink(missing_ok=True)
     return True

@@ -447,8 +447,9 @@ def down(settings: Settings, *, purge: bool = False) -> int:
     is cleaned up. Returns 0 when no server or service of the stack runs any more, 1 otherwise.
 
     Sandbox VMs keep running (the next ``up`` re-attaches them) and their node store stays mounted; one line
-    says how many were left. With ``purge`` this data dir's VMs are killed (:func:`kill_strays`) and its
-    node stores unmounted, their loop devices detached (:func:`unmount_node_stores`).
+    says how many were left. With ``purge`` this data dir's VMs are killed (:func:`kill_strays`), its
+    node stores unmounted, their loop devices detached (:func:`unmount_node_stores`), and its host network
+    (nftables table, node namespaces, bridge) removed (:func:`purge_networks`).
     """
     console = Console(highlight=False, soft_wrap=True)
     code = _stop_supervisor(settings, console)
@@ -458,7 +459,7 @@ def down(settings: Settings, *, purge: bool = False) -> int:
         stores = unmount_node_stores(settings.data_dir)
         nets = purge_networks(settings.data_dir)
         console.print(f"{vms} sandbox VM(s) stopped, {len(stores)} node store(s) unmounted"
-                      + (", node namespaces and bridge removed" if nets else ""))
+                      + (", network rules, namespaces and bridge removed" if nets else ""))
         return code
     if find_strays(settings.data_dir):  # a VM, or a bubblewrap still holding the store
         console.print(f"{vms} sandbox VM(s) left running; the next podbay up re-attaches them; "

@@ -1,0 +1,143 @@
+"""Host network names and addresses of one stack, so that several stacks share a host safely.
+
+A *stack* is everything that runs from one data directory (``PODBAY_DATA_DIR``): the dev stack of
+``podbay up``, a test fixture's stack, a benchmark's. Whatever a stack creates in a network namespace it
+shares with other stacks carries a name derived from that data directory, and its cleanup removes only
+what is its own:
+
+- the **tag**: the first 5 hex digits of the SHA-256 of the data directory's resolved path
+  (:func:`stack_tag`); ``libs/podbay/devstack/netns.py`` names bridges, veths and namespaces with it too;
+- **taps**: ``pb<tag>t<lease>`` (:func:`tap_prefix`; at most 13 characters for a /16, within IFNAMSIZ), and
+  ``pb<tag>tb<n>`` for the template builder's boot;
+- the **nftables table**: ``inet podbay_<tag>`` (:func:`nft_table`), matching only this stack's taps;
+- the **sandbox network**: ``PODBAY_SANDBOX_CIDR`` when set, else a /16 of :data:`SANDBOX_POOL` chosen once
+  per data directory (:func:`sandbox_cidr`) and kept in ``DATA_DIR/network.json``: the first block, starting
+  from one derived from the tag, that overlaps no address on the host. Two stacks' guests therefore never
+  share an address, a route or a gateway binding.
+
+Errors: :class:`StackNetError` (no free block in the pool; not retryable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from podbay.config import Settings
+from podbay.errors import PodbayError
+
+__all__ = ["SANDBOX_POOL", "STATE_FILE", "StackNetError", "stack_tag", "tap_prefix", "builder_tap", "nft_table",
+           "sandbox_cidr", "gateway_denied_cidr", "remove_nft_table"]
+
+#: Where automatically chosen sandbox networks come from: 64 blocks of /16, disjoint from the node bridges'
+#: ``10.77.0.0/16`` (devstack/netns.py). The gateway refuses the whole pool, so no guest reaches another
+#: stack's guests through it either.
+SANDBOX_POOL = "10.128.0.0/10"
+#: Prefix length of one stack's sandbox network: 16,384 /30 leases.
+_BLOCK_PREFIX = 16
+#: The record of this data directory's choice, beside its other state.
+STATE_FILE = "network.json"
+
+
+class StackNetError(PodbayError):
+    """The stack's host network names or addresses cannot be settled (e.g. the pool is exhausted)."""
+
+    code = "stack_network_failed"
+
+
+def stack_tag(data_dir: Path) -> str:
+    """5 hex digits naming the stack of ``data_dir`` on the host (SHA-256 of its resolved path)."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:5]
+
+
+def tap_prefix(data_dir: Path) -> str:
+    """Every sandbox tap of this stack starts with this: ``pb<tag>t`` (the nftables rules match
+    ``iifname "pb<tag>t*"``, so another stack's taps are never matched)."""
+    return f"pb{stack_tag(data_dir)}t"
+
+
+def builder_tap(data_dir: Path, n: int) -> str:
+    """The tap of a template build's boot, ``pb<tag>tb<n mod 10^6>`` (covered by the stack's ruleset)."""
+    return f"{tap_prefix(data_dir)}b{n % 10**6}"
+
+
+def nft_table(data_dir: Path) -> str:
+    """This stack's nftables table (family ``inet``): ``podbay_<tag>``."""
+    return f"podbay_{stack_tag(data_dir)}"
+
+
+def _host_networks() -> list[ipaddress.IPv4Network]:
+    """IPv4 networks of every address in this network namespace (``ip -o -4 addr``)."""
+    ip = shutil.which("ip")
+    if ip is None:
+        return []
+    out = subprocess.run([ip, "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False,
+                         timeout=10).stdout
+    nets: list[ipaddress.IPv4Network] = []
+    for line in out.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            # Other stacks' taps count too: their /30s show which blocks are taken.
+            net = ipaddress.ip_interface(parts[parts.index("inet") + 1]).network
+            if isinstance(net, ipaddress.IPv4Network):
+                nets.append(net)
+    return nets
+
+
+def _choose(tag: str, used: list[ipaddress.IPv4Network]) -> str:
+    pool = ipaddress.ip_network(SANDBOX_POOL)
+    blocks = list(pool.subnets(new_prefix=_BLOCK_PREFIX))
+    start = int(tag, 16) % len(blocks)
+    for step in range(len(blocks)):
+        block = blocks[(start + step) % len(blocks)]
+        if not any(block.overlaps(u) for u in used):
+            return str(block)
+    raise StackNetError(f"no /{_BLOCK_PREFIX} of {SANDBOX_POOL} is free on this host: set PODBAY_SANDBOX_CIDR")
+
+
+def sandbox_cidr(settings: Settings) -> str:
+    """The stack's sandbox network: ``settings.sandbox_cidr`` when set, else the block recorded in
+    ``DATA_DIR/network.json``, chosen and recorded on first use (under a file lock, so the node agent and the
+    gateway starting at once agree). Blocking (reads host addresses once). Raises :class:`StackNetError`."""
+    if settings.sandbox_cidr:
+        return settings.sandbox_cidr
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / STATE_FILE
+    with open(data_dir / f".{STATE_FILE}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            cidr = str(json.loads(path.read_text())["sandbox_cidr"])
+            ipaddress.ip_network(cidr)
+            return cidr
+        tag = stack_tag(data_dir)
+        cidr = _choose(tag, _host_networks())
+        tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"tag": tag, "sandbox_cidr": cidr}))
+        os.replace(tmp, path)
+        return cidr
+
+
+def gateway_denied_cidr(settings: Settings) -> str:
+    """The sandbox addresses the gateway never connects to: the configured ``sandbox_cidr``, else the whole
+    :data:`SANDBOX_POOL` (this stack's network and every other stack's that was chosen automatically)."""
+    return settings.sandbox_cidr or SANDBOX_POOL
+
+
+def remove_nft_table(data_dir: Path) -> bool:
+    """Delete this stack's nftables table in the current network namespace; True if there was one.
+    Never touches another stack's table. Blocking; a missing ``nft`` counts as nothing to remove."""
+    nft = shutil.which("nft")
+    if nft is None:
+        return False
+    table = nft_table(data_dir)
+    done = subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, text=True, check=False,
+                          timeout=30)
+    return done.returncode == 0

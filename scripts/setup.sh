@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepare this checkout for development: Debian packages, then .venv with podbay installed editable.
+# Prepare this checkout for development: Debian packages, then .venv with podbay installed editable: the client
+# package (libs/pyproject.toml: SDK and CLI) and the server package (pyproject.toml: services, dev stack).
 # Idempotent and quiet: it only installs what is missing, and prints output only when a step fails.
 # Run as root (or with sudo available) when Debian packages are missing.
 set -euo pipefail
@@ -69,11 +70,12 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.
   run "creating .venv with $python" "$python" -m venv .venv
 fi
 
-# Reinstall only when the project metadata changed since the last successful install.
+# Reinstall only when the project metadata of either package changed since the last successful install.
 stamp=.venv/.podbay-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py libs/pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import podbay.config' 2>/dev/null; then
-  run "pip install -e '.[test]'" .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[test]'
+  run "pip install -e ./libs -e '.[test]'" \
+    .venv/bin/python -m pip install --disable-pip-version-check -q -e ./libs -e '.[test]'
   echo "$want" >"$stamp"
 fi
 
@@ -86,7 +88,7 @@ if [ ! -x .venv-gateway/bin/python ] ||
 fi
 gstamp=.venv-gateway/.podbay-installed
 if [ "$(cat "$gstamp" 2>/dev/null)" != "$want" ] || ! .venv-gateway/bin/python -c 'import podbay_gateway, mitmproxy' 2>/dev/null; then
-  run "pip install -e '.[gateway]' into .venv-gateway" \
-    .venv-gateway/bin/python -m pip install --disable-pip-version-check -q -e '.[gateway]'
+  run "pip install -e ./libs -e '.[gateway]' into .venv-gateway" \
+    .venv-gateway/bin/python -m pip install --disable-pip-version-check -q -e ./libs -e '.[gateway]'
   echo "$want" >"$gstamp"
 fi

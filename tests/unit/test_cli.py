@@ -16,7 +16,7 @@ import pytest
 from test_sdk_fake import API_KEY, FakeApi, _served, clean_env, fake_api  # noqa: F401  (fixtures)
 from typer.testing import CliRunner, Result
 
-from podbay.cli import template as template_cmd
+from podbay import servercli
 from podbay.cli.exec_cmd import _write as exec_write
 from podbay.cli.exec_cmd import exit_status
 from podbay.cli.main import app
@@ -339,7 +339,7 @@ def test_template_build_checks_the_name_and_shortens_the_builders_usage_error(
         "exit 2\n"
     )
     script.chmod(0o755)
-    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: str(script))
+    monkeypatch.setattr(servercli, "nodeagent_binary", lambda: str(script))
     bad = CliRunner().invoke(app, ["template", "build", "Not_A_Name"])
     assert_error_line(bad, "usage", 2)
     assert "'Not_A_Name' is not a template name" in bad.stderr
@@ -352,7 +352,7 @@ def test_template_build_passes_other_stderr_through(monkeypatch: pytest.MonkeyPa
     script = tmp_path / "podbay-nodeagent"
     script.write_text("#!/bin/sh\necho 'us' >&2\necho 'kernel 100%' >&2\necho 'usage: not argparse' >&2\nexit 2\n")
     script.chmod(0o755)
-    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: str(script))
+    monkeypatch.setattr(servercli, "nodeagent_binary", lambda: str(script))
     result = CliRunner().invoke(app, ["template", "build", "base"])
     assert result.exit_code == 2
     assert result.stderr == "us\nkernel 100%\nusage: not argparse\n"
@@ -364,11 +364,11 @@ def test_template_build_passes_output_and_exit_code(
     script = tmp_path / "podbay-nodeagent"
     script.write_text("#!/bin/sh\necho \"built $*\"\nexit 3\n")
     script.chmod(0o755)
-    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: str(script))
+    monkeypatch.setattr(servercli, "nodeagent_binary", lambda: str(script))
     result = CliRunner().invoke(app, ["template", "build", "base", "--force"])
     assert result.exit_code == 3
     assert "built template build base --force" in capfd.readouterr().out
-    monkeypatch.setattr(template_cmd, "nodeagent_binary", lambda: None)
+    monkeypatch.setattr(servercli, "nodeagent_binary", lambda: None)
     assert_error_line(CliRunner().invoke(app, ["template", "build", "base"]), "unavailable", 1)
 
 

@@ -3,17 +3,32 @@
 Commands are documented in docs/cli.md. Where the API is: ``--api-url``/``--api-key``, else
 ``PODBAY_API_URL``/``PODBAY_API_KEY``, else the config file ``podbay up`` writes. Exit codes and the
 error line are described in ``podbay.cli._common``.
+
+The commands that act on this host (``up``, ``down``, ``status``, ``template build``) come with the server
+package: each ``podbay.cli`` entry point names a function that adds commands to ``app``
+(``podbay.servercli.register``). Without the server package they still parse, and end with one line
+naming the package to install (``unavailable``, exit 1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
 import typer
 
-from podbay.cli import access, events, files, node, pool, sandbox, snapshot, stack, template
-from podbay.cli._common import CliState, OneLineErrorsGroup
+from podbay.cli import access, env, events, files, node, pool, sandbox, snapshot, template
+from podbay.cli._common import CliState, OneLineErrorsGroup, fail
 from podbay.cli.exec_cmd import exec_command
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "PLUGIN_GROUP", "SERVER_PACKAGE"]
+
+#: The entry-point group whose functions (``register(app)``) add commands to the CLI.
+PLUGIN_GROUP = "podbay.cli"
+#: The distribution that provides the host commands.
+SERVER_PACKAGE = "podbay-server"
+#: Commands the server package provides: ``(group, name)``, group ``None`` for the root.
+_SERVER_COMMANDS = ((None, "up"), (None, "down"), (None, "status"), ("template", "build"))
 
 app = typer.Typer(
     name="podbay",
@@ -37,10 +52,36 @@ app.add_typer(events.webhook_app, name="webhook")
 app.add_typer(template.template_app, name="template")
 app.add_typer(template.operation_app, name="operation")
 app.command("exec")(exec_command)
-app.command("env")(stack.env)
-app.command("up")(stack.up)
-app.command("down")(stack.down)
-app.command("status")(stack.status)
+app.command("env")(env.env)
+
+
+def _needs_server(command: str) -> Callable[[typer.Context], None]:
+    """A command that only says which package provides ``command``."""
+
+    def missing(ctx: typer.Context) -> None:
+        fail(f"`podbay {command}` comes with the server package: pip install {SERVER_PACKAGE}", "unavailable", 1)
+
+    missing.__doc__ = f"Needs the server package (pip install {SERVER_PACKAGE})."
+    return missing
+
+
+def _load_plugins() -> None:
+    """Add the commands of every installed ``podbay.cli`` entry point, and a placeholder for each host
+    command none of them provided."""
+    for ep in entry_points(group=PLUGIN_GROUP):
+        ep.load()(app)
+    groups = {None: app, "template": template.template_app}
+    for group, name in _SERVER_COMMANDS:
+        owner = groups[group]
+        if any(c.name == name for c in owner.registered_commands):
+            continue
+        command = name if group is None else f"{group} {name}"
+        owner.command(name, add_help_option=False,
+                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+            _needs_server(command))
+
+
+_load_plugins()
 
 
 @app.callback()

@@ -1,0 +1,33 @@
+"""``podbay env``: the shell exports that point the SDK (or E2B's SDK) at the configured API."""
+
+from __future__ import annotations
+
+import shlex
+
+import typer
+
+from podbay.cli._common import handle_errors, state
+from podbay.clientconfig import load_client_config
+
+__all__ = ["env"]
+
+
+@handle_errors
+def env(ctx: typer.Context, e2b: bool = typer.Option(
+        False, "--e2b", help="Print the E2B_* variables that point the e2b SDK at this stack instead.")) -> None:
+    """Print `export PODBAY_API_URL=...` and `export PODBAY_API_KEY=...`; use `eval "$(podbay env)"`.
+
+    With `--e2b`: `E2B_API_URL` (the API's `/e2b`), `E2B_SANDBOX_URL` (the API, which routes envd traffic
+    by the `E2b-Sandbox-Id` header) and `E2B_API_KEY` (the podbay key) (docs/e2b.md)."""
+    st = state(ctx)
+    cfg = load_client_config(st.api_url, st.api_key)
+    base = cfg.api_url.rstrip("/")
+    if e2b:
+        print(f"export E2B_API_URL={shlex.quote(base + '/e2b')}")
+        print(f"export E2B_SANDBOX_URL={shlex.quote(base)}")
+        if cfg.api_key:
+            print(f"export E2B_API_KEY={shlex.quote(cfg.api_key)}")
+        return
+    print(f"export PODBAY_API_URL={shlex.quote(cfg.api_url)}")
+    if cfg.api_key:
+        print(f"export PODBAY_API_KEY={shlex.quote(cfg.api_key)}")

@@ -60,9 +60,9 @@ async def test_bad_network_arguments_are_invalid(ch: GuestChannel, guestd: tuple
     for bad in ({**good, "address": "10.88.0.300"}, {**good, "gateway": "host"}, {**good, "prefix_len": 31},
                 {**good, "dns": ["a", "b", "c", "d"]}, {**good, "ca_cert_pem": "not a certificate"}, "10.0.0.2",
                 {**good, "address": "010.88.0.2"}):
-        stream = ch._open(Op.AFTER_RESTORE, {"hostname": "changed", "net": bad})
+        stream = ch.open_stream(Op.AFTER_RESTORE, {"hostname": "changed", "net": bad})
         with pytest.raises(InvalidRequest):
-            await ch._finish(stream, 10)
+            await ch.finish(stream, 10)
     # Validated before anything changed: not even the hostname.
     assert not [c for c in _calls(guestd[1])[before:] if c[0] in ("configure_net", "set_hostname")]
 

@@ -110,9 +110,9 @@ async def test_bad_arguments_are_invalid(ch: GuestChannel) -> None:
     # Values the client's models would refuse, sent raw to check guestd's own validation.
     for args in ({"seed_b64": "***"}, {"hostname": ""}, {"time_ns": -1}, {"env": {"A": 1}}, {"access_token": "short"},
                  {"access_token": "x" * 20 + "\n"}):
-        stream = ch._open(Op.AFTER_RESTORE, args)
+        stream = ch.open_stream(Op.AFTER_RESTORE, args)
         with pytest.raises(InvalidRequest):
-            await ch._finish(stream, 10)
+            await ch.finish(stream, 10)
 
 
 def test_guestd_on_a_pty() -> None:

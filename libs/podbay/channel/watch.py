@@ -13,25 +13,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
-
 from pydantic import ValidationError
 
 from podbay.channel.frames import FrameType
-from podbay.contracts.channel import WatchEvent
+from podbay.channel.transport import ChannelClosed, Stream, Transport
+from podbay.contracts.channel import Op, WatchEvent, WatchRequest
 from podbay.errors import GuestError
 
-__all__ = ["DirWatch", "MAX_LINE_BYTES"]
+__all__ = ["WatchOps", "DirWatch", "MAX_LINE_BYTES"]
 
 # One event line holds a name and a FileStat: far below this. A longer partial line is a broken guest.
 MAX_LINE_BYTES = 64 * 1024
 
 
-class DirWatch:
-    """Handle of one ``watch`` stream; made by ``GuestChannel.watch``. ``channel`` and ``stream`` are the
-    channel's private objects (the same seam ``ExecProcess`` uses)."""
+class WatchOps(Transport):
+    """Directory watches."""
 
-    def __init__(self, channel: Any, stream: Any) -> None:
+    def watch(self, path: str, *, recursive: bool = False, interval_s: float = 0.1) -> DirWatch:
+        """Watch directory ``path`` for changes (OPEN is sent at once); see ``DirWatch``."""
+        req = WatchRequest(path=path, recursive=recursive, interval_s=interval_s)
+        return DirWatch(self, self.open_stream(Op.WATCH, req.model_dump()))
+
+
+class DirWatch:
+    """Handle of one ``watch`` stream; made by ``WatchOps.watch``."""
+
+    def __init__(self, channel: Transport, stream: Stream) -> None:
         self._ch = channel
         self._stream = stream
         self._started = False
@@ -48,10 +55,8 @@ class DirWatch:
     async def close(self) -> None:
         """Stop the watch (CANCEL to the guest); idempotent."""
         if not self._stream.ended:
-            from podbay.channel.client import ChannelClosed
-
-            self._ch._cancel(self._stream)
-            self._ch._end(self._stream, ChannelClosed("watch closed"))
+            self._ch.cancel_stream(self._stream)
+            self._ch.end_stream(self._stream, ChannelClosed("watch closed"))
 
     async def started(self) -> None:
         """Wait until the guest has taken its first scan; changes after this are reported. Raises the
@@ -70,13 +75,13 @@ class DirWatch:
         return self._pending.pop(0)
 
     async def _step(self) -> None:
-        frame = await self._ch._next(self._stream, None)
+        frame = await self._ch.next_frame(self._stream, None)
         if frame.type is FrameType.STARTED:
             self._started = True
         elif frame.type is FrameType.RESULT:
             self._ended = True
         elif frame.type is FrameType.DATA:
-            self._ch._consumed(self._stream, len(frame.payload) - 1)
+            self._ch.consumed(self._stream, len(frame.payload) - 1)
             lines = (self._tail + frame.payload[1:]).split(b"\n")
             self._tail = lines.pop()
             if len(self._tail) > MAX_LINE_BYTES:

@@ -93,9 +93,12 @@ class Settings(BaseSettings):
     node_id: str = Field("node-1", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     node_host: str = Field("127.0.0.1", description="Address the node's data plane listens on.")
     node_port: int = Field(8090, description="Data plane port.")
-    node_memory_mib: int = Field(0, description="Memory offered to sandboxes; 0 means 80% of host RAM.")
-    node_vcpus: int = Field(0, description="vCPUs offered to running sandboxes; 0 means 32x host cores (idle "
-                            "guests use next to no CPU; paused ones none).")
+    node_memory_mib: int = Field(0, description="Memory offered to sandboxes, MiB. Set: what the node's sandboxes "
+                                 "may use as measured (and the nominal figure MEMORY_OVERCOMMIT_RATIO multiplies). "
+                                 "0: 80% of host RAM as the nominal figure, and measured use limited only by the "
+                                 "host's memory less MEMORY_HEADROOM_MIB.")
+    node_vcpus: int = Field(0, description="vCPUs offered to running sandboxes; 0 means 128x host cores (an idle "
+                            "guest uses about 0.5% of a core; paused ones none).")
     node_store_size_gib: int = Field(40, description="Size of the loop-backed btrfs file when DATA_DIR is not btrfs.")
     node_heartbeat_s: float = Field(2.0)
     node_heartbeat_ttl_s: float = Field(10.0)
@@ -156,9 +159,23 @@ class Settings(BaseSettings):
     warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")
     warm_demand_horizon_s: float = Field(10.0, gt=0, description="Warm pools: keep enough slots for this many "
                                          "seconds of recent demand (within the pool's min and max).")
-    memory_overcommit_ratio: float = Field(1.0, ge=1.0, le=8.0, description="Placement: memory committed on a "
-                                           "node may reach its advertised memory times this (1.0 = never "
-                                           "over-commit).")
+    memory_overcommit_ratio: float = Field(0.0, ge=0.0, le=8.0, description="Placement: nominal guest RAM "
+                                           "committed on a node may reach its advertised memory times this (1.0 = "
+                                           "never over-commit: every guest may touch all its RAM). 0 = no nominal "
+                                           "cap: admission by measured use alone (a node that reports no "
+                                           "measurement is held to 1.0).")
+    memory_headroom_mib: int = Field(1024, ge=0, description="Memory a node keeps free of sandboxes, MiB: it takes "
+                                     "a sandbox only while its available memory (MemAvailable less touched guest "
+                                     "RAM, which it counts as cache), after the sandboxes in flight and this one, stays above "
+                                     "this; and it releases paused and idle sandboxes' RAM when it runs short.")
+    memory_sandbox_estimate_mib: int = Field(0, ge=0, description="Host memory a freshly restored sandbox is "
+                                             "expected to cost, MiB, for admission; 0 = the node's measured "
+                                             "median over its running sandboxes (before one runs: the sandbox's "
+                                             "RAM + 64).")
+    memory_pressure_idle_s: float = Field(300.0, ge=0, description="Under memory pressure a running sandbox whose "
+                                          "lease action is pause and whose guest has been idle (IDLE_CPU_PERCENT) "
+                                          "this long may be paused and its RAM released (after every paused "
+                                          "one's); 0 = running sandboxes are never paused for memory.")
     vcpu_overcommit_ratio: float = Field(1.0, ge=1.0, le=64.0, description="Placement: vCPUs of running "
                                          "sandboxes on a node may reach its advertised vCPUs times this.")
     placement_candidates: int = Field(2, ge=1, le=64, description="Placement: best of this many random fitting "

@@ -2,7 +2,8 @@
 
 On start the node upserts its ``nodes`` row; every ``node_heartbeat_s`` it puts a ``NodeHeartbeat`` under
 its id in ``podbay_nodes``. The bucket's TTL drops the key of a node that stops, so the scheduler only sees
-live nodes.
+live nodes. The heartbeat carries the nominal load (guest RAM and vCPUs of its VMs) and, once measured, the
+node's measured memory (``memory_*`` fields, from services/nodeagent/memory.py), by which placement admits.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 from datetime import UTC, datetime
 
 import asyncpg
@@ -26,12 +28,13 @@ log = logging.getLogger("podbay.nodeagent.heartbeat")
 
 
 def node_capacity(settings: Settings) -> tuple[int, int]:
-    """(memory MiB, vCPUs) offered to sandboxes: the settings, or 80% of host RAM and 32 vCPUs per core."""
+    """(memory MiB, vCPUs) offered to sandboxes: the settings, or 80% of host RAM and 128 vCPUs per core (an
+    idle guest uses about 0.5% of a core, so vCPUs are not what fills a node of idle sandboxes)."""
     mem = settings.node_memory_mib
     if mem <= 0:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         mem = int(total * 0.8) >> 20
-    cpus = settings.node_vcpus if settings.node_vcpus > 0 else 32 * (os.cpu_count() or 1)
+    cpus = settings.node_vcpus if settings.node_vcpus > 0 else 128 * (os.cpu_count() or 1)
     return mem, cpus
 
 
@@ -48,9 +51,11 @@ async def register_node(pool: asyncpg.Pool, settings: Settings, dataplane_url: s
 
 
 async def heartbeat_loop(bus: Bus, settings: Settings, dataplane_url: str, accel: str,
-                         load: Callable[[], tuple[int, int, int, list[str]]], stop: asyncio.Event) -> None:
+                         load: Callable[[], tuple[int, int, int, list[str]]], stop: asyncio.Event,
+                         memory: Callable[[], dict[str, Any]] | None = None) -> None:
     """Put a heartbeat now and every ``node_heartbeat_s`` until ``stop``; ``load()`` gives
-    (memory used MiB, vCPUs used, sandboxes, template names)."""
+    (memory used MiB, vCPUs used, sandboxes, template names), ``memory()`` the measured ``memory_*`` fields of
+    ``NodeHeartbeat`` (empty before the first measurement)."""
     kv = await bus.nodes_kv()
     mem, cpus = node_capacity(settings)
     NODE_CAPACITY.labels("memory_mib").set(mem)
@@ -62,7 +67,8 @@ async def heartbeat_loop(bus: Bus, settings: Settings, dataplane_url: str, accel
         NODE_SANDBOXES.set(count)
         hb = NodeHeartbeat(node_id=settings.node_id, dataplane_url=dataplane_url, memory_mib=mem,
                            memory_used_mib=used_mem, vcpus=cpus, vcpus_used=used_cpu, sandboxes=count,
-                           templates=templates, accel=accel, at=datetime.now(UTC))
+                           templates=templates, accel=accel, at=datetime.now(UTC),
+                           **(memory() if memory is not None else {}))
         try:
             await kv.put(settings.node_id, hb.model_dump_json().encode())
             NODE_HEARTBEATS.labels("ok").inc()

@@ -43,6 +43,7 @@ from .fence import fence_loop, rejoin
 from .diff import cleanup_stale_mounts
 from .heartbeat import heartbeat_loop, register_node
 from .lease import lease_loop
+from .memory import MemoryWatch
 from .migrate import MigrationOps
 from .network import SandboxNetwork
 from .reconcile import reconcile
@@ -140,7 +141,11 @@ async def _serve(stop: asyncio.Event) -> None:
     manager.migrations = MigrationOps(manager)
     await manager.migrations.start()  # answers migrations into this node (drain of another node)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
-    hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop))
+    memwatch = MemoryWatch(manager, warm)
+    await memwatch.measure()  # the first heartbeat already carries measured memory
+    hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop,
+                                            memwatch.report))
+    memory = asyncio.create_task(memwatch.run(stop), name="memory")
     consumer = asyncio.create_task(_consume(manager, stop))
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
@@ -153,7 +158,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await stop.wait()
     manager.ready = False
     # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing}, timeout=75)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing, memory}, timeout=75)
     await warm.close()
     await manager.migrations.close()
     await manager.close()

@@ -348,8 +348,9 @@ class SandboxManager:
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
 
-    async def lease_expired(self, sandbox_id: str, action: str) -> None:
-        """Apply a lease's action to an idle sandbox: pause it, or delete it (an operation of its own)."""
+    async def lease_expired(self, sandbox_id: str, action: str, *, reason: str = "lease expired") -> None:
+        """Apply a lease's action to an idle sandbox: pause it, or delete it (an operation of its own); a pause's
+        event carries ``reason`` (``memory pressure`` when services/nodeagent/memory.py makes room)."""
         from podbay.outbox import new_id
 
         op_id = new_id("op")
@@ -367,7 +368,7 @@ class SandboxManager:
             await self.delete(DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]))
         else:
             await self._pause_resume(SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
-                                                  generation=row["generation"]), pause=True, reason="lease expired")
+                                                  generation=row["generation"]), pause=True, reason=reason)
 
     async def _pause_resume(self, cmd: SandboxOpCmd, *, pause: bool, reason: str | None = None) -> None:
         verb, target, source = ("pause", "paused", "running") if pause else ("resume", "running", "paused")

@@ -92,7 +92,8 @@ class Scheduler:
                 HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
                 req = Request(cmd.template, cmd.resources.memory_mib, cmd.resources.vcpus, wake=cmd.wake,
                               memory_overcommit=self.settings.memory_overcommit_ratio,
-                              vcpu_overcommit=self.settings.vcpu_overcommit_ratio)
+                              vcpu_overcommit=self.settings.vcpu_overcommit_ratio,
+                              memory_estimate_mib=self.settings.memory_sandbox_estimate_mib)
                 try:
                     chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
                 except NoCapacity as exc:

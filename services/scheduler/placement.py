@@ -3,15 +3,26 @@
 Input: one :class:`NodeLoad` per live node (heartbeat from the ``podbay_nodes`` KV bucket, so alive within the
 TTL; load counted from PostgreSQL in one query, so placements in flight count). Steps:
 
-1. **Filter.** The node is schedulable, carries the template, and has room: memory committed plus the
-   sandbox's stays within ``memory_mib x memory_overcommit`` and vCPUs within ``vcpus x vcpu_overcommit``
-   (both ratios default 1.0: never over-commit). A node that fails this is never chosen, whatever its score.
+1. **Filter.** The node is schedulable, carries the template, and has room (:func:`fits`):
+
+   - memory, on a node that reports measured memory (its heartbeat's ``memory_*`` fields,
+     services/nodeagent/memory.py): its room (available memory less its headroom, and less its sandboxes'
+     measured use under ``NODE_MEMORY_MIB`` when that is set) plus what it could release (paused and idle
+     sandboxes, ``memory_reclaimable_mib``) holds the sandboxes in flight to it (placed since its measurement,
+     ``NodeLoad.inflight``) and this one, each at the expected cost of a fresh sandbox
+     (:func:`expected_cost`). With ``memory_overcommit > 0`` nominal guest RAM must also stay within
+     ``memory_mib x memory_overcommit`` (1.0: every guest may touch all its RAM). A node that reports no
+     measurement is held to the nominal rule alone, at ratio 1.0 when none is set;
+   - vCPUs of its running sandboxes within ``vcpus x vcpu_overcommit``.
+
+   A node that fails this is never chosen, whatever its score.
 2. **Sample.** K random fitting nodes (so replicas of the scheduler do not all pick the same node), plus the
    fitting nodes with an affinity (they hold the snapshot to wake from, or a ready warm slot of the template),
    so a preference is never lost to the dice.
 3. **Score** each candidate (higher wins; ties go to the dice):
 
-   - free capacity after placement: ``W_FREE x`` the mean of the free memory and free vCPU fractions (0..1);
+   - free capacity after placement: ``W_FREE x`` the mean of the free memory (measured room without releases,
+     or nominal) and free vCPU fractions (0..1);
    - chunk locality: ``+W_SNAPSHOT`` when the node took the snapshot a wake restores (its files or chunks are
      likely still there), ``+W_TEMPLATE`` when it holds the template at the sandbox's exact digest;
    - warm slots: ``+W_WARM`` when a create's template has a ready warm slot on the node;
@@ -28,8 +39,9 @@ from dataclasses import dataclass
 
 from podbay.contracts.messages import NodeHeartbeat
 
-__all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "NoCapacity", "ready_nodes",
-           "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT"]
+__all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "fits_memory", "expected_cost", "room_mib",
+           "measured", "NoCapacity", "ready_nodes", "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT",
+           "FALLBACK_OVERHEAD_MIB"]
 
 #: Score weights (dimensionless). Locality and warm slots outweigh a full node's worth of free capacity
 #: difference only together; one sandbox of the same tenant costs a fifth of it.
@@ -38,6 +50,8 @@ W_SNAPSHOT = 0.6
 W_TEMPLATE = 0.2
 W_WARM = 0.5
 W_TENANT = 0.2
+#: Before a node has measured a running sandbox, a fresh one is expected to cost its RAM plus this, MiB (QEMU).
+FALLBACK_OVERHEAD_MIB = 64
 
 
 class NoCapacity(Exception):
@@ -52,6 +66,7 @@ class NodeLoad:
     of its non-paused sandboxes. ``tenant_sandboxes``: live sandboxes of the requesting tenant on it.
     ``warm_ready``: ready warm slots of the requested template. ``has_digest``: it holds the template at the
     sandbox's digest (``node_templates``). ``holds_snapshot``: the snapshot a wake restores was taken here.
+    ``inflight``: sandboxes and warm slots placed on it that its last memory measurement did not see yet.
     """
 
     heartbeat: NodeHeartbeat
@@ -61,6 +76,7 @@ class NodeLoad:
     warm_ready: int = 0
     has_digest: bool = False
     holds_snapshot: bool = False
+    inflight: int = 0
 
     @property
     def node_id(self) -> str:
@@ -83,7 +99,9 @@ class Request:
     """What is being placed: ``memory_mib`` (MiB) and ``vcpus`` of one sandbox of ``template``.
 
     ``wake``: a suspended sandbox resumes (warm slots do not apply, snapshot locality does).
-    ``memory_overcommit`` / ``vcpu_overcommit``: ratios >= 1.0 of what a node advertises that may be committed.
+    ``memory_overcommit``: ratio of a node's advertised memory that nominal guest RAM may reach (0: no nominal
+    cap on nodes that measure, 1.0 on those that do not); ``vcpu_overcommit``: the same for vCPUs (>= 1.0).
+    ``memory_estimate_mib``: expected host cost of a fresh sandbox, MiB (0: the node's measured median).
     """
 
     template: str
@@ -92,24 +110,76 @@ class Request:
     wake: bool = False
     memory_overcommit: float = 1.0
     vcpu_overcommit: float = 1.0
+    memory_estimate_mib: int = 0
 
 
-def _caps(n: NodeLoad, req: Request) -> tuple[int, int]:
-    # floor: a ratio of 1.0 must allow exactly the advertised amount, never a rounding MiB more.
-    return (math.floor(n.heartbeat.memory_mib * req.memory_overcommit),
-            math.floor(n.heartbeat.vcpus * req.vcpu_overcommit))
+def measured(n: NodeLoad) -> bool:
+    """Whether the node's heartbeat carries measured memory."""
+    hb = n.heartbeat
+    return hb.memory_available_mib is not None and hb.memory_sandboxes_mib is not None
+
+
+def expected_cost(n: NodeLoad, req: Request) -> int:
+    """Host memory one fresh sandbox of ``req`` is expected to cost on ``n``, MiB: the setting when given, else
+    the node's measured median (never above the sandbox's RAM + ``FALLBACK_OVERHEAD_MIB``, which is also the
+    figure before the node has measured one)."""
+    if req.memory_estimate_mib > 0:
+        return req.memory_estimate_mib
+    ceiling = req.memory_mib + FALLBACK_OVERHEAD_MIB
+    cost = n.heartbeat.memory_sandbox_cost_mib
+    return ceiling if cost is None else min(cost, ceiling)
+
+
+def room_mib(n: NodeLoad, *, with_reclaimable: bool = True) -> int:
+    """A measuring node's room for new sandboxes, MiB: available less headroom (and, under its limit, the limit
+    less its sandboxes' use), plus what it could release when ``with_reclaimable``. May be negative."""
+    hb = n.heartbeat
+    assert hb.memory_available_mib is not None and hb.memory_sandboxes_mib is not None
+    room = hb.memory_available_mib - hb.memory_headroom_mib
+    if hb.memory_limit_mib is not None:
+        room = min(room, hb.memory_limit_mib - hb.memory_sandboxes_mib)
+    return room + (hb.memory_reclaimable_mib if with_reclaimable else 0)
+
+
+def _nominal_ratio(n: NodeLoad, req: Request) -> float | None:
+    """The nominal memory ratio that applies to ``n`` (None: no nominal cap)."""
+    if req.memory_overcommit > 0:
+        return req.memory_overcommit
+    return None if measured(n) else 1.0
+
+
+def _cpu_cap(n: NodeLoad, req: Request) -> int:
+    # floor: a ratio of 1.0 must allow exactly the advertised amount, never a rounding unit more.
+    return math.floor(n.heartbeat.vcpus * req.vcpu_overcommit)
+
+
+def fits_memory(n: NodeLoad, req: Request) -> bool:
+    """The memory half of :func:`fits` (see the module docstring)."""
+    if measured(n) and room_mib(n) < (n.inflight + 1) * expected_cost(n, req):
+        return False
+    ratio = _nominal_ratio(n, req)
+    return ratio is None or n.memory_used_mib + req.memory_mib <= math.floor(n.heartbeat.memory_mib * ratio)
 
 
 def fits(n: NodeLoad, req: Request) -> bool:
-    """Whether ``n`` can take ``req`` without committing beyond its capacity x the over-commit ratios."""
-    mem_cap, cpu_cap = _caps(n, req)
-    return n.memory_used_mib + req.memory_mib <= mem_cap and n.vcpus_used + req.vcpus <= cpu_cap
+    """Whether ``n`` can take ``req``: memory by :func:`fits_memory`, vCPUs within capacity x their ratio."""
+    return fits_memory(n, req) and n.vcpus_used + req.vcpus <= _cpu_cap(n, req)
+
+
+def _free_memory(n: NodeLoad, req: Request) -> float:
+    """Fraction of memory left after placing ``req`` (measured room without releases, or nominal)."""
+    cap = n.heartbeat.memory_mib
+    if measured(n):
+        left = room_mib(n, with_reclaimable=False) - (n.inflight + 1) * expected_cost(n, req)
+        return min(1.0, max(0.0, left / cap)) if cap > 0 else 0.0
+    mem_cap = math.floor(cap * (_nominal_ratio(n, req) or 1.0))
+    return (mem_cap - n.memory_used_mib - req.memory_mib) / mem_cap if mem_cap > 0 else 0.0
 
 
 def score(n: NodeLoad, req: Request) -> float:
     """The candidate's score (higher is better); see the module docstring for the terms."""
-    mem_cap, cpu_cap = _caps(n, req)
-    free_mem = (mem_cap - n.memory_used_mib - req.memory_mib) / mem_cap if mem_cap > 0 else 0.0
+    cpu_cap = _cpu_cap(n, req)
+    free_mem = _free_memory(n, req)
     free_cpu = (cpu_cap - n.vcpus_used - req.vcpus) / cpu_cap if cpu_cap > 0 else 0.0
     s = W_FREE * (free_mem + free_cpu) / 2
     if req.wake and n.holds_snapshot:

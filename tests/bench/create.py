@@ -19,10 +19,16 @@ Metrics:
   ``create_warm`` counter; the others fell back to a restore);
 - ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
   (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile);
-- ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory (PSS of
-  each QEMU, which includes its guest RAM file's pages) per idle running sandbox, and per paused one before
-  its RAM is released; ``paused_released_host_MiB_each`` and ``paused_released_disk_MiB_each`` (extents
-  not shared with the template) after the release (QEMU gone, state on disk).
+- ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory per idle
+  running sandbox, and per paused one before its RAM is released, as the node measures it
+  (``podbay.vmmem``: each QEMU's PSS, which includes the guest RAM file's pages it mapped);
+  ``paused_released_host_MiB_each`` and ``paused_released_disk_MiB_each`` (extents not shared with the
+  template) after the release (QEMU gone, state on disk);
+- ``running_sandboxes_max`` (phase ``max``, not in the default set): sandboxes created one after another,
+  with the stack's default settings, until a create is refused or ``--max-target`` are running, then one
+  ``true`` exec in each; the value counts those that answered (the run also reports the refusal, if any,
+  sandboxes the node paused for memory, the node's measured memory per idle sandbox
+  ``node_memory_MiB_per_idle_sandbox``, and the load average and other VMs on the machine meanwhile).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import httpx
 from podbay.channel.client import GuestChannel
 from podbay.config import Settings
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.vmmem import vm_memory
+from podbay.vmprocs import vm_processes
 from podbay_nodeagent.template import TemplateSnapshot
 from podbay_nodeagent.vmm import QemuVmm
 
@@ -129,26 +137,16 @@ def _warm_ok(api_metrics_url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _qemu_pss_mib(ids: list[str]) -> list[float]:
-    """PSS in MiB of the QEMU of each sandbox in ``ids`` (found by its VM directory in the command line)."""
-    found: dict[str, float] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-            if "qemu" not in cmd:
-                continue
-            sid = next((s for s in ids if f"/{s}/" in cmd), None)
-            if sid is None:
-                continue
-            rollup = (proc / "smaps_rollup").read_text()
-        except OSError:
-            continue
-        m = re.search(r"^Pss:\s+(\d+) kB", rollup, re.M)
-        if m:
-            found[sid] = int(m.group(1)) / 1024
-    return list(found.values())
+def _vm_cost_mib(store: Path, ids: list[str]) -> list[float]:
+    """Host memory in MiB of each sandbox in ``ids`` that has a QEMU (``podbay.vmmem``, as the node counts)."""
+    found: list[float] = []
+    for sid in ids:
+        vm_dir = store / "sandboxes" / sid
+        for pid in vm_processes(vm_dir, qemu_only=True)[:1]:
+            m = vm_memory(pid, vm_dir / "ram")
+            if m is not None:
+                found.append(m.cost_mib)
+    return found
 
 
 async def _floor(store: Path, runs: int) -> list[float]:
@@ -189,12 +187,12 @@ def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[st
     ids = [_create(c, template)[0] for _ in range(count)]
     try:
         time.sleep(3)  # let the guests settle after their hygiene
-        running = _qemu_pss_mib(ids)
+        running = _vm_cost_mib(store, ids)
         for sid in ids:
             c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
-        paused = _qemu_pss_mib(ids)
-        _wait("paused sandboxes to release their RAM", lambda: not _qemu_pss_mib(ids), RELEASE_S * 10 + 60)
-        left = _qemu_pss_mib(ids)
+        paused = _vm_cost_mib(store, ids)
+        _wait("paused sandboxes to release their RAM", lambda: not _vm_cost_mib(store, ids), RELEASE_S * 10 + 60)
+        left = _vm_cost_mib(store, ids)
         disk = [_exclusive_mib(store / "sandboxes" / sid) for sid in ids]
     finally:
         _delete(c, ids)
@@ -208,19 +206,86 @@ def _density(c: httpx.Client, template: str, store: Path, count: int) -> dict[st
     }
 
 
+def _metric(text: str, name: str, labels: str = "") -> float | None:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _other_vms(root: Path) -> int:
+    """QEMU processes on the machine that are not this benchmark's (other stacks' VMs share the cores)."""
+    mine = set(vm_processes(root, qemu_only=True))
+    qemus = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0] if proc.name.isdigit() else b""
+        except OSError:
+            continue
+        if Path(argv0.decode(errors="replace")).name.startswith("qemu-system"):
+            qemus.add(int(proc.name))
+    return len(qemus - mine)
+
+
+def _running_max(c: httpx.Client, template: str, node_metrics: str, root: Path,
+                 target: int) -> dict[str, dict[str, Any]]:
+    """``running_sandboxes_max``: create one after another until refused or ``target``, then exec in all."""
+    ids: list[str] = []
+    refused = ""
+    loads = [os.getloadavg()[0]]
+    others = _other_vms(root)
+    t0 = time.perf_counter()
+    try:
+        while len(ids) < target:
+            r = c.post("/v1/sandboxes", json={"template": template})
+            if r.status_code != 201:
+                refused = f"create {len(ids) + 1} answered {r.status_code}: {r.text[:300]}"
+                break
+            ids.append(str(r.json()["id"]))
+            if len(ids) % 25 == 0:
+                loads.append(os.getloadavg()[0])
+                print(f"  {len(ids)} running after {time.perf_counter() - t0:.0f} s, load {loads[-1]:.2f}")
+        time.sleep(5)  # a few measurements of the node with all of them idle
+        text = httpx.get(node_metrics, timeout=10).text
+        sandboxes_mib = _metric(text, "podbay_node_memory_mib", '{kind="sandboxes"}') or 0.0
+        cost_mib = _metric(text, "podbay_node_memory_mib", '{kind="sandbox_cost"}')
+        room_mib = _metric(text, "podbay_node_memory_mib", '{kind="room"}')
+        measured_running = _metric(text, "podbay_node_memory_vms", '{kind="running"}') or 0.0
+        states = [c.get(f"/v1/sandboxes/{sid}").json()["state"] for sid in ids]
+        answered = 0
+        for sid, state in zip(ids, states, strict=True):
+            if state != "running":
+                continue
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+            answered += r.status_code == 200 and r.json().get("exit_code") == 0
+        loads.append(os.getloadavg()[0])
+    finally:
+        _delete(c, ids)
+    print(f"running_sandboxes_max: {answered} of {len(ids)} created answered exec; "
+          f"{states.count('paused')} paused by the node; refused: {refused or 'no'}; other VMs on the machine: "
+          f"{others}; load average (1 min) {min(loads):.2f}..{max(loads):.2f}; node room left {room_mib} MiB")
+    return {
+        "running_sandboxes_max": {"value": answered, "n": len(ids), "target": target, "refused": refused or None,
+                                  "paused_by_node": states.count("paused")},
+        "node_memory_MiB_per_idle_sandbox": {"value": round(sandboxes_mib / measured_running, 1)
+                                             if measured_running else None, "n": int(measured_running),
+                                             "median_MiB": cost_mib},
+        "load_avg_1m_during_max": {"value": round(max(loads), 2), "min": round(min(loads), 2), "other_vms": others},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200, help="creates per metric (default 200)")
     ap.add_argument("--pool", type=int, default=16, help="pool size for the warm phases (default 16)")
     ap.add_argument("--density", type=int, default=10, help="sandboxes for the density figures (default 10)")
+    ap.add_argument("--max-target", type=int, default=150, help="sandboxes the max phase aims for (default 150)")
     ap.add_argument("--template", default="base")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the stack's directory")
     ap.add_argument("--phases", default="floor,cold,warm,warm8,density",
-                    help="comma-separated phases to run (default all: floor,cold,warm,warm8,density)")
+                    help="comma-separated phases to run (default: floor,cold,warm,warm8,density; also: max)")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
-    if unknown := phases - {"floor", "cold", "warm", "warm8", "density"}:
+    if unknown := phases - {"floor", "cold", "warm", "warm8", "density", "max"}:
         ap.error(f"unknown phases: {', '.join(sorted(unknown))}")
 
     root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
@@ -251,6 +316,8 @@ def main() -> None:
                 _warm_phases(c, args, phases, metrics, results)
             if "density" in phases:
                 results.update(_density(c, args.template, store, args.density))
+            if "max" in phases:
+                results.update(_running_max(c, args.template, metrics[1], root, args.max_target))
             print(f"load average at end: {os.getloadavg()}")
     finally:
         stack.stop(purge=True)

@@ -11,14 +11,33 @@ from podbay.contracts.messages import NodeHeartbeat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podbay_scheduler.placement import W_TENANT, NoCapacity, NodeLoad, Request, choose_node, fits
+from podbay_scheduler.placement import (
+    FALLBACK_OVERHEAD_MIB,
+    W_TENANT,
+    NoCapacity,
+    NodeLoad,
+    Request,
+    choose_node,
+    expected_cost,
+    fits,
+    measured,
+    room_mib,
+)
 
 
 def _hb(node: str, *, mem: int = 4096, cpus: int = 8, templates: tuple[str, ...] = ("base",),
-        schedulable: bool = True) -> NodeHeartbeat:
+        schedulable: bool = True, **memory: object) -> NodeHeartbeat:
+    """A heartbeat; ``memory`` gives its measured ``memory_*`` fields (none: a node that does not measure)."""
     return NodeHeartbeat(node_id=node, dataplane_url=f"http://{node}", memory_mib=mem, memory_used_mib=0, vcpus=cpus,
                          vcpus_used=0, sandboxes=0, templates=list(templates), accel="tcg", schedulable=schedulable,
-                         at=datetime.now(UTC))
+                         at=datetime.now(UTC), **memory)
+
+
+def _measured(node: str, *, available: int, sandboxes: int = 0, reclaimable: int = 0, cost: int | None = 130,
+              limit: int | None = None, headroom: int = 1024, mem: int = 19284, cpus: int = 256) -> NodeHeartbeat:
+    return _hb(node, mem=mem, cpus=cpus, memory_available_mib=available, memory_sandboxes_mib=sandboxes,
+               memory_reclaimable_mib=reclaimable, memory_sandbox_cost_mib=cost, memory_limit_mib=limit,
+               memory_headroom_mib=headroom, memory_measured_at=datetime.now(UTC))
 
 
 def test_no_nodes_is_no_capacity() -> None:
@@ -172,3 +191,127 @@ def test_only_live_nodes_in_state_ready_take_placements() -> None:
     assert [hb.node_id for hb in ready_nodes(live, states)] == ["a"]
     # A ready row without a heartbeat is not live, so not a candidate either.
     assert ready_nodes([], {"a": "ready"}) == []
+
+
+# --- admission by measured memory -----------------------------------------------------------------------------
+
+
+def test_old_heartbeats_still_parse_and_use_the_nominal_rule() -> None:
+    old = _hb("a").model_dump(mode="json")
+    for key in [k for k in old if k.startswith("memory_") and k not in ("memory_mib", "memory_used_mib")]:
+        del old[key]
+    hb = NodeHeartbeat.model_validate(old)
+    assert not measured(NodeLoad(hb, 0, 0))
+    # No ratio set (0): a node that does not measure is held to 1.0.
+    node = NodeLoad(_hb("a", mem=1024), 1024, 0)
+    with pytest.raises(NoCapacity, match="room"):
+        choose_node([node], Request("base", 256, 1, memory_overcommit=0.0))
+
+
+def test_measured_use_admits_beyond_the_nominal_cap() -> None:
+    # 75 sandboxes of 256 MiB fill 80% of 24 GiB nominally; measured, the host still has 9 GiB available.
+    node = NodeLoad(_measured("a", available=9000, sandboxes=75 * 130), 75 * 256, 75)
+    nominal = Request("base", 256, 1, memory_overcommit=1.0)
+    with pytest.raises(NoCapacity, match="room"):
+        choose_node([node], nominal)
+    assert choose_node([node], Request("base", 256, 1, memory_overcommit=0.0)).node_id == "a"
+
+
+def test_measured_admission_keeps_the_headroom() -> None:
+    req = Request("base", 256, 1, memory_overcommit=0.0)
+    # room = 1024 + 130 - 1024 = 130: exactly one fresh sandbox at its measured cost of 130 MiB.
+    assert fits(NodeLoad(_measured("a", available=1024 + 130), 0, 0), req)
+    assert not fits(NodeLoad(_measured("a", available=1024 + 129), 0, 0), req)
+    # A node that measures is refused by measurement even when nominally empty.
+    with pytest.raises(NoCapacity, match="room"):
+        choose_node([NodeLoad(_measured("a", available=1000), 0, 0)], req)
+
+
+def test_sandboxes_in_flight_count_at_the_expected_cost() -> None:
+    req = Request("base", 256, 1, memory_overcommit=0.0)
+    hb = _measured("a", available=1024 + 3 * 130)
+    assert fits(NodeLoad(hb, 0, 0, inflight=2), req)
+    assert not fits(NodeLoad(hb, 0, 0, inflight=3), req)
+
+
+def test_what_the_node_can_release_counts_as_room() -> None:
+    req = Request("base", 256, 1, memory_overcommit=0.0)
+    short = _measured("a", available=1024, reclaimable=0)
+    assert not fits(NodeLoad(short, 0, 0), req)
+    assert fits(NodeLoad(_measured("a", available=1024, reclaimable=130), 0, 0), req)
+
+
+def test_a_set_node_limit_caps_measured_use() -> None:
+    req = Request("base", 256, 1, memory_overcommit=0.0)
+    # Plenty available on the host, but NODE_MEMORY_MIB=500 with 390 MiB used leaves 110 < 130.
+    node = NodeLoad(_measured("a", available=20000, sandboxes=390, limit=500), 512, 2)
+    assert not fits(node, req)
+    assert fits(NodeLoad(_measured("a", available=20000, sandboxes=260, limit=500), 512, 2), req)
+
+
+def test_a_set_overcommit_ratio_still_caps_nominal_ram_on_measuring_nodes() -> None:
+    node = NodeLoad(_measured("a", available=20000, mem=1024), 1024, 0)
+    assert fits(node, Request("base", 256, 1, memory_overcommit=0.0))
+    assert not fits(node, Request("base", 256, 1, memory_overcommit=1.0))
+    assert fits(node, Request("base", 256, 1, memory_overcommit=1.25))
+
+
+def test_expected_cost() -> None:
+    measured_node = NodeLoad(_measured("a", available=5000, cost=140), 0, 0)
+    fresh_node = NodeLoad(_measured("a", available=5000, cost=None), 0, 0)
+    assert expected_cost(measured_node, Request("base", 256, 1)) == 140
+    # Never above the sandbox's RAM plus QEMU, also the figure before anything was measured.
+    assert expected_cost(measured_node, Request("base", 64, 1)) == 64 + FALLBACK_OVERHEAD_MIB
+    assert expected_cost(fresh_node, Request("base", 256, 1)) == 256 + FALLBACK_OVERHEAD_MIB
+    # The setting wins.
+    assert expected_cost(measured_node, Request("base", 256, 1, memory_estimate_mib=200)) == 200
+
+
+def test_measured_score_prefers_real_room_over_room_made_by_releases() -> None:
+    req = Request("base", 256, 1, memory_overcommit=0.0)
+    releasing = NodeLoad(_measured("releasing", available=1100, reclaimable=4000), 0, 0)
+    roomy = NodeLoad(_measured("roomy", available=5000), 0, 0)
+    for seed in range(20):
+        assert choose_node([releasing, roomy], req, k=2, rng=random.Random(seed)).node_id == "roomy"
+
+
+_measured_node = st.builds(
+    lambda i, mem, cpus, used_mem, used_cpu, avail, sbx, recl, cost, limit, headroom, inflight: NodeLoad(
+        _measured(f"m{i}", available=avail, sandboxes=sbx, reclaimable=recl, cost=cost, limit=limit,
+                  headroom=headroom, mem=mem, cpus=cpus), used_mem, used_cpu, inflight=inflight),
+    st.integers(0, 10**6), st.integers(256, 8192), st.integers(1, 16), st.integers(0, 10000), st.integers(0, 20),
+    st.integers(0, 30000), st.integers(0, 30000), st.integers(0, 5000), st.one_of(st.none(), st.integers(1, 400)),
+    st.one_of(st.none(), st.integers(0, 20000)), st.integers(0, 2048), st.integers(0, 10))
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=st.lists(st.one_of(_node, _measured_node), min_size=1, max_size=8, unique_by=lambda n: n.node_id),
+       mem=st.integers(64, 4096), cpus=st.integers(1, 8), wake=st.booleans(),
+       mem_ratio=st.sampled_from([0.0, 1.0, 1.5, 2.0]), cpu_ratio=st.sampled_from([1.0, 4.0]),
+       estimate=st.sampled_from([0, 100, 300]), k=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_property_measured_admission_never_eats_the_headroom(
+        nodes: list[NodeLoad], mem: int, cpus: int, wake: bool, mem_ratio: float, cpu_ratio: float, estimate: int,
+        k: int, seed: int) -> None:
+    """Whatever mix of measuring and older nodes: a chosen measuring node keeps its headroom (and its limit)
+    after the sandboxes in flight and this one at their expected cost, counting what it can release; every
+    chosen node keeps the nominal bound that applies to it (the ratio when set; 1.0 on a node that does not
+    measure); NoCapacity only when no node fits."""
+    req = Request("base", mem, cpus, wake=wake, memory_overcommit=mem_ratio, vcpu_overcommit=cpu_ratio,
+                  memory_estimate_mib=estimate)
+    try:
+        hb = choose_node(nodes, req, k=k, rng=random.Random(seed))
+    except NoCapacity:
+        assert not any(fits(n, req) for n in nodes)
+        return
+    n = next(n for n in nodes if n.node_id == hb.node_id)
+    if measured(n):
+        need = (n.inflight + 1) * expected_cost(n, req)
+        assert hb.memory_available_mib is not None and hb.memory_sandboxes_mib is not None
+        assert hb.memory_available_mib + hb.memory_reclaimable_mib - need >= hb.memory_headroom_mib
+        if hb.memory_limit_mib is not None:
+            assert hb.memory_sandboxes_mib + need - hb.memory_reclaimable_mib <= hb.memory_limit_mib
+        assert room_mib(n) >= need
+    ratio = mem_ratio if mem_ratio > 0 else (None if measured(n) else 1.0)
+    if ratio is not None:
+        assert n.memory_used_mib + mem <= hb.memory_mib * ratio
+    assert n.vcpus_used + cpus <= hb.vcpus * cpu_ratio

@@ -192,6 +192,21 @@ class NodeHeartbeat(_Msg):
     accel: str
     schedulable: bool = True
     at: datetime
+    # Measured memory (libs/podbay/vmmem.py), MiB; None from nodes that do not measure (placement then falls
+    # back to the nominal rule). ``memory_available_mib``: the host's MemAvailable less mapped file pages
+    # (touched guest RAM, which MemAvailable counts as cache). ``memory_sandboxes_mib``: what its sandbox VMs
+    # (and warm slots) cost, a released paused sandbox 0.
+    # ``memory_reclaimable_mib``: what releasing its paused sandboxes and its idle running ones that may be
+    # paused would free. ``memory_sandbox_cost_mib``: the median cost of its running sandboxes (None before
+    # one runs). ``memory_limit_mib``: NODE_MEMORY_MIB when set (a cap on ``memory_sandboxes_mib``).
+    # ``memory_headroom_mib``: what it keeps free. ``memory_measured_at``: when the figures were taken.
+    memory_available_mib: int | None = None
+    memory_sandboxes_mib: int | None = None
+    memory_reclaimable_mib: int = 0
+    memory_sandbox_cost_mib: int | None = None
+    memory_limit_mib: int | None = None
+    memory_headroom_mib: int = 0
+    memory_measured_at: datetime | None = None
 
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",

@@ -1,0 +1,77 @@
+"""Measured memory (libs/podbay/vmmem.py) and the node's release order under pressure
+(services/nodeagent/memory.py): pure logic, and real files and processes of this machine."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+from podbay.vmmem import HostMemory, available_for_vms, file_cached_bytes, host_memory, vm_memory
+from podbay_nodeagent.memory import Candidate, NodeMemory, release_order, to_release
+
+
+def _c(sid: str, kind: str, since: float, cost: float = 100.0) -> Candidate:
+    return Candidate(sid, kind, since, cost)  # type: ignore[arg-type]
+
+
+def test_paused_sandboxes_go_first_longest_paused_first_then_idle_running_longest_idle_first() -> None:
+    cands = [_c("idle-new", "idle", 50.0), _c("paused-new", "paused", 40.0), _c("idle-old", "idle", 10.0),
+             _c("paused-old", "paused", 20.0)]
+    assert [c.sandbox_id for c in release_order(cands)] == ["paused-old", "paused-new", "idle-old", "idle-new"]
+
+
+def test_to_release_takes_the_shortest_prefix_that_frees_enough() -> None:
+    cands = [_c("p1", "paused", 1.0, 120.0), _c("p2", "paused", 2.0, 120.0), _c("i1", "idle", 0.0, 150.0)]
+    assert to_release(cands, 0) == []
+    assert [c.sandbox_id for c in to_release(cands, 100)] == ["p1"]
+    assert [c.sandbox_id for c in to_release(cands, 121)] == ["p1", "p2"]
+    # A running sandbox is paused only when the paused ones do not free enough.
+    assert [c.sandbox_id for c in to_release(cands, 241)] == ["p1", "p2", "i1"]
+    assert [c.sandbox_id for c in to_release(cands, 10_000)] == ["p1", "p2", "i1"]
+
+
+def _mem(available: float, sandboxes: float, limit: int | None, headroom: int = 1024) -> NodeMemory:
+    return NodeMemory(host=HostMemory(24000, available, 0), available_mib=available, sandboxes_mib=sandboxes,
+                      reclaimable_mib=0, cost_mib=130, limit_mib=limit, headroom_mib=headroom, candidates=[],
+                      per_vm={}, measured_at=datetime.now(UTC))
+
+
+def test_room_is_available_less_headroom_and_under_a_set_limit_the_limit_less_use() -> None:
+    assert _mem(5000, 1000, None).room_mib == 5000 - 1024
+    assert _mem(5000, 1000, 1500).room_mib == 500
+    assert _mem(900, 0, None).room_mib < 0
+
+
+def test_guest_ram_that_meminfo_calls_available_is_not_available() -> None:
+    host = HostMemory(total_mib=24000, available_mib=20000, mapped_mib=3000)
+    assert available_for_vms(host) == 17000
+    assert available_for_vms(HostMemory(1000, 100, 200)) == 0.0
+
+
+def test_cached_pages_of_a_real_file(tmp_path: Path) -> None:
+    f = tmp_path / "ram"
+    f.write_bytes(os.urandom(8 << 20))
+    with open(f, "rb") as fh:
+        os.fsync(fh.fileno())
+        assert file_cached_bytes(f) >= 4 << 20  # just written: in the page cache
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert file_cached_bytes(f) < 1 << 20
+    (tmp_path / "empty").touch()
+    assert file_cached_bytes(tmp_path / "empty") == 0
+
+
+def test_a_process_costs_its_pss_and_the_cached_pages_it_has_not_mapped_are_reported(tmp_path: Path) -> None:
+    f = tmp_path / "ram"
+    f.write_bytes(os.urandom(16 << 20))  # cached, and not mapped by this process
+    me = vm_memory(os.getpid(), f)
+    assert me is not None and me.pss_mib > 0
+    assert me.ram_cached_mib >= 8 and me.unmapped_mib > 0
+    assert me.cost_mib == me.pss_mib
+    assert vm_memory(os.getpid(), None).ram_cached_mib == 0  # type: ignore[union-attr]
+    assert vm_memory(2**22 + 12345, f) is None  # no such process
+
+
+def test_host_memory_reads_meminfo() -> None:
+    h = host_memory()
+    assert 0 < h.available_mib <= h.total_mib and h.mapped_mib >= 0

@@ -1,4 +1,5 @@
-"""Host facts the VMM needs: which accelerator works, the host TSC frequency, the QEMU version.
+"""Host facts the VMM needs: which accelerator works, the host TSC frequency, the QEMU version, and the guest
+kernel command line that depends on them (``kernel_cmdline``; the VMM and the KVM probe both boot with it).
 
 ``accel=auto`` boots a probe guest (the template kernel and initramfs with ``podbay.probe=1``, no disk) under
 KVM with a short timeout (``Settings.kvm_probe_timeout_s``) and falls back to TCG when it does not print its
@@ -30,11 +31,21 @@ __all__ = [
     "host_tsc_khz",
     "parse_tsc_khz",
     "qemu_version",
+    "kernel_cmdline",
     "PROBE_MARKER",
 ]
 
 Accel = Literal["kvm", "tcg"]
 PROBE_MARKER = "PODBAY-PROBE-OK"
+
+
+def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
+    """The guest kernel command line of DESIGN.md §3; ``tsc_khz`` is the host TSC in kHz."""
+    base = (
+        "console=ttyS0 reboot=t panic=-1 lpj=2000000 tsc=reliable no_timer_check "
+        f"tsc_early_khz={tsc_khz} i8042.noaux i8042.nomux i8042.nopnp quiet"
+    )
+    return f"{base} {extra}".strip()
 
 
 def parse_tsc_khz(sysfs: str | None, dmesg: str | None, cpuinfo: str | None) -> int | None:
@@ -98,8 +109,6 @@ async def probe_kvm(kernel: Path, initrd: Path, *, timeout_s: float, qemu_binary
     """Boot the probe guest under KVM; ``(works, reason)``. The QEMU process is always killed afterwards."""
     if not _kvm_usable():
         return False, "/dev/kvm missing or not accessible"
-    from podbay_nodeagent.vmm import kernel_cmdline  # late: vmm imports this module
-
     with tempfile.TemporaryDirectory(prefix="podbay-kvm-probe-") as d:
         console = Path(d) / "console.log"
         argv = [

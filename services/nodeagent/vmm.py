@@ -47,7 +47,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
 from podbay_nodeagent import confine
-from podbay_nodeagent.accel import Accel, host_tsc_khz
+from podbay_nodeagent.accel import Accel, host_tsc_khz, kernel_cmdline
 
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
@@ -200,15 +200,6 @@ def _send_scm_rights(qmp: QMPClient, fd: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- command line
-
-
-def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
-    """The guest kernel command line of DESIGN.md §3; ``tsc_khz`` is the host TSC in kHz."""
-    base = (
-        "console=ttyS0 reboot=t panic=-1 lpj=2000000 tsc=reliable no_timer_check "
-        f"tsc_early_khz={tsc_khz} i8042.noaux i8042.nomux i8042.nopnp quiet"
-    )
-    return f"{base} {extra}".strip()
 
 
 def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int,

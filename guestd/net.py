@@ -8,9 +8,11 @@ starting a process costs ~30-50 ms under TCG, on the create path.
 
 The sandbox CA goes to ``/usr/local/share/ca-certificates/podbay-sandbox.crt`` and is appended to the
 template's own bundle to form ``/etc/ssl/certs/ca-certificates.crt`` (what OpenSSL, Python, curl and
-most runtimes read), without running the slow ``update-ca-certificates``. The template's bundle is kept
-once as ``ca-certificates.crt.podbay-orig``, so a second call (a fork child, a rollback) replaces the
-sandbox CA instead of appending another.
+most runtimes read), without running the slow ``update-ca-certificates``. The node's extra CAs (its
+``GUEST_CA_FILE``: the CA of a network that inspects TLS, which the guest meets because the gateway passes
+TLS through) go to ``podbay-extra.crt`` beside it and into the bundle between the two. The template's
+bundle is kept once as ``ca-certificates.crt.podbay-orig``, so a second call (a fork child, a rollback)
+replaces the sandbox CA and the extra ones instead of appending more.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import os
 import socket
 import struct
 
-__all__ = ["configure_net", "install_ca", "nic_name", "SANDBOX_CA_PATH", "BUNDLE_PATH", "PRISTINE_BUNDLE_PATH"]
+__all__ = ["configure_net", "install_ca", "nic_name", "SANDBOX_CA_PATH", "EXTRA_CA_PATH", "BUNDLE_PATH",
+           "PRISTINE_BUNDLE_PATH"]
 
 SANDBOX_CA_PATH = "/usr/local/share/ca-certificates/podbay-sandbox.crt"
+EXTRA_CA_PATH = "/usr/local/share/ca-certificates/podbay-extra.crt"
 BUNDLE_PATH = "/etc/ssl/certs/ca-certificates.crt"
 PRISTINE_BUNDLE_PATH = BUNDLE_PATH + ".podbay-orig"
 RESOLV_CONF = "/etc/resolv.conf"
@@ -101,11 +105,21 @@ def configure_net(address: str, prefix_len: int, gateway: str, dns: list[str]) -
     return name
 
 
-def install_ca(cert_pem: str) -> None:
-    """Trust ``cert_pem`` (the sandbox CA) system-wide; see the module docstring. Raises ``OSError``."""
-    pem = cert_pem.strip().encode() + b"\n"
+def install_ca(cert_pem: str | None, extra_pem: str | None = None) -> None:
+    """Trust ``cert_pem`` (the sandbox CA) and ``extra_pem`` (the node's extra CAs) system-wide, each
+    replacing what an earlier call installed (None: none); see the module docstring. Raises ``OSError``."""
     os.makedirs(os.path.dirname(SANDBOX_CA_PATH), exist_ok=True)
-    _write_atomic(SANDBOX_CA_PATH, pem, 0o644)
+    added = b""
+    for path, text in ((EXTRA_CA_PATH, extra_pem), (SANDBOX_CA_PATH, cert_pem)):
+        if text:
+            pem = text.strip().encode() + b"\n"
+            _write_atomic(path, pem, 0o644)
+            added += pem
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
     if not os.path.exists(PRISTINE_BUNDLE_PATH):
         try:
             with open(BUNDLE_PATH, "rb") as fh:
@@ -118,7 +132,7 @@ def install_ca(cert_pem: str) -> None:
     if original and not original.endswith(b"\n"):
         original += b"\n"
     os.makedirs(os.path.dirname(BUNDLE_PATH), exist_ok=True)
-    _write_atomic(BUNDLE_PATH, original + pem, 0o644)
+    _write_atomic(BUNDLE_PATH, original + added, 0o644)
 
 
 def _write_atomic(path: str, data: bytes, mode: int) -> None:

@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -44,6 +45,10 @@ FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
 #: Where ``after_restore`` puts the sandbox's access token (mode 0600).
 ACCESS_TOKEN_PATH = "/run/podbay/access_token"
+#: ``net.extra_ca_pem``: at most this many characters (podbay.contracts.channel.GUEST_EXTRA_CA_MAX), of
+#: nothing but PEM certificate blocks.
+EXTRA_CA_MAX = 128 * 1024
+_PEM_CERTS = re.compile(r"(?:\s*-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----)+\s*")
 
 
 class System(abc.ABC):
@@ -146,8 +151,8 @@ class RealSystem(System):
         from . import net as guest_net
 
         name = guest_net.configure_net(net["address"], net["prefix_len"], net["gateway"], net["dns"])
-        if net.get("ca_cert_pem"):
-            guest_net.install_ca(net["ca_cert_pem"])
+        if net.get("ca_cert_pem") or net.get("extra_ca_pem"):
+            guest_net.install_ca(net.get("ca_cert_pem"), net.get("extra_ca_pem"))
         return name
 
     def sync(self) -> None:
@@ -296,9 +301,13 @@ def _net_args(net: Any) -> dict[str, Any] | None:
     ca = net.get("ca_cert_pem")
     if ca is not None and (not isinstance(ca, str) or len(ca) > 16384 or "BEGIN CERTIFICATE" not in ca):
         raise OpError("invalid", "net.ca_cert_pem must be one PEM certificate")
+    extra = net.get("extra_ca_pem")
+    if extra is not None and (not isinstance(extra, str) or len(extra) > EXTRA_CA_MAX
+                              or not _PEM_CERTS.fullmatch(extra)):
+        raise OpError("invalid", f"net.extra_ca_pem must be PEM certificates, at most {EXTRA_CA_MAX} characters")
     return {"address": _ipv4(net.get("address"), "net.address"), "prefix_len": prefix,
             "gateway": _ipv4(net.get("gateway"), "net.gateway"),
-            "dns": [_ipv4(d, "net.dns") for d in dns], "ca_cert_pem": ca}
+            "dns": [_ipv4(d, "net.dns") for d in dns], "ca_cert_pem": ca, "extra_ca_pem": extra}
 
 
 def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:

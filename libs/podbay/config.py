@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from podbay.errors import PodbayError
@@ -212,6 +212,10 @@ class Settings(BaseSettings):
                                              "TLS (private services; tests).")
     gateway_hosts_file: Path | None = Field(None, description="hosts(5)-format names the gateway's DNS answers "
                                             "before asking the host's resolver (air-gapped sites; tests).")
+    guest_ca_file: Path | None = Field(None, description="PEM file of extra CA certificates every guest trusts "
+                                       "(added to its trust store at each create, before the sandbox's own CA): "
+                                       "a network that inspects TLS. `podbay up` sets it, when unset, to what the "
+                                       "host trusts beyond the public roots; empty = none.")
     gateway_bin: Path | None = Field(None, description="podbay-gateway executable; default: the gateway "
                                      "virtualenv beside this one (.venv-gateway), else beside python.")
 
@@ -229,6 +233,12 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO")
     log_format: Literal["text", "json"] = Field("text", description="Service logs on stderr: readable text, or "
                                                 "one JSON object per line with sandbox/operation/node ids.")
+
+    @field_validator("guest_ca_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # ``PODBAY_GUEST_CA_FILE=`` turns off what `podbay up` would otherwise detect; it means no file.
+        return None if value == "" else value
 
     @property
     def logs(self) -> Path:

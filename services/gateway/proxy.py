@@ -33,12 +33,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import certifi
 from mitmproxy import certs, connection, http, options, tls
 from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 from mitmproxy.proxy import server_hooks
 
+from podbay import hostca
 from podbay.config import Settings
 
 from .engine import Gateway, Peer
@@ -310,13 +310,12 @@ class SandboxTlsConfig(tlsconfig.TlsConfig):
         super().tls_start_client(tls_start)
 
 
-def upstream_bundle(extra: Path | None, work_dir: Path) -> Path | None:
-    """The CA bundle for upstream verification: certifi's roots plus ``extra`` (mitmproxy's option replaces
-    the default roots, so the private CA is added to, not substituted for, the public ones)."""
-    if extra is None:
-        return None
+def upstream_bundle(extra: Path | None, work_dir: Path) -> Path:
+    """The CA bundle file for upstream verification, in ``work_dir``: what the host trusts (its OpenSSL bundle,
+    which on a network that inspects TLS holds that network's CA; certifi's roots without one) plus ``extra``
+    (``GATEWAY_UPSTREAM_CA``). Always set: mitmproxy's default is certifi's roots alone."""
     bundle = work_dir / "upstream-ca.pem"
-    bundle.write_bytes(Path(certifi.where()).read_bytes() + b"\n" + extra.read_bytes())
+    bundle.write_bytes(hostca.upstream_bundle(extra))
     return bundle
 
 
@@ -342,7 +341,7 @@ def build_master(settings: Settings, gw: Gateway, listen_host: str = "0.0.0.0") 
         confdir=str(work),  # mitmproxy's own default CA lands here; it never signs for a sandbox
         connection_strategy="lazy",
         ssl_insecure=False,
-        ssl_verify_upstream_trusted_ca=str(bundle) if bundle else None,
+        ssl_verify_upstream_trusted_ca=str(bundle),
         stream_large_bodies=None,
         rawtcp=True,
         upstream_cert=False,

@@ -245,7 +245,7 @@ class MigrationOps:
                 state = await asyncio.wait_for(asyncio.shield(inc.arrived), m.settings.migrate_timeout_s)
                 # A running guest moved stop-and-copy arrives paused (vmmigrate.precopy_safe): resume it here.
                 state = await vmmigrate.arrive(m.driver.vmm, inc.handle.inner, state, req.was_running)
-                hygiene_net = m.net.guest_net(inc.binding)
+                hygiene_net = m.guest_net(inc.binding)
                 if state == "running":
                     channel = await GuestChannel.connect(inc.handle.channel_path, timeout_s=m.settings.restore_timeout_s)
                     # The guest kept its memory and identity; it needs this node's address and CA and the time.

@@ -97,7 +97,7 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
         before = await asyncio.to_thread(mgr.net.binding, sandbox_id)
         binding = await asyncio.to_thread(mgr.net.bind, sandbox_id, generation)
         if before != binding:
-            pending = mgr.net.guest_net(binding)
+            pending = mgr.guest_net(binding)
         if paused:
             # A stopped guest cannot answer; the channel is connected again on resume.
             status = await handle.status()

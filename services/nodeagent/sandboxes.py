@@ -25,10 +25,12 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.channel.client import GuestChannel
 from podbay.contracts.channel import GuestNet
-from podbay.config import Settings
+from podbay.config import ConfigError, Settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, OperationDone, Resources, SandboxOpCmd
+from podbay.contracts.egress import NetBinding
 from podbay.errors import NotFound, PodbayError, StaleGeneration, Unavailable
+from podbay.hostca import load_guest_ca
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 from podbay.vmprocs import vm_processes
@@ -99,10 +101,21 @@ class SandboxManager:
         from .migrate import MigrationOps
 
         self.migrations: MigrationOps  # set by main (answers live migrations into this node)
+        # The operator's extra CAs (GUEST_CA_FILE), read once: every guest gets them with its network.
+        try:
+            self.guest_ca_pem = load_guest_ca(settings.guest_ca_file)
+        except ValueError as exc:
+            raise ConfigError(f"PODBAY_GUEST_CA_FILE: {exc}") from exc
 
     @property
     def node_id(self) -> str:
         return self.settings.node_id
+
+    def guest_net(self, binding: NetBinding) -> GuestNet:
+        """What ``after_restore.net`` tells a guest: its network and sandbox CA (``SandboxNetwork.guest_net``)
+        and the node's extra CAs (``GUEST_CA_FILE``), which replace the guest's earlier ones each time."""
+        net = self.net.guest_net(binding)
+        return net.model_copy(update={"extra_ca_pem": self.guest_ca_pem}) if self.guest_ca_pem else net
 
     @property
     def accel(self) -> str:
@@ -214,7 +227,7 @@ class SandboxManager:
             hygiene = await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
                                                   env={"PODBAY_SANDBOX_ID": sandbox_id},
                                                   access_token=secrets.token_urlsafe(32),
-                                                  net=self.net.guest_net(binding))
+                                                  net=self.guest_net(binding))
             if not hygiene.crng_reseeded:
                 # Older guests or a refused ioctl: the seed still lands at the kernel's next reseed.
                 log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "
@@ -344,7 +357,7 @@ class SandboxManager:
         await asyncio.to_thread(shutil.rmtree, vm_dir / "hib", True)
         del self.hibernated[sandbox_id]
         vm = RunningVm(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic(),
-                       net_pending=None if before == binding else self.net.guest_net(binding))
+                       net_pending=None if before == binding else self.guest_net(binding))
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
 

@@ -9,8 +9,9 @@ Layout (S is a per-run subnet number):
 The node is a namespace of its own so that the test's rules and taps stay apart from any other stack's
 ``pbt*`` devices and nftables tables on the same host.
 
-The upstream namespace runs an HTTPS (and HTTP) echo server with its own CA, given to the gateway as
-``gateway_upstream_ca``; its names are in ``gateway_hosts_file``. Each client namespace is one sandbox with a
+The upstream namespace runs an HTTPS (and HTTP) echo server with its own CA, which the gateway trusts only
+as the host does: its process's ``SSL_CERT_FILE`` is certifi's roots plus that CA (as on a network that
+inspects TLS), and no ``gateway_upstream_ca`` is set; its names are in ``gateway_hosts_file``. Each client namespace is one sandbox with a
 NetBinding and its own CA; PostgreSQL holds the sandboxes, policies and credentials.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
+import certifi
 import httpx
 import pytest
 from cryptography import x509
@@ -258,10 +260,13 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
                                  stdout=subprocess.PIPE)
         procs.append(relay)
         assert relay.stdout is not None and (await asyncio.to_thread(relay.stdout.readline)).strip() == b"ready"
-        env_vars = {**os.environ, "PODBAY_PG_DSN": pg_dsn, "PODBAY_NATS_URL": nats_url,
-                    "PODBAY_DATA_DIR": str(data_dir), "PODBAY_NODE_ID": node_id, "PODBAY_GATEWAY_PORT": str(health),
-                    "PODBAY_GATEWAY_PROXY_PORT": str(proxy_port), "PODBAY_GATEWAY_DNS_PORT": str(dns_port),
-                    "PODBAY_SANDBOX_CIDR": f"10.250.{s}.0/24", "PODBAY_GATEWAY_UPSTREAM_CA": str(ca_file),
+        # The upstream's CA is trusted by "the host" only: the gateway must verify against the host's bundle.
+        host_bundle = work / "host-ca-bundle.crt"
+        host_bundle.write_bytes(Path(certifi.where()).read_bytes() + ca_file.read_bytes())
+        env_vars = {**os.environ, "SSL_CERT_FILE": str(host_bundle), "PODBAY_PG_DSN": pg_dsn,
+                    "PODBAY_NATS_URL": nats_url, "PODBAY_DATA_DIR": str(data_dir), "PODBAY_NODE_ID": node_id,
+                    "PODBAY_GATEWAY_PORT": str(health), "PODBAY_GATEWAY_PROXY_PORT": str(proxy_port),
+                    "PODBAY_GATEWAY_DNS_PORT": str(dns_port), "PODBAY_SANDBOX_CIDR": f"10.250.{s}.0/24",
                     "PODBAY_GATEWAY_HOSTS_FILE": str(hosts), "PODBAY_CREDENTIAL_KEY": key}
         log = open(work / "gateway.log", "ab")  # noqa: SIM115 - closed with the process
         gw = subprocess.Popen(["ip", "netns", "exec", node_ns, str(gateway_executable())], env=env_vars,

@@ -47,7 +47,12 @@ async def test_after_restore_configures_the_network(ch: GuestChannel, guestd: tu
     res = await ch.after_restore(net=net)
     assert res.net_interface == "eth0"
     assert ["configure_net", {"address": "10.88.0.6", "prefix_len": 30, "gateway": "10.88.0.5",
-                              "dns": ["10.88.0.5"], "ca_cert_pem": cert}] in _calls(guestd[1])
+                              "dns": ["10.88.0.5"], "ca_cert_pem": cert, "extra_ca_pem": None}] in _calls(guestd[1])
+    # The node's extra CAs (GUEST_CA_FILE) come along when it has some.
+    extra = new_sandbox_ca("inspecting", 1)[1].decode() + new_sandbox_ca("local", 1)[1].decode()
+    await ch.after_restore(net=net.model_copy(update={"extra_ca_pem": extra}))
+    assert ["configure_net", {"address": "10.88.0.6", "prefix_len": 30, "gateway": "10.88.0.5",
+                              "dns": ["10.88.0.5"], "ca_cert_pem": cert, "extra_ca_pem": extra}] in _calls(guestd[1])
     # Without ``net`` nothing about the network is touched (the warm claim and resume hot paths).
     before = len(_calls(guestd[1]))
     assert (await ch.after_restore(time_ns=1)).net_interface is None
@@ -59,7 +64,9 @@ async def test_bad_network_arguments_are_invalid(ch: GuestChannel, guestd: tuple
     before = len(_calls(guestd[1]))
     for bad in ({**good, "address": "10.88.0.300"}, {**good, "gateway": "host"}, {**good, "prefix_len": 31},
                 {**good, "dns": ["a", "b", "c", "d"]}, {**good, "ca_cert_pem": "not a certificate"}, "10.0.0.2",
-                {**good, "address": "010.88.0.2"}):
+                {**good, "address": "010.88.0.2"}, {**good, "extra_ca_pem": "not a certificate"},
+                {**good, "extra_ca_pem": new_sandbox_ca("x", 1)[1].decode() + "trailing text"},
+                {**good, "extra_ca_pem": new_sandbox_ca("x", 1)[1].decode() * 250}, {**good, "extra_ca_pem": 1}):
         stream = ch.open_stream(Op.AFTER_RESTORE, {"hostname": "changed", "net": bad})
         with pytest.raises(InvalidRequest):
             await ch.finish(stream, 10)
@@ -83,6 +90,29 @@ def test_the_trust_bundle_is_the_templates_plus_one_sandbox_ca(tmp_path: Path, m
     guest_net.install_ca(second.decode())
     assert bundle.read_bytes() == original + second
     assert Path(str(bundle) + ".podbay-orig").read_bytes() == original
+
+
+def test_extra_cas_sit_between_the_templates_bundle_and_the_sandbox_ca(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = tmp_path / "etc/ssl/certs/ca-certificates.crt"
+    bundle.parent.mkdir(parents=True)
+    original = new_sandbox_ca("public-root", 1)[1]
+    bundle.write_bytes(original)
+    local = tmp_path / "usr/local/share/ca-certificates"
+    monkeypatch.setattr(guest_net, "BUNDLE_PATH", str(bundle))
+    monkeypatch.setattr(guest_net, "PRISTINE_BUNDLE_PATH", str(bundle) + ".podbay-orig")
+    monkeypatch.setattr(guest_net, "SANDBOX_CA_PATH", str(local / "podbay-sandbox.crt"))
+    monkeypatch.setattr(guest_net, "EXTRA_CA_PATH", str(local / "podbay-extra.crt"))
+    mine, extra = new_sandbox_ca("sbx_a", 1)[1], new_sandbox_ca("inspecting", 1)[1]
+    guest_net.install_ca(mine.decode(), extra.decode())
+    assert bundle.read_bytes() == original + extra + mine  # the sandbox CA stays last
+    assert (local / "podbay-extra.crt").read_bytes() == extra
+    # Each call replaces both; a node without extra CAs takes them away (a guest moved to another node).
+    other = new_sandbox_ca("sbx_a", 2)[1]
+    guest_net.install_ca(other.decode(), extra.decode())
+    assert bundle.read_bytes() == original + extra + other
+    guest_net.install_ca(other.decode(), None)
+    assert bundle.read_bytes() == original + other and not (local / "podbay-extra.crt").exists()
 
 
 def test_ioctl_structures_have_the_kernels_layout(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "WatchEvent",
     "WatchResult",
     "GuestNet",
+    "GUEST_EXTRA_CA_MAX",
     "AfterRestoreRequest",
     "AfterRestoreResult",
     "FreezeRequest",
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+
+#: Longest ``GuestNet.extra_ca_pem`` (characters): it shares one frame (256 KiB) with the rest of after_restore.
+GUEST_EXTRA_CA_MAX = 128 * 1024
 
 
 class Op(StrEnum):
@@ -255,13 +259,17 @@ class GuestNet(_Strict):
     ``address``/``prefix_len`` on the guest's NIC, the default route via ``gateway`` (the tap's host side),
     ``/etc/resolv.conf`` naming ``dns``, and ``ca_cert_pem`` (the sandbox's CA certificate, PEM) installed
     into the guest's trust store as ``/usr/local/share/ca-certificates/podbay-sandbox.crt`` and appended to
-    the template's original ``/etc/ssl/certs/ca-certificates.crt`` (replacing an earlier sandbox CA)."""
+    the template's original ``/etc/ssl/certs/ca-certificates.crt`` (replacing an earlier sandbox CA).
+    ``extra_ca_pem`` (PEM certificates, the node's ``GUEST_CA_FILE``: a network that inspects TLS) goes to
+    ``podbay-extra.crt`` beside it and into the bundle before the sandbox CA; absent, an earlier one is
+    removed."""
 
     address: str = Field(pattern=r"^\d{1,3}(\.\d{1,3}){3}$")
     prefix_len: int = Field(30, ge=8, le=30)
     gateway: str = Field(pattern=r"^\d{1,3}(\.\d{1,3}){3}$")
     dns: list[str] = Field(default_factory=list, max_length=3)
     ca_cert_pem: str | None = Field(None, max_length=16384)
+    extra_ca_pem: str | None = Field(None, min_length=1, max_length=GUEST_EXTRA_CA_MAX)
 
 
 class AfterRestoreRequest(_Strict):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import signal
@@ -46,6 +47,7 @@ from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
+from podbay.hostca import host_extra_cas, to_pem
 
 __all__ = [
     "SERVICES",
@@ -67,8 +69,11 @@ __all__ = [
     "default_bin_dir",
     "gateway_executable",
     "credential_key_for",
+    "guest_ca_for",
     "NODE_SERVICES",
 ]
+
+log = logging.getLogger("podbay.devstack")
 
 
 @dataclass(frozen=True)
@@ -361,6 +366,31 @@ def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(key + "\n")
         return key
+
+
+def guest_ca_for(data_dir: Path, env: dict[str, str]) -> Path | None:
+    """The extra CAs a stack's guests trust (``PODBAY_GUEST_CA_FILE``, docs/egress.md "Guest trust"): None when
+    the caller set that variable (its value passes through; empty turns it off) or the host trusts nothing
+    beyond the public roots; else ``DATA_DIR/guest-ca.pem``, written with what the host's bundle
+    (``SSL_CERT_FILE`` in ``env``, else OpenSSL's default) holds beyond them: the CA of a network that inspects
+    TLS, which guests meet because the gateway passes their TLS through. A bundle that cannot be read adds
+    nothing (logged)."""
+    if "PODBAY_GUEST_CA_FILE" in env:
+        return None
+    bundle = Path(env["SSL_CERT_FILE"]) if env.get("SSL_CERT_FILE") else None
+    try:
+        extra = host_extra_cas(bundle)
+    except (OSError, ValueError) as exc:
+        log.warning("guests get no extra CA: the host's CA bundle cannot be read (%s)", exc)
+        return None
+    if not extra:
+        return None
+    path = data_dir / "guest-ca.pem"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pem.tmp")
+    tmp.write_text(to_pem(extra))
+    tmp.replace(path)
+    return path
 
 
 @dataclass
@@ -714,6 +744,9 @@ class Stack(NodeOps):
         }
         if self.openbao_addr:
             ours.update({"PODBAY_OPENBAO_ADDR": self.openbao_addr, "PODBAY_OPENBAO_TOKEN": self.openbao_token})
+        guest_ca = guest_ca_for(self.data_dir, self.base_env)
+        if guest_ca is not None:
+            ours["PODBAY_GUEST_CA_FILE"] = str(guest_ca)
         # A client key from the caller's shell means nothing to a service of another stack.
         base = {k: v for k, v in self.base_env.items() if k not in ("PODBAY_API_KEY", "PODBAY_CONFIG")}
         return {**base, **ours}

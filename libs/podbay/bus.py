@@ -6,7 +6,7 @@ boundary. Streams (DESIGN.md §4):
 - ``PODBAY_CMD``: work-queue retention over ``podbay.cmd.>``; one durable pull consumer per receiver;
   the operation id is the ``Nats-Msg-Id`` so duplicate publishes within the dedupe window are dropped.
 - ``PODBAY_EVT``: limits retention over ``podbay.evt.>`` (7 days, 1 GiB).
-- KV ``podbay_nodes``: heartbeats with a TTL.
+- KV ``podbay_nodes``: heartbeats with a TTL, read through one watcher per process (``podbay.nodewatch``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podbay.contracts import subjects
 from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
+from podbay.nodewatch import NodeWatch
 
 __all__ = ["Bus", "connect_bus", "consume"]
 
@@ -52,6 +53,7 @@ class Bus:
         self.js = js
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._nodes_kv: KeyValue | None = None
+        self._node_watch: NodeWatch | None = None
 
     async def ensure_streams(self) -> None:
         """Declare the command and event streams and the node KV bucket; idempotent."""
@@ -96,23 +98,14 @@ class Bus:
         return self._nodes_kv
 
     async def live_nodes(self) -> list[NodeHeartbeat]:
-        """Heartbeats now in the ``podbay_nodes`` bucket (a silent node's key expired by TTL)."""
-        kv = await self.nodes_kv()
-        out: list[NodeHeartbeat] = []
-        try:
-            keys = await kv.keys()
-        except NoKeysError:  # nats-py's answer for an empty bucket
-            return out
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-                if entry.value:
-                    out.append(NodeHeartbeat.model_validate_json(entry.value))
-            except (KeyNotFoundError, NotFoundError):  # its TTL ran out between listing and reading
-                continue
-            except ValidationError as exc:
-                log.warning("skipping node %s: its heartbeat is not a NodeHeartbeat: %s", key, exc)
-        return out
+        """Heartbeats of the nodes alive now: put within the bucket's TTL (a silent node's key expired).
+
+        Read from one long-lived watcher's cache (``podbay.nodewatch``), never by listing the bucket, so a
+        lookup opens no consumer. Raises ``Unavailable`` when NATS is not connected.
+        """
+        if self._node_watch is None:
+            self._node_watch = NodeWatch(self.nc, self.nodes_kv, ttl_s=self._heartbeat_ttl_s)
+        return await self._node_watch.live()
 
     async def ensure_consumer(self, durable: str, filter_subject: str, *, ack_wait_s: float = 60.0) -> None:
         """Declare a durable pull consumer on the command stream (explicit ack, redelivery after ``ack_wait_s``)."""
@@ -142,6 +135,8 @@ class Bus:
     async def close(self) -> None:
         """Flush what was published, then close. (``drain`` would wait up to 30 s on an idle pull
         subscription, and everything podbay publishes that matters is already acked by JetStream.)"""
+        if self._node_watch is not None:
+            await self._node_watch.close()
         try:
             await self.nc.flush(timeout=2)
         except Exception:  # already closed or the server went away: nothing left to flush

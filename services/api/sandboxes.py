@@ -22,6 +22,7 @@ from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources,
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import InvalidRequest, InvalidState, NotFound, SandboxFailed
 from podbay.logs import bind_log_context
+from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -124,7 +125,7 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     bind_log_context(sandbox_id=sandbox_id)
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
-    hostname = "sbx-" + sandbox_id[4:16]
+    hostname = sandbox_hostname(sandbox_id)
     t_db = time.perf_counter()
     async with ctx.pool.acquire() as conn, conn.transaction():
         await conn.execute(

@@ -35,6 +35,7 @@ from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCm
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 from podbay.logs import bind_log_context
+from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 
 from .auth import Principal
@@ -173,7 +174,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
                 " (SELECT egress_policy FROM sandboxes WHERE id=$10), "
                 + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="$3") + ")",
                 cid, who.tenant_id, row["template"], tpl, row["node_id"], row["memory_mib"], row["vcpus"],
-                "sbx-" + cid[4:16], row["metadata"] or {}, sandbox_id, snap_id)
+                sandbox_hostname(cid), row["metadata"] or {}, sandbox_id, snap_id)
             await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
                                      data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
         await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
@@ -183,7 +184,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "fork"), ForkCmd(
         operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
-        take_snapshot=take, children=[ForkChild(sandbox_id=c, hostname="sbx-" + c[4:16]) for c in children]),
+        take_snapshot=take, children=[ForkChild(sandbox_id=c, hostname=sandbox_hostname(c)) for c in children]),
         msg_id=op_id)
     finished, _ = await await_operation(ctx, fut)
     if not finished:

@@ -27,6 +27,7 @@ from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import Event, PlaceSandbox, Resources, WarmClaim, WarmClaimReply
 from podbay.errors import SandboxFailed
 from podbay.logs import bind_log_context
+from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -59,7 +60,7 @@ CLAIM_SQL = (
     " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq,"
     " egress_policy, guest_env)"
     " SELECT slot.id, $3, $1, t.digest, 'starting', 'running', node_id, 1, t.memory_mib, t.vcpus,"
-    " 'sbx-' || substr(slot.id, 5, 12), $6, $7, $8, now() + $7::integer * interval '1 second', 1, $17::jsonb, "
+    " " + sandbox_hostname_sql("slot.id") + ", $6, $7, $8, now() + $7::integer * interval '1 second', 1, $17::jsonb, "
     + GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1") + " FROM slot, t RETURNING *),"
     " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
     " SELECT $9, $3, id, 'create', 'running' FROM sbx),"

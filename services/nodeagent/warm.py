@@ -51,6 +51,7 @@ from podbay.contracts import subjects
 from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import Resources, WarmClaim, WarmClaimReply
 from podbay.errors import PodbayError
+from podbay.naming import sandbox_hostname
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -451,8 +452,8 @@ class WarmPool:
 
 
 def slot_hostname(slot_id: str) -> str:
-    """The hostname of the sandbox a slot becomes (the API derives it from the id the same way)."""
-    return "sbx-" + slot_id[4:16]
+    """The hostname of the sandbox a slot becomes: the slot's id is the sandbox's."""
+    return sandbox_hostname(slot_id)
 
 
 class _Moved(Exception):

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from e2e_http import api_client as _client, sh as _sh
 
+from podbay.naming import sandbox_hostname
+
 pytestmark = pytest.mark.e2e
 
 #: Bound of every wait for the pool to reach a state (slots restore one at a time under TCG).
@@ -148,7 +150,7 @@ def test_claimed_sandboxes_differ_in_randomness_hostname_and_token(stack: Any, p
     try:
         assert set(ids) == slots  # all three came from the pool
         for m in made:
-            assert (m["state"], m["generation"], m["hostname"]) == ("running", 1, "sbx-" + m["id"][4:16])
+            assert (m["state"], m["generation"], m["hostname"]) == ("running", 1, sandbox_hostname(m["id"]))
             assert c.get(f"/v1/sandboxes/{m['id']}").json()["updated_at"] == m["updated_at"]
             events = _events(stack, m["id"])
             assert [(e[0].rsplit(".", 1)[-1], e[1]["data"]["seq"], e[1]["generation"]) for e in events] == [

@@ -11,6 +11,7 @@ import pytest
 from access_helpers import Tenant, new_tenant, sql, template_and_sandbox
 
 from podbay.devstack.stack import Stack
+from podbay.naming import sandbox_hostname
 
 pytestmark = pytest.mark.integration
 
@@ -195,8 +196,8 @@ def test_audit_rows_are_events_too(stack: Stack, acme: Tenant) -> None:
 
 
 def test_warm_create_keeps_policy_placeholders_and_audit_event(stack: Stack, acme: Tenant) -> None:
-    """The one-statement warm create (``warm.CLAIM_SQL``) writes the policy, the placeholders, the audit row and
-    its event. The slot's node here is a row only: the claim is not answered and the create falls back to a
+    """The one-statement warm create (``warm.CLAIM_SQL``) writes the policy, the placeholders, the hostname (by
+    ``podbay.naming``'s rule), the audit row and its event. The slot's node here is a row only: the claim is not answered and the create falls back to a
     restore that cannot happen, so only the rows the claim wrote are checked (no microVM)."""
     tpl, _ = template_and_sandbox(stack, acme)
     node = f"node-fake-{secrets.token_hex(3)}"
@@ -222,7 +223,8 @@ def test_warm_create_keeps_policy_placeholders_and_audit_event(stack: Stack, acm
             break
     else:
         pytest.fail("the warm-pool service removed every test slot before a create claimed it")
-    row = sql(stack, "SELECT tenant_id, egress_policy, guest_env FROM sandboxes WHERE id=$1", slot)[0]
+    row = sql(stack, "SELECT tenant_id, egress_policy, guest_env, hostname FROM sandboxes WHERE id=$1", slot)[0]
+    assert row["hostname"] == sandbox_hostname(slot)
     policy = json.loads(row["egress_policy"]) if isinstance(row["egress_policy"], str) else row["egress_policy"]
     env = json.loads(row["guest_env"]) if isinstance(row["guest_env"], str) else row["guest_env"]
     assert row["tenant_id"] == acme.tenant_id and policy["allow"][0]["domain"] == "x.example.com"

@@ -40,9 +40,12 @@ from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
 from podbay.nodewatch import NodeWatch
 
-__all__ = ["Bus", "connect_bus", "consume"]
+__all__ = ["Bus", "connect_bus", "consume", "MAX_DELIVER"]
 
 log = logging.getLogger("podbay.bus")
+
+#: Deliveries of one command before JetStream gives up on it (handlers that retry by nak must answer on the last).
+MAX_DELIVER = 20
 
 
 class Bus:
@@ -115,7 +118,7 @@ class Bus:
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=ack_wait_s,
-            max_deliver=20,
+            max_deliver=MAX_DELIVER,
             max_ack_pending=256,
         )
         await self.js.add_consumer(subjects.CMD_STREAM, cfg)

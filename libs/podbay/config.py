@@ -180,6 +180,14 @@ class Settings(BaseSettings):
                                          "sandboxes on a node may reach its advertised vCPUs times this.")
     placement_candidates: int = Field(2, ge=1, le=64, description="Placement: best of this many random fitting "
                                       "nodes (plus those holding the snapshot or a warm slot).")
+    placement_retry_s: float = Field(15.0, ge=0, description="Placement: a create or wake that fits no node is "
+                                     "retried every second for this long after its request, so capacity freed "
+                                     "meanwhile is used; then it fails with no_capacity (HTTP 503 with Retry-After).")
+    pending_timeout_s: float = Field(120.0, gt=0, description="Scheduler: a sandbox still waiting for a node this "
+                                     "long after its last change (its place command is gone) is ended: a create "
+                                     "fails with placement_timeout, a wake goes back to suspended.")
+    pending_check_s: float = Field(5.0, gt=0, description="Scheduler: how often sandboxes waiting for a node past "
+                                   "PENDING_TIMEOUT_S are looked for.")
     lease_ttl_s: float = Field(6.0, gt=0, le=300, description="Leader leases (podbay_leases KV bucket): a "
                                "leader that stops renewing loses the lease after this long and a standby "
                                "takes over; renewed every third of it.")

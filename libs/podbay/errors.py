@@ -10,6 +10,7 @@
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
+    │   └── NoCapacity        503  no_capacity     retryable (no node has room; Retry-After says when to try)
     ├── StaleGeneration       409  stale_generation
     ├── GuestError            502  guest_error     (the guest answered badly or not at all)
     ├── SandboxFailed         500  sandbox_failed  (the sandbox could not be started; see the reason)
@@ -36,6 +37,7 @@ __all__ = [
     "Unprocessable",
     "Timeout",
     "Unavailable",
+    "NoCapacity",
     "StaleGeneration",
     "GuestError",
     "SandboxFailed",
@@ -122,6 +124,25 @@ class Unavailable(PodbayError):
     retryable = True
 
 
+class NoCapacity(Unavailable):
+    """No node could take the sandbox within the scheduler's retry window (``PODBAY_PLACEMENT_RETRY_S``).
+
+    The API answers 503 with a ``Retry-After`` header of :attr:`retry_after_s` seconds, also in
+    ``details.retry_after_s``; the sandbox is ``failed`` with the reason (``details.sandbox_id``,
+    ``details.operation_id``).
+    """
+
+    code = "no_capacity"
+    #: Seconds a caller should wait before trying again when the server did not say.
+    DEFAULT_RETRY_AFTER_S: ClassVar[int] = 5
+
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds to wait before trying again (the server's ``Retry-After``)."""
+        value = self.details.get("retry_after_s")
+        return int(value) if isinstance(value, int | float) and value >= 0 else self.DEFAULT_RETRY_AFTER_S
+
+
 class StaleGeneration(PodbayError):
     """A node acted on a placement that has since been superseded (DESIGN.md §4, generation fencing)."""
 
@@ -168,6 +189,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         Unprocessable,
         Timeout,
         Unavailable,
+        NoCapacity,
         StaleGeneration,
         GuestError,
         SandboxFailed,

@@ -48,7 +48,7 @@ from . import dataplane, sandboxes
 from .auth import Principal, authenticate
 from .context import ApiContext
 from .deps import ctx_dep
-from .errors import BAD_TEXT_MESSAGE
+from .errors import BAD_TEXT_MESSAGE, retry_headers
 
 __all__ = ["router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
 
@@ -62,9 +62,9 @@ E2B_STATES = {"pending": "running", "starting": "running", "running": "running",
 MIN_TIMEOUT_S = 10  # podbay's shortest lease
 
 
-def error_body(status: int, message: str) -> JSONResponse:
+def error_body(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """E2B's error shape."""
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
 
 
 class _E2bRoute(APIRoute):
@@ -77,7 +77,8 @@ class _E2bRoute(APIRoute):
             try:
                 return await inner(request)
             except PodbayError as exc:
-                return error_body(exc.http_status, exc.message)
+                # No capacity is 503 with Retry-After, as E2B's API answers a placement without room.
+                return error_body(exc.http_status, exc.message, retry_headers(exc))
             except asyncpg.DataError:
                 return error_body(400, BAD_TEXT_MESSAGE)
             except RequestValidationError as exc:

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from podbay.errors import PodbayError
+from podbay.errors import NoCapacity, PodbayError
 
-__all__ = ["install_error_handlers", "BAD_TEXT_MESSAGE"]
+__all__ = ["install_error_handlers", "retry_headers", "BAD_TEXT_MESSAGE"]
 
 log = logging.getLogger("podbay.api")
 
@@ -25,10 +25,15 @@ _HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 40
                409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "validation_error"}
 
 
+def retry_headers(exc: PodbayError) -> dict[str, str] | None:
+    """``Retry-After`` (seconds) for an error that says when to try again (``NoCapacity``), else None."""
+    return {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, NoCapacity) else None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PodbayError)
     async def _podbay(_: Request, exc: PodbayError) -> JSONResponse:
-        return JSONResponse(exc.to_wire(), status_code=exc.http_status)
+        return JSONResponse(exc.to_wire(), status_code=exc.http_status, headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -17,10 +17,18 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from podbay.audit import record
 from podbay.contracts import subjects
-from podbay.contracts.api import LeaseUpdate, OperationInfo, SandboxCreate, SandboxInfo, SandboxList, TemplateInfo
+from podbay.contracts.api import (
+    ErrorBody,
+    LeaseUpdate,
+    OperationInfo,
+    SandboxCreate,
+    SandboxInfo,
+    SandboxList,
+    TemplateInfo,
+)
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
-from podbay.errors import InvalidRequest, InvalidState, NotFound, SandboxFailed
+from podbay.errors import InvalidRequest, InvalidState, NoCapacity, NotFound, SandboxFailed
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
@@ -38,6 +46,15 @@ log = logging.getLogger("podbay.api")
 router = APIRouter(prefix="/v1")
 
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+
+#: OpenAPI: the 503 a create answers when no node has room (or the service is unavailable).
+NO_CAPACITY_RESPONSE: dict[str, Any] = {
+    "model": ErrorBody,
+    "description": "`no_capacity`: no node had room within the scheduler's retry window (the sandbox is `failed`); "
+                   "or `unavailable`.",
+    "headers": {"Retry-After": {"description": "With `no_capacity`: seconds to wait before trying again.",
+                                "schema": {"type": "integer"}}},
+}
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
 _SANDBOX_COLS = (
@@ -95,14 +112,18 @@ async def _finish(ctx: ApiContext, tenant_id: str, sandbox_id: str, op_id: str,
     return sandbox_info(row, op_id), finished
 
 
-@router.post("/sandboxes", status_code=201, response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
+@router.post("/sandboxes", status_code=201, response_model=SandboxInfo,
+             responses={202: {"model": SandboxInfo}, 503: NO_CAPACITY_RESPONSE})
 async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
                          wait: bool = Query(True, description="Wait until the sandbox runs (bounded).")) -> SandboxInfo:
     """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
     and a resume), else by restoring the template's snapshot on a node with room.
 
     Errors: 404 ``not_found`` (unknown template), 400 ``invalid_request`` (resources the template's snapshot
-    cannot restore with), 500 ``sandbox_failed`` (with the reason), 503 ``unavailable``.
+    cannot restore with), 503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
+    retry window, ``PODBAY_PLACEMENT_RETRY_S``; the sandbox is ``failed``), 500 ``sandbox_failed`` (with the
+    reason), 503 ``unavailable``. With ``?wait=false`` the same outcomes show on the operation
+    (``error.code``) and the sandbox (``failed``, ``failure_reason``).
     """
     t0 = time.perf_counter()
     # A warm claim looks the template up in its own statement; the checks below answer when it cannot.
@@ -158,8 +179,12 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     HOP_SECONDS.labels("api", "bus").observe(time.perf_counter() - t_bus)
     info, finished = await _finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
     if info.state == SandboxState.FAILED:
-        raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}",
-                            details={"sandbox_id": sandbox_id, "operation_id": op_id})
+        details: dict[str, Any] = {"sandbox_id": sandbox_id, "operation_id": op_id}
+        code = await ctx.pool.fetchval("SELECT error_code FROM operations WHERE id=$1", op_id)
+        if code == NoCapacity.code:
+            raise NoCapacity(f"no node has room for sandbox {sandbox_id}: {info.failure_reason}",
+                             details={**details, "retry_after_s": NoCapacity.DEFAULT_RETRY_AFTER_S})
+        raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}", details=details)
     if not finished:
         response.status_code = 202
     return info

@@ -27,6 +27,7 @@ from podbay.contracts.messages import PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
 from podbay.errors import (
     InvalidState,
+    NoCapacity,
     NotFound,
     PodbayError,
     SandboxFailed,
@@ -123,7 +124,7 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
     """Wake a suspended sandbox on a node with room; returns (info, finished within the bound).
 
     Raises ``InvalidState`` (not suspended), ``SnapshotCorrupt`` (502; it stays suspended),
-    ``Unavailable`` (no node has room; it stays suspended), ``SandboxFailed`` (the restore failed)."""
+    ``NoCapacity`` (no node has room; it stays suspended), ``SandboxFailed`` (the restore failed)."""
     t0 = time.perf_counter()
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
@@ -156,8 +157,9 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
         details = {"operation_id": op_id}
         if code == "snapshot_corrupt":
             raise SnapshotCorrupt(f"cannot resume sandbox {sandbox_id}: {message}", details=details)
-        if code == "no_capacity":
-            raise Unavailable(f"cannot resume sandbox {sandbox_id}: {message}", details=details)
+        if code == NoCapacity.code:
+            raise NoCapacity(f"cannot resume sandbox {sandbox_id}: {message}",
+                             details={**details, "retry_after_s": NoCapacity.DEFAULT_RETRY_AFTER_S})
         if info.state == SandboxState.FAILED:
             raise SandboxFailed(f"sandbox {sandbox_id} failed to resume: {info.failure_reason}", details=details)
         if code is not None:

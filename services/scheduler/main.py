@@ -6,7 +6,11 @@ their committed load from PostgreSQL, choose a node, move the sandbox ``pending 
 generation; then publish ``podbay.cmd.node.<node>.create``. A ``wake`` command places a ``resuming`` (suspended)
 sandbox the same way, on any node with room and its template, and sends ``wake`` (see ``wake.py``). A redelivered command finds the sandbox already
 ``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
-When no node fits for ``NO_NODE_GRACE_S`` the sandbox fails with the reason.
+When no node fits, the command is retried every second until ``PODBAY_PLACEMENT_RETRY_S`` after it was
+published (capacity freed meanwhile is used), then the sandbox fails with ``no_capacity`` and the reason
+(``pending.py``: a create's sandbox fails, a wake goes back to ``suspended``); the last delivery JetStream
+allows fails it too, so a command never runs out of deliveries unanswered. A third loop ends sandboxes left
+waiting for a node past ``PODBAY_PENDING_TIMEOUT_S`` (their command is gone; ``pending.py``).
 
 Replicas: any number of schedulers may run. They share the one durable consumer, so JetStream hands each
 command to one of them; a command whose handler died unacked is redelivered (after ``ack_wait``) to any of
@@ -25,32 +29,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 
 import asyncpg
 
 from podbay import db
-from podbay.bus import Bus, connect_bus, consume
+from podbay.bus import MAX_DELIVER, Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, PlaceSandbox
 from podbay.health import consumer_check, nats_check, pg_check
 from podbay.logs import bind_log_context
-from podbay.outbox import Relay, emit_sandbox_event
+from podbay.outbox import Relay
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .drain import drain_node
 from .load import node_loads
 from .nodeloss import NodeLossWatcher
+from .pending import PendingSweeper, fail_unplaced
 from .placement import NoCapacity, Request, choose_node, ready_nodes
-from .wake import wake_command, wake_unplaceable
+from .wake import wake_command
 
 __all__ = ["main"]
 
 log = logging.getLogger("podbay.scheduler")
 
 PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
-NO_NODE_GRACE_S = 15.0
+#: Redelivery delay of a place command that found no node, seconds.
+NO_NODE_RETRY_DELAY_S = 1.0
 
 
 class Scheduler:
@@ -60,8 +67,12 @@ class Scheduler:
         self.bus = bus
         self.relay = relay
 
-    async def handle(self, cmd: PlaceSandbox, first_seen: float) -> bool:
-        """Place one sandbox. Returns False to ask for redelivery (no node yet, within the grace period)."""
+    async def handle(self, cmd: PlaceSandbox, waited_s: float, *, last_try: bool = False) -> bool:
+        """Place one sandbox. Returns False to ask for redelivery (no node yet, within the retry window).
+
+        ``waited_s``: seconds since the command was published; ``last_try``: JetStream will not deliver it
+        again, so no node means failing now.
+        """
         t0 = time.perf_counter()
         t = time.perf_counter()
         nodes = await self.bus.live_nodes()
@@ -97,13 +108,12 @@ class Scheduler:
                 try:
                     chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
                 except NoCapacity as exc:
-                    if time.monotonic() - first_seen < NO_NODE_GRACE_S:
+                    if waited_s < self.settings.placement_retry_s and not last_try:
                         log.info("place %s: %s; retrying", cmd.sandbox_id, exc)
                         return False
-                    if cmd.wake:
-                        await wake_unplaceable(conn, cmd, str(exc))
-                    else:
-                        await self._fail(conn, cmd, str(exc))
+                    await fail_unplaced(conn, sandbox_id=cmd.sandbox_id, operation_id=cmd.operation_id,
+                                        tenant_id=cmd.tenant_id, generation=row["generation"], code="no_capacity",
+                                        reason=str(exc), wake=cmd.wake)
                     self.relay.kick()
                     LIFECYCLE_OPERATIONS.labels("scheduler", "place", "failed").inc()
                     return True
@@ -137,22 +147,11 @@ class Scheduler:
         log.info("placed %s on %s (generation %d)", cmd.sandbox_id, node_id, create.generation)
         return True
 
-    async def _fail(self, conn: asyncpg.Connection, cmd: PlaceSandbox, reason: str) -> None:
-        await conn.execute(
-            "UPDATE sandboxes SET state='failed', failure_reason=$2, updated_at=now() WHERE id=$1",
-            cmd.sandbox_id, reason)
-        await conn.execute(
-            "UPDATE operations SET state='failed', error_code='no_capacity', error_message=$2, finished_at=now()"
-            " WHERE id=$1", cmd.operation_id, reason)
-        await emit_sandbox_event(conn, cmd.sandbox_id, "failed", state="failed", reason=reason,
-                                 tenant_id=cmd.tenant_id)
-        self.relay.kick()
-
 
 async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, object]) -> None:
     sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_CONSUMER, subjects.SCHEDULER_PLACE, ack_wait_s=30.0)
     bound["sub"] = sub
-    first_seen: dict[str, float] = {}
+
     async def one(msg: object) -> None:
         try:
             cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]
@@ -161,18 +160,20 @@ async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, objec
             await msg.term()  # type: ignore[attr-defined]
             return
         bind_log_context(sandbox_id=cmd.sandbox_id, operation_id=cmd.operation_id)
-        seen = first_seen.setdefault(cmd.operation_id, time.monotonic())
+        # Time since the command was stored (JetStream's clock), so every replica and a restarted scheduler
+        # count the retry window from the same moment.
+        meta = msg.metadata  # type: ignore[attr-defined]
+        waited_s = max(0.0, (datetime.now(UTC) - meta.timestamp).total_seconds())
         try:
-            done = await sched.handle(cmd, seen)
+            done = await sched.handle(cmd, waited_s, last_try=meta.num_delivered >= MAX_DELIVER)
         except Exception:
             log.exception("place %s failed; will be redelivered", cmd.sandbox_id)
             await msg.nak(delay=1.0)  # type: ignore[attr-defined]
             return
         if done:
-            first_seen.pop(cmd.operation_id, None)
             await msg.ack()  # type: ignore[attr-defined]
         else:
-            await msg.nak(delay=1.0)  # type: ignore[attr-defined]
+            await msg.nak(delay=NO_NODE_RETRY_DELAY_S)  # type: ignore[attr-defined]
 
     await consume(sub, one, stop, finish_timeout_s=10)
 
@@ -221,10 +222,13 @@ async def _main(stop: asyncio.Event) -> None:
         "nats": nats_check(bus), "postgres": pg_check(pool), "consumer": consumer_check(lambda: bound.get("sub"))})
     watcher = NodeLossWatcher(pool, bus, relay, grace_s=settings.node_lost_grace_s,
                               interval_s=settings.node_loss_check_s)
+    sweeper = PendingSweeper(pool, relay, timeout_s=settings.pending_timeout_s,
+                             interval_s=settings.pending_check_s)
     tasks = [asyncio.create_task(relay.run()), asyncio.create_task(_consume(sched, stop, bound)),
              asyncio.create_task(_consume_drains(sched, stop)),
              asyncio.create_task(serve_http(app, settings.health_host, settings.scheduler_port, stop)),
-             asyncio.create_task(watcher.run(stop), name="node-loss")]
+             asyncio.create_task(watcher.run(stop), name="node-loss"),
+             asyncio.create_task(sweeper.run(stop), name="pending-sweep")]
     log.info("scheduler ready")
     await stop.wait()
     await asyncio.wait(tasks[1:], timeout=15)

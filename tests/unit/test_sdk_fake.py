@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from podbay.contracts.api import ExecRequest, FileInfo, PoolInfo, PoolNode, PoolSet, SandboxCreate, SandboxInfo
-from podbay.errors import InvalidState, NotFound, PodbayError, Unauthorized
+from podbay.errors import InvalidState, NoCapacity, NotFound, PodbayError, Unauthorized
 
 API_KEY = "pb_test_key"
 GATE_WAIT_S = 20.0
@@ -135,6 +135,9 @@ def build_app(fake: FakeApi) -> FastAPI:
 
     @app.post("/v1/sandboxes")
     async def create(body: SandboxCreate, wait: bool = True) -> Response:
+        if body.template == "full":  # what the API answers when no node has room
+            return _error(NoCapacity("no node has room for sandbox sb-full: no node has room for 256 MiB",
+                                     details={"sandbox_id": "sb-full", "retry_after_s": 7}))
         info = fake.add_sandbox()
         info.metadata = body.metadata
         if body.memory_mib:

@@ -30,6 +30,7 @@ from podbay.errors import (
     GuestError,
     InvalidRequest,
     InvalidState,
+    NoCapacity,
     NotFound,
     PodbayError,
     SnapshotCorrupt,
@@ -84,6 +85,7 @@ __all__ = [
     "Unprocessable",
     "Timeout",
     "Unavailable",
+    "NoCapacity",
     "StaleGeneration",
     "GuestError",
 ]

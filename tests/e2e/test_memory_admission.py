@@ -1,0 +1,88 @@
+"""Admission by measured memory and release under memory pressure (services/nodeagent/memory.py,
+services/scheduler/placement.py), on a stack of its own whose node offers 400 MiB (``PODBAY_NODE_MEMORY_MIB``).
+
+Nominally that holds one 256 MiB sandbox. Measured, an idle sandbox costs about 95 MiB here, and admission
+counts each fresh one at a fixed 150 MiB (``PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB``, so the arithmetic does not
+depend on this machine's figure): three fit (room 400, then ~305, ~210), a fourth does not (~115 left). Paused
+sandboxes are never released on a timer here (``PODBAY_PAUSED_RELEASE_S=0``) and running ones never paused for
+memory (``PODBAY_MEMORY_PRESSURE_IDLE_S=0``), so the release the test sees is the pressure's own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_http import api_client, sh, until
+
+from podbay.config import Settings
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def small_node(test_root: Path) -> Iterator[Stack]:
+    data_dir = Path(tempfile.mkdtemp(prefix="mem", dir=test_root))
+    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
+    running = Stack(
+        data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir, ports=StackPorts.free(),
+        external=External.from_env(), durable=False,
+        base_env={**os.environ, "PODBAY_NODE_MEMORY_MIB": "400", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
+                  "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
+                  "PODBAY_NODE_HEARTBEAT_S": "1"})
+    try:
+        running.start()
+        running.create_api_key("dev", "dev")
+        yield running
+    finally:
+        running.stop(purge=True)
+        kill_strays(data_dir)
+
+
+def _node_metric(stack: Any, name: str, labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_measured_use_admits_beyond_nominal_and_pressure_releases_a_paused_sandbox_before_refusing(
+        small_node: Stack) -> None:
+    with api_client(small_node) as c:
+        ids: list[str] = []
+        try:
+            # Three sandboxes on a node that nominally holds one (3 x 256 MiB > 400 MiB).
+            for _ in range(3):
+                r = c.post("/v1/sandboxes", json={"template": "base"})
+                assert r.status_code == 201, r.text
+                ids.append(r.json()["id"])
+            first = ids[0]
+            sh(c, first, "echo kept > /tmp/mark")
+            until("the node to measure its three sandboxes", lambda: _node_metric(
+                small_node, "podbay_node_memory_vms", 'kind="running"') == 3, 30)
+            assert _node_metric(small_node, "podbay_node_memory_releases_total", 'kind="paused",outcome="ok"') == 0
+
+            # Room is now below two sandboxes' worth: the node releases the paused one's RAM, unasked.
+            assert c.post(f"/v1/sandboxes/{first}/pause").status_code == 200
+            until("the paused sandbox's RAM released under pressure", lambda: _node_metric(
+                small_node, "podbay_node_memory_releases_total", 'kind="paused",outcome="ok"') >= 1, 30)
+            assert c.get(f"/v1/sandboxes/{first}").json()["state"] == "paused"
+
+            # A fourth fits only in what the release freed.
+            r = c.post("/v1/sandboxes", json={"template": "base"})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+            assert sh(c, ids[-1], "echo ok").strip() == "ok"
+
+            # The released sandbox comes back as it was.
+            assert c.post(f"/v1/sandboxes/{first}/resume").status_code == 200
+            assert sh(c, first, "cat /tmp/mark").strip() == "kept"
+        finally:
+            for sid in ids:
+                c.delete(f"/v1/sandboxes/{sid}")

@@ -23,9 +23,12 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from podbay.errors import PodbayError
 
 __all__ = ["Settings", "get_settings", "default_data_dir", "default_cache_dir", "ConfigError", "CONFIG_FILE_ENV",
-           "load_settings"]
+           "load_settings", "DEFAULT_TCG_TB_SIZE_MIB"]
 
 CONFIG_FILE_ENV = "PODBAY_CONFIG_FILE"
+
+#: The translation buffer of a TCG guest, in MiB (``Settings.tcg_tb_size_mib``; measured in docs/SPECIFICATION.md).
+DEFAULT_TCG_TB_SIZE_MIB = 64
 
 
 class ConfigError(PodbayError):
@@ -118,6 +121,10 @@ class Settings(BaseSettings):
     restore_concurrency: int = Field(0, ge=0, description="Restores (and boots) a node runs at a time until the "
                                      "guest answers; 0 means one per host core.")
     qemu_binary: str = Field("qemu-system-x86_64")
+    tcg_tb_size_mib: int = Field(DEFAULT_TCG_TB_SIZE_MIB, ge=0, le=2048, description="Under TCG, the size of "
+                                 "each QEMU's translation buffer (`-accel tcg,tb-size=`), in MiB: the host memory "
+                                 "a busy guest's translated code can hold (QEMU 7.2's own default, 1 GiB, becomes "
+                                 "resident as a guest runs). 0 = QEMU's default. KVM guests have none.")
     vmm_confine: bool = Field(True, description="Run each QEMU inside bubblewrap as VMM_USER with no capabilities "
                               "(DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "

@@ -12,7 +12,9 @@ from qemu.qmp import ExecuteError
 from qemu.qmp.message import Message
 from qemu.qmp.models import ErrorResponse
 
+from podbay.config import DEFAULT_TCG_TB_SIZE_MIB, Settings
 from podbay_nodeagent.accel import parse_tsc_khz
+from podbay_nodeagent.template import TemplateSnapshot
 from podbay_nodeagent.vmm import (
     GUEST_MAC,
     QemuVmm,
@@ -46,7 +48,7 @@ def test_tcg_argv() -> None:
     paths = VmPaths(Path("vm"))
     argv = build_qemu_argv(_cfg(memory_mib=256, vcpus=2), paths, tsc_khz=2445432)
     assert _opt(argv, "-M") == ["microvm,pit=on,pic=on,rtc=on,memory-backend=mem"]
-    assert _opt(argv, "-accel") == ["tcg"]
+    assert _opt(argv, "-accel") == [f"tcg,tb-size={DEFAULT_TCG_TB_SIZE_MIB}"]
     assert _opt(argv, "-cpu") == ["max"]
     assert _opt(argv, "-smp") == ["2"]
     assert _opt(argv, "-object") == ["memory-backend-file,id=mem,size=256M,mem-path=vm/ram,share=on"]
@@ -78,6 +80,32 @@ def test_kvm_uses_host_cpu() -> None:
     argv = build_qemu_argv(_cfg(accel="kvm"), VmPaths(Path("vm")), tsc_khz=1)
     assert _opt(argv, "-accel") == ["kvm"]
     assert _opt(argv, "-cpu") == ["host"]
+
+
+def test_tcg_translation_buffer_is_bounded_by_the_setting() -> None:
+    # QEMU 7.2's default buffer is 1 GiB and becomes resident as a guest runs: it is always bounded, unless
+    # the setting is 0 (QEMU's default); KVM has no translation buffer.
+    assert DEFAULT_TCG_TB_SIZE_MIB == Settings.model_fields["tcg_tb_size_mib"].default
+    assert 0 < DEFAULT_TCG_TB_SIZE_MIB < 1024
+    assert _opt(build_qemu_argv(_cfg(tcg_tb_size_mib=32), VmPaths(Path("vm")), tsc_khz=1), "-accel") == [
+        "tcg,tb-size=32"]
+    assert _opt(build_qemu_argv(_cfg(tcg_tb_size_mib=0), VmPaths(Path("vm")), tsc_khz=1), "-accel") == ["tcg"]
+    assert _opt(build_qemu_argv(_cfg(accel="kvm", tcg_tb_size_mib=32), VmPaths(Path("vm")), tsc_khz=1),
+                "-accel") == ["kvm"]
+    for incoming, autostart in ((True, False), (True, True)):  # restores, warm slots, migration targets
+        argv = build_qemu_argv(_cfg(tcg_tb_size_mib=32), VmPaths(Path("vm")), tsc_khz=1, incoming=incoming,
+                               autostart=autostart)
+        assert _opt(argv, "-accel") == ["tcg,tb-size=32"]
+
+
+def test_template_restores_take_the_translation_buffer_from_the_settings(tmp_path: Path) -> None:
+    tpl = TemplateSnapshot(
+        name="base", key="k", dir=tmp_path, kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd.img",
+        state=tmp_path / "state", ram=tmp_path / "ram", disk=tmp_path / "disk.img", memory_mib=256, vcpus=1,
+        tsc_khz=1, image_digest="d", qemu_version="7.2", accel="tcg", boot_s=1.0, paused_ms=1.0, created_at="now",
+    )
+    assert tpl.vm_config(Settings(tcg_tb_size_mib=24)).tcg_tb_size_mib == 24
+    assert tpl.vm_config(Settings(tcg_tb_size_mib=0), memory_mib=512).tcg_tb_size_mib == 0
 
 
 def test_incoming_waits_paused_for_a_deferred_stream() -> None:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Set up, build the base template (cached; skipped when PODBAY_SKIP_E2E=1, since only e2e tests use it),
-# then run the whole test suite. Arguments go to pytest. Collecting no tests is a failure.
+# Set up, lint (ruff, configured in pyproject.toml), build the base template (cached; skipped when
+# PODBAY_SKIP_E2E=1, since only e2e tests use it), then run the whole test suite. Arguments go to pytest.
+# Collecting no tests is a failure; so is a lint finding, reported after the tests have run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+lint=0
+.venv/bin/ruff check --quiet . || lint=$?
 if [ "${PODBAY_SKIP_E2E:-}" != "1" ]; then
   .venv/bin/podbay template build base
 fi
@@ -13,5 +16,9 @@ rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; treating that as a failure" >&2
+fi
+if [ "$lint" -ne 0 ]; then
+  echo "test.sh: ruff check found problems (listed before the tests); run: .venv/bin/ruff check ." >&2
+  [ "$rc" -ne 0 ] || rc=1
 fi
 exit "$rc"

@@ -229,7 +229,7 @@ async def _hand_back(inflight: dict[asyncio.Task[None], Msg]) -> None:
     for task in left:
         task.cancel()
     await asyncio.wait(set(left), timeout=10)
-    for task, msg in left.items():
+    for msg in left.values():
         if getattr(msg, "_ackd", False):
             continue  # the handler acked, nak'ed or termed it before it was cancelled
         try:

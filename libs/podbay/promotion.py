@@ -224,7 +224,6 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
             "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
     missing = [h for h in hashes if h not in stored]
     done = [0]
-    sizes = {h: where[h][1].size for h in hashes}
 
     fresh: list[tuple[str, int, int]] = []
 

@@ -537,7 +537,7 @@ async def build_base_image(
     spec = spec or ImageSpec()
     report: ProgressFn = progress or (lambda _s, _f: None)
     cache = settings.cache_dir
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
     log = _Log(cache / "logs" / f"image-{name}-{stamp}-{os.getpid()}.log")
     ok = False
     try:
@@ -560,7 +560,7 @@ async def build_base_image(
             image = BaseImage(
                 name=name, digest=digest, dir=final, kernel=final / "vmlinuz", initrd=final / "initrd.img",
                 rootfs=final / "rootfs.img", kernel_package=pkg, kernel_version=release, modules=modules,
-                disk_size_mib=spec.disk_size_mib, built_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+                disk_size_mib=spec.disk_size_mib, built_at=_dt.datetime.now(_dt.UTC).isoformat(),
             )
             (tmp / "image.json").write_text(image.model_dump_json(indent=2))
             if force and final.exists():

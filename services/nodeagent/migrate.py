@@ -178,7 +178,7 @@ class MigrationOps:
                 conn, _ = await asyncio.wait_for(loop.sock_accept(inc.server), _PREPARE_TIMEOUT_S)
                 try:
                     got = await asyncio.wait_for(_recv_exact(loop, conn, _TOKEN_BYTES * 2), 10.0)
-                except (asyncio.TimeoutError, OSError, EOFError):
+                except (TimeoutError, OSError, EOFError):
                     conn.close()
                     continue
                 if hmac.compare_digest(got, inc.token.encode()):

@@ -260,7 +260,7 @@ async def _boot_and_snapshot(
     name: str, settings: Settings, image: BaseImage, accel: Accel, qver: str, tsc: int, key: str,
     final: Path, report: ProgressFn, vmm: Vmm,
 ) -> TemplateSnapshot:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
     log_path = settings.cache_dir / "logs" / f"template-{name}-{stamp}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
@@ -311,7 +311,7 @@ async def _boot_and_snapshot(
             state=final / "state", ram=final / "ram", disk=final / "disk.img", memory_mib=config.memory_mib,
             vcpus=config.vcpus, tsc_khz=tsc, image_digest=image.digest, qemu_version=qver, accel=accel,
             boot_s=round(boot_s, 3), paused_ms=round(snap.paused_ms, 3),
-            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(), machine=MACHINE,
+            created_at=_dt.datetime.now(_dt.UTC).isoformat(), machine=MACHINE,
         )
         (tmp / "template.json").write_text(tpl.model_dump_json(indent=2))
         log_path.write_text(f"template {name} ready via {how} in {boot_s:.2f} s; snapshot paused "

@@ -25,8 +25,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import shlex
@@ -42,7 +40,6 @@ from typing import Any, Literal, TypeVar
 
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, Field
-from podbay.config import DEFAULT_TCG_TB_SIZE_MIB
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
@@ -122,10 +119,6 @@ class VmConfig(BaseModel):
     vcpus: int = Field(1, ge=1, le=64)
     accel: Accel = "tcg"
     tsc_khz: int | None = Field(None, description="Host TSC in kHz; None reads it from the host.")
-    tcg_tb_size_mib: int = Field(DEFAULT_TCG_TB_SIZE_MIB, ge=0, le=2048, description="TCG's translation "
-                                 "buffer in MiB (``-accel tcg,tb-size=``); 0 = QEMU's default (1 GiB on 7.2, "
-                                 "resident once a guest has run a while). Not used under KVM. Not part of the "
-                                 "machine: a snapshot restores under any size.")
     extra_append: str = Field("", description="Appended to the kernel command line.")
     qemu_binary: str = "qemu-system-x86_64"
     boot_timeout_s: float = Field(90.0, description="Bound on QEMU start to QMP ready.")
@@ -205,15 +198,6 @@ def _send_scm_rights(qmp: QMPClient, fd: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- command line
-def _accel_arg(config: VmConfig) -> str:
-    """``-accel``'s value: under TCG with the translation buffer bounded (``tb-size`` in MiB), since QEMU 7.2's
-    1 GiB default fills as a guest runs and stays resident (a buffer that is full is flushed and refilled from
-    its start, never returned); KVM translates nothing."""
-    if config.accel == "tcg" and config.tcg_tb_size_mib:
-        return f"tcg,tb-size={config.tcg_tb_size_mib}"
-    return config.accel
-
-
 
 
 def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int,
@@ -233,7 +217,7 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
     argv = [
         config.qemu_binary,
         "-M", "microvm,pit=on,pic=on,rtc=on,memory-backend=mem",
-        "-accel", _accel_arg(config),
+        "-accel", config.accel,
         "-cpu", "host" if config.accel == "kvm" else "max",
         "-m", mem, "-smp", str(config.vcpus),
         "-object", f"memory-backend-file,id=mem,size={mem},mem-path={paths.ram},share=on",
@@ -356,7 +340,7 @@ class QemuVmm(Vmm):
     async def _bounded(self, op: str, aw: Awaitable[T], timeout_s: float) -> T:
         try:
             return await asyncio.wait_for(aw, timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             TIMEOUTS.labels(op).inc()
             raise VmTimeout(f"{op} did not finish within {timeout_s} s", details={"op": op}) from exc
 
@@ -441,7 +425,7 @@ class QemuVmm(Vmm):
                     raise FileNotFoundError(f"{paths.qmp} does not exist yet")
                 await asyncio.wait_for(qmp.connect(str(paths.qmp)), max(0.05, deadline - loop.time()))
                 break
-            except (ConnectError, OSError, asyncio.TimeoutError) as exc:
+            except (ConnectError, OSError, TimeoutError) as exc:
                 if loop.time() >= deadline:
                     TIMEOUTS.labels("qmp_connect").inc()
                     raise VmStartError(

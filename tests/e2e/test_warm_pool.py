@@ -159,7 +159,7 @@ def test_claimed_sandboxes_differ_in_randomness_hostname_and_token(stack: Any, p
         seen = [_sh(c, sid, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo;"
                             " hostname; cat /run/podbay/access_token; echo;"
                             " stat -c %a /run/podbay/access_token").split("\n") for sid in ids]
-        urandom, hostnames, tokens, modes = (list(x) for x in zip(*[s[:4] for s in seen]))
+        urandom, hostnames, tokens, modes = (list(x) for x in zip(*[s[:4] for s in seen], strict=True))
         assert len(set(urandom)) == 3 and all(len(u) == 64 for u in urandom)
         assert hostnames == [m["hostname"] for m in made] and len(set(hostnames)) == 3
         assert len(set(tokens)) == 3 and all(len(t) >= 32 for t in tokens)

@@ -8,7 +8,7 @@ import socket
 import sys
 import types
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +230,7 @@ def test_files_stat_shows_octal_mode_and_iso_mtime(fake_api: FakeApi) -> None:
     assert shown.exit_code == 0
     fields = dict(line.strip().split(None, 1) for line in shown.stdout.splitlines())
     assert fields["mode"] == "0640" and info["mode"] & 0o7777 == 0o640
-    stamp = datetime.fromtimestamp(info["mtime"], tz=timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.fromtimestamp(info["mtime"], tz=UTC).isoformat(timespec="seconds")
     assert fields["mtime"] == stamp and stamp.endswith("+00:00")
     assert fields["size"] == "1" and fields["path"] == "/data/f"
 

@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any
 
 import pytest
@@ -73,7 +73,7 @@ class FakeApi:
         self.pools.clear()
 
     def add_sandbox(self, sandbox_id: str | None = None, state: str = "running") -> SandboxInfo:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         sid = sandbox_id or f"sb-{uuid.uuid4().hex[:12]}"
         info = SandboxInfo(
             id=sid, template="base", state=state, desired_state="running", node_id="node-1", generation=1,
@@ -184,14 +184,14 @@ def build_app(fake: FakeApi) -> FastAPI:
     @app.get("/v1/sandboxes/{sandbox_id}/snapshots")
     async def snapshots(sandbox_id: str) -> dict[str, Any]:
         box(sandbox_id)
-        now = datetime.now(timezone.utc).isoformat()
+        now = datetime.now(UTC).isoformat()
         return {"snapshots": [{"id": "snap-1", "sandbox_id": sandbox_id, "kind": "full", "state": "ready",
                                "created_at": now, "promotion": "promoted", "promoted_at": now,
                                "uploaded_bytes": 1 << 20, "stored_bytes": 1 << 19}]}
 
     @app.get("/v1/operations/{op_id}")
     async def operation(op_id: str) -> dict[str, Any]:
-        now = datetime.now(timezone.utc).isoformat()
+        now = datetime.now(UTC).isoformat()
         return {"id": op_id, "kind": "create", "sandbox_id": None, "state": "succeeded", "created_at": now,
                 "finished_at": now}
 
@@ -211,7 +211,7 @@ def build_app(fake: FakeApi) -> FastAPI:
 
     @app.get("/v1/nodes")
     async def nodes() -> dict[str, Any]:
-        now = datetime.now(timezone.utc).isoformat()
+        now = datetime.now(UTC).isoformat()
         res = {"memory_mib": 2048, "vcpus": 8}
         return {"nodes": [
             {"id": "node-a", "state": "ready", "live": True, "schedulable": True, "accel": "tcg",
@@ -225,7 +225,7 @@ def build_app(fake: FakeApi) -> FastAPI:
 
     @app.get("/v1/templates")
     async def templates() -> dict[str, Any]:
-        now = datetime.now(timezone.utc).isoformat()
+        now = datetime.now(UTC).isoformat()
         return {"templates": [{"name": "base", "digest": "sha256:" + "ab" * 32, "memory_mib": 256, "vcpus": 1,
                                "created_at": now}]}
 

@@ -82,7 +82,7 @@ async def test_ping_through_the_client(tmp_path: Path, monkeypatch: pytest.Monke
 
     class Channel:
         @classmethod
-        async def connect(cls, socket_path: Path, *, timeout_s: float) -> "Channel":
+        async def connect(cls, socket_path: Path, *, timeout_s: float) -> Channel:
             calls.append(f"connect {socket_path.name}")
             if len(calls) == 1:
                 raise ConnectionRefusedError("not yet")

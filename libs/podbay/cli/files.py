@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import typer
@@ -80,7 +80,7 @@ def read(
 
 def _mtime(ts: float) -> str:
     """Seconds since the epoch -> ISO-8601 UTC, e.g. ``2026-11-30T12:38:23+00:00``."""
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
 
 def _mode(mode: int) -> str:

@@ -357,7 +357,7 @@ class WarmPool:
             hygiene = await channel.after_restore(hostname=slot_hostname(slot_id), seed=os.urandom(64),
                                                   time_ns=time.time_ns(), env={"PODBAY_SANDBOX_ID": slot_id},
                                                   access_token=secrets.token_urlsafe(32),
-                                                  net=self.m.net.guest_net(binding))
+                                                  net=self.m.guest_net(binding))
             if not hygiene.crng_reseeded:
                 raise PodbayError("the guest did not reseed its CRNG")
             await channel.run(ExecSpec(argv=["true"]))

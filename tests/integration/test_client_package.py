@@ -8,6 +8,7 @@ Needs pip and the package indexes (or pip's cache) for the build backend and the
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -41,6 +42,19 @@ def _wheel(python: Path, project: Path, dest: Path) -> Path:
     return next(dest.glob("*.whl"))
 
 
+def _sources(tmp_path: Path) -> Path:
+    """A copy of the checkout's tracked build inputs (as they are in the working tree), so the builds leave
+    nothing in the checkout and concurrent runs do not share a build folder."""
+    tracked = subprocess.run(["git", "ls-files", "-z", "pyproject.toml", "setup.py", "libs", "services", "guestd"],
+                             capture_output=True, text=True, check=True, cwd=ROOT).stdout.split("\0")
+    src = tmp_path / "src"
+    for rel in filter(None, tracked):
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
+    return src
+
+
 def _python_files(wheel: Path) -> set[str]:
     return {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("podbay/") and n.endswith(".py")}
 
@@ -48,7 +62,7 @@ def _python_files(wheel: Path) -> set[str]:
 def test_client_wheel_in_a_fresh_venv_requires_no_server_package(tmp_path: Path) -> None:
     venv.create(tmp_path / "venv", with_pip=True)
     python = tmp_path / "venv" / "bin" / "python"
-    client = _wheel(python, ROOT / "libs", tmp_path / "client")
+    client = _wheel(python, _sources(tmp_path) / "libs", tmp_path / "client")
 
     meta = zipfile.ZipFile(client).read("podbay-0.1.0.dist-info/METADATA").decode()
     requires = {_norm(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
@@ -72,8 +86,9 @@ def test_client_wheel_in_a_fresh_venv_requires_no_server_package(tmp_path: Path)
 
 def test_the_two_wheels_share_out_libs_podbay(tmp_path: Path) -> None:
     python = Path(sys.executable)
-    client = _python_files(_wheel(python, ROOT / "libs", tmp_path / "client"))
-    server = _python_files(_wheel(python, ROOT, tmp_path / "server"))
+    src = _sources(tmp_path)
+    client = _python_files(_wheel(python, src / "libs", tmp_path / "client"))
+    server = _python_files(_wheel(python, src, tmp_path / "server"))
     tracked = subprocess.run(["git", "ls-files", "libs/podbay"], capture_output=True, text=True, check=True,
                              cwd=ROOT).stdout.split()
     everything = {p.removeprefix("libs/") for p in tracked if p.endswith(".py")}

@@ -1,8 +1,10 @@
 """This node's memory as its sandboxes really use it, and the release of RAM when it runs short.
 
 Every ``node_heartbeat_s`` (:class:`MemoryWatch`, a task of its own) the node measures, on a worker thread,
-each VM it runs (sandboxes and warm slots: QEMU's PSS, which holds the guest RAM pages it touched,
-``podbay.vmmem``) and the host (MemAvailable less the mapped file pages, i.e. touched guest RAM). A paused sandbox whose RAM was released
+the host (MemAvailable less the mapped file pages, i.e. touched guest RAM) and the VMs it runs (sandboxes and
+warm slots: QEMU's PSS, which holds the guest RAM pages it touched, ``podbay.vmmem``). Reading one QEMU's PSS
+walks its page tables (about 3 ms of CPU here under load), so a VM is measured when it first appears and then
+again every ``VM_REMEASURE_S``, a share of them each tick; the host, which admission follows, every tick. A paused sandbox whose RAM was released
 (hibernated: its QEMU exited) has no VM, so it counts 0. The figures go into the heartbeat
 (:meth:`MemoryWatch.report`), where placement admits by them (services/scheduler/placement.py), and into
 ``podbay_node_memory_mib``.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -48,6 +51,8 @@ log = logging.getLogger("podbay.nodeagent.memory")
 
 #: Before any sandbox runs here, a fresh one is expected to cost its RAM plus this (QEMU itself), MiB.
 FALLBACK_OVERHEAD_MIB = 64
+#: A VM's PSS is read again after this many seconds (an idle guest's changes slowly; the host is read each tick).
+VM_REMEASURE_S = 30.0
 
 MEMORY_MIB = Gauge("podbay_node_memory_mib", "This node's measured memory, MiB: host_total, host_available "
                    "(MemAvailable), available (less guest RAM in the page cache), sandboxes (what its VMs cost), "
@@ -124,6 +129,8 @@ class MemoryWatch:
         self.latest: NodeMemory | None = None
         self._cpu: dict[str, tuple[float, int]] = {}
         self._idle_since: dict[str, float] = {}
+        # key (sandbox id, or warm:<slot>) -> (pid, monotonic time measured, measurement)
+        self._vm_cache: dict[str, tuple[int, float, VmMemory]] = {}
 
     def report(self) -> dict[str, object]:
         """The heartbeat's ``memory_*`` fields (empty before the first measurement)."""
@@ -198,15 +205,8 @@ class MemoryWatch:
                     " AND lease_action='pause'", idle, self.m.node_id)
                 pausable = {r["id"] for r in rows}
 
-        def take() -> tuple[HostMemory, dict[str, VmMemory]]:
-            per = {}
-            for key, (pid, ram, _) in {**vms, **slots}.items():
-                got = vm_memory(pid, ram)
-                if got is not None:
-                    per[key] = got
-            return host_memory(), per
-
-        host, per = await asyncio.to_thread(take)
+        pids = {key: pid for key, (pid, _, _) in {**vms, **slots}.items()}
+        host, per = await asyncio.to_thread(self._take, pids, now)
         sandboxes = sum(v.cost_mib for v in per.values())
         available = available_for_vms(host)
         candidates = [Candidate(sid, "paused", paused_at, per[sid].cost_mib)
@@ -230,6 +230,24 @@ class MemoryWatch:
         MEMORY_VMS.labels("paused").set(sum(1 for _, _, p in vms.values() if p is not None))
         MEMORY_VMS.labels("warm").set(len(slots))
         return m
+
+    def _take(self, pids: dict[str, int], now: float) -> tuple[HostMemory, dict[str, VmMemory]]:
+        """The host now, and each VM: new ones (or a new pid) measured now, the rest from the cache except the
+        oldest share due again (``VM_REMEASURE_S`` spread over the ticks). Runs on a worker thread."""
+        cache = self._vm_cache
+        for gone in set(cache) - set(pids):
+            cache.pop(gone, None)
+        fresh = [k for k, pid in pids.items() if k not in cache or cache[k][0] != pid]
+        due = sorted((k for k in pids if k not in fresh and now - cache[k][1] >= VM_REMEASURE_S),
+                     key=lambda k: cache[k][1])
+        share = max(1, math.ceil(len(pids) * self.m.settings.node_heartbeat_s / VM_REMEASURE_S))
+        for key in fresh + due[:share]:
+            got = vm_memory(pids[key], None)  # PSS only: the RAM file's read-ahead pages are not a cost
+            if got is None:
+                cache.pop(key, None)
+            else:
+                cache[key] = (pids[key], now, got)
+        return host_memory(), {k: cache[k][2] for k in pids if k in cache}
 
     async def _release(self, c: Candidate) -> None:
         kind = "paused" if c.kind == "paused" else "idle_running"

@@ -75,3 +75,21 @@ def test_a_process_costs_its_pss_and_the_cached_pages_it_has_not_mapped_are_repo
 def test_host_memory_reads_meminfo() -> None:
     h = host_memory()
     assert 0 < h.available_mib <= h.total_mib and h.mapped_mib >= 0
+
+
+def test_a_vm_is_measured_when_it_appears_then_a_share_of_them_each_tick() -> None:
+    from types import SimpleNamespace
+
+    from podbay_nodeagent.memory import VM_REMEASURE_S, MemoryWatch
+
+    watch = MemoryWatch(SimpleNamespace(settings=SimpleNamespace(node_heartbeat_s=VM_REMEASURE_S / 4)))  # type: ignore[arg-type]
+    me = os.getpid()
+    _, per = watch._take({"a": me, "b": me}, now=0.0)
+    assert set(per) == {"a", "b"} and {t for _, t, _ in watch._vm_cache.values()} == {0.0}
+    _, per = watch._take({"a": me, "b": me}, now=1.0)  # neither is due: nothing read again
+    assert {t for _, t, _ in watch._vm_cache.values()} == {0.0}
+    # Both due, a share of one per tick (ceil(3 VMs x tick / VM_REMEASURE_S)), the oldest first; a new one at once.
+    _, per = watch._take({"a": me, "b": me, "c": me}, now=VM_REMEASURE_S)
+    assert sorted(t for _, t, _ in watch._vm_cache.values()) == [0.0, VM_REMEASURE_S, VM_REMEASURE_S]
+    _, per = watch._take({"c": me}, now=VM_REMEASURE_S + 1)  # gone ones are forgotten
+    assert set(per) == {"c"} and set(watch._vm_cache) == {"c"}

@@ -129,6 +129,9 @@ class Settings(BaseSettings):
                               "(DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
                           "start when missing.")
+    tap_check_s: float = Field(2.0, ge=0, description="How often the node agent checks that each VM's tap still "
+                               "exists; a vanished one is repaired by moving the guest to a new VM on a new tap "
+                               "(processes carry on); 0 = never.")
     paused_release_s: float = Field(60.0, description="A sandbox paused this long has its RAM written back to its "
                                     "file and released (QEMU exits; resume restores it); 0 = never.")
     lease_s: int = Field(3600, ge=10, description="Default sandbox lease; renewed by every call on the sandbox.")

@@ -50,6 +50,7 @@ from .reconcile import reconcile
 from .sandboxes import SandboxManager
 from .store import NodeStore
 from .suspend import SuspendOps
+from .tapwatch import tap_watch_loop
 from .vmdriver import VmDriver
 from .warm import WarmPool
 
@@ -150,6 +151,7 @@ async def _serve(stop: asyncio.Event) -> None:
     cadence = asyncio.create_task(cadence_loop(manager, stop), name="snapshot-cadence")
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
     fencing = asyncio.create_task(fence_loop(manager, stop), name="fencing")
+    taps = asyncio.create_task(tap_watch_loop(manager, stop), name="tap-watch")
     await warm.start()
     refill = asyncio.create_task(warm.run(stop), name="warm-pool")
     manager.ready = True
@@ -158,7 +160,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await stop.wait()
     manager.ready = False
     # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing, memory}, timeout=75)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing, memory, taps}, timeout=75)
     await warm.close()
     await manager.migrations.close()
     await manager.close()

@@ -49,7 +49,7 @@ from podbay.stacknet import nft_table, sandbox_cidr, tap_prefix
 
 from .netfilter import install_ruleset
 
-__all__ = ["NetworkError", "Lease", "SandboxNetwork", "lease_addresses", "tap_name", "lease_capacity",
+__all__ = ["NetworkError", "Lease", "SandboxNetwork", "lease_addresses", "tap_name", "tap_mac", "lease_capacity",
            "lowest_free", "create_tap", "IFNAMSIZ"]
 
 log = logging.getLogger("podbay.nodeagent.network")
@@ -113,6 +113,13 @@ def tap_name(prefix: str, index: int) -> str:
     return name
 
 
+def tap_mac(host_addr: str) -> str:
+    """The host side's MAC of the tap whose address is ``host_addr``: locally administered, unicast
+    (``02:70:62`` and the address's last three bytes), so it is the same for every tap of one lease."""
+    b = ipaddress.IPv4Address(host_addr).packed
+    return f"02:70:62:{b[1]:02x}:{b[2]:02x}:{b[3]:02x}"
+
+
 def lowest_free(used: set[int], capacity: int) -> int:
     """The lowest index in ``[0, capacity)`` not in ``used``; raises :class:`NetworkError` when full."""
     for i in range(capacity):
@@ -165,6 +172,9 @@ class SandboxNetwork:
         self._lock = threading.Lock()
         self._leases: dict[str, int] = {}
         self._ipr: object | None = None
+        # ifindex of each tap this agent made or first saw, so that a tap deleted and made again by someone
+        # else under the same name is noticed too (tap_intact).
+        self._tap_index: dict[str, int] = {}
 
     # ------------------------------------------------------------------ start
 
@@ -242,14 +252,31 @@ class SandboxNetwork:
                 except Exception as exc:  # pyroute2's NetlinkError: EEXIST when the tap was kept
                     if getattr(exc, "code", None) != errno.EEXIST:
                         raise
-                ipr.link("set", index=idx, state="up")  # type: ignore[attr-defined]
+                # The same MAC for every tap of a lease: a guest restored onto a new tap (a RAM-release wake,
+                # a vanished tap's repair) keeps its ARP entry for the gateway, which would otherwise point
+                # at the old tap's random MAC until it goes stale (tens of seconds without a network).
+                ipr.link("set", index=idx, address=tap_mac(lease.host_addr), state="up")  # type: ignore[attr-defined]
+                self._tap_index[lease.tap] = idx
         except Exception as exc:
             os.close(fd)
             raise NetworkError(f"cannot set up tap {lease.tap} for {lease.sandbox_id}: {exc}") from exc
         return fd
 
+    def tap_intact(self, tap: str) -> bool:
+        """Whether ``tap`` still exists as the device its VM holds: False when it is gone (someone deleted it,
+        e.g. ``ip link del``) or was made again under the same name (another ifindex). A tap first seen here
+        (a VM re-attached after a restart) is taken as it is. Reads sysfs; cheap enough to call every second
+        for every VM."""
+        try:
+            index = int(Path(f"/sys/class/net/{tap}/ifindex").read_text())
+        except (OSError, ValueError):
+            return False
+        with self._lock:
+            return self._tap_index.setdefault(tap, index) == index
+
     def _delete_tap(self, name: str) -> None:
         with self._lock:
+            self._tap_index.pop(name, None)
             ipr = self._iproute()
             for idx in ipr.link_lookup(ifname=name):  # type: ignore[attr-defined]
                 with contextlib.suppress(Exception):

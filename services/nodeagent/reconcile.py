@@ -117,6 +117,8 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
                 await channel.after_restore(net=pending)
                 pending = None
     except (PodbayError, OSError, GuestError) as exc:
+        if (vm_dir / "hib" / "state").exists() and await _wake_saved(mgr, sandbox_id, generation, res):
+            return
         reason = f"the VM is gone after a node agent restart ({exc})"
         log.warning("sandbox %s: %s", sandbox_id, reason)
         await mgr._discard_vm_dir(vm_dir)
@@ -133,3 +135,19 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
                                  tenant_id=tenant_id, generation=generation)
     mgr.relay.kick()
     log.info("re-attached to sandbox %s (pid %s)", sandbox_id, handle.pid)
+
+
+async def _wake_saved(mgr: SandboxManager, sandbox_id: str, generation: int, res: Resources) -> bool:
+    """A running sandbox whose VM was saved to ``hib`` and killed by a move to a new VM (``renew_vm``) that a
+    crash cut short: restore it from there and let it run. True when it runs again."""
+    try:
+        async with mgr.lock(sandbox_id):
+            mgr.hibernated[sandbox_id] = HibernatedVm(sandbox_id, generation, res)
+            await mgr._wake(sandbox_id)
+            await mgr.continue_vm(mgr.vms[sandbox_id])
+    except Exception as exc:
+        log.warning("sandbox %s: its saved VM did not come back (%s)", sandbox_id, exc)
+        await mgr.stop_vm(sandbox_id)
+        return False
+    log.info("sandbox %s: restored from the state saved before a crash, running again", sandbox_id)
+    return True

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -323,21 +324,77 @@ class SandboxManager:
             state = await self.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
             if vm is None or vm.stopping or state != "paused":
                 return False
-            vm_dir = self.store.sandbox_dir(sandbox_id)
-            part, hib = vm_dir / "hib.part", vm_dir / "hib"
-            await asyncio.to_thread(shutil.rmtree, part, True)
             t = time.perf_counter()
-            await self.driver.snapshot_full(vm.handle, part, leave_stopped=True)
-            os.replace(part, hib)
-            self.vms.pop(sandbox_id, None)
-            vm.stopping = True
-            await self._teardown(vm.handle, vm.channel, None)
-            for name in ("ram", "disk.img"):
-                (vm_dir / name).unlink(missing_ok=True)  # the page cache of the live RAM file goes with it
-            self.hibernated[sandbox_id] = HibernatedVm(sandbox_id, vm.generation, vm.resources)
+            await self._release_ram(vm)
             HOP_SECONDS.labels("nodeagent", "hibernate").observe(time.perf_counter() - t)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "hibernate", "ok").inc()
             log.info("sandbox %s paused for long: RAM released (%.0f ms)", sandbox_id, (time.perf_counter() - t) * 1000)
+            return True
+
+    async def continue_vm(self, vm: RunningVm) -> None:
+        """Let a stopped VM run (QMP ``cont``), connect its channel if it has none, and give the guest the time
+        and any pending network settings: its clock stood still while stopped (DESIGN.md §3: no vmgenid on
+        microvm; guestd fixes it). Raises what the VMM or the channel raise."""
+        vm.paused_at = None
+        await vm.handle.resume()
+        if vm.channel is None or vm.channel.closed:
+            vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
+        await vm.channel.after_restore(time_ns=time.time_ns(), net=vm.net_pending)
+        vm.net_pending = None
+
+    async def _release_ram(self, vm: RunningVm) -> None:
+        """Save ``vm`` (memory, devices, disk) into ``vm_dir/hib`` (reflinks, which also write dirty pages
+        back) and let its QEMU go: it leaves ``vms`` for ``hibernated``. The caller holds the sandbox's lock."""
+        vm_dir = self.store.sandbox_dir(vm.sandbox_id)
+        part, hib = vm_dir / "hib.part", vm_dir / "hib"
+        await asyncio.to_thread(shutil.rmtree, part, True)
+        await self.driver.snapshot_full(vm.handle, part, leave_stopped=True)
+        os.replace(part, hib)
+        self.vms.pop(vm.sandbox_id, None)
+        vm.stopping = True
+        await self._teardown(vm.handle, vm.channel, None)
+        for name in ("ram", "disk.img"):
+            (vm_dir / name).unlink(missing_ok=True)  # the page cache of the live RAM file goes with it
+        self.hibernated[vm.sandbox_id] = HibernatedVm(vm.sandbox_id, vm.generation, vm.resources)
+
+    async def renew_vm(self, sandbox_id: str, why: str, *, still: Callable[[RunningVm], bool] | None = None) -> bool:
+        """Move a live VM into a fresh QEMU on a fresh tap, the guest's memory, processes and disk intact: its
+        state goes to ``vm_dir/hib`` (as a RAM release does), the old QEMU is killed, and a restore on a new tap
+        of the same name and address takes over, running again if it ran before. Used when the host side of
+        its network vanished (``tapwatch``): QEMU cannot be given a new tap backend on the microvm machine, and
+        its old one spins on a dead descriptor. Returns True when renewed, False when the VM is gone or
+        stopping, or when ``still(vm)``, asked once the sandbox's lock is held, says the reason is gone (another
+        operation replaced the VM meanwhile). If any step fails, the sandbox is marked failed with ``why`` and
+        the error (no QEMU is left behind)."""
+        async with self.lock(sandbox_id):
+            vm = self.vms.get(sandbox_id)
+            if vm is None or vm.stopping or (still is not None and not still(vm)):
+                return False
+            was_running = vm.paused_at is None
+            t = time.perf_counter()
+            try:
+                await self._release_ram(vm)
+                await self._wake(sandbox_id)
+                fresh = self.vms[sandbox_id]
+                if was_running:
+                    await self.continue_vm(fresh)
+                else:
+                    fresh.paused_at = vm.paused_at
+            except Exception as exc:
+                reason = f"{why}; renewing its VM failed: " + (
+                    exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}")
+                log.error("sandbox %s: %s", sandbox_id, reason)
+                LIFECYCLE_OPERATIONS.labels("nodeagent", "renew_vm", "failed").inc()
+                vm.stopping = True
+                await self._teardown(vm.handle, vm.channel, None)
+                await self.stop_vm(sandbox_id)  # the new VM, if it came up
+                await self.release_net(sandbox_id)
+                await self.mark_failed(sandbox_id, vm.generation, reason)
+                return False
+            HOP_SECONDS.labels("nodeagent", "renew_vm").observe(time.perf_counter() - t)
+            LIFECYCLE_OPERATIONS.labels("nodeagent", "renew_vm", "ok").inc()
+            log.warning("sandbox %s: %s; moved to a new VM on a new tap (%.0f ms)", sandbox_id, why,
+                        (time.perf_counter() - t) * 1000)
             return True
 
     async def _wake(self, sandbox_id: str) -> None:
@@ -412,13 +469,7 @@ class SandboxManager:
                     await vm.handle.pause()
                     vm.paused_at = time.monotonic()
                 else:
-                    vm.paused_at = None
-                    await vm.handle.resume()
-                    if vm.channel is None or vm.channel.closed:
-                        vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
-                    # The guest's clock stood still while paused (DESIGN.md §3: no vmgenid; guestd fixes it).
-                    await vm.channel.after_restore(time_ns=time.time_ns(), net=vm.net_pending)
-                    vm.net_pending = None
+                    await self.continue_vm(vm)
                 HOP_SECONDS.labels("nodeagent", f"qemu_{verb}").observe(time.perf_counter() - t)
             except Exception as exc:
                 reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"

@@ -176,3 +176,21 @@ def test_the_ruleset_sends_taps_to_the_gateway_and_rejects_the_rest() -> None:
     assert render_ruleset(8094, 8053, table=table, tap_prefix="pb1a2b3t") == text
     with pytest.raises(ValueError):
         render_ruleset(0, 53, table=table, tap_prefix="pb1a2b3t")
+
+
+def test_a_tap_is_intact_only_while_the_same_device_exists(tmp_path: Path) -> None:
+    net = _net(tmp_path)
+    assert net.tap_intact("lo")  # first seen: taken as it is
+    assert net.tap_intact("lo")  # the same ifindex again
+    net._tap_index["lo"] = 10**6  # as if the device had been deleted and made again under the same name
+    assert not net.tap_intact("lo")
+    assert not net.tap_intact("pbnone0")  # gone
+
+
+def test_every_tap_of_a_lease_has_the_same_locally_administered_mac() -> None:
+    from podbay_nodeagent.network import tap_mac
+
+    assert tap_mac("10.130.2.1") == "02:70:62:82:02:01" == tap_mac("10.130.2.1")
+    assert tap_mac("10.130.2.5") != tap_mac("10.130.2.1")
+    first = int(tap_mac("10.130.2.1").split(":")[0], 16)
+    assert first & 0b10 and not first & 0b1  # locally administered, unicast

@@ -32,7 +32,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["VmMemory", "HostMemory", "vm_memory", "host_memory", "file_cached_bytes", "available_for_vms"]
+__all__ = ["VmMemory", "HostMemory", "vm_memory", "host_memory", "file_cached_bytes", "available_for_vms",
+           "tcg_buffer_mib", "parse_tcg_buffer_mib"]
 
 _MIB = 1 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -129,6 +130,34 @@ def vm_memory(pid: int, ram: Path | None) -> VmMemory | None:
     # Pss_File holds the mapped RAM pages and a small share of the libraries: the estimate errs low by < 1 MiB.
     unmapped = max(0, cached - fields.get("Pss_File", 0))
     return VmMemory(pss / _MIB, cached / _MIB, unmapped / _MIB, pss / _MIB)
+
+
+_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ (\S{4}) \S+ \S+ (\d+)\s*(.*)$")
+_RSS = re.compile(r"^Rss:\s+(\d+) kB$")
+
+
+def parse_tcg_buffer_mib(smaps: str) -> float:
+    """The resident MiB of TCG's translation buffer in the text of a QEMU's ``/proc/<pid>/smaps``: the largest
+    anonymous mapping that is writable and executable (QEMU maps the buffer ``rwx`` in one piece, without a
+    split W^X mapping on Linux hosts; nothing else in QEMU is). 0.0 when there is none (a KVM guest)."""
+    best = 0
+    writable_exec = False
+    for line in smaps.splitlines():
+        if m := _MAPPING.match(line):
+            perms, inode, name = m.groups()
+            writable_exec = perms.startswith("rwx") and inode == "0" and not name.strip()
+        elif writable_exec and (r := _RSS.match(line)):
+            best = max(best, int(r.group(1)))
+            writable_exec = False
+    return best / 1024
+
+
+def tcg_buffer_mib(pid: int) -> float | None:
+    """:func:`parse_tcg_buffer_mib` of QEMU ``pid``; None when the process is gone."""
+    try:
+        return parse_tcg_buffer_mib(Path(f"/proc/{pid}/smaps").read_text())
+    except OSError:
+        return None
 
 
 def host_memory(meminfo: Path = Path("/proc/meminfo")) -> HostMemory:

@@ -92,13 +92,16 @@ def print_rss_table(rss_metrics: dict[str, dict[str, Any]]) -> None:
 
     if not rss_metrics:
         return
-    columns = max((m["samples"] for m in rss_metrics.values()), key=len)
-    table = Table(Column("RSS MiB", no_wrap=True), *(f"{c['min']:g} min" for c in columns), "end - start",
+    minutes = sorted({x["min"] for m in rss_metrics.values() for x in m["samples"]})
+    heads = [f"{m:g} min" for m in minutes]
+    heads[0] = "before setup" if minutes[0] < 0 else heads[0]
+    heads[-1] = f"end ({heads[-1]})"
+    table = Table(Column("RSS MiB", no_wrap=True), *heads, "end - start",
                   title="service RSS (MiB; minutes from the start of the load)")
     for name, m in rss_metrics.items():
-        cells = [f"{x['MiB']:.0f}" for x in m["samples"]]
-        cells += [""] * (len(columns) - len(cells))
-        table.add_row(name[len("rss_"):-len("_MiB")], *cells, f"{m['value'] - m['start']:+.0f}")
+        by_min = {x["min"]: x["MiB"] for x in m["samples"]}  # a process that was gone at a sample has a gap
+        table.add_row(name[len("rss_"):-len("_MiB")], *(f"{by_min[t]:.0f}" if t in by_min else "" for t in minutes),
+                      f"{m['value'] - m['start']:+.0f}")
     Console().print(table)
 
 

@@ -33,6 +33,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import struct
 import threading
 from dataclasses import dataclass
@@ -265,11 +266,13 @@ class SandboxNetwork:
     def tap_intact(self, tap: str) -> bool:
         """Whether ``tap`` still exists as the device its VM holds: False when it is gone (someone deleted it,
         e.g. ``ip link del``) or was made again under the same name (another ifindex). A tap first seen here
-        (a VM re-attached after a restart) is taken as it is. Reads sysfs; cheap enough to call every second
-        for every VM."""
+        (a VM re-attached after a restart) is taken as it is. Asks the kernel for the index in this process's
+        network namespace (one ioctl; cheap enough every second for every VM): sysfs would not do, since a node
+        agent entered into a node's namespace (``nsenter --net``, a multi-node stack) still sees the host's
+        /sys/class/net, where its taps never appear."""
         try:
-            index = int(Path(f"/sys/class/net/{tap}/ifindex").read_text())
-        except (OSError, ValueError):
+            index = socket.if_nametoindex(tap)
+        except OSError:
             return False
         with self._lock:
             return self._tap_index.setdefault(tap, index) == index

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,6 +189,27 @@ def test_a_tap_is_intact_only_while_the_same_device_exists(tmp_path: Path) -> No
     net._tap_index["lo"] = 10**6  # as if the device had been deleted and made again under the same name
     assert not net.tap_intact("lo")
     assert not net.tap_intact("pbnone0")  # gone
+
+
+_IN_NODE_NAMESPACE = """
+import subprocess, sys
+from pathlib import Path
+from podbay.config import Settings
+from podbay_nodeagent.network import SandboxNetwork
+subprocess.run(["ip", "tuntap", "add", "pbnsdev0", "mode", "tap"], check=True)
+net = SandboxNetwork(Settings(data_dir=Path(sys.argv[1]), node_id="node-a"))
+print(net.tap_intact("pbnsdev0"), net.tap_intact("pbnsnone0"))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or os.geteuid() != 0, reason="needs root and unshare(1)")
+def test_a_tap_in_the_node_agents_own_network_namespace_is_seen(tmp_path: Path) -> None:
+    # A multi-node stack enters each node agent into its namespace with nsenter --net only: /sys/class/net is
+    # still the host's there, so the device must be looked up in the namespace itself. The device lives and
+    # dies with the throwaway namespace.
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", _IN_NODE_NAMESPACE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "False"]
 
 
 def test_every_tap_of_a_lease_has_the_same_locally_administered_mac() -> None:

@@ -90,3 +90,38 @@ async def _has(bus, want: set[str]) -> bool:  # type: ignore[no-untyped-def]
 
 async def _lacks(bus, key: str) -> bool:  # type: ignore[no-untyped-def]
     return key not in {n.node_id for n in await bus.live_nodes()}
+
+
+async def test_the_watcher_is_rebuilt_after_the_server_restarts(test_root) -> None:  # type: ignore[no-untyped-def]
+    from podbay.devstack.procs import free_port
+    from podbay.devstack.servers import start_nats
+
+    port = free_port()
+    store = test_root / f"nats-watch-{os.urandom(2).hex()}"
+    server = start_nats(store, port, log_dir=test_root / "logs")
+    bus = await connect_bus(server.url, name="node-watch-restart", heartbeat_ttl_s=60)
+    try:
+        kv = await bus.nodes_kv()
+        await kv.put("before", _hb("before"))
+        await _until(lambda: _has(bus, {"before"}))
+        server.stop()
+        server = start_nats(store, port, log_dir=test_root / "logs")  # same store: the bucket survives
+        await _until(lambda: _connected(bus), timeout_s=30)
+        # The old watcher's consumer died with the server; a put now must still reach lookups.
+        await _until(lambda: _put(kv, "after"), timeout_s=30)  # JetStream may need a moment after the restart
+        await _until(lambda: _has(bus, {"before", "after"}), timeout_s=30)
+    finally:
+        await bus.close()
+        server.stop()
+
+
+async def _put(kv, key: str) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        await kv.put(key, _hb(key))
+    except Exception:  # noqa: BLE001 - not ready yet: try again
+        return False
+    return True
+
+
+async def _connected(bus) -> bool:  # type: ignore[no-untyped-def]
+    return bool(bus.nc.is_connected)

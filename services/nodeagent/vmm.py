@@ -627,7 +627,15 @@ class QemuVmm(Vmm):
 
     async def _snapshot(self, vm: VmHandle, dest: Path, leave_stopped: bool) -> SnapshotResult:
         dest.mkdir(parents=True, exist_ok=True)
-        was_running = (await self.query_status(vm)) == "running"
+        status = await self.query_status(vm)
+        was_running = status == "running"
+        if status == "postmigrate":
+            # A stopped guest snapshotted before (or whose suspend failed after its snapshot) is left by QEMU
+            # in ``postmigrate``, from which QEMU refuses another migration ("Can't migrate the vm that was
+            # paused due to previous migration") and which ``stop`` does not leave: only ``cont`` does. So
+            # the guest runs for the two QMP round trips (about a millisecond) before it is stopped again.
+            await self._qmp(vm, "cont")
+            await self._qmp(vm, "stop")
         t0 = time.monotonic()
         await self._qmp(vm, "stop")
         resumed = False

@@ -108,6 +108,19 @@ async def test_snapshot_can_leave_the_guest_stopped(vmm: QemuVmm, vm: VmHandle, 
     assert await vmm.query_status(vm) == "running"
 
 
+async def test_a_stopped_guest_can_be_snapshotted_again(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+    """A full snapshot of a paused guest leaves QEMU in ``postmigrate``; the next snapshot (a second one, a
+    suspend, a fork, a RAM release) must still work, and the guest carries on after both."""
+    await vmm.pause(vm)
+    await vmm.snapshot_full(vm, tmp_path / "one")
+    second = await vmm.snapshot_full(vm, tmp_path / "two")
+    assert (second.dir / "state").stat().st_size > 0
+    assert await vmm.query_status(vm) in ("paused", "postmigrate")  # a paused guest stays stopped
+    await vmm.resume(vm)
+    out, code = await _run(vm, ["echo", "on"])
+    assert (out, code) == (b"on\n", 0)
+
+
 async def test_restore_paused(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> None:
     vm = await vmm.restore(template.dir, tmp_path / "vm", template.vm_config(), paused=True)
     try:

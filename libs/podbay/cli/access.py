@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
 from podbay.cli._common import client, handle_errors, print_json, print_table
 from podbay.contracts.access import CREDENTIAL_VALUE_MAX, NetworkInfo
@@ -168,6 +169,10 @@ def parse_rule(value: str, *, cidr: bool | None = None) -> EgressRule:
     try:
         ports = [int(port)] if port else []
         return EgressRule(cidr=target, ports=ports) if is_cidr else EgressRule(domain=target, ports=ports)
+    except ValidationError as exc:
+        # pydantic's first message alone ("Value error, ..." prefix dropped), not its multi-line report.
+        msg = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise InvalidRequest(f"invalid rule {value!r}: {msg}") from exc
     except ValueError as exc:
         raise InvalidRequest(f"invalid rule {value!r}: {exc}") from exc
 

@@ -71,11 +71,20 @@ def test_long_paused_sandbox_releases_its_ram_and_resumes_intact(stack: Any) -> 
             qemu_pid = int((vm_dir / "qemu.pid").read_text())
             assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
             # After the grace period (6 s in the test stack) QEMU exits and the state waits on disk.
+            # The state is complete (hib/ in place) before QEMU is stopped and the live RAM file removed, so wait
+            # for the whole release, not just its first step.
+            def qemu_gone() -> bool:
+                try:
+                    return b"qemu" not in Path(f"/proc/{qemu_pid}/cmdline").read_bytes()
+                except OSError:
+                    return True
+
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (vm_dir / "hib" / "state").exists():
+            while time.monotonic() < deadline and not ((vm_dir / "hib" / "state").exists() and qemu_gone()
+                                                       and not (vm_dir / "ram").exists()):
                 time.sleep(0.5)
             assert (vm_dir / "hib" / "state").exists()
-            assert not Path(f"/proc/{qemu_pid}").exists() or b"qemu" not in Path(f"/proc/{qemu_pid}/cmdline").read_bytes()
+            assert qemu_gone()
             assert not (vm_dir / "ram").exists()
             assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
             assert c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}).status_code == 409

@@ -84,13 +84,16 @@ def pooled(stack: Any) -> Iterator[httpx.Client]:
 
 
 def _create_many(c: httpx.Client, n: int, workers: int) -> list[dict[str, Any]]:
-    def one(_: int) -> dict[str, Any]:
-        r = c.post("/v1/sandboxes", json={"template": "base"})
-        assert r.status_code == 201, r.text
-        return dict(r.json())
-
+    """``n`` creates, ``workers`` at a time; asserts each answered 201. A create that answered otherwise
+    but made a sandbox (a 202 whose wait ran out) is deleted first, so a failure leaves no VM running into
+    the next tests."""
     with ThreadPoolExecutor(workers) as ex:
-        return list(ex.map(one, range(n)))
+        answers = list(ex.map(lambda _: c.post("/v1/sandboxes", json={"template": "base"}), range(n)))
+    if any(r.status_code != 201 for r in answers):
+        _delete_all(c, [r.json()["id"] for r in answers if r.status_code in (201, 202)])
+    for r in answers:
+        assert r.status_code == 201, r.text
+    return [dict(r.json()) for r in answers]
 
 
 def _delete_all(c: httpx.Client, ids: list[str]) -> None:

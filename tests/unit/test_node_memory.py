@@ -64,6 +64,7 @@ def test_cached_pages_of_a_real_file(tmp_path: Path) -> None:
 def test_a_process_costs_its_pss_and_the_cached_pages_it_has_not_mapped_are_reported(tmp_path: Path) -> None:
     f = tmp_path / "ram"
     f.write_bytes(os.urandom(16 << 20))  # cached, and not mapped by this process
+    f.read_bytes()  # read back just before measuring, so a busy host has not evicted the pages meanwhile
     me = vm_memory(os.getpid(), f)
     assert me is not None and me.pss_mib > 0
     assert me.ram_cached_mib >= 8 and me.unmapped_mib > 0

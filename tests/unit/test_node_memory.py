@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -63,13 +64,20 @@ def test_cached_pages_of_a_real_file(tmp_path: Path) -> None:
 
 def test_a_process_costs_its_pss_and_the_cached_pages_it_has_not_mapped_are_reported(tmp_path: Path) -> None:
     f = tmp_path / "ram"
-    f.write_bytes(os.urandom(16 << 20))  # cached, and not mapped by this process
-    f.read_bytes()  # read back just before measuring, so a busy host has not evicted the pages meanwhile
-    me = vm_memory(os.getpid(), f)
-    assert me is not None and me.pss_mib > 0
-    assert me.ram_cached_mib >= 8 and me.unmapped_mib > 0
-    assert me.cost_mib == me.pss_mib
-    assert vm_memory(os.getpid(), None).ram_cached_mib == 0  # type: ignore[union-attr]
+    f.write_bytes(os.urandom(16 << 20))  # cached, and not mapped by the measured process
+    # A small process stands for QEMU: its own file-backed PSS (a few libraries) is far below the file's 16 MiB,
+    # whereas this test process's (every module the suite imported) can exceed it.
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        f.read_bytes()  # read back just before measuring, so a busy host has not evicted the pages meanwhile
+        me = vm_memory(proc.pid, f)
+        assert me is not None and me.pss_mib > 0
+        assert me.ram_cached_mib >= 8 and me.unmapped_mib > 0
+        assert me.cost_mib == me.pss_mib
+        assert vm_memory(proc.pid, None).ram_cached_mib == 0  # type: ignore[union-attr]
+    finally:
+        proc.kill()
+        proc.wait()
     assert vm_memory(2**22 + 12345, f) is None  # no such process
 
 

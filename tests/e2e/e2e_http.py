@@ -1,14 +1,22 @@
-"""HTTP helpers shared by the e2e tests: an API client for the test stack and a shell exec that must succeed."""
+"""Helpers shared by the e2e tests: an API client for a test stack, a shell exec that must succeed, a bounded
+wait, and a stack of a test module's own."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["api_client", "sh", "sh_output"]
+from podbay.config import Settings
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+
+__all__ = ["api_client", "sh", "sh_output", "until", "own_stack"]
 
 
 def api_client(stack: Any, key: str | None = None, *, timeout_s: float = 300.0) -> httpx.Client:
@@ -43,3 +51,22 @@ def until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float 
             return last
         time.sleep(every_s)
     raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+
+
+@contextlib.contextmanager
+def own_stack(test_root: Path, env: dict[str, str], *, prefix: str = "s") -> Iterator[Stack]:
+    """A single-node stack of its own (data directory under ``test_root``, its own servers unless
+    ``PODBAY_*_URL`` name external ones, free ports) with ``env`` over the environment and a dev API key;
+    purged (VMs, store, host network) on exit. For tests that need settings the session ``stack`` lacks."""
+    data_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=test_root))  # short: UNIX socket paths below it
+    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
+    running = Stack(data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir,
+                    ports=StackPorts.free(), external=External.from_env(), durable=False,
+                    base_env={**os.environ, **env})
+    try:
+        running.start()
+        running.create_api_key("dev", "dev")
+        yield running
+    finally:
+        running.stop(purge=True)
+        kill_strays(data_dir)

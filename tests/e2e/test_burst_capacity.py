@@ -16,7 +16,6 @@ minutes, so this runs 20 against room for 10 (``PODBAY_BURST_ROOM``/``PODBAY_BUR
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,10 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_http import api_client
+from e2e_http import api_client, own_stack
 
-from podbay.config import Settings
-from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.devstack.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -38,21 +36,10 @@ CREATES = int(os.environ.get("PODBAY_BURST_CREATES", str(2 * ROOM)))
 
 @pytest.fixture(scope="module")
 def room_node(test_root: Path) -> Iterator[Stack]:
-    data_dir = Path(tempfile.mkdtemp(prefix="b", dir=test_root))  # short: UNIX socket paths below it
-    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
-    running = Stack(
-        data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir, ports=StackPorts.free(),
-        external=External.from_env(), durable=False,
-        base_env={**os.environ, "PODBAY_NODE_MEMORY_MIB": str(ROOM * 256), "PODBAY_MEMORY_OVERCOMMIT_RATIO": "1",
-                  "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "1", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
-                  "PODBAY_PLACEMENT_RETRY_S": "5"})
-    try:
-        running.start()
-        running.create_api_key("dev", "dev")
+    with own_stack(test_root, {"PODBAY_NODE_MEMORY_MIB": str(ROOM * 256), "PODBAY_MEMORY_OVERCOMMIT_RATIO": "1",
+                               "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "1", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
+                               "PODBAY_PLACEMENT_RETRY_S": "5"}, prefix="b") as running:
         yield running
-    finally:
-        running.stop(purge=True)
-        kill_strays(data_dir)
 
 
 def test_a_burst_beyond_room_fills_the_room_and_refuses_the_rest_with_no_capacity(room_node: Stack) -> None:

@@ -10,40 +10,26 @@ memory (``PODBAY_MEMORY_PRESSURE_IDLE_S=0``), so the release the test sees is th
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from e2e_http import api_client, sh, until
+from e2e_http import api_client, sh, until, own_stack
 
-from podbay.config import Settings
-from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.devstack.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def small_node(test_root: Path) -> Iterator[Stack]:
-    data_dir = Path(tempfile.mkdtemp(prefix="mem", dir=test_root))
-    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
-    running = Stack(
-        data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir, ports=StackPorts.free(),
-        external=External.from_env(), durable=False,
-        base_env={**os.environ, "PODBAY_NODE_MEMORY_MIB": "400", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
-                  "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
-                  "PODBAY_NODE_HEARTBEAT_S": "1"})
-    try:
-        running.start()
-        running.create_api_key("dev", "dev")
+    with own_stack(test_root, {"PODBAY_NODE_MEMORY_MIB": "400", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
+                               "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
+                               "PODBAY_NODE_HEARTBEAT_S": "1"}, prefix="mem") as running:
         yield running
-    finally:
-        running.stop(purge=True)
-        kill_strays(data_dir)
 
 
 def _node_metric(stack: Any, name: str, labels: str) -> float:

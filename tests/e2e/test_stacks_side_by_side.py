@@ -9,7 +9,6 @@ and resolves the allowed name.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -18,11 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_http import api_client, sh
+from e2e_http import api_client, sh, own_stack
 
-from podbay.config import Settings
 from podbay.contracts.egress import NetBinding, bindings_dir
-from podbay.devstack.stack import Stack, StackPorts, kill_strays
+from podbay.devstack.stack import Stack
 from podbay.stacknet import nft_table, tap_prefix
 
 pytestmark = pytest.mark.e2e
@@ -55,18 +53,9 @@ def stack_a(stack: Any, test_root: Path) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def stack_b(test_root: Path) -> Iterator[Stack]:
     """A second stack with its own data directory, servers and ports (stopped with a purge by the test)."""
-    data_dir = Path(tempfile.mkdtemp(prefix="b", dir=test_root))
-    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
-    running = Stack(data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir,
-                    ports=StackPorts.free(), durable=False,
-                    base_env={**os.environ, "PODBAY_GATEWAY_HOSTS_FILE": str(_hosts_file(data_dir))})
-    try:
-        running.start()
-        running.create_api_key("dev", "dev")
+    hosts = _hosts_file(Path(tempfile.mkdtemp(prefix="h", dir=test_root)))
+    with own_stack(test_root, {"PODBAY_GATEWAY_HOSTS_FILE": str(hosts)}, prefix="b") as running:
         yield running
-    finally:
-        running.stop(purge=True)
-        kill_strays(data_dir)
 
 
 def _binding(stack: Any, sandbox: dict[str, Any]) -> NetBinding:

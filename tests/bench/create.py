@@ -18,7 +18,8 @@ Metrics:
 - ``warm_share`` (and ``..._8clients``): share of the warm creates served from a slot (the API's
   ``create_warm`` counter; the others fell back to a restore);
 - ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
-  (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile);
+  (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile), and
+  ``..._cold`` over the cold phase;
 - ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory per idle
   running sandbox, and per paused one before its RAM is released, as the node measures it
   (``podbay.vmmem``: each QEMU's PSS, which includes the guest RAM file's pages it mapped);
@@ -318,12 +319,14 @@ def main() -> None:
                 results["floor_resume_ping"] = summarise(asyncio.run(_floor(store, args.runs)))
             _delete(c, [_create(c, args.template)[0]])  # warm-up, not counted
             if "cold" in phases:  # no pool
+                before = _scrape(metrics)
                 cold = []
                 for _ in range(args.runs):
                     sid, ms = _create(c, args.template)
                     cold.append(ms)
                     _delete(c, [sid])
                 results["create_cold"] = summarise(cold)
+                results.update(_hop_means("_cold", before, _scrape(metrics)))
             if phases & {"warm", "warm8"}:
                 _warm_phases(c, args, phases, metrics, results)
             if "density" in phases:

@@ -31,7 +31,7 @@ from podbay.channel.frames import Frame, FrameType
 from .errors import OpError
 from .port import Port
 
-__all__ = ["Stream", "Server", "Handler", "Workers", "MAX_STREAMS", "INLINE_OPS"]
+__all__ = ["Stream", "Server", "Handler", "Workers", "MAX_STREAMS", "INLINE_OPS", "IDLE_READ_S"]
 
 log = logging.getLogger("guestd")
 
@@ -40,6 +40,10 @@ MAX_STREAMS = 4096
 # went away mid-frame (see Decoder.abandon_partial).
 PARTIAL_STALL_S = 0.5
 _POLL_S = 0.25
+# With nothing partial to time out and no stop event to watch, the reader sleeps until data or a host comes
+# (the port wakes it for both); the bound is only a safety net. Under TCG each wakeup of an idle guest is
+# emulated: polling every 0.25 s was a third of an idle guest's own CPU time.
+IDLE_READ_S = 30.0
 # Operations cheap and non-blocking enough to answer on the reader thread.
 INLINE_OPS = frozenset({"ping", "hello"})
 # Idle workers kept beyond this many exit; PRESTART_WORKERS exist from the start (so they are part of a
@@ -246,7 +250,7 @@ class Server:
         """Read, decode and dispatch until ``stop`` is set."""
         partial_since: float | None = None
         while stop is None or not stop.is_set():
-            data = self.port.read(_POLL_S)
+            data = self.port.read(_POLL_S if stop is not None or partial_since is not None else IDLE_READ_S)
             out: list[Frame] = []
             now = time.monotonic()
             if data:

@@ -15,6 +15,12 @@ mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs /run
 [ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
 [ -e /dev/ptmx ] || ln -s pts/ptmx /dev/ptmx
 
+# Under TCG every guest wakeup is emulated, so an idle guest's timers cost host CPU, which limits how many
+# run on a node: no proactive compaction (kcompactd wakes every 500 ms otherwise) and per-CPU memory
+# statistics folded every 10 s, not every second. Measured on an idle guest: QEMU at 1.67% of a core, from 1.96%.
+echo 0 >/proc/sys/vm/compaction_proactiveness 2>/dev/null || true
+echo 10 >/proc/sys/vm/stat_interval 2>/dev/null || true
+
 hostname "$(cat /etc/hostname 2>/dev/null || echo podbay)"
 $BB ip link set lo up
 

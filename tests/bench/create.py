@@ -20,6 +20,13 @@ Metrics:
 - ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
   (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile), and
   ``..._cold`` over the cold phase;
+- ``exec_true`` (phase ``exec``): ``POST /v1/sandboxes/{id}/exec`` of ``true`` on one running sandbox,
+  one client (the same call as ``create_exec.py``, here on the benchmark's own stack, so that one run with
+  ``PODBAY_TCG_TB_SIZE_MIB`` set and one without compare the memory bound's cost on a quiet machine);
+- ``first_command_warm`` (phase ``first``): what a user waits for from a create to its first command, through
+  the SDK as a user runs it (``podbay.sdk.Client``: ``create_sandbox`` then ``exec(id, ["true"])``, one
+  client), a ready slot waiting before each (the wait is not timed); ``first_command_cold`` (phase
+  ``firstcold``): the same with no pool (issue "first command in 25 ms");
 - ``idle_running_sandboxes_per_GiB`` / ``paused_sandboxes_per_GiB``: 1 GiB over the host memory per idle
   running sandbox, and per paused one before its RAM is released, as the node measures it
   (``podbay.vmmem``: each QEMU's PSS, which includes the guest RAM file's pages it mapped);
@@ -52,6 +59,7 @@ import httpx
 from podbay.channel.client import GuestChannel
 from podbay.config import Settings
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.sdk import Client
 from podbay.vmmem import vm_memory
 from podbay.vmprocs import vm_processes
 from podbay_nodeagent.template import TemplateSnapshot
@@ -294,11 +302,13 @@ def main() -> None:
     ap.add_argument("--template", default="base")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the stack's directory")
-    ap.add_argument("--phases", default="floor,cold,warm,warm8,density",
-                    help="comma-separated phases to run (default: floor,cold,warm,warm8,density; also: max)")
+    ap.add_argument("--phases", default="floor,cold,warm,warm8,exec,first,firstcold,density",
+                    help="comma-separated phases to run (default: floor,cold,warm,warm8,exec,first,firstcold,"
+                         "density;"
+                         " also: max)")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
-    if unknown := phases - {"floor", "cold", "warm", "warm8", "density", "max"}:
+    if unknown := phases - {"floor", "cold", "warm", "warm8", "exec", "first", "firstcold", "density", "max"}:
         ap.error(f"unknown phases: {', '.join(sorted(unknown))}")
 
     root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
@@ -329,6 +339,17 @@ def main() -> None:
                 results.update(_hop_means("_cold", before, _scrape(metrics)))
             if phases & {"warm", "warm8"}:
                 _warm_phases(c, args, phases, metrics, results)
+            if "exec" in phases:
+                sid = _create(c, args.template)[0]
+                samples = []
+                for _ in range(args.runs):
+                    t0 = time.perf_counter()
+                    c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}).raise_for_status()
+                    samples.append(_ms(t0))
+                _delete(c, [sid])
+                results["exec_true"] = summarise(samples)
+            if phases & {"first", "firstcold"}:
+                _first_command(c, args, phases, stack.api_url, stack.api_key, results)
             if "density" in phases:
                 results.update(_density(c, args.template, store, args.density))
             if "max" in phases:
@@ -373,6 +394,33 @@ def _warm_phases(c: httpx.Client, args: argparse.Namespace, phases: set[str], me
                                           "n": len(warm8)}
     c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
     _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
+
+
+def _first_command(c: httpx.Client, args: argparse.Namespace, phases: set[str], api_url: str, api_key: str,
+                   results: dict[str, dict[str, Any]]) -> None:
+    """``first_command_warm`` (a pool of ``--pool``) and ``first_command_cold`` (no pool), through the SDK."""
+    with Client(api_url=api_url, api_key=api_key) as sdk:
+        def first() -> float:
+            t0 = time.perf_counter()
+            sid = sdk.create_sandbox(template=args.template).id
+            result = sdk.exec(sid, ["true"])
+            ms = _ms(t0)
+            sdk.delete_sandbox(sid)
+            if result.exit_code != 0:
+                raise SystemExit(f"true exited {result.exit_code} in {sid}")
+            return ms
+
+        if "first" in phases:
+            c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
+            samples = []
+            for _ in range(args.runs):
+                _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
+                samples.append(first())
+            results["first_command_warm"] = summarise(samples)
+            c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
+            _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
+        if "firstcold" in phases:
+            results["first_command_cold"] = summarise([first() for _ in range(args.runs)])
 
 
 if __name__ == "__main__":

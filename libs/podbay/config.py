@@ -91,6 +91,21 @@ class Settings(BaseSettings):
     webhooks_enabled: bool = Field(True, description="Run the webhook deliverer in this API process.")
     e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
                                    "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
+    # schedules (services/api/schedules/): run by the API process that holds the `schedules` lease
+    schedules_enabled: bool = Field(True, description="Run the schedule firer in this API process (one replica "
+                                    "fires at a time, behind the `schedules` leader lease).")
+    schedule_tick_s: float = Field(1.0, gt=0, le=60, description="How often the schedule firer looks for due "
+                                   "schedules and runs, seconds.")
+    schedule_jitter_s: float = Field(5.0, ge=0, le=3600, description="Each fire starts up to this long after its "
+                                     "time (a fixed spread per schedule and time), so schedules of the same "
+                                     "minute do not all wake at once; 0 = on time.")
+    schedule_node_wakes_max: int = Field(4, ge=1, le=1024, description="Schedule runs waking or running at "
+                                         "once per node (suspended sandboxes count against one shared pool "
+                                         "until placed); further runs wait their turn.")
+    schedules_per_sandbox_max: int = Field(20, ge=1, le=10000, description="Schedules one sandbox may have.")
+    schedule_missed_grace_s: float = Field(60.0, ge=0, description="A fire found this long after its time "
+                                           "(the firer was down) is missed: its schedule's `missed` policy "
+                                           "runs it once or skips it.")
 
     # node agent
     node_id: str = Field("node-1", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")

@@ -2,11 +2,15 @@
 
     PodbayError                    (code, message, retryable, http_status)
     ├── InvalidRequest        400  invalid_request
+    │   ├── InvalidCron       400  invalid_cron      (not a five-field cron expression, or it never fires)
+    │   ├── UnknownTimeZone   400  unknown_time_zone (not an IANA time zone name)
+    │   └── TimeInPast        400  time_in_past      (a one-shot schedule's time has passed)
     ├── Unauthorized          401  unauthorized
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
     │   ├── InvalidState      409  invalid_state (carries the current state)
-    │   └── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
+    │   ├── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
+    │   └── LimitExceeded     409  limit_exceeded (a per-sandbox or per-tenant limit; ``details.limit``)
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
@@ -28,6 +32,10 @@ from typing import Any, ClassVar
 __all__ = [
     "PodbayError",
     "InvalidRequest",
+    "InvalidCron",
+    "UnknownTimeZone",
+    "TimeInPast",
+    "LimitExceeded",
     "Unauthorized",
     "Forbidden",
     "NotFound",
@@ -72,6 +80,24 @@ class InvalidRequest(PodbayError):
     http_status = 400
 
 
+class InvalidCron(InvalidRequest):
+    """A schedule's cron expression is not five valid fields, or never matches a date."""
+
+    code = "invalid_cron"
+
+
+class UnknownTimeZone(InvalidRequest):
+    """A schedule's ``tz`` is not an IANA time zone name (``Europe/Berlin``, ``UTC``)."""
+
+    code = "unknown_time_zone"
+
+
+class TimeInPast(InvalidRequest):
+    """A one-shot schedule's ``at`` is not in the future."""
+
+    code = "time_in_past"
+
+
 class Unauthorized(PodbayError):
     code = "unauthorized"
     http_status = 401
@@ -105,6 +131,12 @@ class SuspendFailed(Conflict):
     (``details.operation_id`` has the error)."""
 
     code = "suspend_failed"
+
+
+class LimitExceeded(Conflict):
+    """Creating this would pass a limit (``details.limit``: its value; ``details.setting``: what sets it)."""
+
+    code = "limit_exceeded"
 
 
 class Unprocessable(PodbayError):
@@ -180,6 +212,10 @@ _BY_CODE: dict[str, type[PodbayError]] = {
     for cls in (
         PodbayError,
         InvalidRequest,
+        InvalidCron,
+        UnknownTimeZone,
+        TimeInPast,
+        LimitExceeded,
         Unauthorized,
         Forbidden,
         NotFound,

@@ -25,6 +25,9 @@ __all__ = [
     "NODE_SANDBOXES",
     "NODE_HEARTBEATS",
     "PROMOTION_LAG_SECONDS",
+    "SCHEDULE_RUNS",
+    "SCHEDULE_WAKE_SECONDS",
+    "SCHEDULE_LATENESS_SECONDS",
 ]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -52,6 +55,16 @@ HOP_SECONDS = Histogram(
     ["service", "hop"],
     buckets=LATENCY_BUCKETS,
 )
+
+# Schedules (services/api/schedules/): outcomes are a closed set (ScheduleRunState), so they stay few labels.
+SCHEDULE_RUNS = Counter("podbay_schedule_runs_total", "Schedule runs by outcome (succeeded, failed, timed_out, "
+                        "wake_failed, skipped, interrupted).", ["outcome"])
+SCHEDULE_WAKE_SECONDS = Histogram("podbay_schedule_wake_seconds", "From a schedule run's start to its sandbox "
+                                  "answering, by the state it woke from (running, paused, suspended).",
+                                  ["from_state"], buckets=LATENCY_BUCKETS)
+SCHEDULE_LATENESS_SECONDS = Histogram("podbay_schedule_lateness_seconds", "How late a run's command started "
+                                      "(or its wake finished, without a command) against the schedule's time, "
+                                      "jitter included.", buckets=LATENCY_BUCKETS + (300, 900, 3600))
 
 # Node capacity and load, as this node's agent puts them in its heartbeat (alerts: capacity; heartbeats stopping).
 NODE_CAPACITY = Gauge("podbay_node_capacity", "Resources this node offers to sandboxes (memory_mib, vcpus).",

@@ -29,6 +29,8 @@ from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, events, 
                sandboxes, snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
+from .schedules import routes as schedule_routes
+from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app"]
 
@@ -101,6 +103,10 @@ def create_app(settings: Settings) -> FastAPI:
                                   backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s,
                                   timeout_s=settings.webhook_timeout_s)
             hooks_task = asyncio.create_task(deliverer.run(hooks_stop), name="webhooks")
+        # Schedules fire from the replica holding the `schedules` lease (schedules/firer.py).
+        firer_task: asyncio.Task[None] | None = None
+        if settings.schedules_enabled:
+            firer_task = asyncio.create_task(ScheduleFirer(ctx).run(hooks_stop), name="schedules")
         try:
             yield
         finally:
@@ -112,6 +118,11 @@ def create_app(settings: Settings) -> FastAPI:
                     await asyncio.wait_for(hooks_task, timeout=8)
                 except Exception:  # its unacked events are redelivered to another replica
                     hooks_task.cancel()
+            if firer_task is not None:
+                try:
+                    await asyncio.wait_for(firer_task, timeout=10)
+                except Exception:  # its runs stay `running`; the next lease holder puts their sandboxes back
+                    firer_task.cancel()
             relay_task.cancel()
             await nodes_http.aclose()
             await bus.close()
@@ -141,6 +152,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(events.router)
     app.include_router(webhooks.router)
     app.include_router(drain.router)
+    app.include_router(schedule_routes.router)
 
     app.add_middleware(RequestMetrics)
 

@@ -30,7 +30,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "proxy", "target", "lookup"]
+__all__ = ["router", "proxy", "target", "lookup", "exec_body"]
 
 log = logging.getLogger("podbay.api.dataplane")
 
@@ -243,3 +243,5 @@ async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who
 proxy = _proxy
 target = _target
 lookup = _lookup
+# Schedule runs (schedules/run.py) send the same exec body.
+exec_body = _exec_body

@@ -6,6 +6,9 @@ record one run for one fire time (the unique key, real PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -19,6 +22,8 @@ from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import Settings
 from podbay.devstack.stack import Stack
+from podbay.errors import InvalidCron, InvalidRequest
+from podbay.sdk import Client
 from podbay.outbox import Relay
 from podbay_api.context import ApiContext
 from podbay_api.schedules.firer import ScheduleFirer
@@ -191,3 +196,46 @@ async def _two_firers(stack: Stack, ids: list[str]) -> None:
         await pool.execute("DELETE FROM schedules WHERE id = ANY($1::text[])", ids)
         await bus.close()
         await pool.close()
+
+
+def _cli(stack: Stack, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PODBAY_")}
+    return subprocess.run([sys.executable, "-m", "podbay.cli.main", "schedule", *args], capture_output=True,
+                          text=True, timeout=60, env={**env, "PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": key})
+
+
+def test_sdk_and_cli_add_list_runs_and_remove(stack: Stack) -> None:
+    acme = new_tenant(stack, "sched")
+    _, sbx = template_and_sandbox(stack, acme, state="suspended")
+    with Client(api_url=stack.api_url, api_key=acme.key) as pb:
+        info = pb.schedules.add(sbx, cron="0 7 * * 1-5", tz="Europe/Berlin", command=["python3", "/srv/agent/b.py"],
+                                env={"MODE": "daily"}, timeout_s=120)
+        assert info.command is not None and info.command.env == {"MODE": "daily"} and info.command.timeout_s == 120
+        assert [s.id for s in pb.schedules.list(sbx)] == [info.id]
+        assert pb.schedules.runs(sbx, info.id) == []
+        with pytest.raises(InvalidCron):
+            pb.schedules.add(sbx, cron="0 25 * * *")
+        with pytest.raises(InvalidRequest):  # refused locally: neither cron nor at
+            pb.schedules.add(sbx)
+        pb.schedules.remove(sbx, info.id)
+        assert pb.schedules.list(sbx) == []
+    out = _cli(stack, acme.key, "add", sbx, "--cron", "0 7 * * 1-5", "--tz", "Europe/Berlin", "--",
+               "python3", "/srv/agent/briefing.py", "--verbose")
+    assert out.returncode == 0, out.stderr
+    sch = out.stdout.split()[0]
+    assert sch.startswith("sch_") and "next" in out.stdout
+    out = _cli(stack, acme.key, "add", sbx, "--at", "2099-01-01T09:00:00Z")
+    assert out.returncode == 0, out.stderr
+    listed = _cli(stack, acme.key, "list", sbx)
+    assert listed.returncode == 0 and "python3 /srv/agent/briefing.py --verbose" in listed.stdout
+    assert "0 7 * * 1-5 Europe/Berlin" in listed.stdout and "(wake only)" in listed.stdout
+    runs = _cli(stack, acme.key, "runs", sbx, sch)
+    assert runs.returncode == 0 and runs.stdout.splitlines()[0].split()[:2] == ["RUN", "FIRE_AT"]
+    bad = _cli(stack, acme.key, "add", sbx, "--cron", "0 7 * *", "--", "true")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("(invalid_cron)"), bad.stderr
+    bad = _cli(stack, acme.key, "add", sbx, "--cron", "0 7 * * *", "--tz", "Nowhere/Town")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("(unknown_time_zone)"), bad.stderr
+    assert _cli(stack, acme.key, "rm", sbx, sch).returncode == 0
+    gone = _cli(stack, acme.key, "rm", sbx, sch)
+    assert gone.returncode == 2 and gone.stderr.strip().endswith("(not_found)"), gone.stderr
+    assert _count(stack, sbx) == 1

@@ -41,6 +41,7 @@ from podbay.contracts.events import EventOut
 from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
+from podbay.sdk import _schedules as sched
 from podbay.sdk import _calls as calls
 from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
@@ -83,6 +84,8 @@ class AsyncClient:
         self.keys = access.AsyncKeys(self._call)
         #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
         self.webhooks = sdk_events.AsyncWebhooks(self._call)
+        #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
+        self.schedules = sched.AsyncSchedules(self._call)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
@@ -367,6 +370,11 @@ class AsyncSandbox:
         self._owns_client = owns_client
         self.info: SandboxInfo = info
         self.files = AsyncFiles(client, info.id)
+
+    @property
+    def schedules(self) -> sched.AsyncBoundSchedules:
+        """This sandbox's schedules (``add(cron=..., tz=..., command=[...])``, ``list()``, ``runs(id)``, ``remove(id)``)."""
+        return sched.AsyncBoundSchedules(self._client.schedules, self.id)
 
     @property
     def id(self) -> str:

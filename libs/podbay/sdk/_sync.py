@@ -42,6 +42,7 @@ from podbay.contracts.events import EventOut
 from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
+from podbay.sdk import _schedules as sched
 from podbay.sdk import _calls as calls
 from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
@@ -89,6 +90,8 @@ class Client:
         self.keys = access.Keys(self._call)
         #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
         self.webhooks = sdk_events.Webhooks(self._call)
+        #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
+        self.schedules = sched.Schedules(self._call)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -399,6 +402,11 @@ class Sandbox:
         self._owns_client = owns_client
         self.info: SandboxInfo = info
         self.files = Files(client, info.id)
+
+    @property
+    def schedules(self) -> sched.BoundSchedules:
+        """This sandbox's schedules (``add(cron=..., tz=..., command=[...])``, ``list()``, ``runs(id)``, ``remove(id)``)."""
+        return sched.BoundSchedules(self._client.schedules, self.id)
 
     @property
     def id(self) -> str:

@@ -1,4 +1,4 @@
-"""The audit log (DESIGN.md §4, §6): one append-only row per state-changing API call, credential use and
+"""The audit log (docs/DESIGN.md §4, §6): one append-only row per state-changing API call, credential use and
 policy denial, and the same record as an event on ``podbay.evt.audit.<tenant>.<action>`` through the outbox,
 in the caller's transaction. The table refuses UPDATE, DELETE and TRUNCATE (migration 0007)."""
 

@@ -1,7 +1,7 @@
 """NATS JetStream access for every service: connect, declare streams/KV, publish commands, subscribe.
 
 Names come from ``podbay.contracts.subjects``. nats-py errors are converted to ``podbay.errors`` at this
-boundary. Streams (DESIGN.md §4):
+boundary. Streams (docs/DESIGN.md §4):
 
 - ``PODBAY_CMD``: work-queue retention over ``podbay.cmd.>``; one durable pull consumer per receiver;
   the operation id is the ``Nats-Msg-Id`` so duplicate publishes within the dedupe window are dropped.

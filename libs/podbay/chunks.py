@@ -1,4 +1,4 @@
-"""Content-addressed chunks of snapshot files (DESIGN.md §5): what the snapshotter uploads and a node fetches.
+"""Content-addressed chunks of snapshot files (docs/DESIGN.md §5): what the snapshotter uploads and a node fetches.
 
 A file is cut into fixed-size chunks (``chunk_size_kib``, the last one shorter); each chunk is named by the
 SHA-256 of its uncompressed bytes and stored once in the bucket as ``chunks/<hh>/<hash>`` compressed with

@@ -141,7 +141,7 @@ class Settings(BaseSettings):
                                  "a busy guest's translated code can hold (QEMU 7.2's own default, 1 GiB, becomes "
                                  "resident as a guest runs). 0 = QEMU's default. KVM guests have none.")
     vmm_confine: bool = Field(True, description="Run each QEMU inside bubblewrap as VMM_USER with no capabilities "
-                              "(DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
+                              "(docs/DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
                           "start when missing.")
     tap_check_s: float = Field(2.0, ge=0, description="How often the node agent checks that each VM's tap still "
@@ -233,7 +233,7 @@ class Settings(BaseSettings):
     warmpool_port: int = Field(8093)
     gateway_port: int = Field(8095, description="Gateway health and /metrics.")
 
-    # egress (DESIGN.md §6): every sandbox's traffic is redirected to this node's gateway
+    # egress (docs/DESIGN.md §6): every sandbox's traffic is redirected to this node's gateway
     sandbox_cidr: str = Field("", description="This node's sandbox addresses: one /30 per sandbox (tap host side "
                               ".1 = gateway, guest .2). Empty: a /16 of 10.128.0.0/10 chosen once per data directory "
                               "(free on the host) and kept in DATA_DIR/network.json, so stacks side by side never "
@@ -255,7 +255,7 @@ class Settings(BaseSettings):
     operator_tenant: str = Field("dev", description="The tenant whose keys may change what all tenants share "
                                  "(a template's default egress policy); `podbay up` creates it.")
 
-    # credentials (DESIGN.md §6)
+    # credentials (docs/DESIGN.md §6)
     credential_backend: Literal["pg", "openbao"] = Field("pg", description="Where credential values live.")
     credential_key: str = Field("", description="pg backend: base64 of the 32-byte AES-256-GCM key that seals "
                                 "credential values; the dev stack generates one.")

@@ -1,4 +1,4 @@
-"""Credential values at rest (DESIGN.md §6): sealed on write by the API, revealed only by the gateway at the
+"""Credential values at rest (docs/DESIGN.md §6): sealed on write by the API, revealed only by the gateway at the
 moment it injects one. No API returns a value.
 
 Backends (``PODBAY_CREDENTIAL_BACKEND``):

@@ -176,7 +176,7 @@ class NoCapacity(Unavailable):
 
 
 class StaleGeneration(PodbayError):
-    """A node acted on a placement that has since been superseded (DESIGN.md §4, generation fencing)."""
+    """A node acted on a placement that has since been superseded (docs/DESIGN.md §4, generation fencing)."""
 
     code = "stale_generation"
     http_status = 409

@@ -1,4 +1,4 @@
-"""Transactional outbox (DESIGN.md §4): an event commits with its state change, then is relayed to JetStream.
+"""Transactional outbox (docs/DESIGN.md §4): an event commits with its state change, then is relayed to JetStream.
 
 ``emit`` inserts the event row inside the caller's transaction. After commit the caller calls
 ``Relay.kick()``; the relay publishes unpublished rows in id order with the event id as ``Nats-Msg-Id``

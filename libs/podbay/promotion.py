@@ -1,4 +1,4 @@
-"""Promotion of snapshots to object storage, fetch for restore, and garbage collection (DESIGN.md §5).
+"""Promotion of snapshots to object storage, fetch for restore, and garbage collection (docs/DESIGN.md §5).
 
 Used by the snapshotter (``promote``, ``collect_garbage``) and the node agent (``fetch``).
 

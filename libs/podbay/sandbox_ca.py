@@ -1,4 +1,4 @@
-"""Per-sandbox certificate authorities (DESIGN.md §6): the gateway terminates TLS towards destinations that
+"""Per-sandbox certificate authorities (docs/DESIGN.md §6): the gateway terminates TLS towards destinations that
 have credentials with a certificate signed by a CA that only this sandbox (generation) trusts, so a key
 leaked from one sandbox's gateway session is worthless for every other sandbox.
 

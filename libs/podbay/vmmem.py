@@ -1,4 +1,4 @@
-"""What a VM really costs the host in memory, and what the host has left (DESIGN.md §3 "Density").
+"""What a VM really costs the host in memory, and what the host has left (docs/DESIGN.md §3 "Density").
 
 Guest RAM is a shared file mapping (``-object memory-backend-file,share=on``), so the pages a guest touched
 live in the page cache of its RAM file, not in anonymous memory. One VM's cost is the PSS of its QEMU

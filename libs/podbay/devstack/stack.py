@@ -739,7 +739,7 @@ class Stack(NodeOps):
             "PODBAY_PG_PORT": str(p.pg),
             "PODBAY_S3_PORT": str(p.s3),
             "PYTHONUNBUFFERED": "1",
-            # The API seals credential values with it; the gateway opens them (DESIGN.md §6).
+            # The API seals credential values with it; the gateway opens them (docs/DESIGN.md §6).
             "PODBAY_CREDENTIAL_KEY": self.credential_key,
         }
         if self.openbao_addr:

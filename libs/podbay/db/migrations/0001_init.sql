@@ -1,4 +1,4 @@
--- podbay schema v1 (DESIGN.md §4). Applied once, in order, at start-up by podbay.db.migrate.
+-- podbay schema v1 (docs/DESIGN.md §4). Applied once, in order, at start-up by podbay.db.migrate.
 
 CREATE TABLE tenants (
     id          text PRIMARY KEY,

@@ -1,4 +1,4 @@
--- Snapshots of sandboxes (DESIGN.md §5). Node-local for now: node_id names where the files are.
+-- Snapshots of sandboxes (docs/DESIGN.md §5). Node-local for now: node_id names where the files are.
 CREATE TABLE snapshots (
     id           text PRIMARY KEY,
     tenant_id    text NOT NULL REFERENCES tenants(id),

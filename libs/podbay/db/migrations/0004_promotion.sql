@@ -1,4 +1,4 @@
--- Promotion of snapshots to object storage, suspend and resume (DESIGN.md §5, issue 4).
+-- Promotion of snapshots to object storage, suspend and resume (docs/DESIGN.md §5, issue 4).
 --
 -- A snapshot's manifest (every file, its size, checksum and chunk list) is written before its upload starts
 -- (promotion = 'promoting'); once every object is verified one transaction sets promotion = 'promoted'.

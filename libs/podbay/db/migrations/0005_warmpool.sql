@@ -1,4 +1,4 @@
--- Warm pools (DESIGN.md §5, issue "warm pools"): per template and node, prepared sandboxes restored from the
+-- Warm pools (docs/DESIGN.md §5, issue "warm pools"): per template and node, prepared sandboxes restored from the
 -- template snapshot and paused, so a create claims one instead of restoring.
 
 -- Operator bounds per template: the pool keeps at least min_size slots and grows with demand up to max_size.

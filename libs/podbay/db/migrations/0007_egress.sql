@@ -1,4 +1,4 @@
--- Egress, credentials and audit (DESIGN.md §6; issue "Secrets never enter the sandbox").
+-- Egress, credentials and audit (docs/DESIGN.md §6; issue "Secrets never enter the sandbox").
 
 -- Egress policy (podbay.contracts.egress.EgressPolicy as JSON). A sandbox's own policy wins; NULL means the
 -- template's; a template's NULL means no egress at all.

@@ -44,7 +44,7 @@ class SystemOps(Transport):
         net: GuestNet | None = None,
     ) -> AfterRestoreResult:
         """Post-restore hygiene: new hostname, RNG seed (credited), wall clock, exec env and access token
-        (DESIGN.md §3), and with ``net`` the guest's address, route, resolver and sandbox CA."""
+        (docs/DESIGN.md §3), and with ``net`` the guest's address, route, resolver and sandbox CA."""
         req = AfterRestoreRequest(
             hostname=hostname,
             seed_b64=base64.b64encode(seed).decode() if seed is not None else None,

@@ -1,4 +1,4 @@
-"""``podbay credential``, ``podbay key``, ``podbay audit`` and ``podbay sandbox network`` (DESIGN.md §6).
+"""``podbay credential``, ``podbay key``, ``podbay audit`` and ``podbay sandbox network`` (docs/DESIGN.md §6).
 
 A credential's value is read from ``--value-file`` or standard input, never from the command line (argv is
 visible to every local user in ``ps`` and lands in shell history).

@@ -1,4 +1,4 @@
-"""``podbay pool set|list``: warm pools of prepared sandboxes per template (DESIGN.md §5)."""
+"""``podbay pool set|list``: warm pools of prepared sandboxes per template (docs/DESIGN.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HTTP API bodies for credentials, API keys, the audit log and egress policy (DESIGN.md §6).
+"""HTTP API bodies for credentials, API keys, the audit log and egress policy (docs/DESIGN.md §6).
 
 A credential's value arrives once, as a ``SecretStr`` (so it never shows in a ``repr``, a log line or a
 validation error), and no response model has a field for it.

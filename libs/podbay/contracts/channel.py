@@ -2,7 +2,7 @@
 
 The frame codec is ``podbay.channel.frames``; the protocol is described in docs/channel.md. guestd (standard
 library only) builds plain dicts with the same field names; the host validates every guest answer with
-these models, because the guest is untrusted (DESIGN.md §4, guest channel).
+these models, because the guest is untrusted (docs/DESIGN.md §4, guest channel).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class GuestNet(_Strict):
 
 class AfterRestoreRequest(_Strict):
     """Arguments of ``after_restore``, sent after every restore or fork (there is no vmgenid on microvm,
-    DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
+    docs/DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
     clock in ns since the epoch, env vars added to every later exec (replacing earlier ones), and the
     sandbox's access token, which guestd keeps in ``/run/podbay/access_token`` (mode 0600)."""
 

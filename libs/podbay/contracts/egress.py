@@ -1,4 +1,4 @@
-"""Egress contracts (DESIGN.md §6): the policy a sandbox's traffic is held to, and the node-local binding
+"""Egress contracts (docs/DESIGN.md §6): the policy a sandbox's traffic is held to, and the node-local binding
 that tells the gateway which sandbox a source address belongs to.
 
 Policy semantics (the gateway is the one place that applies them):

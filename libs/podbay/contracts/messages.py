@@ -1,4 +1,4 @@
-"""JetStream command and event payloads (DESIGN.md §4).
+"""JetStream command and event payloads (docs/DESIGN.md §4).
 
 Commands travel on the ``PODBAY_CMD`` work-queue stream with the operation id as ``Nats-Msg-Id``, so a
 duplicate publish is dropped by the server and a redelivery is recognised by the handler.

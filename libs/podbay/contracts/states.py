@@ -1,6 +1,6 @@
 """Sandbox lifecycle: a closed set of states and commands, and one table of what is allowed where.
 
-Source: DESIGN.md §5. The states are metric labels, so the set stays small and closed.
+Source: docs/DESIGN.md §5. The states are metric labels, so the set stays small and closed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""JetStream names (DESIGN.md §4). Every subject string in podbay is built here."""
+"""JetStream names (docs/DESIGN.md §4). Every subject string in podbay is built here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Credentials, API keys, the audit log and egress policy in the SDK (DESIGN.md §6).
+"""Credentials, API keys, the audit log and egress policy in the SDK (docs/DESIGN.md §6).
 
 ``client.credentials`` and ``client.keys`` are small namespaces over the client's own connection;
 ``client.audit(...)``, ``client.get_network(id)``/``client.set_network(id, policy)`` and the template

@@ -86,7 +86,7 @@ def parse_filter(tenant_id: str, sandbox: list[str], type_: list[str]) -> EventF
             raise InvalidRequest(f"invalid sandbox id {s!r}: expected 1 to 64 letters, digits, '_' or '-'")
     for t in type_:
         if not _TYPE.match(t):
-            raise InvalidRequest(f"invalid event type {t!r}: expected lower-case letters, digits or '_'")
+            raise InvalidRequest(f"invalid event type {t!r}: expected lower-case letters, digits or '_' (two such words may be joined by '.')")
     return EventFilter(tenant_id=tenant_id, sandboxes=frozenset(sandbox), types=frozenset(type_))
 
 

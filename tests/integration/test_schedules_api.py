@@ -6,6 +6,7 @@ record one run for one fire time (the unique key, real PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -148,6 +149,18 @@ def test_a_sandbox_that_cannot_wake_records_wake_failed_and_the_schedule_stays(s
     events = [r["subject"] for r in sql(stack, "SELECT subject FROM outbox WHERE subject LIKE $1 ORDER BY id",
                                         f"podbay.evt.sandbox.{sbx}.schedule.%")]
     assert events == [f"podbay.evt.sandbox.{sbx}.schedule.fired", f"podbay.evt.sandbox.{sbx}.schedule.finished"]
+    # Subscribers see them, and can filter on the dotted type.
+    with acme.http() as http:
+        def finished_events() -> list[dict[str, object]]:
+            r = http.get("/v1/events", params={"sandbox": sbx, "type": "schedule.finished"})
+            assert r.status_code == 200, r.text
+            return [json.loads(x) for x in r.text.splitlines() if x]
+        deadline = datetime.now(UTC) + timedelta(seconds=30)
+        while not (got_events := finished_events()):
+            assert datetime.now(UTC) < deadline, "schedule.finished not relayed"
+            time.sleep(0.5)
+        assert [(e["type"], e["data"]["state"], e["data"]["schedule_id"]) for e in got_events] == [
+            ("schedule.finished", "wake_failed", sid)]
     # It fires again at its next time.
     sql(stack, "UPDATE schedules SET next_fire_at=now() WHERE id=$1", sid)
     deadline = datetime.now(UTC) + timedelta(seconds=60)

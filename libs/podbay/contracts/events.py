@@ -23,12 +23,14 @@ __all__ = [
     "WebhookList",
 ]
 
-#: An event type token: lower-case letters, digits and underscores (it is one NATS subject token).
-EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+#: An event type: lower-case letters, digits and underscores, in one token or two joined by a dot
+#: (``schedule.fired``); each token is one NATS subject token, so a filter on it stays one subject.
+EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]{0,31}(\.[a-z][a-z0-9_]{0,31})?$"
 
 #: The sandbox lifecycle event types podbay emits today (DESIGN.md §4); filters accept any well-formed type.
 EVENT_TYPES = ("created", "started", "paused", "resumed", "snapshotted", "promoted", "suspending", "suspended",
-               "resuming", "restored", "forked", "reattached", "failed", "deleted")
+               "resuming", "restored", "forked", "reattached", "failed", "deleted", "schedule.fired",
+               "schedule.finished")
 
 EventType = Annotated[str, StringConstraints(pattern=EVENT_TYPE_PATTERN)]
 

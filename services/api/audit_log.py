@@ -1,4 +1,4 @@
-"""``GET /v1/audit``: the tenant's audit log, newest first (DESIGN.md §6).
+"""``GET /v1/audit``: the tenant's audit log, newest first (docs/DESIGN.md §6).
 
 Rows come from every state-changing API call (actor = the API key id) and from the gateways (actor =
 ``gateway:<node>``: ``credential.use``, ``credential.refused``, ``egress.deny``, with ``decision``). The table

@@ -1,4 +1,4 @@
-"""API keys: creation, hashing and lookup (DESIGN.md §6: keys are stored hashed; every query is tenant-scoped).
+"""API keys: creation, hashing and lookup (docs/DESIGN.md §6: keys are stored hashed; every query is tenant-scoped).
 
 A key looks like ``pb_<prefix>_<secret>``: 8 hex digits of prefix (stored, shown in listings) and 40 hex
 digits of secret. Only ``sha256(key)`` is stored; verification compares digests in constant time.

@@ -1,4 +1,4 @@
-"""Credentials (DESIGN.md §6): ``POST/GET/DELETE /v1/credentials``.
+"""Credentials (docs/DESIGN.md §6): ``POST/GET/DELETE /v1/credentials``.
 
 A value is sealed on the way in by :func:`podbay.credentials.open_store` (AES-GCM into the row, or OpenBao)
 and never leaves through any API, log line or error message; the gateway alone reveals it, at the moment it

@@ -1,4 +1,4 @@
-"""API keys of the caller's tenant (DESIGN.md §6): ``POST/GET /v1/keys``, ``DELETE /v1/keys/{id}``.
+"""API keys of the caller's tenant (docs/DESIGN.md §6): ``POST/GET /v1/keys``, ``DELETE /v1/keys/{id}``.
 
 A key is shown once, at creation; listings show its prefix only (never the key or its hash). A revoked key is
 refused (401 ``unauthorized``) on its next request: this process forgets it at once and tells the others

@@ -1,4 +1,4 @@
-"""Egress policy (DESIGN.md §6): ``GET/PUT /v1/sandboxes/{id}/network`` and ``/v1/templates/{name}/network``.
+"""Egress policy (docs/DESIGN.md §6): ``GET/PUT /v1/sandboxes/{id}/network`` and ``/v1/templates/{name}/network``.
 
 The policy (:class:`podbay.contracts.egress.EgressPolicy`) is stored in ``sandboxes.egress_policy`` and
 ``templates.egress_policy``. A sandbox's own policy wins; without one the template's applies; without that,

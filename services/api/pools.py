@@ -1,4 +1,4 @@
-"""Warm-pool endpoints: set a template's pool bounds and show each node's part (DESIGN.md §5, warm pools).
+"""Warm-pool endpoints: set a template's pool bounds and show each node's part (docs/DESIGN.md §5, warm pools).
 
 The bounds live in ``warm_pools``; the warm-pool service turns them and recent demand into per-node
 targets (``warm_targets``) and the node agents keep that many slots (``warm_slots``).

@@ -1,6 +1,6 @@
 """Sandbox lifecycle endpoints: create, list, get, delete, and operations.
 
-Each state change commits in one transaction with its outbox event (DESIGN.md §4) and then puts a command
+Each state change commits in one transaction with its outbox event (docs/DESIGN.md §4) and then puts a command
 on JetStream. Calls wait for completion by default, bounded by ``create_timeout_s``; with ``?wait=false``
 they answer 202 at once with ``operation_id`` for ``GET /v1/operations/{id}``.
 """
@@ -87,7 +87,7 @@ def sandbox_info(row: asyncpg.Record, operation_id: str | None = None) -> Sandbo
 
 
 async def load_sandbox(conn: Any, tenant_id: str, sandbox_id: str, *, for_update: bool = False) -> asyncpg.Record:
-    """The tenant's sandbox row, or ``NotFound`` (also for another tenant's sandbox, DESIGN.md §6)."""
+    """The tenant's sandbox row, or ``NotFound`` (also for another tenant's sandbox, docs/DESIGN.md §6)."""
     sql = f"SELECT {_SANDBOX_COLS} FROM sandboxes WHERE id = $1 AND tenant_id = $2"
     row = await conn.fetchrow(sql + (" FOR UPDATE" if for_update else ""), sandbox_id, tenant_id)
     if row is None:

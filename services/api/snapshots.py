@@ -1,4 +1,4 @@
-"""Snapshots, rollback and fork (DESIGN.md §5).
+"""Snapshots, rollback and fork (docs/DESIGN.md §5).
 
 - ``POST /v1/sandboxes/{id}/snapshots`` {"kind": "disk"|"full"} takes a snapshot on the sandbox's node;
   ``GET`` lists the ready ones (kind, time, size, parent). A snapshot is listed only once complete.

@@ -1,4 +1,4 @@
-"""Suspend to object storage and resume anywhere (DESIGN.md §5; docs/ARCHITECTURE.md "Suspend and resume").
+"""Suspend to object storage and resume anywhere (docs/DESIGN.md §5; docs/ARCHITECTURE.md "Suspend and resume").
 
 - ``POST /v1/sandboxes/{id}/suspend`` (running or paused): in one transaction insert the full snapshot row
   (``creating``), set the sandbox ``suspending`` with that snapshot, record the operation and emit

@@ -1,4 +1,4 @@
-"""Create from a warm slot (DESIGN.md §5, warm pools): the short path of ``POST /v1/sandboxes``.
+"""Create from a warm slot (docs/DESIGN.md §5, warm pools): the short path of ``POST /v1/sandboxes``.
 
 1. One transaction: claim the oldest ready slot of the template (``FOR UPDATE SKIP LOCKED``, so two
    creates never get the same slot), insert the sandbox with the slot's id as ``starting`` at generation 1

@@ -1,4 +1,4 @@
-"""podbay-gateway: the per-node egress gateway (DESIGN.md §6; docs/egress.md).
+"""podbay-gateway: the per-node egress gateway (docs/DESIGN.md §6; docs/egress.md).
 
 Every TCP connection and DNS query leaving a sandbox arrives here (the node's nftables rules redirect them).
 The gateway identifies the sandbox by its source address, decides by its egress policy, injects credentials

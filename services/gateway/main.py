@@ -1,4 +1,4 @@
-"""``podbay-gateway``: one per node, the only way out for sandboxes (DESIGN.md §1, §6; docs/egress.md).
+"""``podbay-gateway``: one per node, the only way out for sandboxes (docs/DESIGN.md §1, §6; docs/egress.md).
 
 Listens on:
 

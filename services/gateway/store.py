@@ -1,5 +1,5 @@
 """The gateway's PostgreSQL side: a sandbox's policy and tenant, its credentials, and every decision that is
-audited (DESIGN.md §4, §6). No mitmproxy here.
+audited (docs/DESIGN.md §4, §6). No mitmproxy here.
 
 Each audited decision is one transaction: the ``audit_log`` row (through :func:`podbay.audit.record`, which
 also emits ``podbay.evt.audit.<tenant>.<action>``) plus an egress event on

@@ -4,7 +4,7 @@ kernel command line that depends on them (``kernel_cmdline``; the VMM and the KV
 ``accel=auto`` boots a probe guest (the template kernel and initramfs with ``podbay.probe=1``, no disk) under
 KVM with a short timeout (``Settings.kvm_probe_timeout_s``) and falls back to TCG when it does not print its
 marker. Why: on hosts whose ``/dev/kvm`` is ``kvm_pvm`` a stock kernel hangs in its decompressor
-(DESIGN.md §3), so the presence of ``/dev/kvm`` proves nothing. The result is cached per host in
+(docs/DESIGN.md §3), so the presence of ``/dev/kvm`` proves nothing. The result is cached per host in
 ``CACHE/accel-<host key>.json``; the key covers the host name, host kernel, QEMU version and guest kernel.
 """
 
@@ -40,7 +40,7 @@ PROBE_MARKER = "PODBAY-PROBE-OK"
 
 
 def kernel_cmdline(tsc_khz: int, extra: str = "") -> str:
-    """The guest kernel command line of DESIGN.md §3; ``tsc_khz`` is the host TSC in kHz."""
+    """The guest kernel command line of docs/DESIGN.md §3; ``tsc_khz`` is the host TSC in kHz."""
     base = (
         "console=ttyS0 reboot=t panic=-1 lpj=2000000 tsc=reliable no_timer_check "
         f"tsc_early_khz={tsc_khz} i8042.noaux i8042.nomux i8042.nopnp quiet"
@@ -77,7 +77,7 @@ def _read(path: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def host_tsc_khz() -> int:
-    """The host TSC frequency in kHz, for the guest's ``tsc_early_khz=`` (DESIGN.md §3: without it a third
+    """The host TSC frequency in kHz, for the guest's ``tsc_early_khz=`` (docs/DESIGN.md §3: without it a third
     to a half of TCG boots hang). Raises ``RuntimeError`` when no source gives it."""
     dmesg: str | None = None
     sysfs = _read("/sys/devices/system/cpu/cpu0/tsc_freq_khz")

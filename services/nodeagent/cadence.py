@@ -1,4 +1,4 @@
-"""Snapshot cadence (DESIGN.md §5): disk snapshots often, full snapshots less often, per sandbox.
+"""Snapshot cadence (docs/DESIGN.md §5): disk snapshots often, full snapshots less often, per sandbox.
 
 Every ``TICK_S`` the node looks at its running sandboxes: a disk snapshot is due when
 ``snapshot_disk_interval_s`` has passed since the last one *and* the disk changed since (the mtime of

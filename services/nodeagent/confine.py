@@ -1,4 +1,4 @@
-"""QEMU runs unprivileged and confined (DESIGN.md §6): a system user of its own inside bubblewrap.
+"""QEMU runs unprivileged and confined (docs/DESIGN.md §6): a system user of its own inside bubblewrap.
 
 The guest is untrusted, and so is the QEMU process that emulates its devices. The node agent (root) starts each
 QEMU as::

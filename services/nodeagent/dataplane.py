@@ -3,7 +3,7 @@
 Served on ``node_host:node_port`` under ``/internal/v1/sandboxes/{id}/...`` with the same bodies as the
 public API (``podbay.contracts.api``), which proxies to it. Every call must carry the internal token
 (``x-podbay-internal-token``) and may carry the generation the caller saw (``x-podbay-generation``): a
-call for another generation is refused with 409 ``stale_generation`` (DESIGN.md §4, generation fencing).
+call for another generation is refused with 409 ``stale_generation`` (docs/DESIGN.md §4, generation fencing).
 """
 
 from __future__ import annotations

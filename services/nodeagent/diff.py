@@ -1,4 +1,4 @@
-"""What changed between two snapshots of one sandbox: files added, changed and removed (DESIGN.md §5).
+"""What changed between two snapshots of one sandbox: files added, changed and removed (docs/DESIGN.md §5).
 
 Each snapshot's ``disk.img`` is a raw ext4 image (the guest's ``/dev/vda``, mounted as its ``/``). Both are
 loop-mounted read-only with ``noload`` (the journal is neither replayed nor written, so the snapshot's

@@ -1,4 +1,4 @@
-"""Node registration and heartbeats (DESIGN.md §4: node heartbeats in a JetStream KV bucket with a TTL).
+"""Node registration and heartbeats (docs/DESIGN.md §4: node heartbeats in a JetStream KV bucket with a TTL).
 
 On start the node upserts its ``nodes`` row; every ``node_heartbeat_s`` it puts a ``NodeHeartbeat`` under
 its id in ``podbay_nodes``. The bucket's TTL drops the key of a node that stops, so the scheduler only sees

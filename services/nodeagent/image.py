@@ -9,7 +9,7 @@ half-built artifact that looks finished. Layout::
     CACHE/images/base-<digest16>/         vmlinuz, initrd.img, rootfs.img, image.json
     CACHE/logs/image-<time>.log           the build log, kept when a step fails
 
-Steps (DESIGN.md §2 "guest kernel" and "guest root filesystem"):
+Steps (docs/DESIGN.md §2 "guest kernel" and "guest root filesystem"):
 
 * ``kernel``: ``apt-get download`` the ``linux-image-*-cloud-amd64`` that ``linux-image-cloud-amd64`` depends
   on, unpack it with ``dpkg-deb -x`` (never installed), run ``depmod -b`` so that ``modules.dep`` exists.

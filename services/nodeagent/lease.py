@@ -1,4 +1,4 @@
-"""Lease and idle policy (DESIGN.md §5): a sandbox whose lease ran out is paused (or deleted), but only
+"""Lease and idle policy (docs/DESIGN.md §5): a sandbox whose lease ran out is paused (or deleted), but only
 when its guest is idle — never a silent kill, and never while it works. The same loop releases the RAM
 of sandboxes paused for longer than ``paused_release_s`` (``SandboxManager.hibernate``).
 

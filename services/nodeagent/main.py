@@ -1,4 +1,4 @@
-"""``podbay-nodeagent``: one per host; runs the sandboxes' VMs (DESIGN.md §1).
+"""``podbay-nodeagent``: one per host; runs the sandboxes' VMs (docs/DESIGN.md §1).
 
     podbay-nodeagent [serve]                      run the agent
     podbay-nodeagent template build NAME [--force]  build NAME's images, boot once, save its snapshot

@@ -1,4 +1,4 @@
-"""The node's nftables ruleset (DESIGN.md §6): a sandbox reaches nothing but this node's gateway.
+"""The node's nftables ruleset (docs/DESIGN.md §6): a sandbox reaches nothing but this node's gateway.
 
 One table per stack, ``table inet podbay_<tag>`` (:func:`podbay.stacknet.nft_table`), installed at
 node-agent start before any VM runs (fail closed), and replaced atomically as a whole (``nft -f``: create,

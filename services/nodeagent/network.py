@@ -1,4 +1,4 @@
-"""The node's sandbox network (DESIGN.md §6): one tap and one /30 per sandbox, its binding for the gateway.
+"""The node's sandbox network (docs/DESIGN.md §6): one tap and one /30 per sandbox, its binding for the gateway.
 
 Address plan: the stack's sandbox network (:func:`podbay.stacknet.sandbox_cidr`: ``PODBAY_SANDBOX_CIDR``, or
 a /16 chosen once per data directory) is cut into /30s; sandbox lease ``i`` gets ``base + 4i``: host side

@@ -1,4 +1,4 @@
-"""Reconciliation of a node agent with PostgreSQL after a (re)start (DESIGN.md §1 node agent, §5).
+"""Reconciliation of a node agent with PostgreSQL after a (re)start (docs/DESIGN.md §1 node agent, §5).
 
 What each row's state asks of this node: re-attach to a QEMU that still runs (or keep a hibernated one
 hibernated), recreate a half-created sandbox, let a redelivered command finish a rollback or fork child,
@@ -29,7 +29,7 @@ log = logging.getLogger("podbay.nodeagent.reconcile")
 
 
 async def reconcile(mgr: SandboxManager) -> None:
-    """Bring this node in line with PostgreSQL after a (re)start (DESIGN.md §1 node agent).
+    """Bring this node in line with PostgreSQL after a (re)start (docs/DESIGN.md §1 node agent).
 
     running -> re-attach to the QEMU that still runs, or mark failed when it is gone;
     starting -> discard any half-created VM and create it again from the template snapshot;

@@ -1,6 +1,6 @@
 """The node agent's sandbox manager: create by restore, delete, re-attach, and notice dying VMs.
 
-Every handler is idempotent and fenced by generation (DESIGN.md §4): it reads the sandbox row first and
+Every handler is idempotent and fenced by generation (docs/DESIGN.md §4): it reads the sandbox row first and
 does nothing when the row has moved on (another generation, another node, already in the target state).
 A state change and its event commit in one transaction (outbox), and only then is the command acked, so a
 crash between the two makes JetStream redeliver and the handler finish or skip the work.
@@ -316,7 +316,7 @@ class SandboxManager:
         await self._pause_resume(cmd, pause=False)
 
     async def hibernate(self, sandbox_id: str) -> bool:
-        """Release a paused sandbox's RAM (DESIGN.md §7: ≥ 1,000 paused per node): save its device state,
+        """Release a paused sandbox's RAM (docs/DESIGN.md §7: ≥ 1,000 paused per node): save its device state,
         move RAM and disk into ``vm_dir/hib`` (reflinks, which also write dirty pages back), and let QEMU
         exit. ``resume`` restores it from there. Returns True when it was hibernated."""
         async with self.lock(sandbox_id):
@@ -333,7 +333,7 @@ class SandboxManager:
 
     async def continue_vm(self, vm: RunningVm) -> None:
         """Let a stopped VM run (QMP ``cont``), connect its channel if it has none, and give the guest the time
-        and any pending network settings: its clock stood still while stopped (DESIGN.md §3: no vmgenid on
+        and any pending network settings: its clock stood still while stopped (docs/DESIGN.md §3: no vmgenid on
         microvm; guestd fixes it). Raises what the VMM or the channel raise."""
         vm.paused_at = None
         await vm.handle.resume()

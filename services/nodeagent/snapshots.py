@@ -1,4 +1,4 @@
-"""Snapshots, rollback and fork on the node (DESIGN.md §3, §5).
+"""Snapshots, rollback and fork on the node (docs/DESIGN.md §3, §5).
 
 Files live in ``store/snapshots/<sandbox>/<snapshot>/`` (``state``, ``ram``, ``disk.img`` for a full
 snapshot; ``disk.img`` for a disk one), written into ``<snapshot>.part`` and renamed when complete, and
@@ -103,7 +103,7 @@ class SnapshotOps:
             if kind == "full":
                 if not paused:
                     # Write the RAM file's dirty pages back while the guest still runs, so the reflink made
-                    # while it is stopped has little left to flush (DESIGN.md §3: ~1.9 ms per dirty MiB).
+                    # while it is stopped has little left to flush (docs/DESIGN.md §3: ~1.9 ms per dirty MiB).
                     await asyncio.to_thread(_flush, vm.handle.inner.paths.ram)
                 held_ms = await m.driver.snapshot_full(vm.handle, part, leave_stopped=paused)
             else:

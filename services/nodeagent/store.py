@@ -1,4 +1,4 @@
-"""Node-local storage on btrfs (DESIGN.md §2, §3): template copies and per-sandbox VM directories.
+"""Node-local storage on btrfs (docs/DESIGN.md §2, §3): template copies and per-sandbox VM directories.
 
 The store lives at ``DATA_DIR/nodes/<node>/store``. When that directory is not on btrfs, the node agent
 creates a sparse loop-backed btrfs file (``DATA_DIR/nodes/<node>/store.btrfs``, ``node_store_size_gib``)

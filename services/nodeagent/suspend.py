@@ -1,4 +1,4 @@
-"""Suspend to object storage and wake on this node (DESIGN.md §5; docs/ARCHITECTURE.md "Suspend and resume").
+"""Suspend to object storage and wake on this node (docs/DESIGN.md §5; docs/ARCHITECTURE.md "Suspend and resume").
 
 Suspend (``podbay.cmd.node.<node>.suspend``, sandbox ``suspending``, its snapshot row ``creating``):
 

@@ -1,6 +1,6 @@
 """Prepare a template: build (or reuse) its image, boot it once, wait for guestd, take a full snapshot.
 
-Every later sandbox of the template is a restore of that snapshot (DESIGN.md §3: boot once per template,
+Every later sandbox of the template is a restore of that snapshot (docs/DESIGN.md §3: boot once per template,
 restore afterwards). The snapshot is cached under ``CACHE/templates/<name>-<key16>/`` with ``template.json``
 (:class:`TemplateSnapshot`), keyed by (image digest, QEMU version, accel, memory_mib, vcpus, host TSC kHz), and
 is self-contained (kernel and initrd are copied in), so it can be promoted or moved as one directory.

@@ -67,7 +67,7 @@ class VmHandle:
         return await self._vmm.wait_exit(self.inner)
 
     async def pause(self) -> None:
-        """QMP ``stop``: the vCPUs stop; memory and devices stay as they are (DESIGN.md §3: 1-2 ms)."""
+        """QMP ``stop``: the vCPUs stop; memory and devices stay as they are (docs/DESIGN.md §3: 1-2 ms)."""
         await self._vmm.pause(self.inner)
 
     async def resume(self) -> None:
@@ -181,7 +181,7 @@ class VmDriver:
 
     async def restore(self, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int, vcpus: int,
                       tap_fd: int | None = None) -> VmHandle:
-        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (DESIGN.md §3: reflink RAM + disk, incoming).
+        """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (docs/DESIGN.md §3: reflink RAM + disk, incoming).
         ``tap_fd``: the sandbox's tap (network.py), inherited by QEMU; None leaves the NIC unconnected."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
         inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config, tap_fd=tap_fd)
@@ -206,7 +206,7 @@ class VmDriver:
         return VmHandle(self.vmm, await self.vmm.boot(config, vm_dir, tap_fd=tap_fd))
 
     async def snapshot_full(self, handle: VmHandle, dest: Path, *, leave_stopped: bool) -> float:
-        """Memory, device state and disk into ``dest`` (DESIGN.md §3); returns the ms the guest was paused."""
+        """Memory, device state and disk into ``dest`` (docs/DESIGN.md §3); returns the ms the guest was paused."""
         res = await self.vmm.snapshot_full(handle.inner, dest, leave_stopped=leave_stopped)
         return res.paused_ms
 

@@ -8,7 +8,7 @@ confined QEMU can create them without write access to the VM directory), ``conso
 :data:`GUEST_MAC`) is backed by a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege),
 or else by an empty hub (never slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it
 outlives the node agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow
-DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
+docs/DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
 the argv built here is wrapped, and the node agent writes ``qemu.pid`` from what bwrap reports.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
@@ -563,7 +563,7 @@ class QemuVmm(Vmm):
         """Restore ``snapshot_dir`` (``state``, ``ram``, ``disk.img``) into ``vm_dir``.
 
         Each attempt is bounded by ``config.restore_timeout_s``; up to ``config.restore_retries`` retries. With
-        ``paused`` the guest is left stopped (``cont`` it with :meth:`resume`). DESIGN.md §3: ~65 ms to
+        ``paused`` the guest is left stopped (``cont`` it with :meth:`resume`). docs/DESIGN.md §3: ~65 ms to
         running under TCG. Raises :class:`VmStartError`, :class:`VmTimeout`, :class:`VmOperationError`.
         """
         state = snapshot_dir / "state"

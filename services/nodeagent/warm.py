@@ -1,8 +1,8 @@
 """Warm slots on this node: sandboxes restored from a template snapshot, checked and paused, waiting for a
-create to claim them (DESIGN.md §5, warm pools).
+create to claim them (docs/DESIGN.md §5, warm pools).
 
 Why restored-and-paused rather than QEMUs pre-started with ``-incoming defer``: a deferred QEMU still has
-to load the migration state and a cold guest has to answer its first channel HELLO (DESIGN.md §3: ~65 ms
+to load the migration state and a cold guest has to answer its first channel HELLO (docs/DESIGN.md §3: ~65 ms
 to running, ~160 ms until the guest answers under TCG), while a paused slot whose channel is already
 connected needs one QMP ``cont`` (< 1 ms) and one guestd round trip for the clock.
 

@@ -1,4 +1,4 @@
-"""``podbay-scheduler``: places pending sandboxes on nodes (DESIGN.md §1, §4).
+"""``podbay-scheduler``: places pending sandboxes on nodes (docs/DESIGN.md §1, §4).
 
 Consumes ``podbay.cmd.scheduler.place`` (durable consumer ``scheduler``, explicit ack). For each command, in
 one transaction serialised by an advisory lock: read live nodes from the ``podbay_nodes`` KV bucket and

@@ -1,4 +1,4 @@
-"""Placement of a suspended sandbox that is resuming (DESIGN.md §5: wake anywhere).
+"""Placement of a suspended sandbox that is resuming (docs/DESIGN.md §5: wake anywhere).
 
 The sandbox row is ``resuming`` with no node; the scheduler chooses a node with room and the sandbox's
 template (as for a create), moves it there at a new generation (still ``resuming``) and sends

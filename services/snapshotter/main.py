@@ -1,4 +1,4 @@
-"""``podbay-snapshotter``: one per node; promotes that node's snapshots to S3 and collects garbage (DESIGN.md §5).
+"""``podbay-snapshotter``: one per node; promotes that node's snapshots to S3 and collects garbage (docs/DESIGN.md §5).
 
 - Commands: ``podbay.cmd.snapshotter.<node>.promote`` (durable consumer ``snapshotter-<node>``, explicit
   ack). Each promotes one snapshot (:func:`podbay.promotion.promote`, idempotent), at most two at a time;

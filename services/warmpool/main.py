@@ -1,4 +1,4 @@
-"""``podbay-warmpool``: decides how many warm slots each node keeps (DESIGN.md §1, §5 warm pools).
+"""``podbay-warmpool``: decides how many warm slots each node keeps (docs/DESIGN.md §1, §5 warm pools).
 
 Every ``warm_interval_s``, and at once when the API announces new bounds on ``podbay.warm.pools.changed``:
 

@@ -1,6 +1,6 @@
 """Readiness and machine operations: hello/ping, after_restore, freeze/thaw.
 
-``after_restore`` runs after every restore or fork (no vmgenid on microvm, DESIGN.md §3): a new hostname
+``after_restore`` runs after every restore or fork (no vmgenid on microvm, docs/DESIGN.md §3): a new hostname
 (sethostname), a seed mixed into and credited to the kernel RNG (ioctl RNDADDENTROPY on /dev/urandom; a
 plain write, which mixes without crediting, when the ioctl is refused) followed by a forced reseed of the CRNG
 (ioctl RNDRESEEDCRNG: since Linux 5.18 added entropy only reaches /dev/urandom at the next scheduled reseed,

@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: percentiles, the table and the JSON file (DESIGN.md §7 format)."""
+"""Shared helpers for the benchmarks: percentiles, the table and the JSON file (docs/DESIGN.md §7 format)."""
 
 from __future__ import annotations
 

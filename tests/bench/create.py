@@ -1,5 +1,5 @@
 """Benchmark: sandbox creation, warm (from a pool) and cold (restore), against the floor measured in the
-same run; per-hop breakdown; idle sandboxes per GiB of host memory (DESIGN.md §7, issue "warm pools").
+same run; per-hop breakdown; idle sandboxes per GiB of host memory (docs/DESIGN.md §7, issue "warm pools").
 
     .venv/bin/python tests/bench/create.py --runs 200 --json create.json [--keep]
 

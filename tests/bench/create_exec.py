@@ -3,7 +3,7 @@ round trip of ``true``, through the HTTP API of a running stack (``podbay up``).
 
     .venv/bin/python tests/bench/create_exec.py --runs 30 --json create_exec.json
 
-Metrics (DESIGN.md §7): ``create_restore`` (POST /v1/sandboxes until the first exec of ``true`` answered),
+Metrics (docs/DESIGN.md §7): ``create_restore`` (POST /v1/sandboxes until the first exec of ``true`` answered),
 ``create_http`` (the create call alone), ``exec_true`` (POST .../exec of ``true``), ``delete``. The API is
 found as the CLI finds it (PODBAY_API_URL / PODBAY_API_KEY, else the dev config file).
 """

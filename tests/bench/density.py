@@ -1,5 +1,5 @@
 """Benchmark: what a busy sandbox costs the host, beside an idle one, and the speed the TCG translation buffer's
-bound leaves (DESIGN.md §7 "running sandboxes on one 24 GiB node"; the issue "dense nodes").
+bound leaves (docs/DESIGN.md §7 "running sandboxes on one 24 GiB node"; the issue "dense nodes").
 
     .venv/bin/python tests/bench/density.py --busy 4 --loop-s 60 --json density.json [--tcg-tb-size-mib 64]
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/lifecycle.py --runs 30 --json lifecycle.json
 
-Metrics (DESIGN.md §7): ``pause``, ``resume`` (API round trips), ``disk_snapshot_held`` (guest frozen),
+Metrics (docs/DESIGN.md §7): ``pause``, ``resume`` (API round trips), ``disk_snapshot_held`` (guest frozen),
 ``disk_snapshot`` (API round trip), ``full_snapshot_paused`` (guest paused), ``full_snapshot``, ``rollback``
 (to the full snapshot, until the API answers with the sandbox running), ``fork_1`` and ``fork_10`` (whole
 call; ``fork_10_per_child`` divides by 10). The guest first dirties ``--dirty-mib`` MiB of memory (64).

@@ -1,4 +1,4 @@
-"""Soak benchmark: N sandboxes under a steady rate of lifecycle operations for a long time (DESIGN.md §7).
+"""Soak benchmark: N sandboxes under a steady rate of lifecycle operations for a long time (docs/DESIGN.md §7).
 
     .venv/bin/python tests/bench/soak.py [--own-stack --nodes 2] [--sandboxes 100] [--rate 1000]
         [--minutes 30] [--max-inflight 16] [--mix exec=30,...] [--runs N] [--json soak.json]
@@ -23,7 +23,7 @@ At the end (also on Ctrl-C or SIGTERM) it deletes every sandbox it made, fork ch
 Everything is bounded: the load stops at its deadline, running operations get ``--drain-s`` to finish, the
 final checks and the cleanup have bounds of their own.
 
-Metrics (DESIGN.md §7 format):
+Metrics (docs/DESIGN.md §7 format):
 
 - ``op_<op>``: latency of each successful operation, request to end (following a 202), for ``create``,
   ``exec``, ``pause``, ``resume``, ``snapshot_disk``, ``snapshot_full``, ``suspend``, ``resume_s3``, ``fork``,

@@ -4,7 +4,7 @@
 
 One 256 MiB sandbox (the base template) first dirties ``--dirty-mib`` MiB of memory (64) and runs a counter;
 then ``--runs`` times: suspend (until ``suspended``), resume (until ``running``, restored from S3).
-Metrics (DESIGN.md §7): ``suspend``, ``resume_from_s3`` (API round trips, ms); ``upload_MiB_per_s`` and
+Metrics (docs/DESIGN.md §7): ``suspend``, ``resume_from_s3`` (API round trips, ms); ``upload_MiB_per_s`` and
 ``download_MiB_per_s`` (compressed bytes on the wire over the time spent moving chunks, from the
 snapshotter's and node agent's ``/metrics``; hashing and verification are not counted);
 ``first_snapshot_uploaded_MiB``, ``second_snapshot_uploaded_MiB`` (before compression) and

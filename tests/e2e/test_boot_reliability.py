@@ -1,4 +1,4 @@
-"""Fresh boots of the base template image reach guestd every time (DESIGN.md §3: without
+"""Fresh boots of the base template image reach guestd every time (docs/DESIGN.md §3: without
 ``tsc_early_khz`` a third to a half of TCG boots hang; with it, 0 in 40).
 
 ``PODBAY_BOOT_RUNS`` sets the count (default 40). Run with ``-s`` to see the boot-time distribution.

@@ -1,4 +1,4 @@
-"""Secrets never enter the sandbox, end to end (issue "Secrets never enter the sandbox"; DESIGN.md §6): a real
+"""Secrets never enter the sandbox, end to end (issue "Secrets never enter the sandbox"; docs/DESIGN.md §6): a real
 microVM behind its tap, the node's nftables table, the real gateway of the stack, and an HTTPS destination in
 its own network namespace (so it is reachable from the host, but from a guest only through the gateway).
 

@@ -3,7 +3,7 @@
 Twenty random calls (pause, resume, full and disk snapshots, rollback to an existing snapshot, fork of one
 child) race from six threads against one real microVM. Each must be accepted (200/201/202) or refused with
 409 ``invalid_state``/``conflict``, never a 5xx; afterwards the sandbox is running or paused, runs commands,
-and its JetStream event history agrees with that state (DESIGN.md §5, docs/ARCHITECTURE.md).
+and its JetStream event history agrees with that state (docs/DESIGN.md §5, docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sandbox network with real microVMs (DESIGN.md §6; docs/ARCHITECTURE.md "Sandbox network"): each guest
+"""The sandbox network with real microVMs (docs/DESIGN.md §6; docs/ARCHITECTURE.md "Sandbox network"): each guest
 has its own /30 on its own tap, reaches nothing but the node's gateway ports (nothing listens there in this
 stack: the module stops the stack's gateway and restarts it afterwards, so every connection is refused at
 once and a stand-in can take the gateway's ports), and trusts a CA of its own that changes with every fork

@@ -1,4 +1,4 @@
-"""Snapshots, rollback and fork with real microVMs (DESIGN.md §5)."""
+"""Snapshots, rollback and fork with real microVMs (docs/DESIGN.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Warm pools with real microVMs (DESIGN.md §5, warm pools): claims, hygiene, refill, health checks."""
+"""Warm pools with real microVMs (docs/DESIGN.md §5, warm pools): claims, hygiene, refill, health checks."""
 
 from __future__ import annotations
 

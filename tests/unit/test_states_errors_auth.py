@@ -28,7 +28,7 @@ def test_delete_is_allowed_everywhere_but_deleted() -> None:
 
 
 def test_restore_is_allowed_from_failed_but_not_from_transient_states() -> None:
-    # A sandbox whose VM died comes back from one of its snapshots (DESIGN.md §5).
+    # A sandbox whose VM died comes back from one of its snapshots (docs/DESIGN.md §5).
     for st in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.FAILED):
         check_allowed(SandboxCommand.RESTORE, st)
     for st in (SandboxState.STARTING, SandboxState.SUSPENDED, SandboxState.DELETING, SandboxState.DELETED):

@@ -27,7 +27,7 @@ __all__ = [
 #: (``schedule.fired``); each token is one NATS subject token, so a filter on it stays one subject.
 EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]{0,31}(\.[a-z][a-z0-9_]{0,31})?$"
 
-#: The sandbox lifecycle event types podbay emits today (DESIGN.md §4); filters accept any well-formed type.
+#: The sandbox lifecycle event types podbay emits today (docs/DESIGN.md §4); filters accept any well-formed type.
 EVENT_TYPES = ("created", "started", "paused", "resumed", "snapshotted", "promoted", "suspending", "suspended",
                "resuming", "restored", "forked", "reattached", "failed", "deleted", "schedule.fired",
                "schedule.finished")

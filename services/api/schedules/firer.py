@@ -79,6 +79,9 @@ class ScheduleFirer:
                 log.warning("schedules: no object store (%s); run output is kept in PostgreSQL only", exc)
             while not stop.is_set():
                 try:
+                    # Runs in flight keep their heartbeat even without the lease (NATS trouble): they are
+                    # still being carried out here, and must not be taken over while they are.
+                    await self._heartbeat()
                     if await self.lease.tick():
                         await self.tick()
                 except Exception:
@@ -92,12 +95,13 @@ class ScheduleFirer:
                 await asyncio.wait(list(self.tasks.values()), timeout=5)
             await self.lease.release()
 
-    async def tick(self) -> None:
-        """One pass: heartbeat, recovery, fire due schedules, start due runs."""
-        pool = self.ctx.pool
+    async def _heartbeat(self) -> None:
         if self.tasks:
-            await pool.execute("UPDATE schedule_runs SET heartbeat_at=now() WHERE id = ANY($1::text[])"
-                               " AND state='running'", list(self.tasks))
+            await self.ctx.pool.execute("UPDATE schedule_runs SET heartbeat_at=now() WHERE id = ANY($1::text[])"
+                                        " AND state='running'", list(self.tasks))
+
+    async def tick(self) -> None:
+        """One pass as the lease holder: recovery, fire due schedules, start due runs."""
         await self._take_over_stale()
         await self.fire_due()
         await self._start_due()

@@ -43,6 +43,7 @@ from .context import ApiContext
 from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
 from .credentials import GUEST_ENV_SQL
+from .schedules.routes import copy_schedules
 from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
 
 __all__ = ["router"]
@@ -177,6 +178,8 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
                 sandbox_hostname(cid), row["metadata"] or {}, sandbox_id, snap_id)
             await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
                                      data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
+        if body.schedules:  # asked for: each child gets its own copies (own ids, own run history)
+            await copy_schedules(conn, sandbox_id, children)
         await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
                            " ($1,$2,$3,'fork','pending')", op_id, who.tenant_id, sandbox_id)
         await audit(conn, who, "sandbox.fork", sandbox_id, detail={"children": children, "snapshot_id": snap_id})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -252,3 +253,29 @@ def test_sdk_and_cli_add_list_runs_and_remove(stack: Stack) -> None:
     gone = _cli(stack, acme.key, "rm", sbx, sch)
     assert gone.returncode == 2 and gone.stderr.strip().endswith("(not_found)"), gone.stderr
     assert _count(stack, sbx) == 1
+
+
+def test_fork_children_have_no_schedules_unless_asked(stack: Stack) -> None:
+    acme = new_tenant(stack, "sched")
+    _, sbx = template_and_sandbox(stack, acme, state="running")
+    node = f"sn-{secrets.token_hex(3)}"
+    sql(stack, "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
+               " ($1, 'http://127.0.0.1:1', 1024, 2, 'tcg', 'ready')", node)
+    sql(stack, "UPDATE sandboxes SET node_id=$2, generation=1 WHERE id=$1", sbx, node)
+    with acme.http() as http:
+        kept = http.post(f"/v1/sandboxes/{sbx}/schedules", json={"cron": "0 7 * * *", "tz": "Europe/Berlin",
+                                                                  "command": {"argv": ["true"]}}).json()
+        # Nobody runs the fake node: the forks answer 202 with their children recorded.
+        plain = http.post(f"/v1/sandboxes/{sbx}/fork", params={"wait": "false"}, json={"count": 1})
+        asked = http.post(f"/v1/sandboxes/{sbx}/fork", params={"wait": "false"}, json={"count": 2,
+                                                                                      "schedules": True})
+        assert plain.status_code == 202 and asked.status_code == 202, (plain.text, asked.text)
+        [child] = [c["sandbox_id"] for c in plain.json()["children"]]
+        assert http.get(f"/v1/sandboxes/{child}/schedules").json() == {"schedules": []}
+        for kid in [c["sandbox_id"] for c in asked.json()["children"]]:
+            [copy] = http.get(f"/v1/sandboxes/{kid}/schedules").json()["schedules"]
+            assert copy["id"] != kept["id"] and copy["sandbox_id"] == kid
+            assert (copy["cron"], copy["tz"], copy["command"], copy["next_fire_at"]) == (
+                kept["cron"], kept["tz"], kept["command"], kept["next_fire_at"])
+        # The parent keeps its own.
+        assert [s["id"] for s in http.get(f"/v1/sandboxes/{sbx}/schedules").json()["schedules"]] == [kept["id"]]

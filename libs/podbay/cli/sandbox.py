@@ -142,10 +142,11 @@ def fork(
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     count: int = typer.Option(1, "--count", "-n", min=1, max=100, help="Children to start (1..100)."),
     snapshot_id: str | None = typer.Option(None, "--snapshot", help="Fork from this full snapshot."),
+    schedules: bool = typer.Option(False, "--schedules", help="Copy the sandbox's schedules to each child."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Start children of a sandbox; prints each child's id (failed ones on stderr, exit 1 if any failed)."""
-    result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id)
+    result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id, schedules=schedules)
     if as_json:
         print_json(result)
     failed = 0

@@ -244,6 +244,8 @@ class ForkRequest(_In):
 
     count: int = Field(1, ge=1, le=100)
     snapshot_id: str | None = Field(None, min_length=1, max_length=64)
+    schedules: bool = Field(False, description="Give each child a copy of the parent's schedules that have a "
+                            "fire time left; by default a child has none.")
 
 
 class ForkChildResult(BaseModel):

@@ -300,9 +300,12 @@ def restore_call(sandbox_id: str, snapshot_id: str) -> Call[SandboxInfo]:
                 long_running=True, read_timeout_s=None)
 
 
-def fork_call(sandbox_id: str, count: int, snapshot_id: str | None) -> Call[ForkResult]:
-    """``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?} -> ``ForkResult`` (one outcome per child)."""
+def fork_call(sandbox_id: str, count: int, snapshot_id: str | None, schedules: bool = False) -> Call[ForkResult]:
+    """``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?, "schedules"?} -> ``ForkResult`` (one outcome
+    per child)."""
     fields: dict[str, Any] = {"count": count}
+    if schedules:
+        fields["schedules"] = True
     if snapshot_id is not None:
         fields["snapshot_id"] = check_id(snapshot_id)
     body = _validate(ForkRequest, fields, "fork request")

@@ -200,9 +200,11 @@ class Client:
         """Roll back to one of the sandbox's snapshots (same id, next generation)."""
         return self._call(calls.restore_call(sandbox_id, snapshot_id))
 
-    def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
-        """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child."""
-        return self._call(calls.fork_call(sandbox_id, count, snapshot_id))
+    def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
+                     schedules: bool = False) -> ForkResult:
+        """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child. With
+        ``schedules`` each child gets a copy of the parent's schedules (by default none)."""
+        return self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules))
 
     def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
@@ -538,9 +540,10 @@ class Sandbox:
         self.info = self._client.restore_sandbox(self.id, snapshot_id)
         return self.info
 
-    def fork(self, count: int = 1, snapshot_id: str | None = None) -> ForkResult:
-        """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``."""
-        return self._client.fork_sandbox(self.id, count, snapshot_id)
+    def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False) -> ForkResult:
+        """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``.
+        ``schedules``: copy this sandbox's schedules to each child."""
+        return self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules)
 
     def pause(self, wait: bool = True) -> SandboxInfo:
         """Pause the sandbox in memory: its processes stop and carry on after ``resume()``."""

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarise", "report"]
+__all__ = ["summarise", "report", "stop_on_sigterm"]
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a CI runner) into ``SystemExit`` so that a benchmark's ``finally`` stops the
+    stack it started; Python's default ends the process at once and leaves that stack and its VMs behind."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _pct(sorted_ms: list[float], p: float) -> float:

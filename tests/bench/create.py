@@ -66,12 +66,12 @@ from podbay_nodeagent.template import TemplateSnapshot
 from podbay_nodeagent.vmm import QemuVmm
 
 try:
-    from tests.bench._stats import report, summarise
+    from tests.bench._stats import report, stop_on_sigterm, summarise
 except ImportError:  # run as a script from the repository root
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _stats import report, summarise  # type: ignore[no-redef]
+    from _stats import report, stop_on_sigterm, summarise  # type: ignore[no-redef]
 
 #: Seconds a paused sandbox waits before its RAM is released, in the benchmark's stack.
 RELEASE_S = 4
@@ -318,6 +318,7 @@ def main() -> None:
                   base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": str(RELEASE_S)})
     results: dict[str, dict[str, Any]] = {}
     try:
+        stop_on_sigterm()
         stack.start()
         stack.create_api_key("bench", "bench")
         store = root / "stack" / "nodes" / Settings().node_id / "store"

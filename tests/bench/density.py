@@ -53,12 +53,12 @@ from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
 from podbay.vmmem import tcg_buffer_mib, vm_memory
 
 try:
-    from tests.bench._stats import report, summarise
+    from tests.bench._stats import report, stop_on_sigterm, summarise
 except ImportError:  # run as a script from the repository root
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _stats import report, summarise  # type: ignore[no-redef]
+    from _stats import report, stop_on_sigterm, summarise  # type: ignore[no-redef]
 
 #: Step 1 of the busy workload: a compile of a standard-library package, then imports of a dozen modules.
 COMPILE_IMPORT = (
@@ -201,6 +201,7 @@ def main() -> None:
                   ports=StackPorts.free(), external=External.from_env(), durable=False, base_env=env)
     results: dict[str, dict[str, Any]] = {"tcg_tb_size_MiB": {"value": tb_size}}
     try:
+        stop_on_sigterm()
         stack.start()
         stack.create_api_key("bench", "bench")
         store = root / "stack" / "nodes" / Settings().node_id / "store"

@@ -35,12 +35,12 @@ from podbay.config import Settings
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
 
 try:
-    from tests.bench._stats import report, summarise
+    from tests.bench._stats import report, stop_on_sigterm, summarise
 except ImportError:  # run as a script from the repository root
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _stats import report, summarise  # type: ignore[no-redef]
+    from _stats import report, stop_on_sigterm, summarise  # type: ignore[no-redef]
 
 
 def _ts(value: str) -> datetime:
@@ -124,6 +124,7 @@ def main() -> None:
                             "PODBAY_SCHEDULES_PER_SANDBOX_MAX": str(per_sandbox)})
     results: dict[str, dict[str, Any]] = {}
     try:
+        stop_on_sigterm()
         stack.start()
         stack.create_api_key("bench", "bench")
         with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"},

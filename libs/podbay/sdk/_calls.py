@@ -309,8 +309,10 @@ def fork_call(sandbox_id: str, count: int, snapshot_id: str | None, schedules: b
     if snapshot_id is not None:
         fields["snapshot_id"] = check_id(snapshot_id)
     body = _validate(ForkRequest, fields, "fork request")
+    # `schedules` is sent only when asked for, so a plain fork's body stays what older servers accept.
     return Call("POST", _sandbox_path(sandbox_id, "/fork"), _model(ForkResult),
-                json=body.model_dump(exclude_none=True), long_running=True, read_timeout_s=None)
+                json=body.model_dump(exclude_none=True, exclude={"schedules"} if not schedules else None),
+                long_running=True, read_timeout_s=None)
 
 
 class ExecOptions(TypedDict, total=False):

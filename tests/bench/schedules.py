@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -144,6 +145,7 @@ def main() -> None:
     finally:
         stack.stop(purge=True)
         kill_strays(root)
+        shutil.rmtree(root, ignore_errors=True)  # its PostgreSQL, S3 and node store: over 1 GiB
     report(results, args.json_path)
 
 

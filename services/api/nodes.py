@@ -12,7 +12,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from podbay.contracts.api import NodeInfo, NodeList, NodeResources
+from podbay.contracts.api import NodeInfo, NodeList, NodeMemory, NodeResources
+from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Forbidden
 
 from .auth import Principal
@@ -39,10 +40,21 @@ _LOAD = (
     ") l GROUP BY node_id")
 
 
+def _memory(hb: NodeHeartbeat | None) -> NodeMemory | None:
+    """The measured memory a live node's heartbeat carries (None when absent or not measured)."""
+    room = hb.memory_room_mib() if hb is not None else None
+    if hb is None or room is None or hb.memory_available_mib is None or hb.memory_sandboxes_mib is None:
+        return None
+    return NodeMemory(available_mib=hb.memory_available_mib, sandboxes_mib=hb.memory_sandboxes_mib,
+                      reclaimable_mib=hb.memory_reclaimable_mib, sandbox_cost_mib=hb.memory_sandbox_cost_mib,
+                      limit_mib=hb.memory_limit_mib, headroom_mib=hb.memory_headroom_mib, room_mib=room,
+                      measured_at=hb.memory_measured_at)
+
+
 @router.get("/nodes", response_model=NodeList)
 async def list_nodes(ctx: CtxDep, who: PrincipalDep) -> NodeList:
     """Every node: state (``ready``, ``draining``, ``drained``, ``lost``), liveness and heartbeat age,
-    capacity, used and free resources, running and paused sandboxes, ready warm slots, and whether the
+    nominal capacity, used and free resources, measured memory (``memory``), running and paused sandboxes, ready warm slots, and whether the
     scheduler places new sandboxes there. 403 ``forbidden`` unless the caller belongs to the operator tenant
     (``PODBAY_OPERATOR_TENANT``): nodes are shared by every tenant."""
     tenant = await ctx.pool.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id)
@@ -69,5 +81,6 @@ async def list_nodes(ctx: CtxDep, who: PrincipalDep) -> NodeList:
             running=int(load["running"]) if load else 0, paused=int(load["paused"]) if load else 0,
             sandboxes=int(load["sandboxes"]) if load else 0, warm_slots=int(load["warm"]) if load else 0,
             heartbeat_age_s=round(max(0.0, (now - hb.at).total_seconds()), 3) if hb else None,
+            memory=_memory(hb),
             started_at=r["started_at"], state_changed_at=r.get("state_changed_at"), lost_at=r.get("lost_at")))
     return NodeList(nodes=nodes)

@@ -115,8 +115,7 @@ class Request:
 
 def measured(n: NodeLoad) -> bool:
     """Whether the node's heartbeat carries measured memory."""
-    hb = n.heartbeat
-    return hb.memory_available_mib is not None and hb.memory_sandboxes_mib is not None
+    return n.heartbeat.measures_memory
 
 
 def expected_cost(n: NodeLoad, req: Request) -> int:
@@ -133,12 +132,9 @@ def expected_cost(n: NodeLoad, req: Request) -> int:
 def room_mib(n: NodeLoad, *, with_reclaimable: bool = True) -> int:
     """A measuring node's room for new sandboxes, MiB: available less headroom (and, under its limit, the limit
     less its sandboxes' use), plus what it could release when ``with_reclaimable``. May be negative."""
-    hb = n.heartbeat
-    assert hb.memory_available_mib is not None and hb.memory_sandboxes_mib is not None
-    room = hb.memory_available_mib - hb.memory_headroom_mib
-    if hb.memory_limit_mib is not None:
-        room = min(room, hb.memory_limit_mib - hb.memory_sandboxes_mib)
-    return room + (hb.memory_reclaimable_mib if with_reclaimable else 0)
+    room = n.heartbeat.memory_room_mib(with_reclaimable=with_reclaimable)
+    assert room is not None, "room_mib of a node that does not measure memory"
+    return room
 
 
 def _nominal_ratio(n: NodeLoad, req: Request) -> float | None:

@@ -73,6 +73,12 @@ def test_the_operator_lists_the_nodes_and_other_tenants_may_not(multinode_stack:
         assert n["state"] == "ready" and n["live"] and n["schedulable"]
         assert n["capacity"] == {"memory_mib": 2048, "vcpus": 8} and n["free"]["memory_mib"] <= 2048
         assert n["heartbeat_age_s"] is not None and n["heartbeat_age_s"] >= 0 and n["lost_at"] is None
+        # What the node measured, as placement admits by it (NodeHeartbeat.memory_room_mib).
+        m = n["memory"]
+        assert m is not None and m["available_mib"] > 0 and m["sandboxes_mib"] >= 0, n
+        assert m["limit_mib"] == 2048 and m["headroom_mib"] >= 0 and m["measured_at"] is not None
+        assert m["room_mib"] == min(m["available_mib"] - m["headroom_mib"],
+                                    m["limit_mib"] - m["sandboxes_mib"]) + m["reclaimable_mib"]
     mine = (st.api_key, st.tenant_id)
     try:
         other = st.create_api_key("someone-else", "k")  # a tenant that is not the operator's

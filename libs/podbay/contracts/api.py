@@ -340,6 +340,25 @@ class NodeResources(BaseModel):
     vcpus: int
 
 
+class NodeMemory(BaseModel):
+    """What a node measured of its memory (MiB; docs/ARCHITECTURE.md "Placement"), as its heartbeat carries it
+    and placement admits by it. ``available_mib``: the host's MemAvailable less mapped guest RAM;
+    ``sandboxes_mib``: what its VMs (and warm slots) cost, a paused sandbox whose RAM was released 0;
+    ``reclaimable_mib``: what releasing its paused and idle pausable sandboxes would free;
+    ``sandbox_cost_mib``: the median cost of its running sandboxes (null before one runs);
+    ``limit_mib``: ``PODBAY_NODE_MEMORY_MIB`` when set; ``headroom_mib``: what it keeps free;
+    ``room_mib``: what new sandboxes may still use, counting what it could release (may be negative)."""
+
+    available_mib: int
+    sandboxes_mib: int
+    reclaimable_mib: int
+    sandbox_cost_mib: int | None
+    limit_mib: int | None
+    headroom_mib: int
+    room_mib: int
+    measured_at: datetime | None
+
+
 class NodeInfo(BaseModel):
     """``GET /v1/nodes`` item: one node as the control plane sees it.
 
@@ -347,7 +366,9 @@ class NodeInfo(BaseModel):
     ``used``: what its placed sandboxes (and warm slots) take according to PostgreSQL (paused sandboxes keep
     their memory and use no vCPU); ``free`` = capacity - used. ``heartbeat_age_s``: seconds since its last
     heartbeat, ``null`` when its heartbeat key has expired (``live`` false). ``schedulable``: the scheduler
-    places new sandboxes here (live, state ``ready``, and the node says it takes work)."""
+    places new sandboxes here (live, state ``ready``, and the node says it takes work). ``memory``: what the
+    node measured (:class:`NodeMemory`), which is what admission uses; ``capacity``/``used``/``free`` are
+    nominal."""
 
     id: str
     state: NodeState
@@ -363,6 +384,8 @@ class NodeInfo(BaseModel):
     sandboxes: int = Field(description="Every sandbox placed on the node that is not deleted or failed.")
     warm_slots: int = Field(description="Warm slots ready to be claimed on the node.")
     heartbeat_age_s: float | None
+    memory: NodeMemory | None = Field(None, description="Measured memory from the node's last heartbeat; null "
+                                      "when it is not live or does not measure.")
     started_at: datetime
     state_changed_at: datetime | None = None
     lost_at: datetime | None = None

@@ -208,6 +208,23 @@ class NodeHeartbeat(_Msg):
     memory_headroom_mib: int = 0
     memory_measured_at: datetime | None = None
 
+    @property
+    def measures_memory(self) -> bool:
+        """Whether this heartbeat carries measured memory (placement then admits by it)."""
+        return self.memory_available_mib is not None and self.memory_sandboxes_mib is not None
+
+    def memory_room_mib(self, *, with_reclaimable: bool = True) -> int | None:
+        """Room for new sandboxes, MiB: available less headroom (and, under a limit, the limit less what the
+        sandboxes use), plus what the node could release when ``with_reclaimable``. May be negative; None when
+        the node does not measure. The one rule placement (services/scheduler/placement.py) and
+        ``GET /v1/nodes`` use."""
+        if self.memory_available_mib is None or self.memory_sandboxes_mib is None:
+            return None
+        room = self.memory_available_mib - self.memory_headroom_mib
+        if self.memory_limit_mib is not None:
+            room = min(room, self.memory_limit_mib - self.memory_sandboxes_mib)
+        return room + (self.memory_reclaimable_mib if with_reclaimable else 0)
+
 
 EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
                     "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled", "migrated"]

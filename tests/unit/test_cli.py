@@ -417,9 +417,11 @@ def test_node_list_table_and_json(fake_api: FakeApi) -> None:
     assert table.exit_code == 0, table.output
     lines = table.stdout.split("\n")
     assert lines[0].split() == ["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY", "MIB", "FREE",
-                                "MIB", "RUNNING", "PAUSED", "WARM"]
-    assert lines[1].split() == ["node-a", "ready", "yes", "0.4s", "tcg", "1/8", "512/2048", "1536", "1", "1", "0"]
-    assert lines[2].split()[:4] == ["node-b", "lost", "no", "expired"]
+                                "MIB", "ROOM", "MIB", "RUNNING", "PAUSED", "WARM"]
+    assert lines[1].split() == ["node-a", "ready", "yes", "0.4s", "tcg", "1/8", "512/2048", "1536", "19066", "1", "1",
+                                "0"]
+    # A node that is not live has no measured room.
+    assert lines[2].split()[:4] == ["node-b", "lost", "no", "expired"] and lines[2].split()[8] == "-"
     listed = json.loads(run(fake_api, "node", "list", "--json").stdout)
     assert [(n["id"], n["state"], n["heartbeat_age_s"]) for n in listed] == [("node-a", "ready", 0.4),
                                                                              ("node-b", "lost", None)]

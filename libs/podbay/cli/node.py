@@ -25,16 +25,18 @@ def list_(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Every node: state (ready, draining, drained, lost), whether new sandboxes go there, heartbeat age,
-    vCPUs and memory (used/capacity, free), running and paused sandboxes, ready warm slots."""
+    vCPUs and nominal memory (used/capacity, free), the measured room for new sandboxes (MiB, what admission
+    uses; "-" when the node is not live), running and paused sandboxes, ready warm slots."""
     nodes = client(ctx).list_nodes()
     if as_json:
         print_json(nodes)
         return
     rows = [(n.id, n.state, "yes" if n.schedulable else "no", _age(n.heartbeat_age_s), n.accel,
              f"{n.used.vcpus}/{n.capacity.vcpus}", f"{n.used.memory_mib}/{n.capacity.memory_mib}",
-             n.free.memory_mib, n.running, n.paused, n.warm_slots) for n in nodes]
-    print_table(["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY MIB", "FREE MIB", "RUNNING",
-                 "PAUSED", "WARM"], rows)
+             n.free.memory_mib, n.memory.room_mib if n.memory else "-", n.running, n.paused, n.warm_slots)
+            for n in nodes]
+    print_table(["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY MIB", "FREE MIB", "ROOM MIB",
+                 "RUNNING", "PAUSED", "WARM"], rows)
 
 
 @app.command("drain")

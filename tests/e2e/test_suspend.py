@@ -27,7 +27,9 @@ import pytest
 
 from podbay.chunks import chunk_key
 from podbay.config import Settings
+from podbay.devstack.netns import purge_networks
 from podbay.devstack.procs import free_port, stop_process
+from podbay.devstack.vms import kill_strays, unmount_node_stores
 from podbay.objstore import open_store
 from e2e_http import api_client, sh_output as _sh
 
@@ -301,6 +303,11 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
         finally:
             if node2 is not None:
                 stop_process(node2, grace_s=10)
+            # node-2's data dir is not the stack's, so the stack's purge would miss what it made on the host:
+            # its VMs, its loop-mounted store and its nftables table (named after its data dir).
+            kill_strays(node2_dir)
+            unmount_node_stores(node2_dir)
+            purge_networks(node2_dir)
             stack.restart("nodeagent")
             c.delete(f"/v1/sandboxes/{sid}")
 

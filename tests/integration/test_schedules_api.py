@@ -249,7 +249,8 @@ def test_sdk_and_cli_add_list_runs_and_remove(stack: Stack) -> None:
     assert bad.returncode == 2 and bad.stderr.strip().endswith("(invalid_cron)"), bad.stderr
     bad = _cli(stack, acme.key, "add", sbx, "--cron", "0 7 * * *", "--tz", "Nowhere/Town")
     assert bad.returncode == 2 and bad.stderr.strip().endswith("(unknown_time_zone)"), bad.stderr
-    assert _cli(stack, acme.key, "rm", sbx, sch).returncode == 0
+    removed = _cli(stack, acme.key, "rm", sbx, sch)
+    assert removed.returncode == 0 and removed.stdout.strip() == sch, removed.stderr
     gone = _cli(stack, acme.key, "rm", sbx, sch)
     assert gone.returncode == 2 and gone.stderr.strip().endswith("(not_found)"), gone.stderr
     assert _count(stack, sbx) == 1

@@ -441,3 +441,11 @@ def test_a_waiting_call_the_server_could_not_finish_is_an_error_not_success(fake
     # asked not to wait, the 202 is the expected answer
     result = run(fake_api, "sandbox", "rm", "sb-slow", "--no-wait")
     assert result.exit_code == 0 and "op-delete-1" in result.stderr
+
+
+def test_schedule_add_needs_exactly_one_of_cron_and_at_before_sending(fake_api: FakeApi) -> None:
+    for args in ((), ("--cron", "* * * * *", "--at", "2030-01-01T00:00:00Z")):
+        result = run(fake_api, "schedule", "add", "sbx_x", *args, "--", "echo", "x")
+        assert_error_line(result, "invalid_request", 2)
+        assert "--cron" in result.stderr and "--at" in result.stderr, result.stderr
+    assert not [r for r in fake_api.requests if "/schedules" in r.path]

@@ -51,6 +51,8 @@ def add(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Add a schedule; prints its id and next fire time."""
+    if (cron is None) == (at is None):
+        raise InvalidRequest("give exactly one of --cron EXPR or --at TIME")
     when: datetime | None = None
     if at is not None:
         try:
@@ -121,5 +123,6 @@ def rm(
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     schedule_id: str = typer.Argument(..., metavar="SCHEDULE"),
 ) -> None:
-    """Remove a schedule and its run history."""
+    """Remove a schedule and its run history; prints its id, as ``sandbox rm`` does."""
     client(ctx).schedules.remove(sandbox_id, schedule_id)
+    print(schedule_id)

@@ -40,6 +40,18 @@ def sh_output(c: httpx.Client, sid: str, script: str) -> str:
     return str(r.json()["stdout"])
 
 
+@contextlib.contextmanager
+def new_sandbox(c: httpx.Client, template: str = "base") -> Iterator[str]:
+    """A new sandbox of ``template`` (asserting the create answered 201), deleted afterwards."""
+    r = c.post("/v1/sandboxes", json={"template": template})
+    assert r.status_code == 201, r.text
+    sid = str(r.json()["id"])
+    try:
+        yield sid
+    finally:
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
 def until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
     """Call ``check`` every ``every_s`` seconds until it returns something truthy (returned); raise
     ``AssertionError`` naming ``what`` and the last value after ``timeout_s`` seconds."""

@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 
 from podbay.config import Settings
 from podbay.objstore import open_store
-from e2e_http import api_client, sh, until
+from e2e_http import api_client, sh, until, new_sandbox
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +41,6 @@ def _sql(stack: Any, query: str, *args: Any) -> list[asyncpg.Record]:
             await conn.close()
 
     return asyncio.run(run())
-
-
-@contextlib.contextmanager
-def _sandbox(c: httpx.Client) -> Iterator[str]:
-    r = c.post("/v1/sandboxes", json={"template": "base"})
-    assert r.status_code == 201, r.text
-    sid = str(r.json()["id"])
-    try:
-        yield sid
-    finally:
-        c.delete(f"/v1/sandboxes/{sid}")
 
 
 def _in(seconds: float) -> str:
@@ -85,7 +73,7 @@ def _qemu_for(sid: str) -> bool:
 
 
 def test_suspended_sandbox_wakes_runs_and_is_suspended_again_with_the_file(stack: Any) -> None:
-    with api_client(stack, timeout_s=600) as c, _sandbox(c) as sid:
+    with api_client(stack, timeout_s=600) as c, new_sandbox(c) as sid:
         r = c.post(f"/v1/sandboxes/{sid}/suspend")
         assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
         r = c.post(f"/v1/sandboxes/{sid}/schedules", json={"at": _in(3), "command": {
@@ -124,7 +112,7 @@ def test_suspended_sandbox_wakes_runs_and_is_suspended_again_with_the_file(stack
 
 
 def test_paused_sandbox_returns_to_paused_and_an_overlapping_fire_is_skipped(stack: Any) -> None:
-    with api_client(stack, timeout_s=600) as c, _sandbox(c) as sid:
+    with api_client(stack, timeout_s=600) as c, new_sandbox(c) as sid:
         r = c.post(f"/v1/sandboxes/{sid}/pause")
         assert r.status_code == 200 and r.json()["state"] == "paused", r.text
         # The stack releases a paused sandbox's RAM after PODBAY_PAUSED_RELEASE_S (QEMU exits).
@@ -150,7 +138,7 @@ def test_paused_sandbox_returns_to_paused_and_an_overlapping_fire_is_skipped(sta
 
 
 def test_sigkill_of_the_firer_across_a_fire_time_runs_once(stack: Any) -> None:
-    with api_client(stack, timeout_s=600) as c, _sandbox(c) as sid:
+    with api_client(stack, timeout_s=600) as c, new_sandbox(c) as sid:
         r = c.post(f"/v1/sandboxes/{sid}/schedules", json={
             "at": _in(8), "command": {"argv": ["sh", "-c", "echo fired >> /root/fires"]}})
         assert r.status_code == 201, r.text
@@ -165,7 +153,7 @@ def test_sigkill_of_the_firer_across_a_fire_time_runs_once(stack: Any) -> None:
 
 
 def test_sigkill_mid_run_leaves_it_interrupted_and_the_sandbox_put_back(stack: Any) -> None:
-    with api_client(stack, timeout_s=600) as c, _sandbox(c) as sid:
+    with api_client(stack, timeout_s=600) as c, new_sandbox(c) as sid:
         assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
         r = c.post(f"/v1/sandboxes/{sid}/schedules", json={"at": _in(2), "command": {"argv": ["sleep", "600"]}})
         assert r.status_code == 201, r.text

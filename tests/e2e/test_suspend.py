@@ -13,12 +13,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from podbay.devstack.netns import purge_networks
 from podbay.devstack.procs import free_port, stop_process
 from podbay.devstack.vms import kill_strays, unmount_node_stores
 from podbay.objstore import open_store
-from e2e_http import api_client, sh_output as _sh
+from e2e_http import api_client, sh_output as _sh, new_sandbox
 
 pytestmark = pytest.mark.e2e
 
@@ -45,18 +43,6 @@ OP_DEADLINE_S = 300.0
 def _client(stack: Any) -> httpx.Client:
     return api_client(stack, timeout_s=600)
 
-
-
-@contextlib.contextmanager
-def _sandbox(c: httpx.Client) -> Iterator[str]:
-    """A new sandbox of the base template, deleted afterwards."""
-    r = c.post("/v1/sandboxes", json={"template": "base"})
-    assert r.status_code == 201, r.text
-    sid = str(r.json()["id"])
-    try:
-        yield sid
-    finally:
-        c.delete(f"/v1/sandboxes/{sid}")
 
 
 def _qemu_for(sid: str) -> list[int]:
@@ -108,7 +94,7 @@ async def _manifest(stack: Any, snapshot_id: str) -> dict[str, Any]:
 
 
 def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         _sh(c, sid, "echo kept > /root/note; " + COUNTER)
         pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
         time.sleep(1.0)
@@ -154,7 +140,7 @@ def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
 
 
 def test_a_long_paused_sandbox_whose_ram_was_released_suspends_and_resumes(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         _sh(c, sid, "echo slept > /root/z; " + COUNTER)
         pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
         assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
@@ -171,7 +157,7 @@ def test_a_long_paused_sandbox_whose_ram_was_released_suspends_and_resumes(stack
 
 
 def test_a_failed_promotion_leaves_the_sandbox_paused_and_intact_with_the_error(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         _sh(c, sid, "echo intact > /root/i; " + COUNTER)
         pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
         stack.kill("s3")  # the object store is gone for the whole promotion and its retries
@@ -191,7 +177,7 @@ def test_a_failed_promotion_leaves_the_sandbox_paused_and_intact_with_the_error(
 
 
 def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
         first = _suspend_snapshot(c, sid)
         assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
@@ -203,7 +189,7 @@ def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) 
 
 
 def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         _sh(c, sid, "echo whole > /root/w")
         assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
         snap = _suspend_snapshot(c, sid)
@@ -233,7 +219,7 @@ def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) 
 
 
 def test_fallback_restores_the_newest_intact_snapshot_only_when_asked(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         _sh(c, sid, "echo one > /root/one; sync")
         assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
         first = _suspend_snapshot(c, sid)
@@ -410,7 +396,7 @@ def test_sigkill_of_the_api_between_commit_and_publish_is_finished_by_its_restar
 
 
 def test_sigkill_of_the_api_during_suspend_leaves_the_work_to_finish(stack: Any) -> None:
-    with _client(stack) as c, _sandbox(c) as sid:
+    with _client(stack) as c, new_sandbox(c) as sid:
         r = c.post(f"/v1/sandboxes/{sid}/suspend", params={"wait": "false"})
         assert r.status_code == 202, r.text
         op = r.json()["operation_id"]

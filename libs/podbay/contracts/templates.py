@@ -1,0 +1,178 @@
+"""Template builds (``/v1/templates``, docs/DESIGN.md §8): the parsed build spec and the build's wire shapes.
+
+A Dockerfile (the subset in :mod:`podbay.dockerfile`) parses into a :class:`BuildSpec`: the parent template
+(``FROM``), the ordered steps that change the disk (:class:`RunStep`, :class:`CopyStep`,
+:class:`WorkdirStep`), and the image config (env, workdir, user, labels, start command, exposed ports) that
+becomes the defaults of every exec in a sandbox of the template. Each disk step carries the env, working
+directory and user it runs with, so a step's cache key (its JSON, :meth:`BuildStep.canonical`) changes when
+anything it depends on does.
+
+A build streams :class:`BuildEvent` lines (NDJSON): ``step`` (started, with ``cached``), ``log`` (output),
+``done`` (the template) or ``failed`` (step, exit code, output tail).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+__all__ = [
+    "TEMPLATE_NAME_RE",
+    "TemplateName",
+    "FromRef",
+    "RunStep",
+    "CopyStep",
+    "WorkdirStep",
+    "BuildStep",
+    "ImageConfig",
+    "BuildSpec",
+    "BuildState",
+    "BuildEvent",
+    "TemplateBuildParams",
+    "TemplateDetail",
+    "TemplateDetailList",
+    "step_text",
+]
+
+#: Template names: lower-case letters, digits and dashes, starting with a letter or digit (a DNS label).
+TEMPLATE_NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
+TemplateName = Annotated[str, StringConstraints(pattern=TEMPLATE_NAME_RE)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FromRef(_Strict):
+    """What ``FROM`` names: a podbay template (``podbay/base``, ``podbay/web`` or ``web``) or an OCI image in
+    skopeo's transport syntax (``oci:``, ``oci-archive:``, ``docker-archive:``, ``docker://``)."""
+
+    kind: Literal["template", "oci"]
+    ref: str = Field(description="The template name, or the skopeo image reference as written.")
+
+
+class RunStep(_Strict):
+    """``RUN``: a command in the builder guest. Exactly one of ``argv`` (exec form) or ``shell``."""
+
+    op: Literal["run"] = "run"
+    argv: list[str] | None = None
+    shell: str | None = None
+    env: dict[str, str] = Field(default_factory=dict, description="ENV plus ARG values in effect.")
+    workdir: str = "/"
+    user: str = "root"
+    line: int = Field(0, description="1-based line of the instruction in the Dockerfile (not in the cache key).")
+
+
+class CopyStep(_Strict):
+    """``COPY``/``ADD``: context paths (relative, ``/``-separated, already checked to stay inside the context)
+    to ``dest`` (absolute). ``add`` unpacks local tar archives as ADD does. ``digests``: sha256 of every copied
+    file's path and bytes, filled by whoever holds the context (the builder), part of the cache key."""
+
+    op: Literal["copy"] = "copy"
+    sources: list[str] = Field(min_length=1)
+    dest: str
+    chown: str | None = None
+    add: bool = False
+    digests: str = ""
+    line: int = 0
+
+
+class WorkdirStep(_Strict):
+    """``WORKDIR``: the directory is created (as ``mkdir -p``, owned by root, as Docker does)."""
+
+    op: Literal["workdir"] = "workdir"
+    path: str
+    line: int = 0
+
+
+BuildStep = Annotated[RunStep | CopyStep | WorkdirStep, Field(discriminator="op")]
+
+
+def step_text(step: RunStep | CopyStep | WorkdirStep) -> str:
+    """The canonical text of a step for its cache key: its JSON without the line number (a step moved down
+    by a comment added above it is the same step)."""
+    return json.dumps(step.model_dump(exclude={"line"}), sort_keys=True, separators=(",", ":"))
+
+
+class ImageConfig(_Strict):
+    """What a template's sandboxes get as defaults: exec env, working directory, user; the start command
+    (ENTRYPOINT + CMD), exposed ports and labels are recorded."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    start_cmd: list[str] | None = None
+    expose: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class BuildSpec(_Strict):
+    """A parsed Dockerfile: parent, disk steps in order, and the final config."""
+
+    base: FromRef
+    steps: list[BuildStep] = Field(default_factory=list)
+    config: ImageConfig = Field(default_factory=ImageConfig)
+
+
+class BuildState(StrEnum):
+    """A build's state (``template_builds.state``)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class BuildEvent(BaseModel):
+    """One line of a build's NDJSON stream.
+
+    ``type``: ``step`` (a step starts; ``cached`` when its layer is reused), ``log`` (output ``text``),
+    ``done`` (``template``: the registered :class:`TemplateDetail`), ``failed`` (``step``, ``exit_code`` when a
+    RUN failed, ``code`` and ``message``, ``output_tail``).
+    """
+
+    type: Literal["step", "log", "done", "failed"]
+    step: int | None = Field(None, description="1-based index among the disk steps; 0 for FROM/snapshot.")
+    total: int | None = None
+    text: str | None = None
+    cached: bool | None = None
+    elapsed_ms: float | None = None
+    exit_code: int | None = None
+    code: str | None = None
+    message: str | None = None
+    output_tail: str | None = None
+    template: TemplateDetail | None = None
+
+
+class TemplateBuildParams(BaseModel):
+    """The form fields of ``POST /v1/templates`` beside the ``context`` tarball."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: TemplateName
+    dockerfile: str = Field(min_length=1, max_length=256 << 10, description="The Dockerfile's text.")
+    build_args: dict[str, str] = Field(default_factory=dict)
+
+
+class TemplateDetail(BaseModel):
+    """A template as ``GET /v1/templates`` lists it."""
+
+    name: str
+    digest: str = Field(description="The build's key (sha256 hex); a rebuild that changes anything is a new one.")
+    memory_mib: int
+    vcpus: int
+    created_at: datetime
+    parent: str | None = Field(None, description="The template it was built FROM; None for built-in ones.")
+    config: ImageConfig | None = None
+    size_bytes: int | None = Field(None, description="Bytes of its disk image (apparent size).")
+    state: str = "ready"
+
+
+class TemplateDetailList(BaseModel):
+    templates: list[TemplateDetail]
+
+
+BuildEvent.model_rebuild()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import nats
@@ -189,7 +189,7 @@ async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, tim
     raise AssertionError("unreachable")
 
 
-async def consume(sub: Any, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,
+async def consume(sub: Any, handle: Callable[[Msg], Coroutine[Any, Any, None]], stop: asyncio.Event, *, batch: int = 1,
                   finish_timeout_s: float = 60.0) -> None:
     """Fetch from a pull subscription until ``stop``, running ``handle(msg)`` for each message concurrently.
 

@@ -172,7 +172,8 @@ def run_builder(argv: list[str]) -> int:
     assert proc.stderr is not None
     held = b""
     holding = True
-    while chunk := proc.stderr.read1(65536):
+    stderr: Any = proc.stderr  # a BufferedReader (bufsize -1): read1 returns what is there, without waiting for more
+    while chunk := stderr.read1(65536):
         if not holding:
             _forward(chunk, sys.stderr)
             continue

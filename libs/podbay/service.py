@@ -88,7 +88,7 @@ async def serve_http(app: Any, host: str, port: int, stop: asyncio.Event) -> Non
     """Serve ``app`` until ``stop`` is set; raises if the port cannot be bound."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the service owns signals
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the service owns signals
     task = asyncio.create_task(server.serve())
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({task, stop_task}, return_when=asyncio.FIRST_COMPLETED)

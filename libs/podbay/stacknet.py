@@ -92,7 +92,7 @@ def _host_networks() -> list[ipaddress.IPv4Network]:
 
 
 def _choose(tag: str, used: list[ipaddress.IPv4Network]) -> str:
-    pool = ipaddress.ip_network(SANDBOX_POOL)
+    pool = ipaddress.IPv4Network(SANDBOX_POOL)
     blocks = list(pool.subnets(new_prefix=_BLOCK_PREFIX))
     start = int(tag, 16) % len(blocks)
     for step in range(len(blocks)):

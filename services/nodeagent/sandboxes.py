@@ -208,7 +208,8 @@ class SandboxManager:
             tpl = await self.template(template, template_digest)
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
             # Its address, tap and binding (a new CA for a new generation) exist before the guest runs.
-            binding, tap_fd = await asyncio.to_thread(self.net.prepare, sandbox_id, generation)
+            binding, fd = await asyncio.to_thread(self.net.prepare, sandbox_id, generation)
+            tap_fd = fd
             async with self.restore_slots:
                 t = time.perf_counter()
                 if boot_disk is not None:
@@ -220,7 +221,7 @@ class SandboxManager:
                                                             memory_mib=resources.memory_mib, vcpus=resources.vcpus,
                                                             tap_fd=tap_fd)
                     connect_timeout = self.settings.restore_timeout_s
-                os.close(tap_fd)  # QEMU holds the tap now; it goes away with QEMU
+                os.close(fd)  # QEMU holds the tap now; it goes away with QEMU
                 tap_fd = None
                 HOP_SECONDS.labels("nodeagent", "qemu_restore").observe(time.perf_counter() - t)
                 t = time.perf_counter()

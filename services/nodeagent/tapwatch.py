@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from podbay.telemetry import LIFECYCLE_OPERATIONS
 
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .sandboxes import RunningVm, SandboxManager
 
 __all__ = ["tap_watch_loop", "check_taps"]
 
@@ -46,8 +46,12 @@ async def check_taps(manager: SandboxManager) -> list[str]:
         log.warning("sandbox %s: its tap %s vanished under the running VM", sid, lease.tap)
         # Checked again under the sandbox's lock: an operation that replaced the VM (a rollback, a wake) made
         # a new tap meanwhile, and then there is nothing to repair.
-        if await manager.renew_vm(sid, f"its tap {lease.tap} vanished",
-                                  still=lambda _vm, tap=lease.tap: not manager.net.tap_intact(tap)):
+        tap = lease.tap
+
+        def still_vanished(_vm: RunningVm, tap: str = tap) -> bool:
+            return not manager.net.tap_intact(tap)
+
+        if await manager.renew_vm(sid, f"its tap {tap} vanished", still=still_vanished):
             renewed.append(sid)
     return renewed
 

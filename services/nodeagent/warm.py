@@ -336,7 +336,8 @@ class WarmPool:
         try:
             # The slot's address, tap and binding are those of the sandbox it becomes (generation 1), so a
             # claim has nothing left to do for the network.
-            binding, tap_fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
+            binding, fd = await asyncio.to_thread(self.m.net.prepare, slot_id, 1)
+            tap_fd = fd
             # At nice ``warm_prepare_nice`` from its first instruction, and outside the node's restore slots:
             # a refill only takes CPU that creates, claims and running sandboxes leave, and never makes a
             # create wait for a slot. Refills run one at a time (``refill_once``), so they need no slot.
@@ -345,7 +346,7 @@ class WarmPool:
                                                           vcpus=res.vcpus, tap_fd=tap_fd,
                                                           nice=self.m.settings.warm_prepare_nice)
             finally:
-                os.close(tap_fd)
+                os.close(fd)
                 tap_fd = None
             channel = await GuestChannel.connect(handle.channel_path, timeout_s=self.m.settings.restore_timeout_s)
             # The slot's id is the id of the sandbox it becomes, so its identity is known now: hostname,

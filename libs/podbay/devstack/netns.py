@@ -144,8 +144,8 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     nets = []
     for line in out.splitlines():
         parts = line.split()
-        if "inet" in parts:
-            nets.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+        if "inet" in parts:  # `-4`: every address is IPv4
+            nets.append(ipaddress.IPv4Interface(parts[parts.index("inet") + 1]).network)
     return nets
 
 

@@ -44,8 +44,10 @@ def sync_body(data: FileData) -> bytes | Iterator[bytes]:
     if whole is not None:
         return whole
 
+    reader: Any = data  # a file-like object: _whole returned None
+
     def chunks() -> Iterator[bytes]:
-        while chunk := data.read(CHUNK_BYTES):
+        while chunk := reader.read(CHUNK_BYTES):
             yield _as_bytes(chunk)
 
     return chunks()
@@ -57,9 +59,11 @@ def async_body(data: FileData) -> bytes | AsyncIterator[bytes]:
     if whole is not None:
         return whole
 
+    reader: Any = data  # a file-like object: _whole returned None
+
     async def chunks() -> AsyncIterator[bytes]:
         while True:
-            chunk = data.read(CHUNK_BYTES)
+            chunk = reader.read(CHUNK_BYTES)
             if inspect.isawaitable(chunk):
                 chunk = await chunk
             if not chunk:

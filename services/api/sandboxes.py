@@ -353,7 +353,7 @@ async def get_operation(operation_id: str, ctx: CtxDep, who: PrincipalDep) -> Op
         raise NotFound(f"operation {operation_id} does not exist")
     err = {"code": row["error_code"], "message": row["error_message"] or ""} if row["error_code"] else None
     return OperationInfo(id=row["id"], kind=row["kind"], sandbox_id=row["sandbox_id"],
-                         state=OperationState(row["state"]).value, error=err,  # type: ignore[arg-type]
+                         state=OperationState(row["state"]).value, error=err,
                          created_at=row["created_at"], finished_at=row["finished_at"], node_id=row["node_id"],
                          progress=row["progress"], data=row["data"])
 

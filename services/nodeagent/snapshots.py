@@ -255,7 +255,7 @@ class SnapshotOps:
 
         async def one(child_id: str, hostname: str) -> bool:
             async with sem, m.lock(child_id):
-                state = await m.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", child_id)
+                state: str | None = await m.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", child_id)
                 if state != "starting":
                     return state == "running"
                 return await m.bring_up(child_id, 1, res, hostname, parent["tenant_id"], template=parent["template"],

@@ -34,11 +34,11 @@ from pydantic import BaseModel, Field
 
 from podbay.config import Settings, get_settings
 from podbay.stacknet import builder_tap
-from podbay_nodeagent import confine
-from podbay_nodeagent.accel import Accel, host_tsc_khz, qemu_version, resolve_accel
-from podbay_nodeagent.image import BaseImage, ImageBuildError, ProgressFn, build_base_image
-from podbay_nodeagent.network import create_tap
-from podbay_nodeagent.vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
+from . import confine
+from .accel import Accel, host_tsc_khz, qemu_version, resolve_accel
+from .image import BaseImage, ImageBuildError, ProgressFn, build_base_image
+from .network import create_tap
+from .vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
 
 __all__ = [
     "TemplateSnapshot",

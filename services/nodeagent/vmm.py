@@ -45,8 +45,8 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
-from podbay_nodeagent import confine
-from podbay_nodeagent.accel import Accel, host_tsc_khz, kernel_cmdline
+from . import confine
+from .accel import Accel, host_tsc_khz, kernel_cmdline
 
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",

@@ -83,7 +83,8 @@ def finish_event(run_id: str, schedule_id: str, state: ScheduleRunState, **extra
 
 
 async def _state(ctx: ApiContext, sandbox_id: str) -> str | None:
-    return await ctx.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
+    state: str | None = await ctx.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
+    return state
 
 
 async def _settled(ctx: ApiContext, sandbox_id: str, timeout_s: float = SETTLE_TIMEOUT_S) -> str | None:

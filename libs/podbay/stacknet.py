@@ -15,6 +15,12 @@ what is its own:
   from one derived from the tag, that overlaps no address on the host. Two stacks' guests therefore never
   share an address, a route or a gateway binding.
 
+A stack killed before its cleanup, whose data directory is then deleted (a test's or a benchmark's temporary
+directory), would leave its table and namespaces on the host for good: nothing could name them any more. So
+each stack that makes host network state records its tag and data directory in :data:`STACKS_DIR`
+(:func:`register_stack`), and the next stack to start removes what is recorded for data directories that no
+longer exist (:func:`orphaned_stacks`, ``podbay.devstack.netns.sweep_orphans``).
+
 Errors: :class:`StackNetError` (no free block in the pool; not retryable).
 """
 
@@ -34,7 +40,8 @@ from podbay.config import Settings
 from podbay.errors import PodbayError
 
 __all__ = ["SANDBOX_POOL", "STATE_FILE", "StackNetError", "stack_tag", "tap_prefix", "builder_tap", "nft_table",
-           "sandbox_cidr", "gateway_denied_cidr", "remove_nft_table"]
+           "sandbox_cidr", "gateway_denied_cidr", "remove_nft_table", "STACKS_DIR", "register_stack", "forget_stack",
+           "orphaned_stacks", "delete_nft_table", "nft_table_of"]
 
 #: Where automatically chosen sandbox networks come from: 64 blocks of /16, disjoint from the node bridges'
 #: ``10.77.0.0/16`` (devstack/netns.py). The gateway refuses the whole pool, so no guest reaches another
@@ -70,7 +77,12 @@ def builder_tap(data_dir: Path, n: int) -> str:
 
 def nft_table(data_dir: Path) -> str:
     """This stack's nftables table (family ``inet``): ``podbay_<tag>``."""
-    return f"podbay_{stack_tag(data_dir)}"
+    return nft_table_of(stack_tag(data_dir))
+
+
+def nft_table_of(tag: str) -> str:
+    """The nftables table of the stack tagged ``tag``."""
+    return f"podbay_{tag}"
 
 
 def _host_networks() -> list[ipaddress.IPv4Network]:
@@ -134,10 +146,60 @@ def gateway_denied_cidr(settings: Settings) -> str:
 def remove_nft_table(data_dir: Path) -> bool:
     """Delete this stack's nftables table in the current network namespace; True if there was one.
     Never touches another stack's table. Blocking; a missing ``nft`` counts as nothing to remove."""
+    return delete_nft_table(nft_table(data_dir))
+
+
+def delete_nft_table(table: str) -> bool:
+    """Delete ``table inet <table>`` in the current network namespace; True if there was one. Blocking; a
+    missing ``nft`` counts as nothing to remove."""
     nft = shutil.which("nft")
     if nft is None:
         return False
-    table = nft_table(data_dir)
     done = subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, text=True, check=False,
                           timeout=30)
     return done.returncode == 0
+
+
+#: The host's record of stacks that made host network state: one file per stack, named by its tag, holding
+#: its data directory's resolved path. Under /run (a tmpfs), which is emptied at boot as are the tables and
+#: namespaces it records.
+STACKS_DIR = Path("/run/podbay/stacks")
+
+
+def register_stack(data_dir: Path, *, registry: Path = STACKS_DIR) -> None:
+    """Record that the stack of ``data_dir`` makes host network state (see the module docstring). Written
+    atomically; a registry that cannot be written (not root) is skipped, since such a stack makes none."""
+    path = str(data_dir.resolve())
+    try:
+        registry.mkdir(parents=True, exist_ok=True)
+        tmp = registry / f".{stack_tag(data_dir)}.{os.getpid()}"
+        tmp.write_text(path)
+        tmp.replace(registry / stack_tag(data_dir))
+    except PermissionError:
+        pass
+
+
+def forget_stack(tag: str, *, registry: Path = STACKS_DIR) -> None:
+    """Remove ``tag``'s record (its stack's host state is gone)."""
+    (registry / tag).unlink(missing_ok=True)
+
+
+def orphaned_stacks(*, registry: Path = STACKS_DIR) -> dict[str, Path]:
+    """Recorded stacks whose data directory no longer exists, as ``{tag: data_dir}``. Their host network
+    state can belong to no running stack: a stack's processes all live in, and are found through, its data
+    directory. An unreadable record is skipped, never guessed at."""
+    out: dict[str, Path] = {}
+    try:
+        entries = list(registry.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        try:
+            data_dir = Path(entry.read_text().strip())
+        except OSError:
+            continue
+        if data_dir.is_absolute() and stack_tag(data_dir) == entry.name and not data_dir.exists():
+            out[entry.name] = data_dir
+    return out

@@ -27,9 +27,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from podbay.errors import Unavailable
-from podbay.stacknet import remove_nft_table, stack_tag
+from podbay.stacknet import (
+    STACKS_DIR,
+    delete_nft_table,
+    forget_stack,
+    nft_table_of,
+    orphaned_stacks,
+    remove_nft_table,
+    stack_tag,
+)
 
-__all__ = ["node_ids_for", "NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE"]
+__all__ = ["node_ids_for", "NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE",
+           "sweep_orphans"]
 
 STATE_FILE = "netns.json"
 #: Second octet of the /24 networks tried for the bridge: 10.77.<k>.0/24.
@@ -181,9 +190,32 @@ def purge_networks(data_dir: Path) -> bool:
     namespace (a single-node stack's; taps go with their QEMUs) and the namespaces, veths and bridge recorded in
     ``data_dir`` (and the record). Another stack's are never touched. True if there was any."""
     table = remove_nft_table(data_dir)
+    forget_stack(stack_tag(data_dir))
     saved = NodeNetwork.load(data_dir)
     if saved is None:
         return table
     saved.destroy()
     (data_dir / STATE_FILE).unlink(missing_ok=True)
     return True
+
+
+def sweep_orphans(*, registry: Path = STACKS_DIR) -> list[str]:
+    """Remove the host network state of stacks whose data directory was deleted without a purge (a killed
+    test's or benchmark's stack): for each such tag (:func:`podbay.stacknet.orphaned_stacks`), its nftables
+    table in this namespace, its node namespaces ``pb-<tag>-*`` (the tables inside go with them), veths
+    ``pbv-<tag>-*`` and bridge ``pbb-<tag>``, then its record. Another stack's state is never touched: names
+    carry the tag. Returns the tags swept. Needs root; idempotent."""
+    swept = []
+    for tag in orphaned_stacks(registry=registry):
+        delete_nft_table(nft_table_of(tag))
+        for ns in _ip("netns", "list", check=False).stdout.split():
+            if ns.startswith(f"pb-{tag}-"):
+                _ip("netns", "del", ns, check=False)
+        links = _ip("-o", "link", "show", check=False).stdout
+        for line in links.splitlines():
+            name = line.split(":", 2)[1].strip().split("@", 1)[0] if line.count(":") >= 2 else ""
+            if name.startswith(f"pbv-{tag}-") or name == f"pbb-{tag}":
+                _ip("link", "del", name, check=False)
+        forget_stack(tag, registry=registry)
+        swept.append(tag)
+    return swept

@@ -41,13 +41,14 @@ from pydantic import BaseModel
 from podbay.config import Settings
 from podbay.credentials import new_key
 from podbay.devstack import servers as srv
-from podbay.devstack.netns import NodeNetwork, plan_network, purge_networks
+from podbay.devstack.netns import NodeNetwork, plan_network, purge_networks, sweep_orphans
 from podbay.devstack.nodeops import NodeOps
 from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
 from podbay.hostca import host_extra_cas, to_pem
+from podbay.stacknet import register_stack
 
 __all__ = [
     "SERVICES",
@@ -470,6 +471,11 @@ class Stack(NodeOps):
         called as each part answers."""
         try:
             check_ports_free(self.ports, self.external)
+            # What killed stacks whose data directories are gone left on the host; then this one's record,
+            # before it makes anything, so that its own leftovers are found the same way.
+            if swept := sweep_orphans():
+                log.info("removed the host network state of %d deleted stack(s): %s", len(swept), swept)
+            register_stack(self.data_dir)
             self.start_network()
             self.start_servers(on_ready)
             self.start_services(on_ready)

@@ -91,6 +91,14 @@ class Settings(BaseSettings):
     webhooks_enabled: bool = Field(True, description="Run the webhook deliverer in this API process.")
     e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
                                    "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
+    # ports (services/api/ports*.py): guest ports reached through the API's edge
+    ports_domain: str = Field("localhost", description="Guest ports answer at {port}-{sandbox}.DOMAIN on the API "
+                              "(the sandbox id spelled with '-' for '_'); `localhost` resolves to loopback with "
+                              "no DNS set-up. The path form /ports/{port}-{sandbox}/ needs no wildcard DNS.")
+    ports_public_rate_per_s: float = Field(50.0, gt=0, description="Requests per second one public port takes "
+                                           "(per API process, burst of twice that); further ones get 429.")
+    ports_wake: bool = Field(True, description="A request to a paused or suspended sandbox's port resumes it "
+                             "(bounded by the resume timeouts); off: it answers 409 `invalid_state`.")
     # schedules (services/api/schedules/): run by the API process that holds the `schedules` lease
     schedules_enabled: bool = Field(True, description="Run the schedule firer in this API process (one replica "
                                     "fires at a time, behind the `schedules` leader lease).")

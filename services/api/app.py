@@ -26,7 +26,7 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 from podbay.contracts import subjects
 
 from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, events, keys, network, nodes, pools,
-               sandboxes, snapshots, suspend, webhooks)
+               ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
@@ -142,6 +142,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b.router)
     app.include_router(e2b_envd.router)
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
+    # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):
+    # outside EnvdRouting, so it sees E2B's hosts first and leaves envd's port to it.
+    app.add_middleware(ports_edge.PortsEdge, settings=settings)
+    app.include_router(ports.router)
     app.include_router(suspend.router)
     app.include_router(pools.router)
     app.include_router(nodes.router)

@@ -30,6 +30,7 @@ from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
 from .diff import diff_snapshots
 from .envd import PREFIX as ENVD_PREFIX
 from .envd import EnvdApp
+from .ports import PortsProxy, listening_ports
 
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
@@ -203,10 +204,17 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     app.state.envd = EnvdApp(manager)
     app.mount(ENVD_PREFIX, app.state.envd)
 
+    @app.get(base + "/ports")
+    async def ports(sandbox_id: str, request: Request) -> dict[str, object]:
+        """``{"ports": [{port, address, family}]}``: the guest's listening TCP sockets (services/nodeagent/ports.py)."""
+        return {"ports": await listening_ports(manager.channel(sandbox_id, _gen(request)))}
+
     @app.get(base + "/snapshots/{snapshot_a}/diff/{snapshot_b}")
     async def snapshot_diff(sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:
         # Snapshots are immutable files on the node and need no VM: no generation fencing here (the API
         # has checked that both are ready snapshots of this sandbox).
         return await diff_snapshots(manager.store.root, sandbox_id, snapshot_a, snapshot_b)
 
+    # Guest ports (the API edge's last hop): outermost, so no middleware above buffers or wraps its streams.
+    app.add_middleware(PortsProxy, manager=manager)
     return app

@@ -16,6 +16,11 @@ the host (another stack's included) is touched. For traffic entering one of this
   guest instead of hanging.
 * ``forward`` rejects everything from a tap and drops everything towards one: no sandbox reaches another
   sandbox or any other host directly, whatever the host's ``ip_forward``.
+* ``output`` refuses every new TCP connection from the host into a tap unless its socket carries
+  :data:`PORTS_MARK`, the mark of the node agent's port proxy (services/nodeagent/ports.py), and
+  ``from_sandbox`` accepts from a tap the replies of connections the host opened (``ct direction reply``):
+  the port proxy, which the API's edge drives only after authorising a request for that sandbox and port,
+  is the only way into a guest.
 
 Errors: :class:`NetfilterError` (``nft`` missing or refusing the ruleset; not retryable).
 """
@@ -27,7 +32,10 @@ import subprocess
 
 from podbay.errors import PodbayError
 
-__all__ = ["NetfilterError", "render_ruleset", "install_ruleset"]
+__all__ = ["NetfilterError", "render_ruleset", "install_ruleset", "PORTS_MARK"]
+
+#: Socket mark of the node agent's connections to guest ports ("pb", 1); no other new TCP enters a tap.
+PORTS_MARK = 0x70620001
 
 
 class NetfilterError(PodbayError):
@@ -62,6 +70,7 @@ table inet {table} {{
         iifname {taps} jump from_sandbox
     }}
     chain from_sandbox {{
+        ct direction reply accept
         meta l4proto tcp th dport {proxy_port} ct status dnat accept
         meta l4proto {{ tcp, udp }} th dport {dns_port} ct status dnat accept
         meta l4proto tcp reject with tcp reset
@@ -72,6 +81,10 @@ table inet {table} {{
         iifname {taps} meta l4proto tcp reject with tcp reset
         iifname {taps} reject with icmpx admin-prohibited
         oifname {taps} drop
+    }}
+    chain output {{
+        type filter hook output priority filter; policy accept;
+        oifname {taps} meta l4proto tcp ct state new meta mark != {PORTS_MARK:#x} reject with tcp reset
     }}
 }}
 """

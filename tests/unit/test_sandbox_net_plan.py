@@ -16,7 +16,7 @@ import pytest
 from podbay.config import Settings
 from podbay.contracts.egress import NetBinding, binding_path
 from podbay.stacknet import SANDBOX_POOL, builder_tap, nft_table, sandbox_cidr, stack_tag, tap_prefix
-from podbay_nodeagent.netfilter import render_ruleset
+from podbay_nodeagent.netfilter import PORTS_MARK, render_ruleset
 from podbay_nodeagent.network import (
     IFNAMSIZ,
     NetworkError,
@@ -171,12 +171,16 @@ def test_the_ruleset_sends_taps_to_the_gateway_and_rejects_the_rest() -> None:
     dns = lines.index(f"{taps} meta l4proto {{ tcp, udp }} th dport 53 redirect to :8053")
     tcp = lines.index(f"{taps} meta l4proto tcp redirect to :8094")
     assert dns < tcp  # DNS over TCP goes to the DNS server, not the proxy
-    chain = lines[lines.index("chain from_sandbox {") + 1: lines.index("chain from_sandbox {") + 5]
-    assert chain == ["meta l4proto tcp th dport 8094 ct status dnat accept",
+    chain = lines[lines.index("chain from_sandbox {") + 1: lines.index("chain from_sandbox {") + 6]
+    # Replies of connections the host opened (the port proxy's, below) come back; nothing else starts here.
+    assert chain == ["ct direction reply accept", "meta l4proto tcp th dport 8094 ct status dnat accept",
                      "meta l4proto { tcp, udp } th dport 8053 ct status dnat accept",
                      "meta l4proto tcp reject with tcp reset", "reject with icmpx admin-prohibited"]
     assert f"{taps} jump from_sandbox" in lines
     assert f"{taps} reject with icmpx admin-prohibited" in lines and 'oifname "pb1a2b3t*" drop' in lines
+    # The host opens TCP connections into a tap only from the port proxy's marked sockets.
+    assert (f'oifname "pb1a2b3t*" meta l4proto tcp ct state new meta mark != {PORTS_MARK:#x} reject with tcp reset'
+            in lines)
     assert render_ruleset(8094, 8053, table=table, tap_prefix="pb1a2b3t") == text
     with pytest.raises(ValueError):
         render_ruleset(0, 53, table=table, tap_prefix="pb1a2b3t")

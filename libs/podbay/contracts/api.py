@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from .egress import EgressPolicy
 
 __all__ = [
+    "PortInfo",
+    "PortList",
+    "PortAccessUpdate",
+    "PortAccess",
+    "PortUrl",
     "NodeResources",
     "NodeInfo",
     "NodeList",
@@ -180,6 +185,47 @@ class FileInfo(BaseModel):
 
 class FileList(BaseModel):
     entries: list[FileInfo]
+
+
+class PortInfo(BaseModel):
+    """One guest port: a listening socket (from the guest's /proc/net/tcp{,6}) and/or a port's access setting."""
+
+    port: int = Field(ge=1, le=65535)
+    listening: bool = Field(description="A socket listens on it in the guest now.")
+    addresses: list[str] = Field(default_factory=list, description="Addresses it listens on (0.0.0.0, ::, ...).")
+    reachable: bool = Field(description="The edge can reach it: it listens on a wildcard address or the "
+                            "guest's own, not only on loopback.")
+    public: bool = Field(description="Open without a token (still rate-limited and logged).")
+
+
+class PortList(BaseModel):
+    """``GET /v1/sandboxes/{id}/ports``: listening ports and ports with a setting, sorted by port."""
+
+    ports: list[PortInfo]
+
+
+class PortAccessUpdate(_In):
+    """``PUT /v1/sandboxes/{id}/ports/{port}``."""
+
+    public: bool = Field(description="true: anyone with the URL reaches the port; false: it needs the sandbox's "
+                         "traffic token or an API key of its tenant (the default).")
+
+
+class PortAccess(BaseModel):
+    port: int
+    public: bool
+
+
+class PortUrl(BaseModel):
+    """``GET /v1/sandboxes/{id}/ports/{port}/url``: where a guest port answers, and how to open it."""
+
+    port: int
+    url: str = Field(description="Host form: {port}-{sandbox id with '-' for '_'}.{ports_domain}.")
+    path_url: str = Field(description="Path form on the API itself, for places without wildcard DNS.")
+    token: str = Field(description="The sandbox's traffic token: send it in X-Podbay-Access-Token, or once "
+                       "as ?podbay_token= (exchanged for a cookie).")
+    header: str = Field("X-Podbay-Access-Token")
+    public: bool
 
 
 class TemplateInfo(BaseModel):

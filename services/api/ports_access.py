@@ -1,0 +1,137 @@
+"""Who may reach a guest port, and how a port's address is spelled (docs/DESIGN.md §8, ports).
+
+Addresses:
+
+* host form ``{port}-{label}.{ports_domain}``, where ``label`` is the sandbox id with ``-`` for ``_``
+  (:func:`host_label`: host labels with ``_`` are refused by wildcard certificates and some clients; an id
+  is ``<prefix>_<hex>``, so the first ``-`` of a label is its ``_``). A label spelled with ``_`` is accepted too.
+* path form ``/ports/{port}-{label}/<path>`` on the API, for places without wildcard DNS.
+* E2B's host ``{port}-{sandboxID}.{e2b_domain}``, and its ``E2b-Sandbox-Id`` + ``E2b-Sandbox-Port`` headers.
+
+Access to a private port (the default) takes one of: the sandbox's traffic token (:func:`traffic_token`, an
+HMAC of its id with the internal token, so nothing is stored) in ``X-Podbay-Access-Token``; the cookie a
+``?podbay_token=`` link was exchanged for (:data:`COOKIE`); or an API key of the sandbox's tenant
+(``Authorization: Bearer``). Through E2B's host form, E2B's rule: ``e2b-traffic-access-token`` when the
+sandbox was created with ``network.allowPublicTraffic = false`` (:func:`e2b_traffic_token`), open otherwise.
+A token is bound to one sandbox id, so one tenant's token never opens another tenant's sandbox.
+
+Public ports are rate-limited per API process (:class:`RateLimiter`). Metrics per sandbox and port:
+:data:`PORT_REQUESTS`, :data:`PORT_BYTES`, :data:`PORT_OPEN`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import time
+
+from prometheus_client import Counter, Gauge
+
+__all__ = ["host_label", "sandbox_from_label", "parse_host", "parse_path", "traffic_token", "e2b_traffic_token",
+           "token_ok", "RateLimiter", "COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PATH_PREFIX", "E2B_TOKEN_HEADER",
+           "PORT_REQUESTS", "PORT_BYTES", "PORT_OPEN", "port_url"]
+
+TOKEN_HEADER = "x-podbay-access-token"
+TOKEN_QUERY = "podbay_token"
+COOKIE = "podbay_port_token"
+E2B_TOKEN_HEADER = "e2b-traffic-access-token"
+PATH_PREFIX = "/ports/"
+
+_LABEL = r"(?P<port>\d{1,5})-(?P<label>[A-Za-z0-9][A-Za-z0-9_-]{0,126})"
+_HOST = re.compile(rf"^{_LABEL}\.(?P<domain>[A-Za-z0-9.-]+?)\.?(:\d{{1,5}})?$")
+_PATH = re.compile(rf"^{re.escape(PATH_PREFIX)}{_LABEL}(?P<rest>/.*)?$")
+
+PORT_REQUESTS = Counter("podbay_port_requests_total", "Requests (and WebSocket sessions) through the port edge, "
+                        "by sandbox, guest port, access (private, public) and status class.",
+                        ["sandbox", "port", "access", "status"])
+PORT_BYTES = Counter("podbay_port_bytes_total", "Body bytes through the port edge, by sandbox, guest port and "
+                     "direction (in: to the guest, out: to the client).", ["sandbox", "port", "direction"])
+PORT_OPEN = Gauge("podbay_port_open_connections", "Requests and WebSockets open through the port edge now, by "
+                  "sandbox and guest port.", ["sandbox", "port"])
+
+
+def host_label(sandbox_id: str) -> str:
+    """The host-label spelling of a sandbox id: ``sbx_3f2a`` -> ``sbx-3f2a``."""
+    return sandbox_id.replace("_", "-")
+
+
+def sandbox_from_label(label: str) -> str:
+    """The sandbox id a host label names (the inverse of :func:`host_label`; ``_`` spellings pass as they are)."""
+    return label if "_" in label else label.replace("-", "_", 1)
+
+
+def _port(text: str) -> int | None:
+    port = int(text)
+    return port if 0 < port <= 65535 else None
+
+
+def parse_host(host: str, domain: str | None) -> tuple[int, str] | None:
+    """``(port, sandbox_id)`` of a ``{port}-{label}.{domain}[:port]`` host; None for any other host."""
+    if not domain:
+        return None
+    m = _HOST.match(host)
+    if m is None or m.group("domain").lower() != domain.lower().rstrip("."):
+        return None
+    port = _port(m.group("port"))
+    return None if port is None else (port, sandbox_from_label(m.group("label")))
+
+
+def parse_path(path: str) -> tuple[int, str, str] | None:
+    """``(port, sandbox_id, rest)`` of a path-form request ``/ports/{port}-{label}/<rest>`` (``rest`` starts
+    with ``/``; ``""`` when the path stops after the label, which the edge redirects to add the slash)."""
+    m = _PATH.match(path)
+    if m is None:
+        return None
+    port = _port(m.group("port"))
+    return None if port is None else (port, sandbox_from_label(m.group("label")), m.group("rest") or "")
+
+
+def traffic_token(secret: str, sandbox_id: str) -> str:
+    """The sandbox's traffic token (hex HMAC-SHA256 of its id): opens its private ports."""
+    return hmac.new(secret.encode(), f"ports:{sandbox_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def e2b_traffic_token(secret: str, sandbox_id: str) -> str:
+    """E2B's ``trafficAccessToken`` of a sandbox created with ``allowPublicTraffic: false``."""
+    return hmac.new(secret.encode(), f"e2b-traffic:{sandbox_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def token_ok(given: str | None, expected: str) -> bool:
+    """Constant-time comparison; an absent token is never good."""
+    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())  # type: ignore[union-attr]
+
+
+def port_url(sandbox_id: str, port: int, *, scheme: str, domain: str, api_host: str) -> tuple[str, str]:
+    """``(host-form URL, path-form URL)`` of a guest port, for an API reached at ``api_host`` (``host[:port]``,
+    as the client sent it)."""
+    _, sep, api_port = api_host.rpartition(":")
+    if not sep or not api_port.isdigit():  # no port, or an IPv6 literal without one
+        api_port = ""
+    suffix = f":{api_port}" if api_port else ""
+    label = f"{port}-{host_label(sandbox_id)}"
+    return f"{scheme}://{label}.{domain}{suffix}/", f"{scheme}://{api_host}{PATH_PREFIX}{label}/"
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` per second, bursts of ``2 * rate``. In-process (each API replica
+    counts its own). Keys idle for a minute are dropped, so the table stays small."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(1.0, 2 * rate)
+        self._buckets: dict[object, tuple[float, float]] = {}
+        self._swept = time.monotonic()
+
+    def allow(self, key: object) -> bool:
+        now = time.monotonic()
+        if now - self._swept > 60:
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 60}
+            self._swept = now
+        tokens, last = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1, now)
+        return True

@@ -1,0 +1,258 @@
+"""Guest ports on this node: the last hop of the API edge's port proxy, and the guest's listening ports.
+
+The API's edge (services/api/ports_edge.py) authorises a request for ``{port}-{sandbox}.{domain}`` and sends it
+here as ``/internal/ports/{sandbox_id}/{port}`` with the internal token, the generation it saw and the guest's
+path in ``x-podbay-port-path``. This
+module (plain ASGI, ahead of the data-plane app's middleware so that nothing buffers) checks both, then relays
+the request to ``http://<guest address>:<port><path>`` on the sandbox's tap (its /30, services/nodeagent/network.py):
+
+* HTTP/1.1: request and response bodies are streamed chunk by chunk both ways (bounded by the transport's
+  flow control, never read whole); keep-alive connections to the guest are pooled per address. A guest that
+  refuses the connection (nothing listens) answers 502 ``port_not_open`` with ``x-podbay-port-error``, so the
+  edge can render it; a listener that starts later is reached on the next request, with nothing to register.
+* WebSocket: the upstream handshake happens first (so the guest's chosen subprotocol is the one accepted),
+  then messages are relayed both ways until either side closes; the close code is passed on.
+
+Libraries: ``httpx`` for HTTP (already the API's client to nodes; ``send(stream=True)`` with ``aiter_raw``
+relays bytes as they come, content encodings untouched, and its transport takes socket options), and
+``websockets`` (the asyncio client, the same library uvicorn serves WebSockets with) for upgrades. aiohttp
+would do both but would be a second HTTP stack beside httpx in the same process.
+
+Every connection to a guest is opened with ``SO_MARK`` = :data:`PORTS_MARK`: the node's nftables ruleset
+(services/nodeagent/netfilter.py) refuses any other new TCP connection from the host into a tap, and accepts
+from a tap only the replies to such connections, so this proxy is the only way in, and it only ever reaches
+the port the edge asked for on the sandbox the edge authorised.
+
+Listening ports (``GET /internal/v1/sandboxes/{id}/ports``) are read from the guest's ``/proc/net/tcp`` and
+``/proc/net/tcp6`` through guestd's file read (no guestd change, no template rebuild): :func:`parse_proc_net_tcp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+import httpcore
+import httpx
+from anyio.abc import SocketStream
+from httpcore._backends.anyio import AnyIOStream  # httpcore's own anyio stream wrapper
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from podbay.asgiproxy import Answer, deny, forwarded_headers, json_error, relay_response, relay_websocket, request_body
+from podbay.errors import PodbayError
+
+from .netfilter import PORTS_MARK
+
+if TYPE_CHECKING:
+    from .sandboxes import SandboxManager
+
+__all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports"]
+
+log = logging.getLogger("podbay.nodeagent.ports")
+
+PREFIX = "/internal/ports/"
+CONNECT_TIMEOUT_S = 5.0
+#: Request header with the guest's path and query (``/a/b?c=d``), as the client sent them.
+PATH_HEADER = "x-podbay-port-path"
+
+
+class Listener(dict[str, Any]):
+    """``{"port": int, "address": str, "family": "ipv4"|"ipv6"}`` of one listening TCP socket."""
+
+
+def parse_proc_net_tcp(text: str, *, ipv6: bool) -> list[Listener]:
+    """The LISTEN sockets (state ``0A``) of a ``/proc/net/tcp`` or ``/proc/net/tcp6`` text; malformed lines
+    are skipped (the text comes from the untrusted guest)."""
+    out: list[Listener] = []
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 4 or parts[3] != "0A" or ":" not in parts[1]:
+            continue
+        addr_hex, _, port_hex = parts[1].rpartition(":")
+        try:
+            port = int(port_hex, 16)
+            raw = bytes.fromhex(addr_hex)
+            if ipv6 and len(raw) == 16:
+                # Four host-order 32-bit words.
+                addr = str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
+            elif not ipv6 and len(raw) == 4:
+                addr = str(ipaddress.IPv4Address(raw[::-1]))
+            else:
+                continue
+        except ValueError:
+            continue
+        if 0 < port <= 65535:
+            out.append(Listener(port=port, address=addr, family="ipv6" if ipv6 else "ipv4"))
+    return out
+
+
+async def listening_ports(channel: Any) -> list[Listener]:
+    """The guest's listening TCP ports, sorted by port then address, read over ``channel`` (guestd's file
+    read of ``/proc/net/tcp`` and ``/proc/net/tcp6``; a missing file counts as none)."""
+    seen: dict[tuple[int, str], Listener] = {}
+    for path, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        buf = bytearray()
+        try:
+            async for chunk in channel.read_file(path):
+                buf += chunk
+                if len(buf) > 4 << 20:  # an untrusted guest: a bound on what we parse
+                    break
+        except PodbayError as exc:
+            if exc.code != "not_found":
+                raise
+            continue
+        for item in parse_proc_net_tcp(buf.decode(errors="replace"), ipv6=v6):
+            seen[(item["port"], item["address"])] = item
+    return [seen[k] for k in sorted(seen)]
+
+
+def _marked_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    with contextlib.suppress(OSError):  # unprivileged (tests): no mark, and no ruleset to need one
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PORTS_MARK)
+    return sock
+
+
+class _Refused(Exception):
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer[0])
+        self.answer = answer
+
+
+class PortsProxy:
+    """ASGI middleware: ``/internal/ports/{sandbox_id}/{port}`` (HTTP and WebSocket) to the guest;
+    every other request goes to ``app``."""
+
+    def __init__(self, app: ASGIApp, manager: SandboxManager) -> None:
+        self.app = app
+        self.manager = manager
+        self.token = manager.settings.internal_token.encode()
+        transport = httpx.AsyncHTTPTransport()
+        # httpx has no seam for a connection's socket, and its socket_options are applied after connect(),
+        # too late for the SYN that nftables judges: its pool is swapped for one on a backend that marks
+        # sockets before connecting (the pool is httpx's documented engine, httpcore).
+        transport._pool = httpcore.AsyncConnectionPool(  # type: ignore[assignment]
+            max_connections=1000, max_keepalive_connections=100, keepalive_expiry=30,
+            network_backend=_MarkedBackend())
+        # trust_env=False: the node's proxy settings must never route guest traffic elsewhere.
+        self.http = httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
+                                      timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PREFIX):
+            await self.app(scope, receive, send)
+            return
+        try:
+            guest, port, path = self._target(scope)
+        except _Refused as exc:
+            await deny(scope, receive, send, *exc.answer)
+            return
+        if scope["type"] == "http":
+            await self._http(scope, receive, send, guest, port, path)
+        else:
+            await self._ws(scope, receive, send, guest, port, path)
+
+    def _target(self, scope: Scope) -> tuple[str, int, str]:
+        """(guest address, port, path with query) of a request; :class:`_Refused` with the answer otherwise."""
+        headers = dict(scope.get("headers", []))
+        if not hmac.compare_digest(headers.get(b"x-podbay-internal-token", b""), self.token):
+            raise _Refused(json_error(401, "unauthorized", "bad internal token"))
+        rest = scope["path"][len(PREFIX):]
+        sandbox_id, _, rest = rest.partition("/")
+        port_s = rest.partition("/")[0]
+        if not port_s.isdigit() or not 0 < int(port_s) <= 65535:
+            raise _Refused(json_error(400, "invalid_request", f"bad port {port_s[:16]!r}"))
+        vm = self.manager.vms.get(sandbox_id)
+        gen = headers.get(b"x-podbay-generation", b"").decode()
+        if vm is None:
+            raise _Refused(json_error(404, "not_found", f"sandbox {sandbox_id} is not running on this node"))
+        if gen.isdigit() and int(gen) != vm.generation:
+            raise _Refused(json_error(409, "stale_generation",
+                                      f"sandbox {sandbox_id} is at generation {vm.generation}"))
+        if vm.stopping or vm.channel is None:
+            raise _Refused(json_error(409, "invalid_state", f"sandbox {sandbox_id} is paused or stopping"))
+        lease = self.manager.net.leased().get(sandbox_id)
+        if lease is None:
+            raise _Refused(json_error(409, "invalid_state", f"sandbox {sandbox_id} has no network"))
+        # The edge sends the guest's path as the client spelled it (raw, with its query) in a header, so that
+        # no URL normalisation of ours can turn "/../" into a path of this internal API.
+        wanted = headers.get(PATH_HEADER.encode(), b"").decode("latin-1")
+        if not wanted.startswith("/") or any(c in wanted for c in "\r\n "):
+            raise _Refused(json_error(400, "invalid_request", f"missing or bad {PATH_HEADER}"))
+        return lease.guest_addr, int(port_s), wanted
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
+        headers = forwarded_headers(scope)
+        orig = dict(scope.get("headers", []))
+        host = orig.get(b"x-forwarded-host", orig.get(b"host", b"")).decode("latin-1")
+        if host:
+            headers.append(("host", host))
+        has_body = b"content-length" in orig or b"transfer-encoding" in orig
+        req = self.http.build_request(scope["method"], f"http://{guest}:{port}{path}", headers=headers,
+                                      content=request_body(receive) if has_body else None)
+        try:
+            resp = await self.http.send(req, stream=True)
+        except httpx.ConnectError as exc:
+            await deny(scope, receive, send, *json_error(
+                502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
+            log.debug("port %s of %s: %r", port, guest, exc)
+            return
+        except httpx.TimeoutException:
+            await deny(scope, receive, send, *json_error(504, "port_timeout", f"port {port} did not answer"))
+            return
+        except httpx.HTTPError as exc:
+            await deny(scope, receive, send, *json_error(502, "port_error", f"port {port}: {type(exc).__name__}"))
+            return
+        try:
+            await relay_response(resp, send)
+        finally:
+            await resp.aclose()
+
+    async def _ws(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        sock = _marked_socket(guest, port)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (guest, port)), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            sock.close()
+            await deny(scope, receive, send, *json_error(
+                502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
+            return
+        sock.setblocking(True)  # websockets hands it to the loop itself
+        await relay_websocket(scope, receive, send, f"ws://{guest}:{port}{path}", {}, sock=sock)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class _MarkedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend for guest connections: the socket is marked (:data:`PORTS_MARK`) before it
+    connects, then handed to anyio like any other."""
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        sock = _marked_socket(host, port)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), timeout)
+        except TimeoutError as exc:
+            sock.close()
+            raise httpcore.ConnectTimeout(f"{host}:{port}: timed out") from exc
+        except OSError as exc:
+            sock.close()
+            raise httpcore.ConnectError(f"{host}:{port}: {exc.strerror or exc}") from exc
+        return AnyIOStream(await SocketStream.from_socket(sock))
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("guest ports are TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+

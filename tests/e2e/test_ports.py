@@ -1,0 +1,195 @@
+"""Guest ports through the API's edge, with real VMs (docs/SPECIFICATION.md "Ports").
+
+One sandbox is shared by the tests of this module (servers started in it stay up between tests); the
+paused-wake test runs last among those that need it running. Requests use the stack's API address with the
+``Host`` header of the host form (``{port}-{label}.localhost``), which a browser or curl would resolve to
+loopback by itself, or the path form ``/ports/{port}-{label}/``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_http import api_client, new_sandbox, sh, until
+from websockets.sync.client import connect as ws_connect
+
+pytestmark = pytest.mark.e2e
+
+# A WebSocket echo server on the guest's standard library (RFC 6455: handshake, unmasked replies; text and
+# binary frames, up to 64 KiB, are sent back as they came; a close frame is answered and ends the session).
+WS_ECHO = r'''
+import base64, hashlib, socket, struct, threading, sys
+def serve(c):
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = c.recv(4096)
+        if not chunk:
+            return
+        data += chunk
+    key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")][0]
+    acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+    f = c.makefile("rb")
+    while True:
+        h = f.read(2)
+        if len(h) < 2:
+            return
+        op, n = h[0] & 0x0F, h[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", f.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", f.read(8))[0]
+        mask = f.read(4)
+        body = bytes(b ^ mask[i % 4] for i, b in enumerate(f.read(n)))
+        head = bytes([0x80 | op])
+        head += bytes([len(body)]) if len(body) < 126 else bytes([126]) + struct.pack("!H", len(body))
+        c.sendall(head + body)
+        if op == 8:
+            return
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(8)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+'''
+
+
+def _label(sid: str) -> str:
+    return sid.replace("_", "-")
+
+
+def _host(port: int, sid: str) -> str:
+    return f"{port}-{_label(sid)}.localhost"
+
+
+def _other_tenant_key(stack: Any) -> str:
+    api = Path(sys.executable).with_name("podbay-api")
+    out = subprocess.run([str(api), "create-key", "--tenant", "ports-other", "--name", "t"], env=stack.env,
+                         capture_output=True, text=True, check=True)
+    return str(json.loads(out.stdout)["key"])
+
+
+def _serve_http(c: httpx.Client, sid: str, port: int) -> None:
+    sh(c, sid, f"mkdir -p /srv/{port} && echo hello-{port} > /srv/{port}/index.txt && "
+               f"(setsid python3 -m http.server {port} --bind 0.0.0.0 --directory /srv/{port} "
+               f">/dev/null 2>&1 </dev/null &)")
+
+
+@pytest.fixture(scope="module")
+def box(stack: Any) -> Iterator[tuple[httpx.Client, str, str]]:
+    """(API client, sandbox id, its traffic token) with an HTTP server on 8000."""
+    with api_client(stack) as c, new_sandbox(c) as sid:
+        _serve_http(c, sid, 8000)
+        r = c.get(f"/v1/sandboxes/{sid}/ports/8000/url")
+        assert r.status_code == 200, r.text
+        token = r.json()["token"]
+        assert r.json()["url"].startswith(f"http://8000-{_label(sid)}.localhost:")
+        yield c, sid, token
+
+
+def _get(stack: Any, port: int, sid: str, path: str = "/index.txt", **kw: Any) -> httpx.Response:
+    headers = {"host": _host(port, sid), **kw.pop("headers", {})}
+    return httpx.get(f"{stack.api_url}{path}", headers=headers, timeout=120, **kw)
+
+
+def test_an_http_server_is_reached_with_the_token_and_refused_without(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    until("the guest's server answers", lambda: _get(stack, 8000, sid, headers={
+        "x-podbay-access-token": token}).status_code == 200, 60)
+    r = _get(stack, 8000, sid, headers={"x-podbay-access-token": token})
+    assert r.text == "hello-8000\n"
+    assert _get(stack, 8000, sid).status_code == 401
+    assert _get(stack, 8000, sid, headers={"x-podbay-access-token": "0" * 64}).status_code == 403
+    # The tenant's API key opens it too; the path form reaches the same server.
+    assert _get(stack, 8000, sid, headers={"authorization": f"Bearer {stack.api_key}"}).text == "hello-8000\n"
+    r = httpx.get(f"{stack.api_url}/ports/8000-{_label(sid)}/index.txt", headers={"x-podbay-access-token": token})
+    assert r.status_code == 200 and r.text == "hello-8000\n"
+    # A link with ?podbay_token= is exchanged once for a cookie, which then opens the port.
+    r = _get(stack, 8000, sid, path=f"/index.txt?podbay_token={token}")
+    assert r.status_code == 303 and r.headers["location"] == "/index.txt"
+    cookie = r.headers["set-cookie"].split(";")[0]
+    assert _get(stack, 8000, sid, headers={"cookie": cookie}).text == "hello-8000\n"
+    # The listing shows it, reachable from outside (it listens on 0.0.0.0).
+    ports = {p["port"]: p for p in c.get(f"/v1/sandboxes/{sid}/ports").json()["ports"]}
+    assert ports[8000]["listening"] and ports[8000]["reachable"] and not ports[8000]["public"]
+
+
+def test_a_port_that_starts_listening_later_is_reached(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    r = _get(stack, 8001, sid, headers={"x-podbay-access-token": token, "accept": "application/json"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_open", r.text
+    page = _get(stack, 8001, sid, headers={"x-podbay-access-token": token, "accept": "text/html"})
+    assert page.status_code == 502 and "port_not_open" in page.text and page.headers["content-type"].startswith(
+        "text/html")
+    _serve_http(c, sid, 8001)
+    r = until("the later server answers", lambda: (x := _get(stack, 8001, sid, headers={
+        "x-podbay-access-token": token})).status_code == 200 and x, 60)
+    assert r.text == "hello-8001\n"
+
+
+def test_a_websocket_echo_works(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    r = c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/root/ws_echo.py"}, content=WS_ECHO.encode())
+    assert r.status_code == 200, r.text
+    sh(c, sid, "(setsid python3 /root/ws_echo.py 8002 >/tmp/ws.log 2>&1 </dev/null &)")
+    url = stack.api_url.replace("http://", "ws://") + f"/ports/8002-{_label(sid)}/echo"
+
+    def opened() -> bool:
+        try:
+            with ws_connect(url, additional_headers={"x-podbay-access-token": token}, open_timeout=30) as ws:
+                ws.send("ping")
+                return ws.recv(timeout=30) == "ping"
+        except Exception:
+            return False
+
+    until("the echo server answers", opened, 60)
+    with ws_connect(url, additional_headers={"x-podbay-access-token": token}, open_timeout=30) as ws:
+        ws.send("hello")
+        assert ws.recv(timeout=30) == "hello"
+        ws.send(b"\x00\x01binary" * 100)
+        assert ws.recv(timeout=30) == b"\x00\x01binary" * 100
+    with pytest.raises(Exception):
+        with ws_connect(url, open_timeout=30):
+            pass  # no token: the handshake is refused
+
+
+def test_another_tenants_token_or_key_never_opens_the_sandbox(stack: Any, box: Any) -> None:
+    c, sid, _ = box
+    key = _other_tenant_key(stack)
+    assert _get(stack, 8000, sid, headers={"authorization": f"Bearer {key}"}).status_code == 403
+    with api_client(stack, key) as other, new_sandbox(other) as theirs:
+        their_token = other.get(f"/v1/sandboxes/{theirs}/ports/8000/url").json()["token"]
+        assert _get(stack, 8000, sid, headers={"x-podbay-access-token": their_token}).status_code == 403
+        # Nor can they read our URL, token or setting.
+        assert other.get(f"/v1/sandboxes/{sid}/ports/8000/url").status_code == 404
+        assert other.put(f"/v1/sandboxes/{sid}/ports/8000", json={"public": True}).status_code == 404
+
+
+def test_a_public_port_needs_no_token_and_each_change_is_audited(stack: Any, box: Any) -> None:
+    c, sid, _ = box
+    assert c.put(f"/v1/sandboxes/{sid}/ports/8000", json={"public": True}).json() == {"port": 8000, "public": True}
+    try:
+        assert _get(stack, 8000, sid).text == "hello-8000\n"
+    finally:
+        assert c.put(f"/v1/sandboxes/{sid}/ports/8000", json={"public": False}).status_code == 200
+    assert _get(stack, 8000, sid).status_code == 401
+    actions = [e["action"] for e in c.get("/v1/audit", params={"sandbox_id": sid}).json()["entries"]]
+    assert "sandbox.port.public" in actions and "sandbox.port.private" in actions
+
+
+def test_a_paused_sandbox_wakes_on_a_request(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    r = c.post(f"/v1/sandboxes/{sid}/pause")
+    assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    r = _get(stack, 8000, sid, headers={"x-podbay-access-token": token})
+    assert r.status_code == 200 and r.text == "hello-8000\n"
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+

@@ -22,7 +22,7 @@ from typing import IO, Any
 import typer
 
 from podbay.cli._common import fail, handle_errors, print_json, print_table
-from podbay.cli.template import template_app
+from podbay.cli.template import build_via_api, template_app
 from podbay.contracts.api import NAME_PATTERN
 
 __all__ = ["register", "up", "down", "status", "build", "NO_STACK", "nodeagent_binary", "run_builder"]
@@ -193,10 +193,19 @@ def run_builder(argv: list[str]) -> int:
 
 @handle_errors
 def build(
+    ctx: typer.Context,
     name: str = typer.Argument(..., metavar="NAME", help="Template name, e.g. base."),
+    context: Path | None = typer.Argument(None, metavar="CONTEXT", help="Build context: builds through the API."),
+    dockerfile: Path | None = typer.Option(None, "-f", "--file", help="A Dockerfile: builds through the API."),
+    build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the template as JSON (API builds)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cached build is current."),
 ) -> None:
-    """Build a template on this host (runs `podbay-nodeagent template build`; needs root)."""
+    """Build a template: from a Dockerfile through the API (-f/CONTEXT), else a built-in one on this host
+    (runs `podbay-nodeagent template build`; needs root)."""
+    if dockerfile is not None or context is not None:
+        build_via_api(ctx, name, dockerfile, context, build_arg, as_json)
+        return
     if not re.fullmatch(NAME_PATTERN, name):
         raise typer.BadParameter(
             f"{name!r} is not a template name (lower-case letters, digits and '-', e.g. base)", param_hint="NAME"

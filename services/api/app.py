@@ -30,6 +30,7 @@ from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, events, 
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
+from . import templates as template_routes
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app"]
@@ -136,6 +137,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(sandboxes.router)
+    app.include_router(template_routes.router)
     app.include_router(dataplane.router)
     app.include_router(snapshots.router)
     # E2B SDK compatibility (docs/e2b.md): its REST API under /e2b, its envd traffic routed by header or host.

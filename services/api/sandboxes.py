@@ -24,7 +24,6 @@ from podbay.contracts.api import (
     SandboxCreate,
     SandboxInfo,
     SandboxList,
-    TemplateInfo,
 )
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
@@ -129,7 +128,8 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     # A warm claim looks the template up in its own statement; the checks below answer when it cannot.
     if wait and (warm := await warm_create(ctx, who, body, t0)) is not None:
         return warm
-    tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates WHERE name = $1", body.template)
+    tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates"
+                                  " WHERE name = $1 AND deleted_at IS NULL", body.template)
     if tpl is None:
         raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
     if body.memory_mib is not None and body.memory_mib != tpl["memory_mib"]:
@@ -356,13 +356,6 @@ async def get_operation(operation_id: str, ctx: CtxDep, who: PrincipalDep) -> Op
                          state=OperationState(row["state"]).value, error=err,
                          created_at=row["created_at"], finished_at=row["finished_at"], node_id=row["node_id"],
                          progress=row["progress"], data=row["data"])
-
-
-@router.get("/templates")
-async def list_templates(ctx: CtxDep, who: PrincipalDep) -> dict[str, list[TemplateInfo]]:
-    """Templates that nodes have registered (name, digest, memory_mib, vcpus)."""
-    rows = await ctx.pool.fetch("SELECT name, digest, memory_mib, vcpus, created_at FROM templates ORDER BY name")
-    return {"templates": [TemplateInfo(**dict(r)) for r in rows]}
 
 
 async def audit(conn: Any, who: Principal, action: str, target: str | None, *,

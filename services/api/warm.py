@@ -47,7 +47,7 @@ log = logging.getLogger("podbay.api.warm")
 #: with the id, which is known only here). Nothing is written when no slot is ready (or the template does
 #: not exist or does not match: the restore path then says why).
 CLAIM_SQL = (
-    "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1"
+    "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1 AND deleted_at IS NULL"
     " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)),"
     " c AS (SELECT w.id FROM warm_slots w JOIN t ON w.template=t.name AND w.template_digest=t.digest"
     " WHERE w.state='ready'"

@@ -27,6 +27,8 @@ from podbay.logs import bind_from_path
 from podbay.service import readyz_route
 from podbay.telemetry import HOP_SECONDS, HTTP_REQUEST_SECONDS
 
+from .build.defaults import ExecDefaults, apply as apply_defaults
+from .build.http import add_build_routes
 from .diff import diff_snapshots
 from .envd import PREFIX as ENVD_PREFIX
 from .envd import EnvdApp
@@ -95,11 +97,14 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    add_build_routes(app, manager)
+    defaults = ExecDefaults(manager)
     base = "/internal/v1/sandboxes/{sandbox_id}"
 
     @app.post(base + "/exec")
     async def exec_(sandbox_id: str, body: ExecRequest, request: Request) -> ExecResult:
         ch = manager.channel(sandbox_id, _gen(request))
+        body = apply_defaults(body, await defaults.get(sandbox_id))
         t = time.perf_counter()
         stdin = body.stdin.encode() if body.stdin is not None else None
         out, err, ex = await ch.run(_spec(body, settings.exec_timeout_s), stdin=stdin,
@@ -112,6 +117,7 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     @app.post(base + "/exec/stream")
     async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request) -> StreamingResponse:
         ch = manager.channel(sandbox_id, _gen(request))
+        body = apply_defaults(body, await defaults.get(sandbox_id))
         proc = ch.exec(_spec(body, settings.exec_timeout_s))
         # Wait for the guest's start report before answering, so a bad cwd or user is an HTTP error.
         try:

@@ -5,7 +5,8 @@
 
 Start-up order: storage (btrfs) -> sandbox network (the nftables table, before any VM: fail closed; leases)
 -> PostgreSQL (migrations) -> NATS -> VMM (accelerator) -> templates
-(imported from the build cache into the store and registered) -> node row -> reconcile with PostgreSQL ->
+(imported from the build cache into the store and registered; built ones found in the store) -> node row ->
+template builder (half-written layers removed, interrupted builds failed) -> reconcile with PostgreSQL ->
 data plane and heartbeats -> commands from ``podbay.cmd.node.<node>.>``. On SIGTERM it stops taking
 commands, finishes the ones in flight, disconnects from guests and leaves their VMs running, so the next
 start re-attaches to them.
@@ -37,6 +38,7 @@ from podbay.objstore import open_store
 from podbay.outbox import Relay
 from podbay.service import run_service, serve_http
 
+from .build.builder import TemplateBuilder
 from .cadence import cadence_loop
 from .dataplane import create_dataplane_app
 from .fence import fence_loop, rejoin
@@ -129,11 +131,14 @@ async def _serve(stop: asyncio.Event) -> None:
     objstore_cm = open_store(settings)
     manager.suspend_ops = SuspendOps(manager, await objstore_cm.__aenter__())
     manager.templates = await driver.import_templates(pool)
+    manager.templates.update(await driver.load_built_templates(pool))
     if not manager.templates:
         log.warning("no template is built: run `podbay template build base`")
     dataplane_url = f"http://{settings.node_host}:{settings.node_port}"
     await register_node(pool, settings, dataplane_url, driver.accel)
     await driver.register_node_templates(pool, settings.node_id, manager.templates)
+    manager.builder = TemplateBuilder(manager)
+    await manager.builder.recover()
     relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
     warm = WarmPool(manager)
     await warm.reset()

@@ -170,6 +170,18 @@ class VmDriver:
                     name, img.digest, img.snapshot.memory_mib, img.snapshot.vcpus)
         return out
 
+    async def load_built_templates(self, pool: asyncpg.Pool) -> dict[str, TemplateImage]:
+        """Templates built through the API (``templates.parent`` set, not deleted) whose current build is in
+        this node's store (build/builder.py installs them there); returns them by name."""
+        rows = await pool.fetch("SELECT name, digest FROM templates WHERE parent IS NOT NULL AND deleted_at IS NULL")
+        out: dict[str, TemplateImage] = {}
+        for r in rows:
+            dest = self.store.template_dir(r["name"], r["digest"])
+            if (dest / "template.json").exists():
+                out[r["name"]] = TemplateImage(name=r["name"], digest=r["digest"],
+                                               snapshot=await asyncio.to_thread(TemplateSnapshot.load, dest))
+        return out
+
     @staticmethod
     async def register_node_templates(pool: asyncpg.Pool, node_id: str, templates: dict[str, TemplateImage]) -> None:
         """Record which templates this node holds (its ``nodes`` row must exist)."""

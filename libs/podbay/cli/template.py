@@ -1,12 +1,21 @@
-"""``podbay template list`` and ``podbay operation get`` (``template build`` comes with the server package)."""
+"""``podbay template build NAME -f Dockerfile CTX``, ``template list``, ``template rm`` and ``podbay operation get``.
+
+``template build`` with a Dockerfile or a context builds through the API (``POST /v1/templates``) and
+streams its steps; the server package's ``template build NAME`` without them builds a built-in template on
+this host (servercli.py), and hands the Dockerfile form to :func:`build_via_api`.
+"""
 
 from __future__ import annotations
 
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+import sys
+from pathlib import Path
 
-__all__ = ["template_app", "operation_app"]
+from podbay.cli._common import client, fail, handle_errors, print_json, print_record, print_table
+from podbay.contracts.templates import BuildEvent
+
+__all__ = ["template_app", "operation_app", "build_via_api"]
 
 template_app = typer.Typer(help="Build and list sandbox templates.", no_args_is_help=True)
 operation_app = typer.Typer(help="Follow operations started with --no-wait.", no_args_is_help=True)
@@ -21,9 +30,67 @@ def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
         print_json(templates)
         return
     print_table(
-        ["name", "digest", "memory_mib", "vcpus", "created"],
-        ((t.name, t.digest[:19], t.memory_mib, t.vcpus, t.created_at.isoformat(timespec="seconds")) for t in templates),
+        ["name", "digest", "parent", "size_mib", "memory_mib", "vcpus", "state", "created"],
+        ((t.name, t.digest[:19], t.parent or "-", round(t.size_bytes / 2**20) if t.size_bytes else "-",
+          t.memory_mib, t.vcpus, t.state, t.created_at.isoformat(timespec="seconds")) for t in templates),
     )
+
+
+def _show(ev: BuildEvent) -> None:
+    """A build event on stderr: ``[i/n] STEP`` (``CACHED`` when reused), then the step's output."""
+    if ev.type == "step":
+        mark = " CACHED" if ev.cached else ""
+        sys.stderr.write(f"[{ev.step}/{ev.total}]{mark} {ev.text}\n")
+    elif ev.type == "log" and ev.text:
+        sys.stderr.write(ev.text)
+    sys.stderr.flush()
+
+
+def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, context: Path | None,
+                  build_args: list[str], as_json: bool) -> None:
+    """Build ``name`` through the API from ``dockerfile`` (default ``CONTEXT/Dockerfile``) and ``context``,
+    streaming steps to stderr; prints the template (a record, or JSON) on stdout."""
+    ctx_dir = context if context is not None else Path(".")
+    file = dockerfile if dockerfile is not None else ctx_dir / "Dockerfile"
+    if not file.is_file():
+        fail(f"no Dockerfile at {file} (give one with -f)", "invalid_request", 2)
+    if not ctx_dir.is_dir():
+        fail(f"the build context {ctx_dir} is not a directory", "invalid_request", 2)
+    args: dict[str, str] = {}
+    for a in build_args:
+        key, eq, value = a.partition("=")
+        if not eq or not key:
+            fail(f"--build-arg {a!r} is not KEY=VALUE", "invalid_request", 2)
+        args[key] = value
+    tpl = client(ctx).build_template(name, file, ctx_dir, build_args=args, on_event=_show)
+    if as_json:
+        print_json(tpl)
+    else:
+        print_record(tpl)
+
+
+@template_app.command("build")
+@handle_errors
+def build(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., metavar="NAME", help="Template name, [a-z0-9-]."),
+    context: Path | None = typer.Argument(None, metavar="CONTEXT", help="Build context directory (default .)."),
+    dockerfile: Path | None = typer.Option(None, "-f", "--file", help="The Dockerfile (default CONTEXT/Dockerfile)."),
+    build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the template as JSON."),
+) -> None:
+    """Build a template from a Dockerfile through the API, streaming each step (CACHED when reused)."""
+    if dockerfile is None and context is None:  # the host build of a built-in template
+        fail("`podbay template build` comes with the server package: pip install podbay-server", "unavailable", 1)
+    build_via_api(ctx, name, dockerfile, context, build_arg, as_json)
+
+
+@template_app.command("rm")
+@handle_errors
+def rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+    """Remove a built template (refused while sandboxes or a warm pool use it)."""
+    client(ctx).delete_template(name)
+    print(name)
 
 
 @operation_app.command("get")

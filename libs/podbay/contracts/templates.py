@@ -36,6 +36,7 @@ __all__ = [
     "TemplateDetail",
     "TemplateDetailList",
     "step_text",
+    "NodeBuildRequest",
 ]
 
 #: Template names: lower-case letters, digits and dashes, starting with a letter or digit (a DNS label).
@@ -176,3 +177,13 @@ class TemplateDetailList(BaseModel):
 
 
 BuildEvent.model_rebuild()
+
+
+class NodeBuildRequest(BaseModel):
+    """The ``params`` form field of the node's ``POST /internal/v1/templates/build`` (the API's hop)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    build_id: str
+    name: TemplateName
+    spec: BuildSpec

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from podbay.contracts.access import AuditEntry, AuditPage, CredentialInfo, KeyCreated, KeyInfo, NetworkInfo
 from podbay.contracts.api import ExecEvent, ExecResult, FileInfo, OperationInfo, SandboxInfo, TemplateInfo
+from podbay.contracts.templates import BuildEvent, TemplateDetail
+from podbay.sdk._templates import TemplateBuildFailed
 from podbay.errors import (
     Conflict,
     GuestError,
@@ -61,6 +63,9 @@ __all__ = [
     "FileInfo",
     "OperationInfo",
     "TemplateInfo",
+    "TemplateDetail",
+    "BuildEvent",
+    "TemplateBuildFailed",
     "EgressPolicy",
     "EgressRule",
     "CredentialInfo",

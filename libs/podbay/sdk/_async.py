@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import io
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
 from contextlib import asynccontextmanager
 from datetime import datetime
 from types import TracebackType
@@ -34,7 +35,6 @@ from podbay.contracts.api import (
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
-    TemplateInfo,
 )
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.contracts.events import EventOut
@@ -43,6 +43,8 @@ from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _schedules as sched
 from podbay.sdk import _calls as calls
+from podbay.sdk import _templates as _tpl
+from podbay.contracts.templates import BuildEvent, TemplateDetail
 from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
 from podbay.sdk._files import FileData, async_body
@@ -217,9 +219,28 @@ class AsyncClient:
         """See ``Client.get_operation``."""
         return await self._call(calls.get_operation(operation_id))
 
-    async def list_templates(self) -> builtins.list[TemplateInfo]:
+    async def list_templates(self) -> builtins.list[TemplateDetail]:
         """See ``Client.list_templates``."""
         return await self._call(calls.list_templates())
+
+    async def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
+                             build_args: Mapping[str, str] | None = None,
+                             on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
+        """As the sync ``Client.build_template``."""
+        async with self._stream(_tpl.build_call(name, dockerfile, context, build_args)) as resp:
+            async for line in resp.aiter_lines():
+                ev = _tpl.parse_line(line)
+                if ev is None:
+                    continue
+                if on_event is not None:
+                    on_event(ev)
+                if (done := _tpl.outcome(ev)) is not None:
+                    return done
+        raise PodbayError(f"the build of {name!r} ended without an outcome")
+
+    async def delete_template(self, name: str) -> None:
+        """Remove template ``name`` (409 while sandboxes or a pool use it)."""
+        await self._call(calls.delete_template_call(name))
 
     async def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
         """See ``Client.set_pool``."""

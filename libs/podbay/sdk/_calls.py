@@ -9,6 +9,7 @@ shape of every request and every result is written once, here. The endpoint list
 from __future__ import annotations
 
 import builtins
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from podbay.contracts.templates import TemplateDetail, TemplateDetailList
 from podbay.contracts.api import (
     DrainStarted,
     ExecRequest,
@@ -41,7 +43,6 @@ from podbay.contracts.api import (
     SandboxCreate,
     SandboxInfo,
     SandboxList,
-    TemplateInfo,
 )
 from podbay.errors import InvalidRequest, PodbayError, Timeout
 
@@ -65,6 +66,8 @@ __all__ = [
     "remove_file",
     "get_operation",
     "list_templates",
+    "build_template_call",
+    "delete_template_call",
     "suspend_call",
     "resume_call",
     "with_auto_resume",
@@ -108,6 +111,9 @@ class Call(Generic[T]):
     params: Mapping[str, str] | None = None
     json: Any = None
     content: Any = None
+    #: multipart form fields and files (``httpx`` ``data=``/``files=``)
+    data: Mapping[str, str] | None = None
+    files: Mapping[str, Any] | None = None
     long_running: bool = False
     read_timeout_s: float | None = None
 
@@ -459,17 +465,28 @@ def get_operation(operation_id: str) -> Call[OperationInfo]:
     return Call("GET", f"/v1/operations/{quote(checked, safe='')}", _model(OperationInfo))
 
 
-class _TemplateList(BaseModel):
-    templates: builtins.list[TemplateInfo]
+def _templates(resp: httpx.Response) -> builtins.list[TemplateDetail]:
+    return _model(TemplateDetailList)(resp).templates
 
 
-def _templates(resp: httpx.Response) -> builtins.list[TemplateInfo]:
-    return _model(_TemplateList)(resp).templates
-
-
-def list_templates() -> Call[builtins.list[TemplateInfo]]:
-    """``GET /v1/templates`` -> ``{"templates": [TemplateInfo]}``, returned as the list."""
+def list_templates() -> Call[builtins.list[TemplateDetail]]:
+    """``GET /v1/templates`` -> ``{"templates": [TemplateDetail]}``, returned as the list."""
     return Call("GET", "/v1/templates", _templates)
+
+
+def build_template_call(name: str, dockerfile: str, context: bytes,
+                        build_args: Mapping[str, str] | None = None) -> Call[None]:
+    """``POST /v1/templates`` (multipart: ``name``, ``dockerfile``, ``build_args`` JSON, ``context`` tarball)
+    -> NDJSON ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long."""
+    return Call("POST", "/v1/templates", _none,
+                data={"name": name, "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))},
+                files={"context": ("context.tar.gz", context, "application/gzip")},
+                long_running=True, read_timeout_s=None)
+
+
+def delete_template_call(name: str) -> Call[None]:
+    """``DELETE /v1/templates/{name}`` -> 204."""
+    return Call("DELETE", f"/v1/templates/{quote(check_id(name, 'template'), safe='')}", _none)
 
 
 def set_pool_call(template: str, size: int, max_size: int | None = None) -> Call[PoolInfo]:

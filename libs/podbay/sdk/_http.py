@@ -85,6 +85,10 @@ def request_options(call: Call[Any], timeout_s: float) -> dict[str, Any]:
         opts["json"] = call.json
     if call.content is not None:
         opts["content"] = call.content
+    if call.data is not None:
+        opts["data"] = dict(call.data)
+    if call.files is not None:
+        opts["files"] = dict(call.files)
     if call.long_running:
         opts["timeout"] = httpx.Timeout(timeout_s, read=call.read_timeout_s)
     return opts

@@ -15,7 +15,8 @@ from __future__ import annotations
 import builtins
 import io
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from contextlib import contextmanager
 from datetime import datetime
 from types import TracebackType
@@ -35,7 +36,6 @@ from podbay.contracts.api import (
     SandboxInfo,
     SnapshotDiff,
     SnapshotInfo,
-    TemplateInfo,
 )
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.contracts.events import EventOut
@@ -44,6 +44,8 @@ from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _schedules as sched
 from podbay.sdk import _calls as calls
+from podbay.sdk import _templates as _tpl
+from podbay.contracts.templates import BuildEvent, TemplateDetail
 from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
 from podbay.sdk._files import FileData, sync_body
@@ -225,9 +227,30 @@ class Client:
         """The state of an operation started with ``wait=False``."""
         return self._call(calls.get_operation(operation_id))
 
-    def list_templates(self) -> builtins.list[TemplateInfo]:
+    def list_templates(self) -> builtins.list[TemplateDetail]:
         """The templates sandboxes can be created from."""
         return self._call(calls.list_templates())
+
+    def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
+                       build_args: Mapping[str, str] | None = None,
+                       on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
+        """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory; calls
+        ``on_event`` with each step and log event; returns the template. Raises ``TemplateBuildFailed`` (a
+        step failed: ``details`` has step, exit_code, output_tail) or the API's typed 4xx errors."""
+        with self._stream(_tpl.build_call(name, dockerfile, context, build_args)) as resp:
+            for line in resp.iter_lines():
+                ev = _tpl.parse_line(line)
+                if ev is None:
+                    continue
+                if on_event is not None:
+                    on_event(ev)
+                if (done := _tpl.outcome(ev)) is not None:
+                    return done
+        raise PodbayError(f"the build of {name!r} ended without an outcome")
+
+    def delete_template(self, name: str) -> None:
+        """Remove template ``name`` (409 while sandboxes or a pool use it)."""
+        self._call(calls.delete_template_call(name))
 
     def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
         """Keep at least ``size`` warm slots of ``template`` (up to ``max_size`` when demand asks);

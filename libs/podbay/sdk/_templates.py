@@ -1,0 +1,64 @@
+"""Template builds in the SDK: the request (Dockerfile text or path, context directory packed as a gzip tar)
+and the reading of the build's NDJSON stream, shared by the sync and async clients.
+
+``Client.build_template(name, dockerfile, context, build_args=..., on_event=...)`` returns the registered
+:class:`~podbay.contracts.templates.TemplateDetail`; ``on_event`` sees every
+:class:`~podbay.contracts.templates.BuildEvent` (``step`` with ``cached``, ``log``) as it arrives. A failed
+build raises :class:`TemplateBuildFailed` whose ``details`` carry ``step``, ``exit_code`` and ``output_tail``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from podbay.buildcontext import pack_context
+from podbay.contracts.templates import BuildEvent, TemplateDetail
+from podbay.errors import PodbayError
+
+from . import _calls as calls
+
+__all__ = ["TemplateBuildFailed", "build_call", "parse_line", "outcome"]
+
+
+class TemplateBuildFailed(PodbayError):
+    """The build ended ``failed``; ``code`` is the server's (e.g. ``build_step_failed``)."""
+
+    code = "build_failed"
+    http_status = 422
+
+
+def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
+               build_args: Mapping[str, str] | None) -> calls.Call[None]:
+    """The request: ``dockerfile`` is its text, or a path to it (a ``Path``, or a ``str`` naming a file);
+    ``context`` a directory (None: an empty context)."""
+    if isinstance(dockerfile, Path) or ("\n" not in dockerfile and Path(dockerfile).is_file()):
+        text = Path(dockerfile).read_text()
+    else:
+        text = str(dockerfile)
+    data = pack_context(Path(context)) if context is not None else b""
+    return calls.build_template_call(name, text, data, build_args)
+
+
+def parse_line(line: str | bytes) -> BuildEvent | None:
+    """One NDJSON line as a :class:`BuildEvent` (None for a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        return BuildEvent.model_validate_json(line)
+    except ValidationError as exc:
+        raise PodbayError(f"malformed build event from the server: {exc.error_count()} errors") from exc
+
+
+def outcome(ev: BuildEvent) -> TemplateDetail | None:
+    """The template when ``ev`` is ``done``; raises :class:`TemplateBuildFailed` when it is ``failed``."""
+    if ev.type == "done" and ev.template is not None:
+        return ev.template
+    if ev.type == "failed":
+        err = TemplateBuildFailed(ev.message or "the build failed", details={
+            k: v for k, v in {"step": ev.step, "exit_code": ev.exit_code, "output_tail": ev.output_tail,
+                              "code": ev.code}.items() if v is not None})
+        raise err
+    return None

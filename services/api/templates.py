@@ -1,0 +1,202 @@
+"""Templates (docs/DESIGN.md §8): ``POST /v1/templates`` builds one from a Dockerfile and a context tarball,
+``GET /v1/templates`` lists them, ``DELETE /v1/templates/{name}`` removes one nothing uses.
+
+A build is checked here first (name, Dockerfile subset, context size and COPY sources, FROM template, a
+second build of the name), then handed to a node that holds the FROM template (the node's
+``/internal/v1/templates/build``, services/nodeagent/build/http.py); its NDJSON stream of
+:class:`~podbay.contracts.templates.BuildEvent` is relayed as it comes. The ``template_builds`` row is
+written here (``running``; its partial unique index refuses a second running build of a name) and finished
+by the node.
+
+Templates are shared by every tenant (as ``base`` is); removing one is a soft delete (``deleted_at``): its
+row stays for the sandboxes that referenced it, new creates are refused, and a later build of the name
+brings it back as a new version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import asyncpg
+import httpx
+from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi.responses import Response, StreamingResponse
+
+from podbay.buildcontext import MAX_CONTEXT_BYTES, ContextTooLarge, check_context
+from podbay.contracts.templates import (
+    TEMPLATE_NAME_RE,
+    ImageConfig,
+    NodeBuildRequest,
+    TemplateDetail,
+    TemplateDetailList,
+)
+from podbay.dockerfile import parse_dockerfile
+from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
+from podbay.outbox import new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+from .sandboxes import audit
+
+__all__ = ["router", "BUILTIN"]
+
+log = logging.getLogger("podbay.api.templates")
+
+router = APIRouter(prefix="/v1", tags=["templates"])
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+#: Templates built by the node agent from code (``podbay template build``), never through this API.
+BUILTIN = ("base",)
+
+_LIST_SQL = ("SELECT name, digest, memory_mib, vcpus, updated_at AS created_at, parent, config, size_bytes"
+             " FROM templates WHERE deleted_at IS NULL ORDER BY name")
+
+
+def _detail(row: Any) -> TemplateDetail:
+    cfg = row["config"]
+    return TemplateDetail(name=row["name"], digest=row["digest"], memory_mib=row["memory_mib"], vcpus=row["vcpus"],
+                          created_at=row["created_at"], parent=row["parent"],
+                          config=ImageConfig.model_validate_json(cfg) if isinstance(cfg, str)
+                          else (ImageConfig.model_validate(cfg) if cfg is not None else None),
+                          size_bytes=row["size_bytes"])
+
+
+@router.get("/templates", response_model=TemplateDetailList)
+async def list_templates(ctx: CtxDep, who: PrincipalDep) -> TemplateDetailList:
+    """Templates sandboxes can be created from: name, current build (digest), resources, and for built ones
+    their parent, config (the defaults of exec) and disk size."""
+    return TemplateDetailList(templates=[_detail(r) for r in await ctx.pool.fetch(_LIST_SQL)])
+
+
+async def _read_limited(upload: UploadFile | None, limit: int) -> bytes:
+    if upload is None:
+        return b""
+    buf = bytearray()
+    while chunk := await upload.read(1 << 20):
+        buf += chunk
+        if len(buf) > limit:
+            raise ContextTooLarge(f"the build context is over the limit of {limit} bytes",
+                                  details={"limit_bytes": limit})
+    return bytes(buf)
+
+
+@router.post("/templates", response_class=StreamingResponse, responses={
+    200: {"content": {"application/x-ndjson": {}},
+          "description": "BuildEvent lines (step, log, then done or failed)"}})
+async def build_template(
+    ctx: CtxDep,
+    who: PrincipalDep,
+    name: Annotated[str, Form(description="The template's name, [a-z0-9-].")],
+    dockerfile: Annotated[str, Form(description="The Dockerfile's text.")],
+    build_args: Annotated[str, Form(description="JSON object of --build-arg values.")] = "{}",
+    context: Annotated[UploadFile | None, File(description="The build context: a tar archive (gzip allowed).")] = None,
+) -> Response:
+    """Build template ``name`` and stream its log. Errors before the stream starts: 422 ``validation_error``
+    (a name outside ``[a-z0-9-]``, bad build args), 422 ``invalid_dockerfile`` (names the line and
+    instruction), 413 ``context_too_large``, 400 ``invalid_context`` / ``missing_copy_source``, 404
+    ``not_found`` (FROM names no template), 409 ``conflict`` (a build of the name runs, or the name is built
+    in), 503 (no node holds the FROM template). A failed step ends the stream with a ``failed`` event (step,
+    exit code, output tail) and registers nothing.
+    """
+    if not re.match(TEMPLATE_NAME_RE, name):
+        raise Unprocessable(f"template name {name!r} must be lower-case letters, digits and dashes "
+                            "(at most 63, starting with a letter or digit)", details={"name": name})
+    if name in BUILTIN:
+        raise Conflict(f"template {name!r} is built in; build another name FROM it", details={"template": name})
+    try:
+        args = json.loads(build_args)
+        if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
+            raise ValueError("not an object of strings")
+    except ValueError as exc:
+        raise Unprocessable(f"build_args must be a JSON object of strings: {exc}") from exc
+    spec = parse_dockerfile(dockerfile, args)
+    data = await _read_limited(context, MAX_CONTEXT_BYTES)
+    check_context(spec, data)
+    if spec.base.kind == "oci":
+        raise Unprocessable(f"FROM {spec.base.ref}: OCI images are not supported yet; build FROM podbay/base "
+                            "or another podbay template", details={"from": spec.base.ref})
+    parent = spec.base.ref
+    node = await ctx.pool.fetchrow(
+        "SELECT n.id, n.dataplane_url FROM templates t JOIN node_templates nt ON nt.template = t.name"
+        " AND nt.digest = t.digest JOIN nodes n ON n.id = nt.node_id"
+        " WHERE t.name = $1 AND t.deleted_at IS NULL AND n.state = 'ready' ORDER BY n.seen_at DESC LIMIT 1", parent)
+    if node is None:
+        if await ctx.pool.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", parent) is None:
+            raise NotFound(f"FROM names template {parent!r}, which does not exist", details={"from": parent})
+        raise Unavailable(f"no ready node holds template {parent!r}; retry shortly", details={"retryable": True})
+    build_id = new_id("bld")
+    try:
+        async with ctx.pool.acquire() as conn, conn.transaction():
+            await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile)"
+                               " VALUES ($1,$2,$3,$4,$5)", build_id, name, who.tenant_id, node["id"], dockerfile)
+            await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": parent})
+    except asyncpg.UniqueViolationError as exc:
+        raise Conflict(f"a build of template {name!r} is already running", details={"template": name}) from exc
+    params = NodeBuildRequest(build_id=build_id, name=name, spec=spec).model_dump_json()
+    try:
+        req = ctx.nodes_http.build_request(
+            "POST", f"{node['dataplane_url']}/internal/v1/templates/build",
+            headers={"x-podbay-internal-token": ctx.settings.internal_token},
+            data={"params": params}, files={"context": ("context.tar", data, "application/x-tar")},
+            timeout=httpx.Timeout(None, connect=10.0))
+        resp = await ctx.nodes_http.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        await _finish(ctx, build_id, {"code": "unavailable", "message": f"node did not answer: {exc!r}"})
+        raise Unavailable("the build's node did not answer; retry shortly", details={"retryable": True}) from exc
+    if resp.status_code >= 400:
+        body = await resp.aread()
+        await resp.aclose()
+        try:
+            err = json.loads(body).get("error", {})
+        except ValueError:
+            err = {"code": "build_failed", "message": body[:500].decode(errors="replace")}
+        await _finish(ctx, build_id, err)
+        return Response(body, status_code=resp.status_code, media_type="application/json")
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type="application/x-ndjson", headers={"x-podbay-build-id": build_id})
+
+
+async def _finish(ctx: ApiContext, build_id: str, error: dict[str, Any]) -> None:
+    await ctx.pool.execute("UPDATE template_builds SET state='failed', error=$2::jsonb, finished_at=now()"
+                           " WHERE id=$1 AND state='running'", build_id, json.dumps(error))
+
+
+@router.delete("/templates/{name}", status_code=204)
+async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """Remove a built template. 404 ``not_found``; 409 ``conflict`` when it is built in, or sandboxes (not
+    deleted) or a warm pool use it, or another template's current build is FROM it."""
+    if name in BUILTIN:
+        raise Conflict(f"template {name!r} is built in and cannot be removed", details={"template": name})
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await conn.fetchrow("SELECT name FROM templates WHERE name=$1 AND deleted_at IS NULL FOR UPDATE", name)
+        if row is None:
+            raise NotFound(f"template {name!r} does not exist", details={"template": name})
+        users = await conn.fetchval("SELECT count(*) FROM sandboxes WHERE template=$1 AND state <> 'deleted'", name)
+        pool = await conn.fetchval("SELECT 1 FROM warm_pools WHERE template=$1 AND max_size > 0", name)
+        children = await conn.fetch("SELECT name FROM templates WHERE parent=$1 AND deleted_at IS NULL", name)
+        if users or pool or children:
+            why = ", ".join(filter(None, [f"{users} sandbox(es)" if users else "",
+                                          "a warm pool (set its size to 0 first)" if pool else "",
+                                          "templates built FROM it: " + ", ".join(r["name"] for r in children)
+                                          if children else ""]))
+            raise Conflict(f"template {name!r} is in use by {why}",
+                           details={"template": name, "sandboxes": users, "pool": bool(pool),
+                                    "children": [r["name"] for r in children]})
+        await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
+        await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
+        await audit(conn, who, "template.delete", name)
+    return Response(status_code=204)
+

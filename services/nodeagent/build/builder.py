@@ -1,0 +1,370 @@
+"""Build a template from a parsed Dockerfile (:class:`~podbay.contracts.templates.BuildSpec`) on this node.
+
+Design (why it boots nothing): guests here run under TCG, where a cold boot of a Debian guest takes seconds
+and a restore about 200 ms (docs/DESIGN.md §3). So a build never boots. Its builder VM is a *restore* of the
+``FROM`` template's full snapshot, or of the deepest cached layer, and every layer is itself a full
+snapshot (device state + RAM + disk, all reflinks on btrfs), not a disk image alone: a layer taken from the
+running builder can be restored and built on without a boot, and the last layer *is* the template's booted
+snapshot, restorable by every create path (warm, cold, fork) exactly like ``base``. The builder VM stays up
+across steps; each step costs one full snapshot (a pause of tens of ms plus reflinks). A rebuild whose
+prefix is unchanged restores the last cached layer (or, when every step is cached, starts no VM at all)
+and says ``cached`` for each reused step.
+
+The builder VM is confined like a sandbox: the same VMM (bubblewrap-confined QEMU), its own lease, tap and
+binding on the sandbox network, so its traffic can only reach the gateway. The gateway knows no sandbox row
+for a builder, so egress from RUN steps is denied (builds with an egress policy are not done yet).
+
+Steps: RUN through the guest channel's exec (argv or ``/bin/sh -c``, with the step's env, working directory
+and user); COPY/ADD through the channel's file writes (directories made, modes kept, ``--chown`` applied
+with ``chown -R``; ADD of a local tar archive unpacks it in the guest with ``tar -x``); WORKDIR as ``mkdir
+-p``. ENV, WORKDIR, USER, LABEL, CMD/ENTRYPOINT and EXPOSE become the template's :class:`ImageConfig`,
+which the node's data plane applies as the defaults of every exec in its sandboxes.
+
+A failed step ends the build with :class:`StepFailed` (step, exit code, output tail): nothing is
+registered and the failed step's layer is never written (layers appear whole by rename; layers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import logging
+import os
+import shutil
+import tarfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from podbay.buildcontext import MissingSource, sources_digest
+from podbay.channel.client import GuestChannel
+from podbay.contracts.channel import ExecSpec
+from podbay.contracts.templates import (
+    BuildEvent,
+    BuildSpec,
+    BuildStep,
+    CopyStep,
+    RunStep,
+    TemplateDetail,
+    WorkdirStep,
+)
+from podbay.errors import Conflict, NotFound, PodbayError, Unprocessable
+
+from ..template import TemplateSnapshot
+from ..vmdriver import TemplateImage, VmHandle
+from ..vmm import reflink_or_copy
+from .layers import LAYER_FILES, LayerCache, layer_key, template_digest
+
+if TYPE_CHECKING:
+    from ..sandboxes import SandboxManager
+
+__all__ = ["BuildRequest", "StepFailed", "TemplateBuilder", "STEP_TIMEOUT_S", "OUTPUT_TAIL_BYTES", "Emit"]
+
+log = logging.getLogger("podbay.nodeagent.build")
+
+#: The longest one RUN step may take, seconds.
+STEP_TIMEOUT_S = 3600.0
+#: Bytes of a failed step's output its error keeps.
+OUTPUT_TAIL_BYTES = 4096
+#: Built-in templates, which no build may replace.
+BUILTIN = ("base",)
+#: Layers kept on a node (least recently used go first).
+MAX_LAYERS = 200
+
+Emit = Callable[[BuildEvent], Awaitable[None]]
+
+
+class StepFailed(PodbayError):
+    """A step failed: ``details`` has ``step`` (1-based), ``line``, ``exit_code`` (RUN) and ``output_tail``."""
+
+    code = "build_step_failed"
+    http_status = 422
+
+
+@dataclass
+class BuildRequest:
+    build_id: str
+    name: str
+    spec: BuildSpec
+    context: Path  # the unpacked build context
+
+
+def _describe(step: BuildStep) -> str:
+    if isinstance(step, RunStep):
+        return "RUN " + (step.shell if step.shell is not None else str(step.argv))
+    if isinstance(step, CopyStep):
+        return f"{'ADD' if step.add else 'COPY'} {' '.join(step.sources)} {step.dest}"
+    return f"WORKDIR {step.path}"
+
+
+async def _chunks(path: Path, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, size):
+            yield chunk
+
+
+class _Builder:
+    """The builder VM of one build: restored on demand, one step at a time, then killed."""
+
+    def __init__(self, m: SandboxManager, req: BuildRequest, parent: TemplateImage, emit: Emit) -> None:
+        self.m = m
+        self.req = req
+        self.parent = parent
+        self.emit = emit
+        self.vm_id = f"build-{req.build_id}"
+        self.vm_dir = m.store.root / "builds" / req.build_id
+        self.handle: VmHandle | None = None
+        self.ch: GuestChannel | None = None
+
+    async def start(self, snapshot_dir: Path) -> None:
+        m = self.m
+        binding, tap_fd = await asyncio.to_thread(m.net.prepare, self.vm_id, 1)
+        try:
+            snap = self.parent.snapshot
+            self.handle = await m.driver.restore_from(snapshot_dir, self.parent, self.vm_dir,
+                                                      memory_mib=snap.memory_mib, vcpus=snap.vcpus, tap_fd=tap_fd)
+        finally:
+            os.close(tap_fd)
+        self.ch = await GuestChannel.connect(self.handle.channel_path, timeout_s=m.settings.restore_timeout_s)
+        await self.ch.after_restore(hostname=f"build-{self.req.name}"[:63], seed=os.urandom(64),
+                                    time_ns=time.time_ns(), net=m.guest_net(binding))
+
+    async def close(self) -> None:
+        if self.ch is not None:
+            with contextlib.suppress(Exception):
+                await self.ch.close()
+        if self.handle is not None:
+            with contextlib.suppress(Exception):
+                await self.handle.kill()
+        await asyncio.to_thread(shutil.rmtree, self.vm_dir, True)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.m.net.release, self.vm_id)
+
+    async def sh(self, index: int, argv: list[str], user: str = "root") -> None:
+        """Run a helper command of step ``index`` as root; a failure is the step's."""
+        assert self.ch is not None
+        out, err, ex = await self.ch.run(ExecSpec(argv=argv, user=user, timeout_s=600))
+        if ex.exit_code != 0:
+            tail = (out + err)[-OUTPUT_TAIL_BYTES:].decode(errors="replace")
+            raise StepFailed(f"step {index}: {' '.join(argv)} exited {ex.exit_code}: {tail.strip()}",
+                             details={"step": index, "exit_code": ex.exit_code, "output_tail": tail})
+
+    async def run(self, index: int, step: RunStep) -> None:
+        assert self.ch is not None
+        spec = ExecSpec(argv=step.argv, shell=step.shell, env=step.env, cwd=step.workdir, user=step.user,
+                        timeout_s=STEP_TIMEOUT_S)
+        tail = bytearray()
+        async with self.ch.exec(spec) as proc:
+            async for _kind, data in proc:
+                tail += data
+                del tail[:-OUTPUT_TAIL_BYTES]
+                await self.emit(BuildEvent(type="log", step=index, text=data.decode(errors="replace")))
+            ex = await proc.wait()
+        if ex.exit_code != 0 or ex.timed_out:
+            text = tail.decode(errors="replace")
+            why = "timed out" if ex.timed_out else f"exited {ex.exit_code}"
+            raise StepFailed(f"step {index} (line {step.line}) {_describe(step)!r} {why}",
+                             details={"step": index, "line": step.line, "exit_code": ex.exit_code,
+                                      "output_tail": text})
+
+    async def copy(self, index: int, step: CopyStep) -> None:
+        ch = self.ch
+        assert ch is not None
+        ctx = self.req.context
+        into_dir = step.dest.endswith("/") or len(step.sources) > 1
+        if not into_dir:
+            with contextlib.suppress(PodbayError):
+                into_dir = (await ch.stat(step.dest)).type == "directory"
+        tops: list[str] = []
+        for src in step.sources:
+            local = ctx / src
+            if step.add and local.is_file() and await asyncio.to_thread(tarfile.is_tarfile, local):
+                dest = step.dest.rstrip("/") or "/"
+                tmp = f"/tmp/.podbay-add-{index}"
+                await ch.write_file(tmp, _chunks(local), 0o600, parents=True)
+                await self.sh(index, ["/bin/sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2";'
+                                      ' exit $rc', "sh", dest, tmp])
+                tops.append(dest)
+                continue
+            if local.is_dir() and not local.is_symlink():
+                target = step.dest.rstrip("/") or "/"
+                await ch.mkdir(target, parents=True, exist_ok=True)
+                entries = sorted(local.rglob("*"))
+            else:
+                target = (step.dest.rstrip("/") + "/" + local.name) if into_dir else step.dest
+                entries = [local]
+            tops.append(target)
+            for p in entries:
+                guest = target if p == local else f"{target.rstrip('/')}/{p.relative_to(local).as_posix()}"
+                st = p.lstat()
+                if p.is_symlink():
+                    await self.sh(index, ["ln", "-sfn", os.readlink(p), guest])
+                elif p.is_dir():
+                    await ch.mkdir(guest, parents=True, exist_ok=True, mode=st.st_mode & 0o7777)
+                elif p.is_file():
+                    await ch.write_file(guest, _chunks(p), st.st_mode & 0o7777, parents=True)
+        if step.chown:
+            await self.sh(index, ["chown", "-R", step.chown, *tops])
+
+    async def layer(self, key: str, step: BuildStep, cache: LayerCache) -> None:
+        assert self.handle is not None
+        tmp = await asyncio.to_thread(cache.tmp_dir, key)
+        try:
+            await self.m.driver.snapshot_full(self.handle, tmp, leave_stopped=False)
+            await asyncio.to_thread(cache.commit, tmp, key, {"step": _describe(step), "template": self.req.name})
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            raise
+
+
+class TemplateBuilder:
+    """Builds templates on one node; one build per name at a time."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+        self.layers = LayerCache(manager.store.root / "layers")
+        self._running: set[str] = set()
+
+    async def recover(self) -> None:
+        """At start: remove half-written layers and builder VM directories, and fail this node's builds that
+        were running when the agent stopped (the API has no stream to finish them on)."""
+        await asyncio.to_thread(self.layers.sweep)
+        await asyncio.to_thread(shutil.rmtree, self.m.store.root / "builds", True)
+        await self.m.pool.execute(
+            "UPDATE template_builds SET state='failed', finished_at=now(), error=$2::jsonb"
+            " WHERE node_id=$1 AND state='running'", self.m.node_id,
+            '{"code": "interrupted", "message": "the node agent restarted during the build"}')
+
+    def parent_of(self, spec: BuildSpec) -> TemplateImage:
+        """The ``FROM`` template's current build on this node. Raises ``Unprocessable`` (OCI images: not
+        built yet) or ``NotFound`` (unknown template)."""
+        if spec.base.kind == "oci":
+            raise Unprocessable(f"FROM {spec.base.ref}: OCI images are not supported by this builder yet; "
+                                "build FROM podbay/base or another podbay template",
+                                details={"from": spec.base.ref})
+        parent = self.m.templates.get(spec.base.ref)
+        if parent is None:
+            raise NotFound(f"FROM: unknown template {spec.base.ref!r} on node {self.m.node_id}",
+                           details={"from": spec.base.ref})
+        return parent
+
+    def resolve(self, req: BuildRequest) -> list[BuildStep]:
+        """The steps with each COPY's source digest filled in (blocking: hashes files). Raises
+        :class:`~podbay.buildcontext.MissingSource`."""
+        out: list[BuildStep] = []
+        for step in req.spec.steps:
+            if isinstance(step, CopyStep):
+                for src in step.sources:
+                    if not (req.context / src).exists() and not (req.context / src).is_symlink():
+                        raise MissingSource(f"Dockerfile line {step.line}: source {src!r} is not in the build "
+                                            "context", details={"line": step.line, "source": src})
+                step = step.model_copy(update={"digests": sources_digest(req.context, step.sources)})
+            out.append(step)
+        return out
+
+    @contextlib.contextmanager
+    def claim(self, name: str):  # type: ignore[no-untyped-def]
+        """Hold ``name`` for one build; ``Conflict`` when a build of it runs here, or it is built in."""
+        if name in BUILTIN:
+            raise Conflict(f"template {name!r} is built in and cannot be rebuilt through the API",
+                           details={"template": name})
+        if name in self._running:
+            raise Conflict(f"a build of template {name!r} is already running", details={"template": name})
+        self._running.add(name)
+        try:
+            yield
+        finally:
+            self._running.discard(name)
+
+    async def build(self, req: BuildRequest, steps: list[BuildStep], emit: Emit) -> TemplateDetail:
+        """Run the build (see the module docstring) and register the template; returns it. Raises
+        :class:`StepFailed`, or a VMM/channel error; either way nothing is registered."""
+        parent = self.parent_of(req.spec)
+        total = len(steps)
+        keys: list[str] = []
+        prev = parent.digest
+        for step in steps:
+            prev = layer_key(prev, step)
+            keys.append(prev)
+        t_all = time.monotonic()
+        await emit(BuildEvent(type="step", step=0, total=total, cached=True,
+                              text=f"FROM {parent.name} ({parent.digest[:12]})"))
+        done = 0
+        while done < total and await asyncio.to_thread(self.layers.has, keys[done]):
+            await asyncio.to_thread(self.layers.touch, keys[done])
+            done += 1
+            await emit(BuildEvent(type="step", step=done, total=total, cached=True, text=_describe(steps[done - 1]),
+                                  elapsed_ms=0.0))
+        builder: _Builder | None = None
+        try:
+            if done < total:
+                builder = _Builder(self.m, req, parent, emit)
+                await builder.start(self.layers.path(keys[done - 1]) if done else parent.snapshot.dir)
+                for i in range(done, total):
+                    step = steps[i]
+                    t = time.monotonic()
+                    await emit(BuildEvent(type="step", step=i + 1, total=total, cached=False, text=_describe(step)))
+                    if isinstance(step, RunStep):
+                        await builder.run(i + 1, step)
+                    elif isinstance(step, CopyStep):
+                        await builder.copy(i + 1, step)
+                    elif isinstance(step, WorkdirStep):
+                        assert builder.ch is not None
+                        await builder.ch.mkdir(step.path, parents=True, exist_ok=True)
+                    await builder.layer(keys[i], step, self.layers)
+                    await emit(BuildEvent(type="log", step=i + 1, text=f"step {i + 1} done in "
+                                          f"{(time.monotonic() - t) * 1000:.0f} ms\n"))
+        finally:
+            if builder is not None:
+                await builder.close()
+        src = self.layers.path(keys[-1]) if keys else parent.snapshot.dir
+        digest = template_digest(keys[-1] if keys else parent.digest, req.spec.config)
+        img = await asyncio.to_thread(self._install, req, parent, src, digest)
+        detail = await self._register(img, parent)
+        await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
+        log.info("template %s built: %s (%d steps, %d cached) in %.1f s", req.name, digest[:12], total,
+                 done, time.monotonic() - t_all)
+        return detail
+
+    def _install(self, req: BuildRequest, parent: TemplateImage, src: Path, digest: str) -> TemplateImage:
+        """Reflink the final snapshot and the parent's kernel into ``store/templates/<name>/<digest>``."""
+        dest = self.m.store.template_dir(req.name, digest)
+        if not (dest / "template.json").exists():
+            tmp = dest.with_name(f".tmp-{digest[:16]}-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for f in LAYER_FILES:
+                reflink_or_copy(src / f, tmp / f)
+            for f in ("vmlinuz", "initrd.img"):
+                reflink_or_copy(parent.snapshot.dir / f, tmp / f)
+            snap = parent.snapshot.model_copy(update={
+                "name": req.name, "key": digest, "dir": dest, "kernel": dest / "vmlinuz",
+                "initrd": dest / "initrd.img", "state": dest / "state", "ram": dest / "ram",
+                "disk": dest / "disk.img", "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
+                "config": req.spec.config, "parent": parent.name, "boot_s": 0.0, "paused_ms": 0.0})
+            (tmp / "template.json").write_text(snap.model_dump_json(indent=2))
+            os.replace(tmp, dest)
+        return TemplateImage(name=req.name, digest=digest, snapshot=TemplateSnapshot.load(dest))
+
+    async def _register(self, img: TemplateImage, parent: TemplateImage) -> TemplateDetail:
+        """The template's row (new creates use this build), this node's holding of it, and the agent's map."""
+        snap = img.snapshot
+        size = (snap.dir / "disk.img").stat().st_size
+        cfg = snap.config.model_dump_json() if snap.config is not None else None
+        async with self.m.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes)"
+                " VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7) ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
+                " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now()"
+                " RETURNING created_at, updated_at",
+                img.name, img.digest, snap.memory_mib, snap.vcpus, parent.name, cfg, size)
+            await conn.execute(
+                "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
+                " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, img.name, img.digest)
+        self.m.templates[img.name] = img
+        return TemplateDetail(name=img.name, digest=img.digest, memory_mib=snap.memory_mib, vcpus=snap.vcpus,
+                              created_at=row["updated_at"], parent=parent.name, config=snap.config,
+                              size_bytes=size)

@@ -1,0 +1,111 @@
+"""The node's build endpoint: ``POST /internal/v1/templates/build`` (multipart: ``params``, ``context``).
+
+``params`` is a :class:`~podbay.contracts.templates.NodeBuildRequest`; ``context`` the build context tarball.
+Checks that can fail fast answer as HTTP errors before anything starts: 409 (a build of the name runs here,
+or the name is built in), 404 (unknown FROM template), 422 (FROM an OCI image), 400 (unreadable context,
+missing COPY source). Then the answer streams :class:`~podbay.contracts.templates.BuildEvent` lines
+(NDJSON) and ends with ``done`` or ``failed``; the node records the outcome in ``template_builds`` itself,
+so it is kept even when the caller has gone. A caller that disconnects cancels the build (its builder VM is
+killed, its unfinished layer removed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import FastAPI, File, Form, UploadFile
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from podbay.buildcontext import unpack_context
+from podbay.contracts.templates import BuildEvent, BuildState, NodeBuildRequest
+from podbay.errors import InvalidRequest, PodbayError
+
+from .builder import BuildRequest, StepFailed
+
+if TYPE_CHECKING:
+    from ..sandboxes import SandboxManager
+
+__all__ = ["add_build_routes"]
+
+log = logging.getLogger("podbay.nodeagent.build")
+
+
+def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
+    """Mount the build endpoint on the node's data-plane app."""
+
+    @app.post("/internal/v1/templates/build")
+    async def build(params: Annotated[str, Form()],
+                    context: Annotated[UploadFile | None, File()] = None) -> StreamingResponse:
+        try:
+            p = NodeBuildRequest.model_validate_json(params)
+        except ValidationError as exc:
+            raise InvalidRequest(f"bad build params: {exc.errors()[:3]}") from exc
+        builder = manager.builder
+        builder.parent_of(p.spec)
+        claim = builder.claim(p.name)
+        claim.__enter__()
+        ctx_dir = manager.store.root / "builds" / f"{p.build_id}.ctx"
+        try:
+            data = await context.read() if context is not None else b""
+            await asyncio.to_thread(unpack_context, data, ctx_dir)
+            req = BuildRequest(build_id=p.build_id, name=p.name, spec=p.spec, context=ctx_dir)
+            steps = await asyncio.to_thread(builder.resolve, req)
+        except BaseException:
+            claim.__exit__(None, None, None)
+            await asyncio.to_thread(shutil.rmtree, ctx_dir, True)
+            raise
+
+        async def stream() -> AsyncIterator[bytes]:
+            queue: asyncio.Queue[BuildEvent | None] = asyncio.Queue()
+
+            async def emit(ev: BuildEvent) -> None:
+                await queue.put(ev)
+
+            async def run() -> None:
+                state, digest = BuildState.FAILED, None
+                error: dict[str, object] | None = {"code": "cancelled", "message": "the caller went away"}
+                try:
+                    detail = await builder.build(req, steps, emit)
+                    state, digest = BuildState.SUCCEEDED, detail.digest
+                    await queue.put(BuildEvent(type="done", template=detail))
+                except PodbayError as exc:
+                    error = exc.to_wire()["error"]
+                    d = exc.details
+                    await queue.put(BuildEvent(type="failed", step=d.get("step"), exit_code=d.get("exit_code"),
+                                               code=exc.code, message=exc.message,
+                                               output_tail=d.get("output_tail")))
+                    if not isinstance(exc, StepFailed):
+                        log.warning("build %s of %s failed: %s", p.build_id, p.name, exc.message)
+                except Exception as exc:
+                    log.exception("build %s of %s failed", p.build_id, p.name)
+                    error = {"code": "build_failed", "message": repr(exc)}
+                    await queue.put(BuildEvent(type="failed", code="build_failed", message=repr(exc)))
+                finally:
+                    with contextlib.suppress(Exception):
+                        await manager.pool.execute(
+                            "UPDATE template_builds SET state=$2, digest=$3, error=$4::jsonb, finished_at=now()"
+                            " WHERE id=$1", p.build_id, state.value, digest,
+                            json.dumps(error) if error else None)
+                    await queue.put(None)
+
+            task = asyncio.create_task(run(), name=f"build-{p.build_id}")
+            try:
+                while (ev := await queue.get()) is not None:
+                    yield (ev.model_dump_json(exclude_none=True) + "\n").encode()
+                await task
+            finally:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                claim.__exit__(None, None, None)
+                await asyncio.to_thread(shutil.rmtree, ctx_dir, True)
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")

@@ -1,0 +1,88 @@
+"""Build layers: one full snapshot (``state``, ``ram``, ``disk.img``) per disk step, keyed by its inputs.
+
+A layer's key is ``sha256(parent key, step text)`` where the parent key is the previous layer's, or the
+``FROM`` template's build key for the first step, and the step text (``step_text``) holds everything the
+step depends on: its command or sources with their digests, env, working directory and user. Layers live in
+the node store (btrfs) at ``store/layers/<key>/`` so that making and using one is a reflink. A layer appears
+only whole: it is written to ``.tmp-<key>-<pid>`` and renamed, so a failed or interrupted step leaves no half
+layer (a crashed build's temporary directories are removed by :meth:`LayerCache.sweep`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from podbay.contracts.templates import BuildStep, ImageConfig, step_text
+
+__all__ = ["LAYER_FILES", "layer_key", "template_digest", "LayerCache"]
+
+LAYER_FILES = ("state", "ram", "disk.img")
+
+
+def layer_key(parent_key: str, step: BuildStep) -> str:
+    """The cache key (sha256 hex) of ``step`` on top of ``parent_key``."""
+    return hashlib.sha256(f"layer1\n{parent_key}\n{step_text(step)}".encode()).hexdigest()
+
+
+def template_digest(last_key: str, config: ImageConfig) -> str:
+    """A built template's digest: its last layer (or parent build) and its config (the defaults of exec)."""
+    cfg = json.dumps(config.model_dump(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"template1\n{last_key}\n{cfg}".encode()).hexdigest()
+
+
+class LayerCache:
+    """``root/<key>/{state, ram, disk.img, layer.json}``; blocking file I/O (call from a thread)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def has(self, key: str) -> bool:
+        return (self.root / key / "layer.json").exists()
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` used now (the LRU order of :meth:`gc`)."""
+        os.utime(self.root / key / "layer.json")
+
+    def tmp_dir(self, key: str) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{key[:16]}-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, key: str, meta: dict[str, object]) -> Path:
+        """Write ``layer.json`` into ``tmp`` and rename it to the layer (a concurrent identical layer wins)."""
+        (tmp / "layer.json").write_text(json.dumps({**meta, "key": key, "created_at": time.time()}))
+        dest = self.root / key
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # already there (another build made the same layer): keep that one
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    def sweep(self) -> int:
+        """Remove temporary directories of builds that did not finish (at node agent start); returns how many."""
+        n = 0
+        for tmp in self.root.glob(".tmp-*") if self.root.exists() else ():
+            shutil.rmtree(tmp, ignore_errors=True)
+            n += 1
+        return n
+
+    def gc(self, max_layers: int) -> list[str]:
+        """Drop the least recently used layers beyond ``max_layers``; returns the keys removed. Templates do
+        not depend on layers (their files are reflinks of their own), so any layer can go."""
+        if not self.root.exists():
+            return []
+        layers = sorted((p for p in self.root.iterdir() if (p / "layer.json").exists()),
+                        key=lambda p: (p / "layer.json").stat().st_mtime)
+        gone = layers[: max(0, len(layers) - max_layers)]
+        for p in gone:
+            shutil.rmtree(p, ignore_errors=True)
+        return [p.name for p in gone]

@@ -1,0 +1,120 @@
+"""Build cache keys and the layer store (services/nodeagent/build/layers.py), and the build context checks
+(libs/podbay/buildcontext.py)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from podbay.buildcontext import (
+    ContextTooLarge,
+    MissingSource,
+    check_context,
+    pack_context,
+    sources_digest,
+    unpack_context,
+)
+from podbay.contracts.templates import ImageConfig
+from podbay.dockerfile import parse_dockerfile
+from podbay_nodeagent.build.layers import LayerCache, layer_key, template_digest
+
+
+def _steps(text: str) -> list:
+    return list(parse_dockerfile("FROM base\n" + text).steps)
+
+
+def test_layer_key_depends_on_parent_and_step_text_only() -> None:
+    a, = _steps("RUN make\n")
+    moved, = _steps("# comment\n\nRUN make\n")
+    other, = _steps("RUN make install\n")
+    assert layer_key("p", a) == layer_key("p", moved)
+    assert layer_key("p", a) != layer_key("q", a)
+    assert layer_key("p", a) != layer_key("p", other)
+
+
+def test_a_changed_last_step_keeps_the_prefix_keys() -> None:
+    one = _steps("RUN a\nCOPY x /x\nRUN b\n")
+    two = _steps("RUN a\nCOPY x /x\nRUN c\n")
+
+    def keys(steps: list) -> list[str]:
+        out, prev = [], "parent"
+        for s in steps:
+            prev = layer_key(prev, s)
+            out.append(prev)
+        return out
+
+    k1, k2 = keys(one), keys(two)
+    assert k1[:2] == k2[:2] and k1[2] != k2[2]
+
+
+def test_copy_digest_is_part_of_the_key() -> None:
+    step, = _steps("COPY x /x\n")
+    assert layer_key("p", step.model_copy(update={"digests": "a"})) != layer_key("p", step.model_copy(update={"digests": "b"}))
+
+
+def test_template_digest_changes_with_config() -> None:
+    assert template_digest("k", ImageConfig()) != template_digest("k", ImageConfig(user="agent"))
+    assert template_digest("k", ImageConfig(env={"A": "1"})) == template_digest("k", ImageConfig(env={"A": "1"}))
+
+
+def test_sources_digest_follows_content_and_mode(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    f = tmp_path / "app" / "main.py"
+    f.write_text("print(1)\n")
+    d1 = sources_digest(tmp_path, ["app"])
+    f.write_text("print(2)\n")
+    d2 = sources_digest(tmp_path, ["app"])
+    os.chmod(f, 0o755)
+    d3 = sources_digest(tmp_path, ["app"])
+    assert len({d1, d2, d3}) == 3
+    assert sources_digest(tmp_path, ["app"]) == d3
+
+
+def test_layer_cache_commit_sweep_and_lru(tmp_path: Path) -> None:
+    cache = LayerCache(tmp_path / "layers")
+    for i, key in enumerate(("k1", "k2", "k3")):
+        tmp = cache.tmp_dir(key)
+        (tmp / "disk.img").write_bytes(b"x")
+        cache.commit(tmp, key, {"step": f"RUN {i}"})
+        os.utime(cache.path(key) / "layer.json", (1000 + i, 1000 + i))
+    assert all(cache.has(k) for k in ("k1", "k2", "k3"))
+    half = cache.tmp_dir("k4")  # a build that died mid-step
+    assert not cache.has("k4") and half.exists()
+    assert cache.sweep() == 1 and not half.exists()
+    cache.touch("k1")  # used now: the newest
+    assert cache.gc(2) == ["k2"]
+    assert cache.has("k1") and cache.has("k3") and not cache.has("k2")
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_check_context_finds_sources_and_refuses_missing_or_large() -> None:
+    spec = parse_dockerfile("FROM base\nCOPY app /srv/app\nCOPY conf/a.ini /etc/\n")
+    data = _tar({"app/main.py": b"1", "conf/a.ini": b"2"})
+    check_context(spec, data)
+    with pytest.raises(MissingSource) as info:
+        check_context(spec, _tar({"app/main.py": b"1"}))
+    assert info.value.details == {"line": 3, "source": "conf/a.ini"} and info.value.http_status == 400
+    with pytest.raises(ContextTooLarge):
+        check_context(spec, data, max_bytes=10)
+
+
+def test_pack_and_unpack_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "ctx"
+    (src / "app").mkdir(parents=True)
+    (src / "app" / "x.txt").write_text("hi")
+    out = tmp_path / "out"
+    unpack_context(pack_context(src), out)
+    assert (out / "app" / "x.txt").read_text() == "hi"

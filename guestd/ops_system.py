@@ -86,6 +86,10 @@ class System(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
+    def mount_volumes(self, volumes: list[dict[str, Any]]) -> list[str]:
+        """Mount volume slots at paths (guestd/volumes.py); returns the paths."""
+
+    @abc.abstractmethod
     def sync(self) -> None:
         raise NotImplementedError
 
@@ -158,6 +162,11 @@ class RealSystem(System):
     def sync(self) -> None:
         os.sync()
 
+    def mount_volumes(self, volumes: list[dict[str, Any]]) -> list[str]:
+        from . import volumes as guest_volumes
+
+        return guest_volumes.mount_volumes(volumes)
+
     def _ioctl_dir(self, mount: str, request: int, ok_errno: int) -> None:
         fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -218,6 +227,10 @@ class FakeSystem(System):
 
     def sync(self) -> None:
         self._record("sync", None)
+
+    def mount_volumes(self, volumes: list[dict[str, Any]]) -> list[str]:
+        self._record("mount_volumes", volumes)
+        return [v["path"] for v in volumes]
 
     def freeze(self, mount: str) -> None:
         self._record("freeze", mount)
@@ -310,11 +323,31 @@ def _net_args(net: Any) -> dict[str, Any] | None:
             "dns": [_ipv4(d, "net.dns") for d in dns], "ca_cert_pem": ca, "extra_ca_pem": extra}
 
 
+def _volume_args(volumes: Any) -> list[dict[str, Any]] | None:
+    """Validate ``after_restore.volumes`` (``GuestVolume``: slot, absolute path, readonly), or None."""
+    if volumes is None:
+        return None
+    if not isinstance(volumes, list) or len(volumes) > 16:
+        raise OpError("invalid", "volumes must be a list of at most 16 entries")
+    out = []
+    for v in volumes:
+        if not isinstance(v, dict):
+            raise OpError("invalid", "each volume must be an object")
+        slot, path, ro = v.get("slot"), v.get("path"), v.get("readonly", False)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < 16:
+            raise OpError("invalid", "volume slot must be an integer in 0..15")
+        if not isinstance(path, str) or not path.startswith("/") or "\0" in path or ".." in path.split("/"):
+            raise OpError("invalid", "volume path must be absolute, without '..'")
+        out.append({"slot": slot, "path": os.path.normpath(path), "readonly": bool(ro)})
+    return out
+
+
 def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``after_restore {hostname?, seed_b64?, time_ns?, env?, access_token?, net?}`` -> ``{hostname,
-    entropy_credited, clock_set, env_keys, access_token_set, net_interface}``. Everything is validated before
-    anything is changed."""
+    """``after_restore {hostname?, seed_b64?, time_ns?, env?, access_token?, net?, volumes?}`` -> ``{hostname,
+    entropy_credited, clock_set, env_keys, access_token_set, net_interface, volumes_mounted}``. Everything is
+    validated before anything is changed."""
     state = _state(stream)
+    volumes = _volume_args(args.get("volumes"))
     hostname, seed_b64, time_ns, env, token = (
         args.get(k) for k in ("hostname", "seed_b64", "time_ns", "env", "access_token"))
     net = _net_args(args.get("net"))
@@ -352,6 +385,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
             token_set = True
         if net is not None:
             nic = state.system.configure_net(net)
+        mounted = state.system.mount_volumes(volumes) if volumes else []
     except OSError as exc:
         raise from_oserror(exc) from exc
     if env is not None:
@@ -364,6 +398,7 @@ def op_after_restore(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         "env_keys": sorted(state.extra_env),
         "access_token_set": token_set,
         "net_interface": nic,
+        "volumes_mounted": mounted,
     }
 
 

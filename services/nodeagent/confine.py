@@ -76,7 +76,7 @@ _BIND_HOST_DIRS = ("/usr",)
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib64")
 _ETC_FILES = ("/etc/ld.so.cache",)
 _DEVICES = ("/dev/null", "/dev/urandom")
-VM_WRITABLE_FILES = ("ram", "disk.img", "console.log")
+VM_WRITABLE_FILES = ("ram", "disk.img", "console.log", "vol0.img", "vol1.img", "vol2.img", "vol3.img")
 """Files of a VM directory that QEMU opens for writing (see ``vmm.VmPaths``); the node agent chowns them."""
 RUN_DIR = "run"
 """The subdirectory of a VM directory where QEMU creates its QMP and channel sockets."""

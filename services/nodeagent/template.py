@@ -193,9 +193,11 @@ async def prime_guest(vm: VmHandle, name: str, timeout_s: float) -> None:
 
 
 #: Bumped when the machine's devices change (the snapshot's device state must match every restore's):
-#: "net1" = one virtio-net NIC; "net2" = the same with the tap's vnet_hdr off (restores on any backend). Part of the key, and recorded in template.json so that a node agent never
+#: "net1" = one virtio-net NIC; "net2" = the same with the tap's vnet_hdr off (restores on any backend);
+#: "net2-vol4" = plus four virtio-blk volume slots (vmm.py "Volume slots": no hot-plug on microvm, so the
+#: template reserves them). Part of the key, and recorded in template.json so that a node agent never
 #: imports a build made for another device set (e.g. by an older agent sharing the build cache).
-MACHINE = "net2"
+MACHINE = "net2-vol4"
 
 
 def _key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:

@@ -4,12 +4,23 @@ A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-de
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
 ``run/qmp.sock``, ``run/channel.sock`` (virtio-serial port ``org.podbay.channel``; in a subdirectory so that a
 confined QEMU can create them without write access to the VM directory), ``console.log`` (serial console),
-``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr). One virtio-net NIC (MAC
+``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr), and ``vol0.img`` .. ``vol3.img``: the
+:data:`VOLUME_SLOTS` volume slots (below). One virtio-net NIC (MAC
 :data:`GUEST_MAC`) is backed by a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege),
 or else by an empty hub (never slirp); the backend is not migrated state, so snapshots restore on either. QEMU runs in its own session so that it
 outlives the node agent, which re-attaches with :meth:`Vmm.attach`. Machine and kernel command line follow
 docs/DESIGN.md §3. Unless ``PODBAY_VMM_CONFINE=false``, QEMU runs unprivileged inside bubblewrap (``confine.py``):
 the argv built here is wrapped, and the node agent writes ``qemu.pid`` from what bwrap reports.
+
+Volume slots. The microvm machine has no hot-plug, and a sandbox is a restore of its template's snapshot,
+whose device set must match the restoring QEMU's. So every guest has :data:`VOLUME_SLOTS` virtio-blk devices
+(virtio-mmio, serial ``podbay-vol<N>``, after the root disk, so the root stays ``/dev/vda``), backed by
+``vol<N>.img`` in the VM directory: an empty file (capacity 0) when unused; the node agent puts a hard link
+to a volume's ext4 file there for a read-write attach, a reflink copy for a read-only one (so whatever the
+guest does, the volume's file is unchanged; sandboxes.py). A virtio-blk device's capacity is not migrated state: after the
+incoming migration the restore issues ``block_resize`` of every non-empty slot to its own size, which
+raises the config-change interrupt, and the guest's driver reads the new capacity (checked by hand on QEMU
+7.2 under TCG: "vdc: detected capacity change from 0 to 131072"). guestd then mounts each slot by serial.
 
 :class:`Vmm` is the interface (tests use fakes); :class:`QemuVmm` is the implementation. Errors::
 
@@ -51,7 +62,8 @@ from .accel import Accel, host_tsc_khz, kernel_cmdline
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
     "VmConfig", "VmPaths", "VmHandle", "SnapshotResult", "Vmm", "QemuVmm",
-    "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME", "GUEST_MAC",
+    "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME", "GUEST_MAC", "VOLUME_SLOTS",
+    "volume_slot_name", "VOLUME_SERIAL_PREFIX",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +72,16 @@ CHANNEL_PORT_NAME = "org.podbay.channel"
 #: The guest NIC's MAC (locally administered). Migrated with the device state, so every restore keeps it.
 GUEST_MAC = "52:54:00:00:00:02"
 _QMP_CONNECT_TIMEOUT_S = 5.0
+#: Volume slots every guest has (module docstring); part of the template's machine (template.MACHINE).
+VOLUME_SLOTS = 4
+#: Slot N's virtio-blk serial, which guestd finds in ``/sys/block/vd*/serial``.
+VOLUME_SERIAL_PREFIX = "podbay-vol"
+
+
+def volume_slot_name(slot: int) -> str:
+    """The file of volume slot ``slot`` in a VM directory (``vol<N>.img``)."""
+    return f"vol{slot}.img"
+
 
 # ----------------------------------------------------------------------------------------------- errors
 
@@ -213,6 +235,15 @@ def _accel_arg(config: VmConfig) -> str:
 
 
 
+def _volume_args(paths: VmPaths) -> list[str]:
+    """The :data:`VOLUME_SLOTS` slot drives (module docstring)."""
+    out: list[str] = []
+    for slot in range(VOLUME_SLOTS):
+        out += ["-drive", f"id=vol{slot},file={paths.dir / volume_slot_name(slot)},format=raw,if=none,"
+                          "cache=writeback,discard=unmap",
+                "-device", f"virtio-blk-device,drive=vol{slot},serial={VOLUME_SERIAL_PREFIX}{slot}"]
+    return out
+
 
 def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False, tsc_khz: int,
                     tap_fd: int | None = None, autostart: bool = False) -> list[str]:
@@ -243,6 +274,7 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
         "-chardev", f"file,id=con0,path={paths.console},append=on", "-serial", "chardev:con0",
         "-drive", f"id=root,file={paths.disk},format=raw,if=none,cache=writeback,discard=unmap",
         "-device", "virtio-blk-device,drive=root",
+        *_volume_args(paths),
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=ch0,path={paths.channel},server=on,wait=off",
         "-device", f"virtserialport,chardev=ch0,name={CHANNEL_PORT_NAME}",
@@ -382,6 +414,8 @@ class QemuVmm(Vmm):
         paths.run.mkdir(exist_ok=True)
         for p in (paths.qmp, paths.channel, paths.pidfile):
             p.unlink(missing_ok=True)
+        for slot in range(VOLUME_SLOTS):  # an unused slot is an empty file (capacity 0)
+            open(paths.dir / volume_slot_name(slot), "ab").close()
         argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd,
                                autostart=autostart)
         # Through nice(1) rather than a preexec function (not safe with the agent's threads); it execs, so
@@ -605,12 +639,21 @@ class QemuVmm(Vmm):
             await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
             await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})
             await self._migration_done(vm, "incoming")
+            await self._announce_volumes(vm, paths)
             if not paused:
                 await self._qmp(vm, "cont")
             return vm
         except BaseException:
             await self._abort_start(vm, popen, pid)
             raise
+
+    async def _announce_volumes(self, vm: VmHandle, paths: VmPaths) -> None:
+        """``block_resize`` each attached (non-empty) slot to its own size: the capacity the guest saw when the
+        snapshot was taken is stale, and a resize raises the config-change interrupt (module docstring)."""
+        for slot in range(VOLUME_SLOTS):
+            size = (paths.dir / volume_slot_name(slot)).stat().st_size
+            if size:
+                await self._qmp(vm, "block_resize", {"device": f"vol{slot}", "size": size})
 
     async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
         """Stop, migrate device state to ``dest_dir/state``, reflink (or copy) RAM and disk, then ``cont``.

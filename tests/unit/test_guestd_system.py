@@ -19,7 +19,7 @@ import pytest
 from podbay.channel import frames
 from podbay.channel.client import GuestChannel
 from podbay.channel.frames import Decoder, FrameType
-from podbay.contracts.channel import ExecSpec, Op
+from podbay.contracts.channel import ExecSpec, GuestVolume, Op
 from podbay.errors import InvalidRequest
 
 
@@ -82,6 +82,30 @@ async def test_after_restore_hands_over_the_access_token(ch: GuestChannel, guest
     assert res.access_token_set
     assert ["set_access_token", "t" * 43] in _calls(guestd[1])
     assert not (await ch.after_restore(hostname="sb-43")).access_token_set
+
+
+async def test_after_restore_mounts_volumes_by_slot(ch: GuestChannel, guestd: tuple[Path, Path]) -> None:
+    vols = [GuestVolume(slot=0, path="/mnt/data"), GuestVolume(slot=2, path="/srv/ro/", readonly=True)]
+    res = await ch.after_restore(volumes=vols)
+    assert res.volumes_mounted == ["/mnt/data", "/srv/ro"]
+    assert ["mount_volumes", [{"slot": 0, "path": "/mnt/data", "readonly": False},
+                              {"slot": 2, "path": "/srv/ro", "readonly": True}]] in _calls(guestd[1])
+    for bad in ([{"slot": 0, "path": "relative"}], [{"slot": 99, "path": "/x"}], [{"slot": 0, "path": "/a/../etc"}],
+                [{"slot": True, "path": "/x"}], "not a list"):
+        stream = ch.open_stream(Op.AFTER_RESTORE, {"volumes": bad})
+        with pytest.raises(InvalidRequest):
+            await ch.finish(stream, 10)
+
+
+def test_a_slot_is_found_by_its_serial(tmp_path: Path) -> None:
+    from podbay_guestd.volumes import slot_device
+
+    for name, serial in (("vda", ""), ("vdb", "podbay-vol0"), ("vdc", "podbay-vol1")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "serial").write_text(serial + "\n")
+    assert slot_device(1, str(tmp_path)) == "/dev/vdc"
+    with pytest.raises(FileNotFoundError):
+        slot_device(3, str(tmp_path))
 
 
 async def test_freeze_thaw_and_auto_thaw(ch: GuestChannel, guestd: tuple[Path, Path]) -> None:

@@ -175,3 +175,14 @@ async def test_a_qmp_command_failure_carries_qemus_description() -> None:
         await QemuVmm()._qmp(vm, "migrate")
     assert "migration is already running" in str(info.value)
     assert info.value.details == {"cmd": "migrate", "qmp_class": "GenericError"}
+
+
+def test_volume_slots_follow_the_root_disk_with_their_serials() -> None:
+    # The root must stay /dev/vda (the initramfs mounts it by name) and guestd finds slot N by its serial.
+    argv = build_qemu_argv(_cfg(), VmPaths(Path("vm")), tsc_khz=1)
+    devices = _opt(argv, "-device")
+    blk = [d for d in devices if d.startswith("virtio-blk-device")]
+    assert blk == ["virtio-blk-device,drive=root"] + [
+        f"virtio-blk-device,drive=vol{n},serial=podbay-vol{n}" for n in range(4)]
+    drives = _opt(argv, "-drive")
+    assert [d.split(",")[1] for d in drives] == ["file=vm/disk.img"] + [f"file=vm/vol{n}.img" for n in range(4)]

@@ -16,6 +16,7 @@ from podbay.channel.transport import Transport
 from podbay.contracts.channel import (
     AfterRestoreRequest,
     AfterRestoreResult,
+    GuestVolume,
     FreezeRequest,
     FreezeResult,
     GuestInfo,
@@ -42,6 +43,7 @@ class SystemOps(Transport):
         env: dict[str, str] | None = None,
         access_token: str | None = None,
         net: GuestNet | None = None,
+        volumes: list[GuestVolume] | None = None,
     ) -> AfterRestoreResult:
         """Post-restore hygiene: new hostname, RNG seed (credited), wall clock, exec env and access token
         (docs/DESIGN.md §3), and with ``net`` the guest's address, route, resolver and sandbox CA."""
@@ -52,6 +54,7 @@ class SystemOps(Transport):
             env=env,
             access_token=access_token,
             net=net,
+            volumes=volumes or None,
         )
         return await self.unary(Op.AFTER_RESTORE, req.model_dump(exclude_none=True), AfterRestoreResult)
 

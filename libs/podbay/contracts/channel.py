@@ -41,6 +41,7 @@ __all__ = [
     "GuestNet",
     "GUEST_EXTRA_CA_MAX",
     "AfterRestoreRequest",
+    "GuestVolume",
     "AfterRestoreResult",
     "FreezeRequest",
     "FreezeResult",
@@ -272,6 +273,15 @@ class GuestNet(_Strict):
     extra_ca_pem: str | None = Field(None, min_length=1, max_length=GUEST_EXTRA_CA_MAX)
 
 
+class GuestVolume(_Strict):
+    """A volume for guestd to mount (``after_restore.volumes``; guestd/volumes.py): volume slot ``slot``
+    (the virtio-blk device with serial ``podbay-vol<slot>``) at ``path``, read-only when ``readonly``."""
+
+    slot: int = Field(ge=0, le=15)
+    path: str = Field(min_length=2, max_length=255, pattern=r"^/")
+    readonly: bool = False
+
+
 class AfterRestoreRequest(_Strict):
     """Arguments of ``after_restore``, sent after every restore or fork (there is no vmgenid on microvm,
     docs/DESIGN.md §3): a new hostname, a random seed mixed into (and credited to) the kernel RNG, the wall
@@ -285,6 +295,8 @@ class AfterRestoreRequest(_Strict):
     access_token: str | None = Field(None, min_length=16, max_length=256)
     #: the guest's address, route, resolver and trust store (set when the VM gets its tap)
     net: GuestNet | None = None
+    #: volumes to mount (a slot already mounted at its path is left as it is)
+    volumes: list[GuestVolume] | None = Field(None, max_length=16)
 
 
 class AfterRestoreResult(_Lenient):
@@ -297,6 +309,8 @@ class AfterRestoreResult(_Lenient):
     access_token_set: bool = False
     #: the NIC ``net`` was applied to (None when no ``net`` was sent)
     net_interface: str | None = None
+    #: the paths of ``volumes`` that are mounted
+    volumes_mounted: list[str] = Field(default_factory=list)
 
 
 class FreezeRequest(_Strict):

@@ -165,16 +165,19 @@ def _check_write_target(path: str, st: os.stat_result | None = None) -> None:
 
 
 def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``write {path, mode=0o644, append=False, user=None}`` then DATA fd 3 ... EOF -> FileStat.
+    """``write {path, mode=0o644, append=False, user=None, parents=False}`` then DATA fd 3 ... EOF -> FileStat.
 
     An existing ``path`` must be a regular file or a symlink to one (else ERROR invalid, or
-    is_a_directory for a directory)."""
+    is_a_directory for a directory). With ``parents`` missing parent directories are made first (as
+    ``mkdir``, belonging to ``user`` when given)."""
     path = _path(args)
     mode = _mode(args, 0o644)
     append = _flag(args, "append", False)
     owner = resolve_user(args["user"]) if args.get("user") is not None else None
     _check_write_target(path)
     parent = os.path.dirname(path)
+    if _flag(args, "parents", False) and not os.path.isdir(parent):
+        op_mkdir(stream, {"path": parent, "user": args.get("user")})
     tmp: str | None = None
     try:
         if append:

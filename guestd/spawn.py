@@ -75,12 +75,11 @@ class Child:
 
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the process group (the process leads its own session); a group already gone
-        is fine."""
+        is fine. A terminal's process makes its group itself (setsid(1) after exec), so right after the
+        start there may be no group yet: then the process itself gets the signal."""
         try:
             os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):
             with self._lock:
                 if self.returncode is None:
                     with contextlib.suppress(ProcessLookupError):

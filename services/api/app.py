@@ -143,6 +143,7 @@ def create_app(settings: Settings) -> FastAPI:
     # E2B SDK compatibility (docs/e2b.md): its REST API under /e2b, its envd traffic routed by header or host.
     app.include_router(e2b.router)
     app.include_router(e2b_envd.router)
+    app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):
     # outside EnvdRouting, so it sees E2B's hosts first and leaves envd's port to it.

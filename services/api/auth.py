@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from podbay.audit import record
+from podbay.contracts.e2b import from_e2b_key
 from podbay.errors import Unauthorized
 from podbay.outbox import new_id
 
@@ -93,7 +94,7 @@ async def authenticate(pool: asyncpg.Pool, authorization: str | None,
     """
     if not authorization or not authorization.lower().startswith("bearer "):
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    key = authorization[7:].strip()
+    key = from_e2b_key(authorization[7:].strip())  # the e2b_ alias names the same key (docs/e2b.md)
     parts = key.split("_")
     if len(parts) != 3 or parts[0] != "pb" or len(parts[1]) != 8:
         raise Unauthorized("malformed API key")

@@ -199,7 +199,8 @@ async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep,
 @router.put("/files", response_model=FileInfo)
 async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
                      mode: str = Query("0644", pattern=r"^0?[0-7]{3,4}$")) -> Response:
-    """Write the raw request body to ``path`` (atomically: temp file then rename); answers its ``FileInfo``."""
+    """Write the raw request body to ``path`` (atomically: temp file then rename; missing parent directories
+    are made); answers its ``FileInfo``."""
     base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.write", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="PUT",
                         params={"path": path, "mode": mode}, stream_body=True)

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from podbay.contracts.api import LeaseUpdate, SandboxCreate
+from podbay.contracts.api import SandboxCreate
 from podbay.contracts.states import SandboxCommand
 from podbay.errors import InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
 
@@ -50,7 +50,7 @@ from .context import ApiContext
 from .deps import ctx_dep
 from .errors import BAD_TEXT_MESSAGE, retry_headers
 
-__all__ = ["router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
+__all__ = ["router", "fallback_router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
 
 # The envd protocol version podbay's envd API speaks: the SDK enables features by it (default user,
 # closing stdin, octet-stream uploads, entries in watch events).
@@ -59,7 +59,8 @@ CLIENT_ID = "podbay"
 # podbay states -> E2B's two; the others are not listed (and answer 404 where E2B has no word for them).
 E2B_STATES = {"pending": "running", "starting": "running", "running": "running", "paused": "paused",
               "suspending": "paused", "suspended": "paused", "resuming": "running"}
-MIN_TIMEOUT_S = 10  # podbay's shortest lease
+# How many metrics samples of a sandbox are kept (one is taken per metrics call, at most one per second).
+METRICS_KEEP = 360
 
 
 def error_body(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -90,6 +91,9 @@ class _E2bRoute(APIRoute):
 
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
+# Included after every other /e2b router (app.py): an unknown path answers E2B's 404 body, so the SDK raises
+# its NotFoundException rather than failing to read podbay's error shape.
+fallback_router = APIRouter(prefix="/e2b", include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 
 
@@ -119,6 +123,7 @@ class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=128)
     timeout: int | None = Field(None, ge=0, le=30 * 86400, description="Seconds until the lease runs out.")
     auto_pause: bool = Field(False, alias="autoPause")
+    auto_resume: dict[str, Any] | None = Field(None, alias="autoResume", description="{\"enabled\": bool}")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
 
@@ -136,7 +141,24 @@ class ConnectBody(_Body):
 
 
 def _lease(timeout: int | None, ctx: ApiContext) -> int:
-    return max(MIN_TIMEOUT_S, timeout) if timeout is not None else ctx.settings.lease_s
+    """The lease podbay's own create accepts (its floor is 10 s); ``_exact_lease`` then sets a shorter one."""
+    return max(10, timeout) if timeout is not None else ctx.settings.lease_s
+
+
+async def _exact_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds: int, *,
+                       only_extend: bool = False) -> None:
+    """The lease runs out ``seconds`` from now, any length E2B accepts (podbay's own API keeps a 10 s floor).
+    With ``only_extend`` a lease that already ends later is kept, as E2B's connect does."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await sandboxes.load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        if row["state"] in ("deleting", "deleted"):
+            raise NotFound(f"sandbox {sandbox_id} was not found")
+        done = await conn.fetchval(
+            "UPDATE sandboxes SET lease_s=$2, lease_expires_at = now() + $2::integer * interval '1 second',"
+            " updated_at=now() WHERE id=$1 AND NOT ($3 AND lease_expires_at >= now() + $2::integer * interval"
+            " '1 second') RETURNING true", sandbox_id, seconds, only_extend)
+        if done:
+            await sandboxes.audit(conn, who, "sandbox.timeout", sandbox_id)
 
 
 def _iso(ts: datetime | None) -> str:
@@ -179,9 +201,12 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise InvalidRequest(f"{where}: {first.get('msg', 'invalid')}") from exc
     info = await sandboxes.create_sandbox(req, ctx, who, Response(), wait=True)
-    if body.env_vars:
-        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars) VALUES ($1, $2)",
-                               info.id, body.env_vars)
+    auto_resume = bool(body.auto_pause and body.auto_resume and body.auto_resume.get("enabled"))
+    if body.env_vars or auto_resume:
+        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume) VALUES ($1, $2, $3)",
+                               info.id, body.env_vars or {}, auto_resume)
+    if body.timeout is not None and body.timeout < 10:
+        await _exact_lease(ctx, who, info.id, body.timeout)
     return JSONResponse(_sandbox(ctx, info.id, info.template), status_code=201)
 
 
@@ -212,18 +237,40 @@ def _cursor(raw: str | None) -> tuple[datetime, str] | None:
         raise InvalidRequest("nextToken is not one this server issued") from exc
 
 
-async def _list(ctx: ApiContext, who: Principal, states: list[str], metadata: dict[str, str], limit: int,
+class ListFilter(BaseModel):
+    """What a listing asks for beyond the caller: E2B states, metadata subset, template (id or alias: the
+    same in podbay), started at or after, order by start time."""
+
+    states: list[str]
+    metadata: dict[str, str] = {}
+    template: str | None = None
+    started_after: datetime | None = None
+    ascending: bool = False
+
+
+def _started_after(raw: str | None) -> datetime | None:
+    """``startedAfter`` (RFC 3339; a naive time is UTC) -> aware datetime; ``InvalidRequest`` when unparsable."""
+    if not raw:
+        return None
+    try:
+        ts = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise InvalidRequest("startedAfter must be an RFC 3339 date-time") from exc
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+async def _list(ctx: ApiContext, who: Principal, flt: ListFilter, limit: int,
                 cursor: tuple[datetime, str] | None) -> tuple[list[dict[str, Any]], str | None]:
-    podbay_states = [s for s, e in E2B_STATES.items() if e in states]
+    podbay_states = [s for s, e in E2B_STATES.items() if e in flt.states]
     sql = ("SELECT id, template, state, vcpus, memory_mib, metadata, created_at, lease_expires_at FROM sandboxes"
-           " WHERE tenant_id = $1 AND state = ANY($2::text[]) AND metadata @> $3::jsonb")
-    args: list[Any] = [who.tenant_id, podbay_states, metadata]
+           " WHERE tenant_id = $1 AND state = ANY($2::text[]) AND metadata @> $3::jsonb"
+           " AND ($5::text IS NULL OR template = $5) AND ($6::timestamptz IS NULL OR created_at >= $6)")
+    args: list[Any] = [who.tenant_id, podbay_states, flt.metadata, limit + 1, flt.template, flt.started_after]
     if cursor is not None:
-        sql += " AND (created_at, id) < ($5, $6)"
-    sql += " ORDER BY created_at DESC, id DESC LIMIT $4"
-    args.append(limit + 1)
-    if cursor is not None:
+        sql += f" AND (created_at, id) {'>' if flt.ascending else '<'} ($7, $8)"
         args += [cursor[0], cursor[1]]
+    direction = "ASC" if flt.ascending else "DESC"
+    sql += f" ORDER BY created_at {direction}, id {direction} LIMIT $4"
     rows = await ctx.pool.fetch(sql, *args)
     token = None
     if len(rows) > limit:
@@ -236,20 +283,26 @@ async def _list(ctx: ApiContext, who: Principal, states: list[str], metadata: di
 @router.get("/sandboxes")
 async def list_v1(ctx: CtxDep, who: WhoDep, metadata: str | None = Query(None)) -> JSONResponse:
     """Running sandboxes of the caller (v1: no pagination) -> 200 ``[ListedSandbox]``."""
-    items, _ = await _list(ctx, who, ["running"], _metadata_filter(metadata), 1000, None)
+    items, _ = await _list(ctx, who, ListFilter(states=["running"], metadata=_metadata_filter(metadata)), 1000, None)
     return JSONResponse(items)
 
 
 @router.get("/v2/sandboxes")
 async def list_v2(ctx: CtxDep, who: WhoDep, metadata: str | None = Query(None), state: str | None = Query(None),
                   limit: int = Query(100, ge=1, le=1000), next_token: str | None = Query(None, alias="nextToken"),
-                  ) -> JSONResponse:
-    """Sandboxes by state (``running,paused`` by default), newest first, ``limit`` per page; the next page's
+                  order: str | None = Query(None), started_after: str | None = Query(None, alias="startedAfter"),
+                  template: str | None = Query(None)) -> JSONResponse:
+    """Sandboxes by state (``running,paused`` by default), ``template``, start time (``startedAfter``),
+    ordered by start time (``order``: ``desc``, the default, or ``asc``), ``limit`` per page; the next page's
     token is in the ``x-next-token`` header."""
     states = [s for s in (state or "running,paused").split(",") if s]
     if not states or any(s not in ("running", "paused") for s in states):
         raise InvalidRequest("state must list running and/or paused")
-    items, token = await _list(ctx, who, states, _metadata_filter(metadata), limit, _cursor(next_token))
+    if order not in (None, "asc", "desc"):
+        raise InvalidRequest("order must be asc or desc")
+    flt = ListFilter(states=states, metadata=_metadata_filter(metadata), template=template or None,
+                     started_after=_started_after(started_after), ascending=order == "asc")
+    items, token = await _list(ctx, who, flt, limit, _cursor(next_token))
     return JSONResponse(items, headers={"x-next-token": token} if token else None)
 
 
@@ -272,15 +325,11 @@ async def kill(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     return Response(status_code=204)
 
 
-async def _set_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds: int) -> None:
-    await _row(ctx, who, sandbox_id)
-    await sandboxes.set_timeout(sandbox_id, LeaseUpdate(lease_s=max(MIN_TIMEOUT_S, seconds)), ctx, who)
-
-
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutBody, ctx: CtxDep, who: WhoDep) -> Response:
-    """The sandbox's lease now runs out ``timeout`` seconds from now (at least 10) -> 204."""
-    await _set_lease(ctx, who, sandbox_id, body.timeout)
+    """The sandbox's lease now runs out ``timeout`` seconds from now (shorter or longer) -> 204."""
+    await _row(ctx, who, sandbox_id)
+    await _exact_lease(ctx, who, sandbox_id, body.timeout)
     return Response(status_code=204)
 
 
@@ -288,7 +337,7 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, ctx: CtxDep, who: WhoD
 async def refresh(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: RefreshBody | None = None) -> Response:
     """Keep the sandbox alive ``duration`` seconds more (default: its lease length) -> 204."""
     row = await _row(ctx, who, sandbox_id)
-    await _set_lease(ctx, who, sandbox_id, body.duration if body and body.duration else int(row["lease_s"] or 0))
+    await _exact_lease(ctx, who, sandbox_id, body.duration if body and body.duration else int(row["lease_s"] or 0))
     return Response(status_code=204)
 
 
@@ -303,13 +352,15 @@ async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
 
 
 async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: Principal) -> JSONResponse:
+    """Resume a paused (or suspended) sandbox; ``timeout`` sets a resumed sandbox's lease and only extends a
+    running one's, as E2B's connect does."""
     row = await _row(ctx, who, sandbox_id)
     status = 200
-    if row["state"] == "paused":
-        await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    if E2B_STATES[row["state"]] == "paused":
+        await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True, fallback=False)
         status = 201
     if timeout is not None:
-        await sandboxes.set_timeout(sandbox_id, LeaseUpdate(lease_s=max(MIN_TIMEOUT_S, timeout)), ctx, who)
+        await _exact_lease(ctx, who, sandbox_id, timeout, only_extend=status == 200)
     return JSONResponse(_sandbox(ctx, sandbox_id, row["template"]), status_code=status)
 
 
@@ -329,7 +380,7 @@ async def connect_v2(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBod
 async def resume(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
     """Resume a paused sandbox -> 201 ``Sandbox``; 409 when it is not paused."""
     row = await _row(ctx, who, sandbox_id)
-    if row["state"] != "paused":
+    if E2B_STATES[row["state"]] != "paused":
         raise InvalidState(f"sandbox {sandbox_id} is not paused", details={"state": row["state"]})
     return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
 
@@ -354,12 +405,8 @@ def parse_metrics(line: str, now: datetime) -> dict[str, Any]:
             "diskUsed": disk_used, "diskTotal": disk_total}
 
 
-@router.get("/sandboxes/{sandbox_id}/metrics")
-async def metrics(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
-    """One sample taken now in the guest -> 200 ``[SandboxMetric]`` (an empty list while it is paused)."""
-    row = await _row(ctx, who, sandbox_id)
-    if row["state"] != "running":
-        return JSONResponse([])
+async def _sample(ctx: ApiContext, who: Principal, sandbox_id: str) -> dict[str, Any]:
+    """One metrics sample taken now in the guest (``Unavailable`` when the node or guest does not answer)."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
     try:
         resp = await ctx.nodes_http.post(
@@ -370,6 +417,40 @@ async def metrics(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
         raise Unavailable("the sandbox's node did not answer; retry shortly") from exc
     result = resp.json() if resp.status_code == 200 else {}
     try:
-        return JSONResponse([parse_metrics(str(result.get("stdout", "")), datetime.now(UTC))])
+        return parse_metrics(str(result.get("stdout", "")), datetime.now(UTC))
     except ValueError as exc:
         raise Unavailable("the guest did not report its metrics") from exc
+
+
+def _unix(raw: int | None) -> datetime | None:
+    return datetime.fromtimestamp(raw, UTC) if raw is not None else None
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(sandbox_id: str, ctx: CtxDep, who: WhoDep, start: int | None = Query(None, ge=0),
+                  end: int | None = Query(None, ge=0)) -> JSONResponse:
+    """The sandbox's metrics samples from ``start`` to ``end`` (unix seconds, both inclusive; default: all
+    kept), oldest first -> 200 ``[SandboxMetric]``. A running sandbox is sampled now (CPU over 0.2 s) unless
+    it was sampled within the last second; the newest ``METRICS_KEEP`` samples are kept. A paused sandbox
+    answers the samples kept so far."""
+    row = await _row(ctx, who, sandbox_id)
+    if row["state"] == "running" and not await ctx.pool.fetchval(
+            "SELECT true FROM e2b_metrics WHERE sandbox_id=$1 AND at > now() - interval '1 second'", sandbox_id):
+        sample = await _sample(ctx, who, sandbox_id)
+        await ctx.pool.execute(
+            "WITH i AS (INSERT INTO e2b_metrics (sandbox_id, at, sample) VALUES ($1, $2, $3)"
+            " ON CONFLICT DO NOTHING)"
+            " DELETE FROM e2b_metrics WHERE sandbox_id=$1 AND at < (SELECT at FROM e2b_metrics WHERE sandbox_id=$1"
+            " ORDER BY at DESC OFFSET $4 LIMIT 1)",
+            sandbox_id, datetime.fromisoformat(sample["timestamp"].replace("Z", "+00:00")), sample, METRICS_KEEP - 2)
+    rows = await ctx.pool.fetch(
+        "SELECT sample FROM e2b_metrics WHERE sandbox_id=$1 AND ($2::timestamptz IS NULL OR at >= $2)"
+        " AND ($3::timestamptz IS NULL OR at < $3 + interval '1 second') ORDER BY at", sandbox_id,
+        _unix(start), _unix(end))
+    return JSONResponse([r["sample"] for r in rows])
+
+
+@fallback_router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+async def unknown(path: str) -> JSONResponse:
+    """Any other ``/e2b`` path -> 404 in E2B's shape."""
+    return error_body(404, f"/{path} was not found: podbay does not serve this E2B route")

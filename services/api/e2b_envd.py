@@ -7,7 +7,8 @@ One endpoint serves every sandbox. The SDK reaches it in one of two ways:
 
 ``EnvdRouting`` (ASGI middleware) rewrites such a request to ``/e2b/envd/{sandbox_id}/<path>``, which this
 router authorises with ``X-Access-Token`` (the sandbox's envd access token, ``e2b.envd_access_token``),
-checks that the sandbox runs (renewing its lease, like every data-plane call), adds the sandbox's default
+checks that the sandbox runs (renewing its lease, like every data-plane call; ``GET /health`` is answered
+here and renews nothing, and a sandbox created with ``autoResume`` is resumed first), adds the sandbox's default
 command environment (``x-podbay-e2b-env``, from the create call's ``envVars``) and streams through to the
 node's ``/internal/e2b/{sandbox_id}/<path>`` with ``dataplane.proxy``. Only envd's port (49983) exists:
 another port answers 502 "port is not open". A sandbox that is gone or paused answers 502 "... was not
@@ -33,6 +34,7 @@ from . import dataplane
 from .auth import Principal
 from .context import ApiContext
 from .e2b import envd_access_token, error_body
+from .suspend import auto_resume
 
 __all__ = ["router", "EnvdRouting", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
 
@@ -96,14 +98,23 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     if not hmac.compare_digest(token.encode(), expected.encode()):
         return error_body(401, "missing or invalid X-Access-Token for this sandbox")
     row = await ctx.pool.fetchrow(
-        "SELECT s.tenant_id, e.env_vars FROM sandboxes s LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
-        " WHERE s.id = $1", sandbox_id)
+        "SELECT s.tenant_id, s.state, e.env_vars, COALESCE(e.auto_resume, false) AS auto_resume FROM sandboxes s"
+        " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id WHERE s.id = $1", sandbox_id)
     if row is None:
         return error_body(502, f"The sandbox {sandbox_id} was not found")
     tenant = row["tenant_id"]
+    if path == "health" and request.method == "GET":
+        # A health probe is not activity: answered here, it leaves the lease alone (E2B renews a sandbox's
+        # timeout only when asked to).
+        if row["state"] == "running":
+            return Response(status_code=204)
+        return error_body(502, f"The sandbox {sandbox_id} was not found: it is {row['state']}")
+    who = Principal(tenant_id=tenant, key_id="envd-token")
     try:
-        base, gen, guest_env = await dataplane.lookup(ctx, Principal(tenant_id=tenant, key_id="envd-token"),
-                                                      sandbox_id, SandboxCommand.EXEC)
+        if row["auto_resume"] and row["state"] in ("paused", "suspended"):
+            # Created with autoResume: envd traffic wakes the paused sandbox (without it, only connect does).
+            await auto_resume(ctx, who, sandbox_id)
+        base, gen, guest_env = await dataplane.lookup(ctx, who, sandbox_id, SandboxCommand.EXEC)
     except (NotFound, InvalidState) as exc:
         return error_body(502, f"The sandbox {sandbox_id} was not found: {exc.message}")
     except PodbayError as exc:

@@ -180,7 +180,8 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     async def write_file(sandbox_id: str, request: Request, path: str = Query(...),
                          mode: str = Query("0644")) -> FileInfo:
         ch = manager.channel(sandbox_id, _gen(request))
-        res = await ch.write_file(path, request.stream(), mode=int(mode, 8))
+        # Missing parent directories are made, as E2B's files API does.
+        res = await ch.write_file(path, request.stream(), mode=int(mode, 8), parents=True)
         return _file_info(path, res)
 
     @app.delete(base + "/files", status_code=204)

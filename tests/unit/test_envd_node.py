@@ -193,3 +193,42 @@ async def test_process_tables_of_deleted_sandboxes_are_dropped(envd_app: EnvdApp
     del envd_app.manager.vms["sbx_two"]
     assert (await _unary(client, "process.Process/List", {})).status_code == 200
     assert set(envd_app.tables) == {SBX}
+
+
+async def test_remove_of_a_missing_path_succeeds_as_in_envd(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    r = await _unary(client, "filesystem.Filesystem/Remove", {"path": str(tmp_path / "never-made")})
+    assert r.status_code == 200, r.text
+
+
+async def test_relative_cwd_is_taken_from_the_users_home(client: httpx.AsyncClient) -> None:
+    msgs = await _stream(client, "process.Process/Start",
+                         {"process": {"cmd": "/bin/sh", "args": ["-c", "pwd"], "cwd": "../tmp"}},
+                         lambda m: "end" in m.get("event", {}))
+    out = b"".join(base64.b64decode(m["event"]["data"].get("stdout", "")) for m in msgs if "data" in m["event"])
+    assert out == b"/tmp\n"  # root's home is /root: /root/../tmp
+
+
+async def test_stream_ends_with_deadline_exceeded_at_connect_timeout_ms(client: httpx.AsyncClient) -> None:
+    msgs = await _stream(client, "process.Process/Start", {"process": {"cmd": "/bin/sleep", "args": ["30"]}},
+                         lambda m: False, headers={"connect-timeout-ms": "700"})
+    assert msgs[-1]["_end"]["error"]["code"] == "deadline_exceeded"
+    pid = msgs[0]["event"]["start"]["pid"]
+    # The process outlives the stream, as with envd.
+    r = await _unary(client, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+    assert r.status_code == 200
+
+
+async def test_kill_right_after_a_pty_start_kills_the_shell(ch: GuestChannel) -> None:  # noqa: F811
+    import signal
+
+    from podbay.contracts.channel import ExecSpec, PtySize
+
+    # What envd's SendSignal does (proc_signal) at once after Start: the terminal's process may not have
+    # made its process group yet, and the kill must still land.
+    for _ in range(5):
+        handle = ch.exec(ExecSpec(argv=["/bin/bash", "-l"], keep=True, pty=PtySize(cols=80, rows=24)))
+        async with handle:
+            pid = await handle.started()
+            await ch.proc_signal(pid, signal.SIGKILL)
+            ex = await handle.wait()
+        assert ex.exit_code == -signal.SIGKILL, ex

@@ -258,6 +258,14 @@ async def test_write_from_iterator_append_and_owner(ch: GuestChannel, tmp_path: 
     assert (st["uid"], st["gid"]) == (65534, 65534)
 
 
+async def test_write_with_parents_makes_missing_directories(ch: GuestChannel, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        await ch.write_file(str(tmp_path / "no" / "f"), b"x")
+    st = await ch.write_file(str(tmp_path / "a" / "b" / "f"), b"x", user="nobody", parents=True)
+    assert (tmp_path / "a" / "b" / "f").read_bytes() == b"x" and st["uid"] == 65534
+    assert (tmp_path / "a").stat().st_uid == 65534 and (tmp_path / "a" / "b").stat().st_uid == 65534
+
+
 async def test_stat_list_mkdir_remove(ch: GuestChannel, tmp_path: Path) -> None:
     deep = tmp_path / "a" / "b" / "c"
     st = await ch.mkdir(str(deep))

@@ -66,11 +66,15 @@ class FileOps(Transport):
         *,
         append: bool = False,
         user: str | int | None = None,
+        parents: bool = False,
     ) -> dict[str, Any]:
         """Write a file atomically (temp file + rename; ``append`` writes in place) -> FileStat dict.
-        Raises NotFound (missing parent), InvalidRequest (is_a_directory, not_a_directory, an existing
-        path that is not a regular file), GuestError (permission_denied, ...), Timeout."""
+        With ``parents`` the guest first makes missing parent directories (a guest older than that option
+        ignores it). Raises NotFound (missing parent), InvalidRequest (is_a_directory, not_a_directory, an
+        existing path that is not a regular file), GuestError (permission_denied, ...), Timeout."""
         args: dict[str, Any] = {"path": path, "mode": mode, "append": append}
+        if parents:
+            args["parents"] = True
         if user is not None:
             args["user"] = user
         stream = self.open_stream(Op.WRITE, args)

@@ -8,6 +8,7 @@ import typer
 
 from podbay.cli._common import handle_errors, state
 from podbay.clientconfig import load_client_config
+from podbay.contracts.e2b import to_e2b_key
 
 __all__ = ["env"]
 
@@ -18,7 +19,8 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
     """Print `export PODBAY_API_URL=...` and `export PODBAY_API_KEY=...`; use `eval "$(podbay env)"`.
 
     With `--e2b`: `E2B_API_URL` (the API's `/e2b`), `E2B_SANDBOX_URL` (the API, which routes envd traffic
-    by the `E2b-Sandbox-Id` header) and `E2B_API_KEY` (the podbay key) (docs/e2b.md)."""
+    by the `E2b-Sandbox-Id` header) and `E2B_API_KEY` (the podbay key in its `e2b_` alias form, which E2B SDKs that check a key's shape
+    accept) (docs/e2b.md)."""
     st = state(ctx)
     cfg = load_client_config(st.api_url, st.api_key)
     base = cfg.api_url.rstrip("/")
@@ -26,7 +28,7 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
         print(f"export E2B_API_URL={shlex.quote(base + '/e2b')}")
         print(f"export E2B_SANDBOX_URL={shlex.quote(base)}")
         if cfg.api_key:
-            print(f"export E2B_API_KEY={shlex.quote(cfg.api_key)}")
+            print(f"export E2B_API_KEY={shlex.quote(to_e2b_key(cfg.api_key))}")
         return
     print(f"export PODBAY_API_URL={shlex.quote(cfg.api_url)}")
     if cfg.api_key:

@@ -135,10 +135,12 @@ class FilesystemService:
         return pb.ListDirResponse(entries=sorted(out, key=lambda e: e.path))
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> pb.RemoveResponse:
-        """Remove a file or a directory with its contents."""
+        """Remove a file or a directory with its contents; a path that does not exist is no error (envd)."""
         _, ch, user = self._ctx(ctx)
         try:
             await ch.remove(resolve_path(request.path, user), recursive=True)
+        except NotFound:
+            pass
         except PodbayError as exc:
             raise connect_error(exc) from exc
         return pb.RemoveResponse()
@@ -154,7 +156,8 @@ class FilesystemService:
 
     async def watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext[Any, Any]
                         ) -> AsyncIterator[pb.WatchDirResponse]:
-        """A start event once the watch is armed, then one event per change, keepalives in between."""
+        """A start event once the watch is armed, then one event per change, keepalives in between; ends with
+        DEADLINE_EXCEEDED when the request's ``Connect-Timeout-Ms`` passes."""
         _, ch, user = self._ctx(ctx)
         try:
             watch = await self._open_watch(ch, resolve_path(request.path, user), request.recursive)
@@ -166,9 +169,14 @@ class FilesystemService:
             yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
             while True:
                 pending = pending or asyncio.ensure_future(it.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=_KEEPALIVE_S)
+                left = ctx.timeout_ms  # Connect-Timeout-Ms: the stream ends when it passes, as envd's does
+                if left is not None and left <= 0:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, "the stream's deadline (Connect-Timeout-Ms) passed")
+                wait_s = _KEEPALIVE_S if left is None else min(_KEEPALIVE_S, left / 1000.0)
+                done, _ = await asyncio.wait({pending}, timeout=wait_s)
                 if not done:
-                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                    if left is None or left / 1000.0 > _KEEPALIVE_S:
+                        yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
                     continue
                 try:
                     ev = pending.result()

@@ -28,6 +28,7 @@ from podbay.channel.client import ExecProcess, GuestChannel
 from podbay.contracts.channel import ExecSpec, KeptProcess, PtySize
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
+from .filesystem import resolve_path
 from .proto.process import process_pb as pb
 from .translate import (
     DEFAULT_USER,
@@ -157,14 +158,21 @@ class ProcessTable:
 
 
 async def _stream(proc: Proc, q: asyncio.Queue[Event | None], first: pb.ProcessEvent,
-                  keepalive_s: float) -> AsyncIterator[pb.ProcessEvent]:
+                  keepalive_s: float, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.ProcessEvent]:
+    """The events for one subscriber; ends with DEADLINE_EXCEEDED when the request's ``Connect-Timeout-Ms``
+    passes (the process keeps running, as with envd)."""
     try:
         yield first
         while True:
+            left = ctx.timeout_ms
+            if left is not None and left <= 0:
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "the stream's deadline (Connect-Timeout-Ms) passed")
+            wait_s = keepalive_s if left is None else min(keepalive_s, left / 1000.0)
             try:
-                item = await asyncio.wait_for(q.get(), keepalive_s)
+                item = await asyncio.wait_for(q.get(), wait_s)
             except TimeoutError:
-                yield pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive()))
+                if left is None or left / 1000.0 > keepalive_s:
+                    yield pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive()))
                 continue
             if item is None:
                 return
@@ -220,7 +228,9 @@ class ProcessService:
             user = user_from_authorization(ctx.request_headers.get("authorization")) or DEFAULT_USER
             pty = request.pty.size if request.pty is not None else None
             env = {**default_env(ctx.request_headers.get(ENV_HEADER)), **dict(cfg.envs)}
-            spec = ExecSpec(argv=[cfg.cmd, *cfg.args], env=env, cwd=cfg.cwd, user=user,
+            # A relative cwd is taken from the user's home, as envd does.
+            cwd = resolve_path(cfg.cwd, user) if cfg.cwd else None
+            spec = ExecSpec(argv=[cfg.cmd, *cfg.args], env=env, cwd=cwd, user=user,
                             stdin=bool(request.stdin), keep=True, tag=request.tag,
                             pty=PtySize(cols=pty.cols or 80, rows=pty.rows or 24) if pty is not None else None)
             handle = ch.exec(spec)
@@ -237,7 +247,7 @@ class ProcessService:
         q = proc.subscribe()
         table.add(proc, handle)
         first = pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=pid)))
-        async for ev in _stream(proc, q, first, _keepalive_s(ctx)):
+        async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx):
             yield pb.StartResponse(event=ev)
 
     async def connect(self, request: pb.ConnectRequest, ctx: RequestContext[Any, Any]
@@ -250,7 +260,7 @@ class ProcessService:
             raise connect_error(exc) from exc
         q = proc.subscribe()
         first = pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=proc.pid)))
-        async for ev in _stream(proc, q, first, _keepalive_s(ctx)):
+        async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx):
             yield pb.ConnectResponse(event=ev)
 
     async def _on(self, ctx: RequestContext[Any, Any], process: Any,

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from starlette.types import Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 __all__ = ["HOP_BY_HOP", "ERROR_HEADER", "json_error", "forwarded_headers", "request_body", "relay_response",
            "deny", "relay_websocket", "Answer"]
@@ -116,17 +116,16 @@ async def relay_websocket(scope: Scope, receive: Receive, send: Send, uri: str, 
     counts = {"in": 0, "out": 0}
     try:
         upstream = await connect(uri, sock=sock, additional_headers=headers,
-                                 subprotocols=scope.get("subprotocols") or None,  # type: ignore[arg-type]
-                                 origin=origin.decode("latin-1") if origin else None,  # type: ignore[arg-type]
+                                 subprotocols=scope.get("subprotocols") or None,
+                                 origin=origin.decode("latin-1") if origin else None,
                                  max_size=None, compression=None, ping_interval=None, open_timeout=30,
                                  user_agent_header=None)
     except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status is not None and status != 101:
-            resp = exc.response  # type: ignore[attr-defined]
+        if isinstance(exc, InvalidStatus):  # the upstream answered the handshake with another status: pass it on
+            resp = exc.response
             hdrs = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.raw_items()
                     if k.lower() not in drop]
-            await deny(scope, receive, send, status, hdrs, bytes(resp.body or b""))
+            await deny(scope, receive, send, resp.status_code, hdrs, bytes(resp.body or b""))
         else:
             await deny(scope, receive, send, *json_error(502, "port_not_open",
                                                           f"the WebSocket upstream refused: {type(exc).__name__}"))

@@ -45,6 +45,7 @@ from podbay.contracts.states import SandboxCommand
 from podbay.errors import InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
 
 from . import dataplane, sandboxes
+from .ports import e2b_traffic
 from .auth import Principal, authenticate
 from .context import ApiContext
 from .deps import ctx_dep
@@ -126,6 +127,8 @@ class NewSandbox(_Body):
     auto_resume: dict[str, Any] | None = Field(None, alias="autoResume", description="{\"enabled\": bool}")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
+    # network.allowPublicTraffic (false: ports need trafficAccessToken); other network keys are ignored.
+    network: dict[str, Any] | None = None
 
 
 class TimeoutBody(_Body):
@@ -207,7 +210,9 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
                                info.id, body.env_vars or {}, auto_resume)
     if body.timeout is not None and body.timeout < 10:
         await _exact_lease(ctx, who, info.id, body.timeout)
-    return JSONResponse(_sandbox(ctx, info.id, info.template), status_code=201)
+    out = _sandbox(ctx, info.id, info.template)
+    out.update(await e2b_traffic(ctx, info.id, body.network))  # services/api/ports.py
+    return JSONResponse(out, status_code=201)
 
 
 @router.post("/sandboxes")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request
 
@@ -90,3 +90,13 @@ async def port_url(sandbox_id: str, port: PortPath, request: Request, ctx: CtxDe
     url, path_url = pa.port_url(sandbox_id, port, scheme=scheme, domain=ctx.settings.ports_domain, api_host=host)
     return PortUrl(port=port, url=url, path_url=path_url, public=bool(public),
                    token=pa.traffic_token(ctx.settings.internal_token, sandbox_id))
+
+
+async def e2b_traffic(ctx: ApiContext, sandbox_id: str, network: dict[str, Any] | None) -> dict[str, str]:
+    """E2B's create option ``network.allowPublicTraffic`` (default true): record it for the edge and answer
+    the fields E2B's ``Sandbox`` adds: ``trafficAccessToken`` when the sandbox's ports need it
+    (``e2b-traffic-access-token``), nothing otherwise."""
+    public = not (isinstance(network, dict) and network.get("allowPublicTraffic") is False)
+    await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, allow_public_traffic) VALUES ($1, $2)"
+                           " ON CONFLICT (sandbox_id) DO UPDATE SET allow_public_traffic = $2", sandbox_id, public)
+    return {} if public else {"trafficAccessToken": pa.e2b_traffic_token(ctx.settings.internal_token, sandbox_id)}

@@ -221,8 +221,10 @@ class PortsEdge:
             if who.tenant_id == row["tenant_id"]:
                 return "private", True
             raise _Stop(403, "forbidden", f"that API key does not open sandbox {route.sandbox_id}")
-        if any(given):
-            raise _Stop(403, "forbidden", f"that token does not open sandbox {route.sandbox_id}")
+        if any(given) or route.mode == "e2b":  # E2B answers a missing traffic token 403 too
+            raise _Stop(403, "forbidden", f"that token does not open sandbox {route.sandbox_id}"
+                        if any(given) else f"port {route.port} of sandbox {route.sandbox_id} needs the "
+                        f"{pa.E2B_TOKEN_HEADER} header")
         raise _Stop(401, "unauthorized", f"port {route.port} of sandbox {route.sandbox_id} is private: send its "
                     f"traffic token in {pa.TOKEN_HEADER} (or ?{pa.TOKEN_QUERY}=), or an API key of its tenant")
 

@@ -137,7 +137,7 @@ class PortsProxy:
         # httpx has no seam for a connection's socket, and its socket_options are applied after connect(),
         # too late for the SYN that nftables judges: its pool is swapped for one on a backend that marks
         # sockets before connecting (the pool is httpx's documented engine, httpcore).
-        transport._pool = httpcore.AsyncConnectionPool(  # type: ignore[assignment]
+        transport._pool = httpcore.AsyncConnectionPool(
             max_connections=1000, max_keepalive_connections=100, keepalive_expiry=30,
             network_backend=_MarkedBackend())
         # trust_env=False: the node's proxy settings must never route guest traffic elsewhere.

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from e2e_http import api_client, new_sandbox, sh, until
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 pytestmark = pytest.mark.e2e
@@ -156,9 +157,10 @@ def test_a_websocket_echo_works(stack: Any, box: Any) -> None:
         assert ws.recv(timeout=30) == "hello"
         ws.send(b"\x00\x01binary" * 100)
         assert ws.recv(timeout=30) == b"\x00\x01binary" * 100
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidStatus) as refused:
         with ws_connect(url, open_timeout=30):
-            pass  # no token: the handshake is refused
+            pass
+    assert refused.value.response.status_code == 401  # no token: the handshake is refused
 
 
 def test_another_tenants_token_or_key_never_opens_the_sandbox(stack: Any, box: Any) -> None:
@@ -193,3 +195,51 @@ def test_a_paused_sandbox_wakes_on_a_request(stack: Any, box: Any) -> None:
     assert r.status_code == 200 and r.text == "hello-8000\n"
     assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
 
+
+
+def test_the_sdk_and_cli_list_ports_and_print_the_url_and_token(stack: Any, box: Any) -> None:
+    _, sid, token = box
+    from podbay import Sandbox
+
+    sb = Sandbox.connect(sid, api_url=stack.api_url, api_key=stack.api_key)
+    assert 8000 in [p.port for p in sb.ports().ports if p.listening]
+    assert sb.url(8000).token == token
+    env = {**stack.env, "PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": stack.api_key}
+    exe = Path(sys.executable).with_name("podbay")
+    out = subprocess.run([str(exe), "sandbox", "url", sid, "8000"], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0].startswith(f"http://8000-{_label(sid)}.localhost:") and out[2].endswith(token)
+    out = subprocess.run([str(exe), "sandbox", "ports", sid], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "8000" in out and "private" in out
+
+
+def test_e2b_get_host_and_its_traffic_access_token(stack: Any, box: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import e2b
+
+    _, podbay_sid, _ = box
+    domain = stack.env.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test")
+    # A podbay sandbox is not opened through E2B's hosts without a token.
+    r = httpx.get(f"{stack.api_url}/index.txt", headers={"host": f"8000-{podbay_sid}.{domain}"}, timeout=60)
+    assert r.status_code == 403, r.text
+    for k, v in {"E2B_API_URL": f"{stack.api_url}/e2b", "E2B_SANDBOX_URL": stack.api_url,
+                 "E2B_API_KEY": stack.api_key}.items():
+        monkeypatch.setenv(k, v)
+    sb = e2b.Sandbox.create(template="base", timeout=600, network={"allow_public_traffic": False})
+    try:
+        assert sb.traffic_access_token
+        sb.commands.run("mkdir -p /tmp/e && echo e2b > /tmp/e/index.txt && "
+                        "(setsid python3 -m http.server 8003 --directory /tmp/e >/dev/null 2>&1 </dev/null &)")
+        host = sb.get_host(8003)
+        assert host == f"8003-{sb.sandbox_id}.{domain}"
+
+        def get(headers: dict[str, str]) -> httpx.Response:
+            return httpx.get(f"{stack.api_url}/index.txt", headers={"host": host, **headers}, timeout=60)
+
+        r = until("E2B's host answers", lambda: (x := get({"e2b-traffic-access-token": sb.traffic_access_token}))
+                  .status_code == 200 and x, 60)
+        assert r.text == "e2b\n"
+        assert get({}).status_code == 403
+        assert get({"e2b-traffic-access-token": "0" * 64}).status_code == 403
+    finally:
+        sb.kill()

@@ -172,3 +172,52 @@ def timeout(
     """Renew a sandbox's lease; prints when it now runs out."""
     info = client(ctx).set_timeout(sandbox_id, seconds, on_expiry)
     print(info.lease_expires_at.isoformat(timespec="seconds") if info.lease_expires_at else "")
+
+
+@app.command("ports")
+@handle_errors
+def ports(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the guest's listening TCP ports (and ports made public), as a table or JSON."""
+    listed = client(ctx).list_ports(sandbox_id).ports
+    if as_json:
+        print_json(listed)
+        return
+    print_table(["port", "listening", "addresses", "reachable", "access"],
+                ((p.port, "yes" if p.listening else "no", ",".join(p.addresses) or None,
+                  "yes" if p.reachable else "no (loopback only)" if p.listening else None,
+                  "public" if p.public else "private") for p in listed))
+
+
+@app.command("url")
+@handle_errors
+def url(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    port: int = typer.Argument(..., metavar="PORT", min=1, max=65535),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Print where guest PORT answers through the API (host form, then path form) and its access token."""
+    info = client(ctx).port_url(sandbox_id, port)
+    if as_json:
+        print_json(info)
+        return
+    print(info.url)
+    print(info.path_url)
+    print(f"{info.header}: {info.token}" + ("  (public: no token needed)" if info.public else ""))
+
+
+@app.command("expose")
+@handle_errors
+def expose(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    port: int = typer.Argument(..., metavar="PORT", min=1, max=65535),
+    private: bool = typer.Option(False, "--private", help="Make the port private again (the default)."),
+) -> None:
+    """Make guest PORT public (anyone with its URL, still rate-limited and logged), or --private again."""
+    info = client(ctx).set_port_public(sandbox_id, port, not private)
+    print(f"port {info.port}: {'public' if info.public else 'private'}")

@@ -41,6 +41,8 @@ from podbay.contracts.events import EventOut
 from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
+from podbay.sdk import _ports as ports_calls
+from podbay.contracts.api import PortAccess, PortList, PortUrl
 from podbay.sdk import _schedules as sched
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
@@ -165,6 +167,21 @@ class AsyncClient:
     async def set_network(self, sandbox_id: str, policy: NetworkArg) -> NetworkInfo:
         """Replace the sandbox's egress policy; the gateway applies it from the next connection."""
         return await self._call(access.set_network_call(sandbox_id, policy))
+
+    # guest ports (podbay.sdk._ports)
+
+    async def list_ports(self, sandbox_id: str) -> PortList:
+        """The guest's listening TCP ports (and ports with a setting), each with ``public`` and ``reachable``."""
+        return await self._call(ports_calls.list_ports_call(sandbox_id))
+
+    async def port_url(self, sandbox_id: str, port: int) -> PortUrl:
+        """Where guest ``port`` answers through the API's edge (``url``, ``path_url``) and the traffic
+        ``token`` that opens it (header ``X-Podbay-Access-Token``)."""
+        return await self._call(ports_calls.port_url_call(sandbox_id, port))
+
+    async def set_port_public(self, sandbox_id: str, port: int, public: bool) -> PortAccess:
+        """Open ``port`` to anyone with its URL (still rate-limited and logged), or make it private again."""
+        return await self._call(ports_calls.set_port_public_call(sandbox_id, port, public))
 
     async def get_template_network(self, template: str) -> NetworkInfo:
         """The template's default egress policy."""
@@ -494,6 +511,14 @@ class AsyncSandbox:
         """``async for event in sb.events(follow=True)``: this sandbox's lifecycle events (``Client.events``)."""
         return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
 
+
+    async def ports(self) -> PortList:
+        """This sandbox's listening ports: see ``Client.list_ports``."""
+        return await self._client.list_ports(self.id)
+
+    async def url(self, port: int) -> PortUrl:
+        """Where ``port`` of this sandbox answers, and its token: see ``Client.port_url``."""
+        return await self._client.port_url(self.id, port)
 
     async def network(self) -> NetworkInfo:
         """This sandbox's effective egress policy."""

@@ -47,8 +47,24 @@ def _mode(args: dict[str, Any], default: int) -> int:
     return mode
 
 
-def stat_dict(path: str, st: os.stat_result) -> dict[str, Any]:
-    """The ``FileStat`` shape for ``path`` from an lstat result."""
+def _xattrs(path: str, prefix: str) -> dict[str, str]:
+    """The extended attributes of ``path`` (not following a symlink) whose names start with ``prefix``;
+    {} where the filesystem has none. Values are read as UTF-8 (undecodable bytes replaced)."""
+    out: dict[str, str] = {}
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(prefix):
+            with contextlib.suppress(OSError):
+                out[name] = os.getxattr(path, name, follow_symlinks=False).decode(errors="replace")
+    return out
+
+
+def stat_dict(path: str, st: os.stat_result, xattrs: str | None = None) -> dict[str, Any]:
+    """The ``FileStat`` shape for ``path`` from an lstat result; with ``xattrs`` (a name prefix such as
+    ``user.``) also the extended attributes whose names start with it."""
     if stat.S_ISREG(st.st_mode):
         kind = "file"
     elif stat.S_ISDIR(st.st_mode):
@@ -66,24 +82,35 @@ def stat_dict(path: str, st: os.stat_result) -> dict[str, Any]:
         "mtime": st.st_mtime,
         "uid": st.st_uid,
         "gid": st.st_gid,
+        **({"xattrs": _xattrs(path, xattrs)} if xattrs is not None else {}),
     }
 
 
-def _lstat(path: str) -> dict[str, Any]:
+def _lstat(path: str, xattrs: str | None = None) -> dict[str, Any]:
     try:
-        return stat_dict(path, os.lstat(path))
+        return stat_dict(path, os.lstat(path), xattrs)
     except OSError as exc:
         raise from_oserror(exc, path) from exc
 
 
+def _xattr_prefix(args: dict[str, Any]) -> str | None:
+    prefix = args.get("xattrs")
+    if prefix is not None and not isinstance(prefix, str):
+        raise OpError("invalid", "xattrs must be a name prefix")
+    return prefix
+
+
 def op_stat(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``stat {path}`` -> FileStat (symlinks not followed)."""
-    return _lstat(_path(args))
+    """``stat {path, xattrs=null}`` -> FileStat (symlinks not followed; with ``xattrs``, a name prefix, the
+    extended attributes whose names start with it)."""
+    return _lstat(_path(args), _xattr_prefix(args))
 
 
 def op_list(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``list {path}``: one level, sorted by name, as JSON lines in DATA fd 3; RESULT ``{"count"}``."""
+    """``list {path, xattrs=null}``: one level, sorted by name, as JSON lines in DATA fd 3 (with ``xattrs``
+    as for ``stat``); RESULT ``{"count"}``."""
     path = _path(args)
+    prefix = _xattr_prefix(args)
     try:
         with os.scandir(path) as it:
             entries = sorted(it, key=lambda e: e.name)
@@ -93,7 +120,7 @@ def op_list(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
     size = count = 0
     for entry in entries:
         try:
-            line = json.dumps(stat_dict(entry.path, entry.stat(follow_symlinks=False))).encode() + b"\n"
+            line = json.dumps(stat_dict(entry.path, entry.stat(follow_symlinks=False), prefix)).encode() + b"\n"
         except OSError:
             continue  # vanished while listing
         if size + len(line) > frames.CHUNK_SIZE and batch:
@@ -165,12 +192,18 @@ def _check_write_target(path: str, st: os.stat_result | None = None) -> None:
 
 
 def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
-    """``write {path, mode=0o644, append=False, user=None, parents=False}`` then DATA fd 3 ... EOF -> FileStat.
+    """``write {path, mode=0o644, append=False, user=None, parents=False, xattrs=null}`` then DATA fd 3 ...
+    EOF -> FileStat.
 
     An existing ``path`` must be a regular file or a symlink to one (else ERROR invalid, or
     is_a_directory for a directory). With ``parents`` missing parent directories are made first (as
-    ``mkdir``, belonging to ``user`` when given)."""
+    ``mkdir``, belonging to ``user`` when given). ``xattrs`` (``{name: value}``, names in the ``user.``
+    namespace) are set on the file before it takes its place."""
     path = _path(args)
+    xattrs = args.get("xattrs") or {}
+    if not isinstance(xattrs, dict) or not all(
+            isinstance(k, str) and k.startswith("user.") and isinstance(v, str) for k, v in xattrs.items()):
+        raise OpError("invalid", "xattrs must map user.* names to strings")
     mode = _mode(args, 0o644)
     append = _flag(args, "append", False)
     owner = resolve_user(args["user"]) if args.get("user") is not None else None
@@ -215,6 +248,8 @@ def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         try:
             if owner is not None:
                 os.fchown(fd, owner[0], owner[1])
+            for name, value in xattrs.items():
+                os.setxattr(fd, name, value.encode())
             os.fsync(fd)
             os.close(fd)
             fd = -1
@@ -229,7 +264,7 @@ def op_write(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
         if tmp is not None and not done:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return _lstat(path)
+    return _lstat(path, "user." if xattrs else None)
 
 
 def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:

@@ -54,8 +54,10 @@ from .errors import BAD_TEXT_MESSAGE, retry_headers
 __all__ = ["router", "fallback_router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
 
 # The envd protocol version podbay's envd API speaks: the SDK enables features by it (default user,
-# closing stdin, octet-stream uploads, entries in watch events).
-ENVD_VERSION = "0.6.3"
+# closing stdin, octet-stream uploads, file metadata (0.6.2), entries in watch events (0.6.3), watching
+# network mounts (0.6.4: podbay's watcher scans, so any filesystem can be watched)). Never raise it past a
+# feature podbay lacks.
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "podbay"
 # podbay states -> E2B's two; the others are not listed (and answer 404 where E2B has no word for them).
 E2B_STATES = {"pending": "running", "starting": "running", "running": "running", "paused": "paused",
@@ -196,6 +198,10 @@ async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
 
 
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
+    from .e2b_snapshots import create_from_snapshot, is_snapshot_id  # it builds on this module
+
+    if is_snapshot_id(body.template_id):  # Sandbox.create(snapshot_id)
+        return await create_from_snapshot(body.template_id, body.timeout, ctx, who)
     try:
         req = SandboxCreate(template=body.template_id, metadata=body.metadata or {},
                             lease_s=_lease(body.timeout, ctx), on_lease_expiry="pause" if body.auto_pause else "delete")

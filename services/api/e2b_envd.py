@@ -13,14 +13,20 @@ command environment (``x-podbay-e2b-env``, from the create call's ``envVars``) a
 node's ``/internal/e2b/{sandbox_id}/<path>`` with ``dataplane.proxy``. Only envd's port (49983) exists:
 another port answers 502 "port is not open". A sandbox that is gone or paused answers 502 "... was not
 found", which the SDK reports as a sandbox that is not running.
+
+``GET``/``POST /files`` without the token may carry instead the signature of E2B's ``download_url`` /
+``upload_url`` (``signature``, optional ``signature_expiration``: ``file_signature``); a wrong or expired
+one answers 401.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import hmac
 import json
 import re
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -36,7 +42,7 @@ from .context import ApiContext
 from .e2b import envd_access_token, error_body
 from .suspend import auto_resume
 
-__all__ = ["router", "EnvdRouting", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
+__all__ = ["router", "EnvdRouting", "file_signature", "check_file_signature", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
 
 ENVD_PORT = 49983
 PREFIX = "/e2b/envd"
@@ -51,6 +57,29 @@ _RETURN = ("content-type", "content-length", "content-encoding", "content-dispos
            "connect-accept-encoding", "grpc-status", "grpc-message")
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+
+def file_signature(path: str, operation: str, user: str, access_token: str, expiration: int | None) -> str:
+    """E2B's v1 signature of a file URL: ``v1_`` + unpadded base64 of SHA-256 over
+    ``path:operation:user:token[:expiration]`` (``user`` empty for the default user)."""
+    raw = f"{path}:{operation}:{user}:{access_token}" + (f":{expiration}" if expiration is not None else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+
+
+def check_file_signature(query: dict[str, str], operation: str, access_token: str, now: float) -> str | None:
+    """None when ``query`` (``path``, ``username``, ``signature``, ``signature_expiration``) carries a valid,
+    unexpired signature for ``operation`` (``read`` or ``write``); otherwise why it is refused."""
+    raw_exp = query.get("signature_expiration")
+    try:
+        expiration = int(raw_exp) if raw_exp else None
+    except ValueError:
+        return "signature_expiration must be a unix time in seconds"
+    want = file_signature(query.get("path", ""), operation, query.get("username", ""), access_token, expiration)
+    if not hmac.compare_digest(query.get("signature", "").encode(), want.encode()):
+        return "invalid signature for this file URL"
+    if expiration is not None and expiration < now:
+        return "this file URL's signature has expired"
+    return None
 
 
 def parse_host(host: str, domain: str | None) -> tuple[int, str] | None:
@@ -96,7 +125,13 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     token = request.headers.get("x-access-token", "")
     expected = envd_access_token(ctx.settings.internal_token, sandbox_id)
     if not hmac.compare_digest(token.encode(), expected.encode()):
-        return error_body(401, "missing or invalid X-Access-Token for this sandbox")
+        signed = request.query_params.get("signature")
+        if path != "files" or request.method not in ("GET", "POST") or signed is None:
+            return error_body(401, "missing or invalid X-Access-Token for this sandbox")
+        refused = check_file_signature(dict(request.query_params), "read" if request.method == "GET" else "write",
+                                       expected, time.time())
+        if refused:
+            return error_body(401, refused)
     row = await ctx.pool.fetchrow(
         "SELECT s.tenant_id, s.state, e.env_vars, COALESCE(e.auto_resume, false) AS auto_resume FROM sandboxes s"
         " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id WHERE s.id = $1", sandbox_id)
@@ -119,7 +154,9 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
         return error_body(502, f"The sandbox {sandbox_id} was not found: {exc.message}")
     except PodbayError as exc:
         return error_body(exc.http_status, exc.message)
-    headers: dict[str, Any] = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+    # X-Metadata-<key>: E2B's file metadata of an upload.
+    headers: dict[str, Any] = {k: v for k, v in request.headers.items()
+                               if k.lower() in _FORWARD or k.lower().startswith("x-metadata-")}
     # The node must not compress for us unless the client asked (bytes are relayed as they are).
     headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
     # The credential placeholders (PODBAY_CRED_*) under the create's envVars, which win.

@@ -314,3 +314,143 @@ def test_v1_paths(stack: Any) -> None:
     finally:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204
     assert api.delete(f"/sandboxes/{sid}").status_code == 404
+
+
+def test_unknown_route_and_key_alias(sbx: Any, stack: Any) -> None:
+    import httpx
+
+    from podbay.contracts.e2b import to_e2b_key
+
+    r = httpx.get(f"{stack.api_url}/e2b/no/such/route", headers={"X-API-KEY": stack.api_key})
+    assert r.status_code == 404 and r.json()["code"] == 404 and r.json()["message"]
+    alias = to_e2b_key(stack.api_key)
+    assert alias.startswith("e2b_") and alias != stack.api_key
+    assert e2b.Sandbox.get_info(sbx.sandbox_id, api_key=alias).sandbox_id == sbx.sandbox_id
+
+
+def test_health_probes_renew_nothing_and_connect_only_extends(sbx: Any) -> None:
+    end = sbx.get_info().end_at
+    for _ in range(3):
+        assert sbx.is_running()
+    assert sbx.get_info().end_at == end
+    # sbx's lease (600 s) ends later than 60 s from now: connect keeps it.
+    e2b.Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert sbx.get_info().end_at == end
+    e2b.Sandbox.connect(sbx.sandbox_id, timeout=1200)
+    assert sbx.get_info().end_at > end
+
+
+def test_commands_cwd_pty_kill_files_remove_and_parents(sbx: Any, stack: Any) -> None:
+    import httpx
+
+    sbx.files.make_dir("rel/dir")
+    assert sbx.commands.run("pwd", cwd="rel/dir").stdout == "/home/user/rel/dir\n"
+    handle = sbx.pty.create(e2b.PtySize(rows=24, cols=80))
+    assert sbx.pty.kill(handle.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        handle.wait()
+    assert handle.pid not in [p.pid for p in sbx.commands.list()]
+    sbx.files.remove("/home/user/never/was")  # no error, as in envd
+    # podbay's own files API makes missing parents too.
+    r = httpx.put(f"{stack.api_url}/v1/sandboxes/{sbx.sandbox_id}/files", params={"path": "/tmp/p/q/r.txt"},
+                  content=b"deep", headers={"Authorization": f"Bearer {stack.api_key}"})
+    assert r.status_code == 200, r.text
+    assert sbx.commands.run("cat /tmp/p/q/r.txt").stdout == "deep"
+
+
+def test_short_timeout_listing_filters_and_metrics_history(e2b_env: dict[str, str]) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    before = datetime.now(UTC) - timedelta(seconds=5)
+    a = e2b.Sandbox.create(template="base", timeout=600, metadata={"suite": "e2b-filters"})
+    try:
+        a.set_timeout(3)  # E2B honours timeouts under 10 s
+        assert a.get_info().end_at < datetime.now(UTC) + timedelta(seconds=9)
+        a.set_timeout(600)
+        q = e2b.SandboxQuery(metadata={"suite": "e2b-filters"}, template="base", started_after=before)
+        assert [s.sandbox_id for s in e2b.Sandbox.list(query=q).next_items()] == [a.sandbox_id]
+        none = e2b.SandboxQuery(metadata={"suite": "e2b-filters"}, template="other")
+        assert e2b.Sandbox.list(query=none).next_items() == []
+        later = e2b.SandboxQuery(metadata={"suite": "e2b-filters"}, started_after=datetime.now(UTC) + timedelta(hours=1))
+        assert e2b.Sandbox.list(query=later).next_items() == []
+        first = a.get_metrics()
+        time.sleep(1.1)  # samples are at most one a second
+        both = a.get_metrics()
+        assert len(first) == 1 and len(both) == 2 and both[0].timestamp == first[0].timestamp
+        since = [m.timestamp for m in a.get_metrics(start=both[1].timestamp)]
+        assert both[1].timestamp in since and first[0].timestamp not in since
+        assert a.get_metrics(end=first[0].timestamp - timedelta(seconds=5)) == []
+    finally:
+        a.kill()
+
+
+def test_killed_mid_command_raises_sandbox_not_running(e2b_env: dict[str, str]) -> None:
+    sb = e2b.Sandbox.create(template="base", timeout=300)
+    try:
+        handle = sb.commands.run("sleep 120", background=True)
+        e2b.Sandbox.kill(sb.sandbox_id)
+        with pytest.raises(e2b.SandboxNotRunningException):
+            handle.wait()
+    finally:
+        e2b.Sandbox.kill(sb.sandbox_id)
+
+
+def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
+    sbx.files.write("/home/user/snap.txt", "before")
+    snap = sbx.create_snapshot()
+    sbx.files.write("/home/user/snap.txt", "after")
+    assert snap.snapshot_id in [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    made: list[Any] = []
+    try:
+        child = e2b.Sandbox.create(snap.snapshot_id, timeout=300)
+        made.append(child)
+        assert child.sandbox_id != sbx.sandbox_id and child.files.read("/home/user/snap.txt") == "before"
+        forks = sbx.fork(count=2, timeout=300)
+        made += [f for f in forks if not isinstance(f, Exception)]
+        assert len(forks) == 2 and all(not isinstance(f, Exception) for f in forks), forks
+        assert [f.files.read("/home/user/snap.txt") for f in forks] == ["after", "after"]
+        assert forks[0].commands.run("echo fork").stdout == "fork\n"
+        assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
+        with pytest.raises(e2b.SandboxException, match="404"):
+            e2b.Sandbox.create(snap.snapshot_id)
+        # A paused sandbox forks; a killed one gives the SDK's not-found error.
+        paused = forks[1]
+        paused.pause()
+        [again] = e2b.Sandbox.fork(paused.sandbox_id, timeout=300)
+        assert not isinstance(again, Exception), again
+        made.append(again)
+        assert again.files.read("/home/user/snap.txt") == "after"
+        paused.kill()
+        with pytest.raises(e2b.SandboxNotFoundException):
+            paused.fork()
+    finally:
+        for s in made:
+            e2b.Sandbox.kill(s.sandbox_id)
+
+
+def test_signed_file_urls(sbx: Any, stack: Any) -> None:
+    import httpx
+
+    # The URLs carry no sandbox id: they are used with the sandbox's host name (PODBAY_E2B_DOMAIN).
+    host = {"Host": f"49983-{sbx.sandbox_id}.e2b.podbay.test"}
+    sbx.files.write("/home/user/signed.txt", "signed")
+    url = sbx.download_url("/home/user/signed.txt", use_signature_expiration=120)
+    r = httpx.get(url, headers=host)
+    assert r.status_code == 200 and r.content == b"signed", r.text
+    assert httpx.get(url.replace("signature=v1_", "signature=v1_x"), headers=host).status_code == 401
+    assert httpx.get(f"{stack.api_url}/files?path=/home/user/signed.txt", headers=host).status_code == 401
+    up = sbx.upload_url("/home/user/uploaded.txt")
+    r = httpx.post(up, files={"file": ("uploaded.txt", b"via url")}, headers=host)
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/home/user/uploaded.txt") == "via url"
+    assert httpx.post(up.replace("signature=v1_", "signature=v1_x"), files={"file": ("x", b"x")},
+                      headers=host).status_code == 401
+
+
+def test_file_metadata(sbx: Any) -> None:
+    info = sbx.files.write("/home/user/meta.txt", "m", metadata={"Team": "blue", "k": "v"})
+    assert info.path == "/home/user/meta.txt"
+    assert sbx.files.get_info("/home/user/meta.txt").metadata == {"team": "blue", "k": "v"}
+    listed = {e.name: e.metadata for e in sbx.files.list("/home/user")}
+    assert listed["meta.txt"] == {"team": "blue", "k": "v"}

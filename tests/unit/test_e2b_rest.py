@@ -26,3 +26,23 @@ def test_started_after_reads_rfc3339_and_naive_times_as_utc() -> None:
     assert _started_after(None) is None
     with pytest.raises(InvalidRequest):
         _started_after("yesterday")
+
+
+def test_file_url_signatures_match_the_sdks_and_expire() -> None:
+    from e2b.sandbox.signature import get_signature
+    from podbay_api.e2b_envd import check_file_signature
+
+    token = "t" * 64
+    for user, exp in ((None, None), ("root", 60)):
+        sig = get_signature("/home/user/a.txt", "read", user, token, exp)
+        query = {"path": "/home/user/a.txt", "signature": sig["signature"]}
+        if user:
+            query["username"] = user
+        if sig["expiration"]:
+            query["signature_expiration"] = str(sig["expiration"])
+        now = datetime.now(UTC).timestamp()
+        assert check_file_signature(query, "read", token, now) is None
+        assert check_file_signature(query, "write", token, now) is not None  # signed for reading only
+        assert check_file_signature(query, "read", "other", now) is not None
+        if exp:
+            assert "expired" in (check_file_signature(query, "read", token, now + 3600) or "")

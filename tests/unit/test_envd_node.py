@@ -232,3 +232,17 @@ async def test_kill_right_after_a_pty_start_kills_the_shell(ch: GuestChannel) ->
             await ch.proc_signal(pid, signal.SIGKILL)
             ex = await handle.wait()
         assert ex.exit_code == -signal.SIGKILL, ex
+
+
+async def test_upload_metadata_becomes_user_e2b_xattrs_shown_by_stat_and_list(
+        client: httpx.AsyncClient, tmp_path: Path) -> None:
+    target = tmp_path / "meta.txt"
+    r = await client.post(f"/internal/e2b/{SBX}/files", params={"path": str(target), "username": "root"},
+                          content=b"m", headers={"content-type": "application/octet-stream",
+                                                 "X-Metadata-Owner-Team": "Blue", "X-Metadata-k": "v"})
+    assert r.status_code == 200, r.text
+    assert os.getxattr(target, "user.e2b.owner-team") == b"Blue" and os.getxattr(target, "user.e2b.k") == b"v"
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(target)})
+    assert r.json()["entry"]["metadata"] == {"owner-team": "Blue", "k": "v"}
+    r = await _unary(client, "filesystem.Filesystem/ListDir", {"path": str(tmp_path)})
+    assert [e.get("metadata") for e in r.json()["entries"]] == [{"owner-team": "Blue", "k": "v"}]

@@ -67,6 +67,7 @@ class FileOps(Transport):
         append: bool = False,
         user: str | int | None = None,
         parents: bool = False,
+        xattrs: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Write a file atomically (temp file + rename; ``append`` writes in place) -> FileStat dict.
         With ``parents`` the guest first makes missing parent directories (a guest older than that option
@@ -75,6 +76,8 @@ class FileOps(Transport):
         args: dict[str, Any] = {"path": path, "mode": mode, "append": append}
         if parents:
             args["parents"] = True
+        if xattrs:
+            args["xattrs"] = xattrs  # user.* names; the answer then carries the file's user.* attributes
         if user is not None:
             args["user"] = user
         stream = self.open_stream(Op.WRITE, args)
@@ -95,14 +98,16 @@ class FileOps(Transport):
             raise
         return validate(FileStat, frame.payload, "write result").model_dump()
 
-    async def stat(self, path: str) -> FileStat:
-        """Metadata of ``path`` (symlinks not followed). Raises NotFound."""
-        return await self.unary(Op.STAT, {"path": path}, FileStat)
+    async def stat(self, path: str, xattrs: str | None = None) -> FileStat:
+        """Metadata of ``path`` (symlinks not followed; with ``xattrs``, the extended attributes whose names
+        start with that prefix). Raises NotFound."""
+        return await self.unary(Op.STAT, {"path": path, **({"xattrs": xattrs} if xattrs is not None else {})},
+                                FileStat)
 
-    async def list_dir(self, path: str) -> list[FileStat]:
-        """The entries of a directory, one level, sorted by name. Raises NotFound, InvalidRequest
-        (not_a_directory), GuestError."""
-        stream = self.open_stream(Op.LIST, {"path": path})
+    async def list_dir(self, path: str, xattrs: str | None = None) -> list[FileStat]:
+        """The entries of a directory, one level, sorted by name (``xattrs`` as for ``stat``). Raises
+        NotFound, InvalidRequest (not_a_directory), GuestError."""
+        stream = self.open_stream(Op.LIST, {"path": path, **({"xattrs": xattrs} if xattrs is not None else {})})
         lines: list[bytes] = []
         total = 0
         tail = b""

@@ -195,12 +195,14 @@ class FileStat(_Lenient):
     mtime: float
     uid: int = 0
     gid: int = 0
+    xattrs: dict[str, str] | None = Field(None, description="Extended attributes, when asked for by prefix.")
 
 
 class PathRequest(_Strict):
-    """Arguments of ``stat`` and ``list``."""
+    """Arguments of ``stat`` and ``list``; ``xattrs``: also report extended attributes with this name prefix."""
 
     path: str = Field(min_length=1)
+    xattrs: str | None = None
 
 
 class ReadRequest(_Strict):
@@ -225,6 +227,8 @@ class WriteRequest(_Strict):
     mode: int = Field(0o644, ge=0, le=0o7777)
     append: bool = False
     user: str | int | None = None
+    parents: bool = False
+    xattrs: dict[str, str] | None = Field(None, description="user.* extended attributes to set on the file.")
 
 
 class ListResult(_Lenient):

@@ -3,7 +3,8 @@
 ``application/octet-stream``, optionally ``Content-Encoding: gzip``).
 
 Query parameters: ``path`` (absolute, or relative to the user's home; for multipart, each part's file
-name is the path when ``path`` is absent) and ``username`` (default ``user``). Uploads create missing
+name is the path when ``path`` is absent) and ``username`` (default ``user``); ``X-Metadata-<key>`` headers
+become ``user.e2b.<key>`` extended attributes of each file written (E2B's file metadata). Uploads create missing
 parent directories owned by the user and make the file the user's. Errors are ``{"code": <HTTP status>,
 "message"}``: 404 missing, 400 bad request (a directory to download, no path), 409 exists, 502 sandbox
 unreachable.
@@ -24,7 +25,7 @@ from podbay.channel.client import GuestChannel
 from podbay.errors import InvalidRequest, PodbayError
 
 from .filesystem import resolve_path
-from .translate import DEFAULT_USER, http_error_status
+from .translate import DEFAULT_USER, http_error_status, metadata_xattrs
 
 __all__ = ["health", "download", "upload", "error_response", "UPLOAD_CHUNK_BYTES"]
 
@@ -90,9 +91,11 @@ async def _upload_chunks(part: UploadFile) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _write(ch: GuestChannel, path: str, data: AsyncIterator[bytes], user: str) -> dict[str, Any]:
-    """Write one file as ``user`` (its parent exists) -> the upload answer's entry."""
-    await ch.write_file(path, data, user=user)
+async def _write(ch: GuestChannel, path: str, data: AsyncIterator[bytes], user: str,
+                 xattrs: dict[str, str]) -> dict[str, Any]:
+    """Write one file as ``user`` (its parent exists), with E2B's metadata as ``user.e2b.*`` extended
+    attributes -> the upload answer's entry."""
+    await ch.write_file(path, data, user=user, xattrs=xattrs or None)
     return {"name": posixpath.basename(path), "type": "file", "path": path}
 
 
@@ -102,6 +105,7 @@ async def upload(request: Request, channel_for: ChannelFor) -> Response:
         ch = channel_for(request)
         user = request.query_params.get("username") or DEFAULT_USER
         ctype = request.headers.get("content-type", "")
+        xattrs = metadata_xattrs(request.headers)  # X-Metadata-<key>: the same for every file of the upload
         written: list[dict[str, Any]] = []
         if ctype.startswith("multipart/form-data"):
             form = await request.form(max_part_size=64 << 20)
@@ -112,7 +116,7 @@ async def upload(request: Request, channel_for: ChannelFor) -> Response:
                 name = request.query_params.get("path") if len(parts) == 1 else None
                 path = resolve_path(name or part.filename or "", user)
                 await ch.mkdir(posixpath.dirname(path), parents=True, exist_ok=True, user=user)
-                written.append(await _write(ch, path, _upload_chunks(part), user))
+                written.append(await _write(ch, path, _upload_chunks(part), user, xattrs))
             await form.close()
         else:
             path = resolve_path(request.query_params.get("path", ""), user)
@@ -120,7 +124,7 @@ async def upload(request: Request, channel_for: ChannelFor) -> Response:
             if request.headers.get("content-encoding", "").lower() == "gzip":
                 source = _gunzip(source)
             await ch.mkdir(posixpath.dirname(path), parents=True, exist_ok=True, user=user)
-            written.append(await _write(ch, path, source, user))
+            written.append(await _write(ch, path, source, user, xattrs))
     except PodbayError as exc:
         return _podbay_error(exc)
     except zlib.error as exc:

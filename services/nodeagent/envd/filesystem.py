@@ -28,7 +28,7 @@ from podbay.channel.watch import DirWatch
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .proto.filesystem import filesystem_pb as pb
-from .translate import DEFAULT_USER, connect_error, entry_info, filesystem_event, user_from_authorization
+from .translate import DEFAULT_USER, METADATA_XATTR_PREFIX, connect_error, entry_info, filesystem_event, user_from_authorization
 
 __all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH", "WATCHER_IDLE_S"]
 
@@ -88,7 +88,8 @@ class FilesystemService:
         """Metadata of a path (NOT_FOUND when missing)."""
         _, ch, user = self._ctx(ctx)
         try:
-            return pb.StatResponse(entry=entry_info(await ch.stat(resolve_path(request.path, user))))
+            st = await ch.stat(resolve_path(request.path, user), xattrs=METADATA_XATTR_PREFIX)
+            return pb.StatResponse(entry=entry_info(st))
         except PodbayError as exc:
             raise connect_error(exc) from exc
 
@@ -122,7 +123,7 @@ class FilesystemService:
                 nxt: list[str] = []
                 for d in level:
                     try:
-                        entries = await ch.list_dir(d)
+                        entries = await ch.list_dir(d, xattrs=METADATA_XATTR_PREFIX)
                     except NotFound:
                         if d == root:
                             raise

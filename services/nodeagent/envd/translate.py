@@ -32,8 +32,16 @@ from podbay.errors import (
 
 from .proto.filesystem import filesystem_pb as fs_pb
 
+# E2B's file metadata: sent as X-Metadata-<key> upload headers, kept as user.e2b.<key> extended attributes.
+METADATA_XATTR_PREFIX = "user.e2b."
+METADATA_HEADER_PREFIX = "x-metadata-"
+
 __all__ = [
     "DEFAULT_USER",
+    "METADATA_XATTR_PREFIX",
+    "METADATA_HEADER_PREFIX",
+    "file_metadata",
+    "metadata_xattrs",
     "ENV_HEADER",
     "default_env",
     "KNOWN_OWNERS",
@@ -84,7 +92,21 @@ def entry_info(st: FileStat) -> fs_pb.EntryInfo:
         name=st.name, type=_TYPES.get(st.type, fs_pb.FileType.UNSPECIFIED), path=st.path,
         size=st.size, mode=st.mode, permissions=permissions(st.type, st.mode), owner=owner_name(st.uid),
         group=owner_name(st.gid), modified_time=ts, is_symlink=st.type == "symlink",
+        metadata=file_metadata(st.xattrs),
     )
+
+
+def file_metadata(xattrs: dict[str, str] | None) -> dict[str, str]:
+    """E2B's file metadata from a file's extended attributes: ``user.e2b.<key>`` -> ``<key>``."""
+    return {k[len(METADATA_XATTR_PREFIX):]: v for k, v in (xattrs or {}).items()
+            if k.startswith(METADATA_XATTR_PREFIX)}
+
+
+def metadata_xattrs(headers: Any) -> dict[str, str]:
+    """The ``user.e2b.<key>`` extended attributes an upload asks for with ``X-Metadata-<Key>`` headers (keys
+    lowercased, as envd does)."""
+    return {METADATA_XATTR_PREFIX + k.lower()[len(METADATA_HEADER_PREFIX):]: v for k, v in headers.items()
+            if k.lower().startswith(METADATA_HEADER_PREFIX) and len(k) > len(METADATA_HEADER_PREFIX)}
 
 
 def event_type(kind: str) -> fs_pb.EventType:

@@ -1,0 +1,189 @@
+"""E2B's snapshots and fork, mapped onto podbay's own (services/api/snapshots.py; docs/e2b.md "Snapshots and
+fork"). No second snapshot system: an E2B snapshot *is* a podbay snapshot of the source sandbox, and its id
+(``snap_...``) is the ``snapshotID`` E2B's SDK hands back and later passes as the template of a create.
+
+    POST   /e2b/sandboxes/{id}/snapshots   201 SnapshotInfo      {"name"?, "memory"?}: full (default) or disk
+    GET    /e2b/snapshots                  200 [SnapshotInfo]    ?sandboxID, limit, nextToken (x-next-token)
+    DELETE /e2b/templates/{snapshot_id}    204                   404 when no such snapshot of the caller
+    POST   /e2b/sandboxes/{id}/fork        201 [ForkResult]      {"timeout"?, "count"?}: one entry per child
+    POST   /e2b/v2/sandboxes {"templateID": "snap_..."}          a sandbox started from that full snapshot
+
+A snapshot lives as long as its source sandbox (podbay keeps snapshots per sandbox): once the source is
+killed, creating from its snapshots answers 404. A filesystem-only snapshot (``memory: false``) is a podbay
+disk snapshot; sandboxes start from full snapshots only (400 for a disk one).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Response
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from podbay.contracts.api import ForkRequest, SnapshotCreate
+from podbay.errors import Conflict, InvalidRequest, NotFound
+
+from . import snapshots as podbay_snapshots
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep
+from .e2b import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, error_body
+
+__all__ = ["router", "is_snapshot_id", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
+
+# E2B's default lifetime of a fork child (SandboxForkRequest.timeout).
+FORK_DEFAULT_TIMEOUT_S = 15
+MAX_FORK_COUNT = 20  # E2B's SDK refuses more
+
+router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+
+
+def is_snapshot_id(template_id: str) -> bool:
+    """Whether a create's ``templateID`` names a podbay snapshot (``snap_...``, optionally with E2B's
+    ``:default`` tag) rather than a template."""
+    return template_id.split(":", 1)[0].startswith("snap_")
+
+
+class SnapshotBody(_Body):
+    name: str | None = Field(None, max_length=128)
+    memory: bool | None = None
+
+
+class ForkBody(_Body):
+    timeout: int | None = Field(None, ge=0, le=30 * 86400)
+    count: int | None = Field(None, ge=1, le=MAX_FORK_COUNT)
+
+
+def _snapshot_info(snapshot_id: str) -> dict[str, Any]:
+    return {"snapshotID": snapshot_id, "names": [snapshot_id]}
+
+
+async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> None:
+    """Children keep the parent's E2B create settings (default environment, auto-resume)."""
+    await ctx.pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume)"
+        " SELECT c, e.env_vars, e.auto_resume FROM e2b_sandboxes e, unnest($2::text[]) AS c WHERE e.sandbox_id=$1"
+        " ON CONFLICT DO NOTHING", parent, children)
+
+
+async def _fork(ctx: ApiContext, who: Principal, row: Any, count: int, timeout: int,
+                snapshot_id: str | None = None) -> list[dict[str, Any]]:
+    """Start ``count`` children of ``row``'s sandbox (from a new full snapshot, or ``snapshot_id``) -> E2B's
+    per-child results: ``{"sandbox": Sandbox}`` or ``{"error": {"code", "message"}}``."""
+    res = await podbay_snapshots.fork_sandbox(row["id"], ForkRequest(count=count, snapshot_id=snapshot_id), ctx,
+                                              who, Response(), wait=True)
+    ids = [c.sandbox_id for c in res.children]
+    await _copy_e2b_row(ctx, row["id"], ids)
+    out: list[dict[str, Any]] = []
+    for child in res.children:
+        if child.state != "running":
+            reason = child.failure_reason or f"the fork is {child.state}"
+            out.append({"error": {"code": 500, "message": f"fork {child.sandbox_id} did not start: {reason}"}})
+            continue
+        await _exact_lease(ctx, who, child.sandbox_id, timeout)
+        out.append({"sandbox": _sandbox(ctx, child.sandbox_id, row["template"])})
+    return out
+
+
+@router.post("/sandboxes/{sandbox_id}/fork")
+async def fork(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ForkBody | None = None) -> JSONResponse:
+    """Fork a running or paused sandbox ``count`` times (default 1) from one new full snapshot -> 201, one
+    entry per child; 404 when the sandbox is gone (killed)."""
+    row = await _row(ctx, who, sandbox_id)
+    body = body or ForkBody()
+    results = await _fork(ctx, who, row, body.count or 1,
+                          body.timeout if body.timeout is not None else FORK_DEFAULT_TIMEOUT_S)
+    return JSONResponse(results, status_code=201)
+
+
+async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> Any:
+    row = await ctx.pool.fetchrow(
+        "SELECT n.id, n.sandbox_id, n.kind FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
+        " WHERE n.id=$1 AND n.tenant_id=$2 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')",
+        snapshot_id.split(":", 1)[0], who.tenant_id)
+    if row is None:
+        raise NotFound(f"snapshot {snapshot_id} was not found")
+    return row
+
+
+async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiContext, who: Principal,
+                               ) -> JSONResponse:
+    """``Sandbox.create(snapshot_id)``: one child of the snapshot's source sandbox, from that snapshot
+    -> 201 ``Sandbox``; 404 unknown (or its source is gone), 400 a disk (filesystem-only) snapshot."""
+    snap = await _snapshot_row(ctx, who, template_id)
+    if snap["kind"] != "full":
+        raise InvalidRequest(f"snapshot {snap['id']} is filesystem-only: podbay starts sandboxes from full "
+                             "snapshots (memory and disk)")
+    row = await _row(ctx, who, snap["sandbox_id"])
+    [result] = await _fork(ctx, who, row, 1, timeout if timeout is not None else ctx.settings.lease_s, snap["id"])
+    if "error" in result:
+        return error_body(500, result["error"]["message"])
+    return JSONResponse(result["sandbox"], status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: SnapshotBody | None = None
+                          ) -> JSONResponse:
+    """Snapshot a running or paused sandbox: full (memory and disk; the guest is paused meanwhile) unless
+    ``memory`` is false (disk only) -> 201 ``SnapshotInfo``. ``name`` is accepted; the snapshot's name is its
+    id."""
+    await _row(ctx, who, sandbox_id)
+    kind = "disk" if body is not None and body.memory is False else "full"
+    info = await podbay_snapshots.create_snapshot(sandbox_id, SnapshotCreate(kind=kind), ctx, who, Response(),
+                                                  wait=True)
+    if info.state != "ready":
+        return error_body(500, f"snapshot {info.id} of {sandbox_id} is {info.state}: {info.error or 'not ready'}")
+    return JSONResponse(_snapshot_info(info.id), status_code=201)
+
+
+def _cursor(raw: str | None) -> tuple[datetime, str] | None:
+    if not raw:
+        return None
+    try:
+        ts, sid = json.loads(base64.urlsafe_b64decode(raw.encode()))
+        return datetime.fromisoformat(ts), str(sid)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("nextToken is not one this server issued") from exc
+
+
+@router.get("/snapshots")
+async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Query(None, alias="sandboxID"),
+                         limit: int = Query(100, ge=1, le=1000),
+                         next_token: str | None = Query(None, alias="nextToken")) -> JSONResponse:
+    """The caller's ready snapshots (of sandboxes not killed), newest first, ``limit`` per page (next page's
+    token in ``x-next-token``)."""
+    cursor = _cursor(next_token)
+    sql = ("SELECT n.id, n.created_at FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
+           " WHERE n.tenant_id=$1 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')"
+           " AND ($2::text IS NULL OR n.sandbox_id = $2)")
+    args: list[Any] = [who.tenant_id, sandbox_id, limit + 1]
+    if cursor is not None:
+        sql += " AND (n.created_at, n.id) < ($4, $5)"
+        args += [cursor[0], cursor[1]]
+    rows = await ctx.pool.fetch(sql + " ORDER BY n.created_at DESC, n.id DESC LIMIT $3", *args)
+    token = None
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        token = base64.urlsafe_b64encode(json.dumps([last["created_at"].isoformat(), last["id"]]).encode()).decode()
+        rows = rows[:limit]
+    return JSONResponse([_snapshot_info(r["id"]) for r in rows], headers={"x-next-token": token} if token else None)
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_snapshot(template_id: str, ctx: CtxDep, who: WhoDep) -> Response:
+    """Delete a snapshot -> 204: it is no longer listed nor usable (its files go with its source sandbox's
+    retention or deletion); 404 when the caller has no such snapshot. podbay templates are not deleted here."""
+    if not is_snapshot_id(template_id):
+        raise NotFound(f"template {template_id} was not found: only snapshots are deleted through this route")
+    snap = await _snapshot_row(ctx, who, template_id)
+    in_use = await ctx.pool.fetchval(
+        "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting')", snap["id"])
+    if in_use:
+        raise Conflict(f"snapshot {snap['id']} is being used to start a sandbox; retry shortly")
+    await ctx.pool.execute("UPDATE snapshots SET state='deleted' WHERE id=$1", snap["id"])
+    return Response(status_code=204)

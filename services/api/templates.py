@@ -6,7 +6,8 @@ second build of the name), then handed to a node that holds the FROM template (t
 ``/internal/v1/templates/build``, services/nodeagent/build/http.py); its NDJSON stream of
 :class:`~podbay.contracts.templates.BuildEvent` is relayed as it comes. The ``template_builds`` row is
 written here (``running``; its partial unique index refuses a second running build of a name) and finished
-by the node.
+by the node. It carries the build's egress policy (the request's ``egress``, else the FROM template's), under
+which the gateway lets the builder VM's RUN steps reach the network, as for a sandbox.
 
 Templates are shared by every tenant (as ``base`` is); removing one is a soft delete (``deleted_at``): its
 row stays for the sandboxes that referenced it, new creates are refused, and a later build of the name
@@ -26,7 +27,10 @@ import httpx
 from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import Response, StreamingResponse
 
+from pydantic import ValidationError
+
 from podbay.buildcontext import MAX_CONTEXT_BYTES, ContextTooLarge, check_context
+from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import (
     TEMPLATE_NAME_RE,
     ImageConfig,
@@ -96,13 +100,21 @@ async def build_template(
     dockerfile: Annotated[str, Form(description="The Dockerfile's text.")],
     build_args: Annotated[str, Form(description="JSON object of --build-arg values.")] = "{}",
     context: Annotated[UploadFile | None, File(description="The build context: a tar archive (gzip allowed).")] = None,
+    ready_cmd: Annotated[str | None, Form(description="Shell command: the start command is ready when it exits 0.")]
+    = None,
+    ready_port: Annotated[int | None, Form(ge=1, le=65535, description="TCP port on 127.0.0.1 that answers when "
+                                           "the start command is ready.")] = None,
+    egress: Annotated[str | None, Form(description="JSON EgressPolicy for the RUN steps' network (default: the "
+                                       "FROM template's policy; none: no egress).")] = None,
 ) -> Response:
     """Build template ``name`` and stream its log. Errors before the stream starts: 422 ``validation_error``
     (a name outside ``[a-z0-9-]``, bad build args), 422 ``invalid_dockerfile`` (names the line and
     instruction), 413 ``context_too_large``, 400 ``invalid_context`` / ``missing_copy_source``, 404
     ``not_found`` (FROM names no template), 409 ``conflict`` (a build of the name runs, or the name is built
-    in), 503 (no node holds the FROM template). A failed step ends the stream with a ``failed`` event (step,
-    exit code, output tail) and registers nothing.
+    in), 503 (no node holds the FROM template). A failed step, or a start command (CMD/ENTRYPOINT) that exits
+    or does not get ready (``ready_cmd`` exits 0, ``ready_port`` answers; within 120 s), ends the stream with
+    a ``failed`` event (step, exit code, output tail) and registers nothing. With a start command the
+    template is snapshotted with it running, so every sandbox of it starts with the process up.
     """
     if not re.match(TEMPLATE_NAME_RE, name):
         raise Unprocessable(f"template name {name!r} must be lower-case letters, digits and dashes "
@@ -116,6 +128,11 @@ async def build_template(
     except ValueError as exc:
         raise Unprocessable(f"build_args must be a JSON object of strings: {exc}") from exc
     spec = parse_dockerfile(dockerfile, args)
+    if ready_cmd is not None or ready_port is not None:
+        if spec.config.start_cmd is None:
+            raise Unprocessable("a readiness check (ready_cmd, ready_port) needs a start command (CMD or ENTRYPOINT)")
+        spec = spec.model_copy(update={"config": spec.config.model_copy(
+            update={"ready_cmd": ready_cmd, "ready_port": ready_port})})
     data = await _read_limited(context, MAX_CONTEXT_BYTES)
     check_context(spec, data)
     if spec.base.kind == "oci":
@@ -130,11 +147,21 @@ async def build_template(
         if await ctx.pool.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", parent) is None:
             raise NotFound(f"FROM names template {parent!r}, which does not exist", details={"from": parent})
         raise Unavailable(f"no ready node holds template {parent!r}; retry shortly", details={"retryable": True})
+    if egress is not None:
+        try:
+            policy: Any = EgressPolicy.model_validate_json(egress).model_dump(mode="json")
+        except ValidationError as exc:
+            raise Unprocessable(f"egress is not an egress policy: {exc.errors()[:3]}") from exc
+    else:
+        policy = await ctx.pool.fetchval("SELECT egress_policy FROM templates WHERE name=$1", parent)
+        if isinstance(policy, str):
+            policy = json.loads(policy)
     build_id = new_id("bld")
     try:
         async with ctx.pool.acquire() as conn, conn.transaction():
-            await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile)"
-                               " VALUES ($1,$2,$3,$4,$5)", build_id, name, who.tenant_id, node["id"], dockerfile)
+            await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
+                               " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name, who.tenant_id,
+                               node["id"], dockerfile, parent, policy)
             await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": parent})
     except asyncpg.UniqueViolationError as exc:
         raise Conflict(f"a build of template {name!r} is already running", details={"template": name}) from exc
@@ -171,7 +198,7 @@ async def build_template(
 
 async def _finish(ctx: ApiContext, build_id: str, error: dict[str, Any]) -> None:
     await ctx.pool.execute("UPDATE template_builds SET state='failed', error=$2::jsonb, finished_at=now()"
-                           " WHERE id=$1 AND state='running'", build_id, json.dumps(error))
+                           " WHERE id=$1 AND state='running'", build_id, error)
 
 
 @router.delete("/templates/{name}", status_code=204)

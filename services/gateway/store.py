@@ -40,6 +40,10 @@ log = logging.getLogger("podbay.gateway.store")
 _CRED_LOCK_NS = 0x70627763  # "pbwc"
 
 
+#: The sandbox id a builder VM's binding carries (services/nodeagent/build/builder.py).
+BUILDER_PREFIX = "build-"
+
+
 @dataclass(frozen=True)
 class SandboxContext:
     """What a connection is decided against. ``policy`` is ``None`` when neither the sandbox nor its
@@ -83,7 +87,7 @@ class GatewayStore:
         except (asyncpg.PostgresError, OSError) as exc:
             raise Unavailable(f"gateway cannot read sandbox {sandbox_id}: {exc}") from exc
         if row is None:
-            return None
+            return await self._build(sandbox_id) if sandbox_id.startswith(BUILDER_PREFIX) else None
         policy: EgressPolicy | None = None
         if row["policy"] is not None:
             try:
@@ -92,6 +96,25 @@ class GatewayStore:
                 log.warning("sandbox=%s stored egress policy does not validate, denying all: %s", sandbox_id, exc)
         return SandboxContext(row["id"], row["tenant_id"], row["template"], int(row["generation"]), row["state"],
                               policy)
+
+    async def _build(self, vm_id: str) -> SandboxContext | None:
+        """A template build's builder VM (``build-<build id>``, services/nodeagent/build/): decided like a
+        sandbox of the template being built, under the build's policy, while the build runs."""
+        try:
+            row = await self._pool.fetchrow(
+                "SELECT id, tenant_id, name, egress_policy FROM template_builds WHERE id = $1 AND state = 'running'",
+                vm_id.removeprefix(BUILDER_PREFIX))
+        except (asyncpg.PostgresError, OSError) as exc:
+            raise Unavailable(f"gateway cannot read build {vm_id}: {exc}") from exc
+        if row is None:
+            return None
+        policy: EgressPolicy | None = None
+        if row["egress_policy"] is not None:
+            try:
+                policy = EgressPolicy.model_validate(row["egress_policy"])
+            except ValidationError as exc:
+                log.warning("build=%s stored egress policy does not validate, denying all: %s", row["id"], exc)
+        return SandboxContext(vm_id, row["tenant_id"], row["name"], 1, "running", policy)
 
     async def credentials(self, ctx: SandboxContext) -> list[CredentialRow]:
         """The tenant's live credentials in scope for this sandbox and its template (host and path are

@@ -3,16 +3,22 @@
 One build whose steps use RUN, COPY (--chown), ARG, ENV, WORKDIR and USER, and a sandbox that sees each
 effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a
 sandbox of the first version keeps it; a failed RUN registers nothing and leaves no half layer; bad input
-is refused before any VM starts; a template in use is not removed.
+is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
+sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
+network under the build's egress policy and nothing without one (skipped where the machine has no way to
+a package index).
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_http import api_client, new_sandbox, sh
+from e2e_http import api_client, new_sandbox, sh, until
 
 from podbay.contracts.templates import BuildEvent
 from podbay.sdk import Client, TemplateBuildFailed
@@ -117,3 +123,57 @@ def test_failed_step_registers_nothing_and_bad_input_is_refused(stack: Any, tmp_
         refused(422, "invalid_dockerfile", "e2e-x", "FROM podbay/base\nHEALTHCHECK CMD true\n")
         refused(400, "missing_copy_source", "e2e-x", "FROM podbay/base\nCOPY nothere /x\n")
         refused(409, "conflict", "base", "FROM podbay/base\n")
+
+        # A second build of a name while one runs.
+        first = threading.Thread(target=lambda: _build(c, "e2e-slow", "FROM podbay/base\nRUN sleep 8\n", None))
+        first.start()
+        try:
+            until("the first build to reach its node",
+                  lambda: any(Path(stack.data_dir).glob("nodes/*/store/builds/bld*")), 60, 0.1)
+            refused(409, "conflict", "e2e-slow", "FROM podbay/base\nRUN true\n")
+        finally:
+            first.join(120)
+        assert h.delete("/v1/templates/e2e-slow").status_code == 204
+
+
+def test_start_command_serves_from_the_first_exec_and_one_that_exits_fails(stack: Any, tmp_path: Path) -> None:
+    ctx = tmp_path / "www"
+    ctx.mkdir()
+    (ctx / "index.html").write_text("hello from the start command\n")
+    dockerfile = ("FROM podbay/base\nCOPY index.html /srv/www/\nWORKDIR /srv/www\n"
+                  'CMD ["python3", "-m", "http.server", "8000", "--bind", "127.0.0.1"]\n')
+    fetch = ("python3 -c \"import urllib.request; "
+             "print(urllib.request.urlopen('http://127.0.0.1:8000/index.html').read().decode(), end='')\"")
+    with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
+        tpl, events = _build(c, "e2e-srv", dockerfile, ctx, ready_port=8000)
+        assert tpl.config is not None and tpl.config.start_cmd is not None and tpl.config.ready_port == 8000
+        starts = [e for e in events if e.type == "step" and (e.text or "").startswith("START")]
+        assert len(starts) == 1 and starts[0].cached is False and starts[0].step == 3
+        with new_sandbox(h, "e2e-srv") as sid:
+            assert sh(h, sid, fetch) == "hello from the start command\n"  # the sandbox's first exec
+        assert h.delete("/v1/templates/e2e-srv").status_code == 204
+
+        with pytest.raises(TemplateBuildFailed) as info:
+            _build(c, "e2e-srv-bad", 'FROM podbay/base\nCMD ["sh", "-c", "echo dying; exit 7"]\n', None,
+                   ready_port=8001)
+        d = info.value.details
+        assert d["exit_code"] == 7 and "dying" in d["output_tail"], d
+        assert "e2e-srv-bad" not in {t["name"] for t in h.get("/v1/templates").json()["templates"]}
+
+
+def test_run_steps_reach_the_network_under_the_builds_egress_policy(stack: Any) -> None:
+    from test_egress_package_index import _hosts, _index_url, _package_page
+
+    index_url = _index_url()
+    page_url, page = _package_page(index_url)  # skips when this machine cannot reach the index
+    port = urllib.parse.urlsplit(page_url).port or (443 if page_url.startswith("https:") else 80)
+    allow = [{"domain": h, "ports": sorted({port, 443})} for h in sorted(_hosts(page_url, page))]
+    code = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=60).status)"
+    run = "RUN " + json.dumps(["python3", "-c", code, page_url]) + "\n"
+    with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
+        tpl, events = _build(c, "e2e-net", "FROM podbay/base\n" + run, None, egress={"allow": allow})
+        assert any(e.type == "log" and "200" in (e.text or "") for e in events), events
+        assert h.delete("/v1/templates/e2e-net").status_code == 204
+        with pytest.raises(TemplateBuildFailed) as info:  # the same step without a policy: no egress
+            _build(c, "e2e-net", "FROM podbay/base\nARG UNCACHED=1\n" + run, None)  # (an ARG: not cached)
+        assert info.value.details["step"] == 1 and info.value.details["exit_code"] != 0

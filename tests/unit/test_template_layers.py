@@ -20,7 +20,7 @@ from podbay.buildcontext import (
 )
 from podbay.contracts.templates import ImageConfig
 from podbay.dockerfile import parse_dockerfile
-from podbay_nodeagent.build.layers import LayerCache, layer_key, template_digest
+from podbay_nodeagent.build.layers import LayerCache, layer_key, start_key, template_digest
 
 
 def _steps(text: str) -> list:
@@ -118,3 +118,12 @@ def test_pack_and_unpack_round_trip(tmp_path: Path) -> None:
     out = tmp_path / "out"
     unpack_context(pack_context(src), out)
     assert (out / "app" / "x.txt").read_text() == "hi"
+
+
+def test_start_key_follows_the_command_its_context_and_readiness() -> None:
+    cfg = ImageConfig(start_cmd=["python3", "-m", "http.server"], ready_port=8000)
+    assert start_key("k", cfg) == start_key("k", cfg.model_copy())
+    others = [cfg.model_copy(update=u) for u in ({"ready_port": 8001}, {"user": "agent"}, {"env": {"A": "1"}},
+                                                 {"workdir": "/srv"}, {"start_cmd": ["true"]})]
+    assert len({start_key("k", cfg), start_key("j", cfg), *(start_key("k", o) for o in others)}) == 7
+    assert start_key("k", cfg.model_copy(update={"labels": {"x": "y"}})) == start_key("k", cfg)

@@ -101,12 +101,16 @@ def step_text(step: RunStep | CopyStep | WorkdirStep) -> str:
 
 class ImageConfig(_Strict):
     """What a template's sandboxes get as defaults: exec env, working directory, user; the start command
-    (ENTRYPOINT + CMD), exposed ports and labels are recorded."""
+    (ENTRYPOINT + CMD, with its readiness check), exposed ports and labels are recorded. A template with a
+    start command is snapshotted with it running and ready, so every sandbox starts with it."""
 
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
     user: str | None = None
     start_cmd: list[str] | None = None
+    ready_cmd: str | None = Field(None, description="Shell command whose exit 0 says the start command is ready.")
+    ready_port: int | None = Field(None, ge=1, le=65535, description="A TCP port on 127.0.0.1 that answers when "
+                                   "the start command is ready.")
     expose: list[str] = Field(default_factory=list)
     labels: dict[str, str] = Field(default_factory=dict)
 

@@ -241,10 +241,12 @@ class AsyncClient:
         return await self._call(calls.list_templates())
 
     async def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
-                             build_args: Mapping[str, str] | None = None,
+                             build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
+                             ready_port: int | None = None, egress: Any = None,
                              on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
         """As the sync ``Client.build_template``."""
-        async with self._stream(_tpl.build_call(name, dockerfile, context, build_args)) as resp:
+        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress)
+        async with self._stream(call) as resp:
             async for line in resp.aiter_lines():
                 ev = _tpl.parse_line(line)
                 if ev is None:

@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import TemplateDetail, TemplateDetailList
 from podbay.contracts.api import (
     DrainStarted,
@@ -475,11 +476,21 @@ def list_templates() -> Call[builtins.list[TemplateDetail]]:
 
 
 def build_template_call(name: str, dockerfile: str, context: bytes,
-                        build_args: Mapping[str, str] | None = None) -> Call[None]:
-    """``POST /v1/templates`` (multipart: ``name``, ``dockerfile``, ``build_args`` JSON, ``context`` tarball)
-    -> NDJSON ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long."""
+                        build_args: Mapping[str, str] | None = None, *, ready_cmd: str | None = None,
+                        ready_port: int | None = None, egress: Any = None) -> Call[None]:
+    """``POST /v1/templates`` (multipart: ``name``, ``dockerfile``, ``build_args`` JSON, ``ready_cmd``,
+    ``ready_port``, ``egress`` (an ``EgressPolicy`` for the RUN steps), ``context`` tarball) -> NDJSON
+    ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long."""
+    form = {"name": name, "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))}
+    if ready_cmd is not None:
+        form["ready_cmd"] = ready_cmd
+    if ready_port is not None:
+        form["ready_port"] = str(ready_port)
+    if egress is not None:
+        policy = egress if isinstance(egress, EgressPolicy) else _validate(EgressPolicy, egress, "egress")
+        form["egress"] = policy.model_dump_json()
     return Call("POST", "/v1/templates", _none,
-                data={"name": name, "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))},
+                data=form,
                 files={"context": ("context.tar.gz", context, "application/gzip")},
                 long_running=True, read_timeout_s=None)
 

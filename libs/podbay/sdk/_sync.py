@@ -249,12 +249,17 @@ class Client:
         return self._call(calls.list_templates())
 
     def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
-                       build_args: Mapping[str, str] | None = None,
+                       build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
+                       ready_port: int | None = None, egress: Any = None,
                        on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
         """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory; calls
-        ``on_event`` with each step and log event; returns the template. Raises ``TemplateBuildFailed`` (a
+        ``on_event`` with each step and log event; returns the template. With a start command (CMD or
+        ENTRYPOINT), ``ready_cmd`` (exits 0) or ``ready_port`` (answers) says when it is ready to snapshot.
+        ``egress``: the RUN steps' network policy (an ``EgressPolicy`` or its JSON shape; default the FROM
+        template's). Raises ``TemplateBuildFailed`` (a
         step failed: ``details`` has step, exit_code, output_tail) or the API's typed 4xx errors."""
-        with self._stream(_tpl.build_call(name, dockerfile, context, build_args)) as resp:
+        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress)
+        with self._stream(call) as resp:
             for line in resp.iter_lines():
                 ev = _tpl.parse_line(line)
                 if ev is None:

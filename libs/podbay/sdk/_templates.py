@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -31,7 +32,8 @@ class TemplateBuildFailed(PodbayError):
 
 
 def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
-               build_args: Mapping[str, str] | None) -> calls.Call[None]:
+               build_args: Mapping[str, str] | None, ready_cmd: str | None = None,
+               ready_port: int | None = None, egress: Any = None) -> calls.Call[None]:
     """The request: ``dockerfile`` is its text, or a path to it (a ``Path``, or a ``str`` naming a file);
     ``context`` a directory (None: an empty context)."""
     if isinstance(dockerfile, Path) or ("\n" not in dockerfile and Path(dockerfile).is_file()):
@@ -39,7 +41,8 @@ def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
     else:
         text = str(dockerfile)
     data = pack_context(Path(context)) if context is not None else b""
-    return calls.build_template_call(name, text, data, build_args)
+    return calls.build_template_call(name, text, data, build_args, ready_cmd=ready_cmd, ready_port=ready_port,
+                                     egress=egress)
 
 
 def parse_line(line: str | bytes) -> BuildEvent | None:

@@ -47,6 +47,7 @@ from podbay.contracts.templates import (
     BuildSpec,
     BuildStep,
     CopyStep,
+    ImageConfig,
     RunStep,
     TemplateDetail,
     WorkdirStep,
@@ -56,7 +57,7 @@ from podbay.errors import Conflict, NotFound, PodbayError, Unprocessable
 from ..template import TemplateSnapshot
 from ..vmdriver import TemplateImage, VmHandle
 from ..vmm import reflink_or_copy
-from .layers import LAYER_FILES, LayerCache, layer_key, template_digest
+from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest
 
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
@@ -69,6 +70,8 @@ log = logging.getLogger("podbay.nodeagent.build")
 STEP_TIMEOUT_S = 3600.0
 #: Bytes of a failed step's output its error keeps.
 OUTPUT_TAIL_BYTES = 4096
+#: How long a start command may take to get ready, seconds.
+READY_TIMEOUT_S = 120.0
 #: Built-in templates, which no build may replace.
 BUILTIN = ("base",)
 #: Layers kept on a node (least recently used go first).
@@ -209,12 +212,65 @@ class _Builder:
         if step.chown:
             await self.sh(index, ["chown", "-R", step.chown, *tops])
 
-    async def layer(self, key: str, step: BuildStep, cache: LayerCache) -> None:
+    async def _ready(self, cfg: ImageConfig) -> bool:
+        assert self.ch is not None
+        if cfg.ready_cmd is not None:
+            spec = ExecSpec(shell=cfg.ready_cmd, env=cfg.env, cwd=cfg.workdir or "/", user=cfg.user or "root",
+                            timeout_s=10)
+        elif cfg.ready_port is not None:
+            probe = f"import socket; socket.create_connection(('127.0.0.1', {cfg.ready_port}), 1).close()"
+            spec = ExecSpec(argv=["python3", "-c", probe], timeout_s=10)
+        else:
+            return True  # no check: running (and not exited within the first poll) is ready
+        _out, _err, ex = await self.ch.run(spec)
+        return ex.exit_code == 0
+
+    async def start_command(self, index: int, cfg: ImageConfig) -> None:
+        """Start ``cfg.start_cmd`` as a kept process (it outlives this stream and is in the snapshot) and
+        wait until it is ready; its output goes to the build log. Raises :class:`StepFailed` when it exits
+        first or is not ready within :data:`READY_TIMEOUT_S`."""
+        assert self.ch is not None and cfg.start_cmd is not None
+        spec = ExecSpec(argv=cfg.start_cmd, env=cfg.env, cwd=cfg.workdir or "/", user=cfg.user or "root",
+                        keep=True, tag="start")
+        tail = bytearray()
+        proc = self.ch.exec(spec)
+
+        async def pump() -> None:
+            async for _kind, data in proc:
+                tail.extend(data)
+                del tail[:-OUTPUT_TAIL_BYTES]
+                await self.emit(BuildEvent(type="log", step=index, text=data.decode(errors="replace")))
+
+        await proc.started()
+        pumping = asyncio.create_task(pump())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        try:
+            while True:
+                await asyncio.sleep(0.5)
+                if pumping.done():
+                    code = proc.exit.exit_code if proc.exit is not None else None
+                    raise StepFailed(f"the start command {cfg.start_cmd} exited ({code}) before it was ready",
+                                     details={"step": index, "exit_code": code,
+                                              "output_tail": tail.decode(errors="replace")})
+                if await self._ready(cfg):
+                    return
+                if loop.time() > deadline:
+                    raise StepFailed(f"the start command {cfg.start_cmd} was not ready within {READY_TIMEOUT_S:.0f} s",
+                                     details={"step": index, "output_tail": tail.decode(errors="replace")})
+        finally:
+            pumping.cancel()
+            with contextlib.suppress(BaseException):
+                await pumping
+            await proc.__aexit__(None, None, None)  # the stream ends; the kept process runs on
+
+    async def layer(self, key: str, step: BuildStep | str, cache: LayerCache) -> None:
         assert self.handle is not None
         tmp = await asyncio.to_thread(cache.tmp_dir, key)
         try:
             await self.m.driver.snapshot_full(self.handle, tmp, leave_stopped=False)
-            await asyncio.to_thread(cache.commit, tmp, key, {"step": _describe(step), "template": self.req.name})
+            what = step if isinstance(step, str) else _describe(step)
+            await asyncio.to_thread(cache.commit, tmp, key, {"step": what, "template": self.req.name})
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
             raise
@@ -229,14 +285,23 @@ class TemplateBuilder:
         self._running: set[str] = set()
 
     async def recover(self) -> None:
-        """At start: remove half-written layers and builder VM directories, and fail this node's builds that
-        were running when the agent stopped (the API has no stream to finish them on)."""
+        """At start: kill builder VMs an earlier agent left running, remove them, half-written layers and
+        builder leases, and fail this node's builds that were running when the agent stopped (the API has no
+        stream to finish them on)."""
         await asyncio.to_thread(self.layers.sweep)
-        await asyncio.to_thread(shutil.rmtree, self.m.store.root / "builds", True)
+        builds = self.m.store.root / "builds"
+        for vm_dir in sorted(builds.iterdir()) if builds.exists() else ():
+            if vm_dir.is_dir() and not vm_dir.name.endswith(".ctx"):
+                with contextlib.suppress(Exception):  # VmGone: its QEMU is not running
+                    await (await self.m.driver.attach(vm_dir)).kill()
+        await asyncio.to_thread(shutil.rmtree, builds, True)
+        for vm_id in self.m.net.leased():
+            if vm_id.startswith("build-"):
+                await asyncio.to_thread(self.m.net.release, vm_id)
         await self.m.pool.execute(
             "UPDATE template_builds SET state='failed', finished_at=now(), error=$2::jsonb"
             " WHERE node_id=$1 AND state='running'", self.m.node_id,
-            '{"code": "interrupted", "message": "the node agent restarted during the build"}')
+            {"code": "interrupted", "message": "the node agent restarted during the build"})
 
     def parent_of(self, spec: BuildSpec) -> TemplateImage:
         """The ``FROM`` template's current build on this node. Raises ``Unprocessable`` (OCI images: not
@@ -283,45 +348,61 @@ class TemplateBuilder:
         """Run the build (see the module docstring) and register the template; returns it. Raises
         :class:`StepFailed`, or a VMM/channel error; either way nothing is registered."""
         parent = self.parent_of(req.spec)
-        total = len(steps)
+        cfg = req.spec.config
         keys: list[str] = []
         prev = parent.digest
         for step in steps:
             prev = layer_key(prev, step)
             keys.append(prev)
+        last = keys[-1] if keys else parent.digest
+        skey = start_key(last, cfg) if cfg.start_cmd else None
+        total = len(steps) + (1 if skey else 0)
         t_all = time.monotonic()
         await emit(BuildEvent(type="step", step=0, total=total, cached=True,
                               text=f"FROM {parent.name} ({parent.digest[:12]})"))
         done = 0
-        while done < total and await asyncio.to_thread(self.layers.has, keys[done]):
+        while done < len(steps) and await asyncio.to_thread(self.layers.has, keys[done]):
             await asyncio.to_thread(self.layers.touch, keys[done])
             done += 1
             await emit(BuildEvent(type="step", step=done, total=total, cached=True, text=_describe(steps[done - 1]),
                                   elapsed_ms=0.0))
+        start_text = f"START {cfg.start_cmd}" + (f" (ready: {cfg.ready_cmd})" if cfg.ready_cmd else "") + (
+            f" (ready: port {cfg.ready_port})" if cfg.ready_port else "")
+        start_cached = done == len(steps) and skey is not None and await asyncio.to_thread(self.layers.has, skey)
+        if start_cached:
+            assert skey is not None
+            await asyncio.to_thread(self.layers.touch, skey)
+            await emit(BuildEvent(type="step", step=total, total=total, cached=True, text=start_text, elapsed_ms=0.0))
         builder: _Builder | None = None
         try:
-            if done < total:
+            if done < len(steps) or (skey is not None and not start_cached):
                 builder = _Builder(self.m, req, parent, emit)
                 await builder.start(self.layers.path(keys[done - 1]) if done else parent.snapshot.dir)
-                for i in range(done, total):
-                    step = steps[i]
-                    t = time.monotonic()
-                    await emit(BuildEvent(type="step", step=i + 1, total=total, cached=False, text=_describe(step)))
-                    if isinstance(step, RunStep):
-                        await builder.run(i + 1, step)
-                    elif isinstance(step, CopyStep):
-                        await builder.copy(i + 1, step)
-                    elif isinstance(step, WorkdirStep):
-                        assert builder.ch is not None
-                        await builder.ch.mkdir(step.path, parents=True, exist_ok=True)
-                    await builder.layer(keys[i], step, self.layers)
-                    await emit(BuildEvent(type="log", step=i + 1, text=f"step {i + 1} done in "
-                                          f"{(time.monotonic() - t) * 1000:.0f} ms\n"))
+            for i in range(done, len(steps)):
+                assert builder is not None
+                step = steps[i]
+                t = time.monotonic()
+                await emit(BuildEvent(type="step", step=i + 1, total=total, cached=False, text=_describe(step)))
+                if isinstance(step, RunStep):
+                    await builder.run(i + 1, step)
+                elif isinstance(step, CopyStep):
+                    await builder.copy(i + 1, step)
+                elif isinstance(step, WorkdirStep):
+                    assert builder.ch is not None
+                    await builder.ch.mkdir(step.path, parents=True, exist_ok=True)
+                await builder.layer(keys[i], step, self.layers)
+                await emit(BuildEvent(type="log", step=i + 1, text=f"step {i + 1} done in "
+                                      f"{(time.monotonic() - t) * 1000:.0f} ms\n"))
+            if skey is not None and not start_cached:
+                assert builder is not None
+                await emit(BuildEvent(type="step", step=total, total=total, cached=False, text=start_text))
+                await builder.start_command(total, cfg)
+                await builder.layer(skey, start_text, self.layers)
         finally:
             if builder is not None:
                 await builder.close()
-        src = self.layers.path(keys[-1]) if keys else parent.snapshot.dir
-        digest = template_digest(keys[-1] if keys else parent.digest, req.spec.config)
+        src = self.layers.path(skey) if skey else (self.layers.path(keys[-1]) if keys else parent.snapshot.dir)
+        digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest)
         detail = await self._register(img, parent)
         await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
@@ -353,7 +434,7 @@ class TemplateBuilder:
         """The template's row (new creates use this build), this node's holding of it, and the agent's map."""
         snap = img.snapshot
         size = (snap.dir / "disk.img").stat().st_size
-        cfg = snap.config.model_dump_json() if snap.config is not None else None
+        cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
         async with self.m.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
                 "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes)"

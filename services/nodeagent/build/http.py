@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 from collections.abc import AsyncIterator
@@ -91,8 +90,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
                     with contextlib.suppress(Exception):
                         await manager.pool.execute(
                             "UPDATE template_builds SET state=$2, digest=$3, error=$4::jsonb, finished_at=now()"
-                            " WHERE id=$1", p.build_id, state.value, digest,
-                            json.dumps(error) if error else None)
+                            " WHERE id=$1", p.build_id, state.value, digest, error)
                     await queue.put(None)
 
             task = asyncio.create_task(run(), name=f"build-{p.build_id}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from podbay.contracts.templates import BuildStep, ImageConfig, step_text
 
-__all__ = ["LAYER_FILES", "layer_key", "template_digest", "LayerCache"]
+__all__ = ["LAYER_FILES", "layer_key", "start_key", "template_digest", "LayerCache"]
 
 LAYER_FILES = ("state", "ram", "disk.img")
 
@@ -27,6 +27,14 @@ LAYER_FILES = ("state", "ram", "disk.img")
 def layer_key(parent_key: str, step: BuildStep) -> str:
     """The cache key (sha256 hex) of ``step`` on top of ``parent_key``."""
     return hashlib.sha256(f"layer1\n{parent_key}\n{step_text(step)}".encode()).hexdigest()
+
+
+def start_key(last_key: str, config: ImageConfig) -> str:
+    """The key of the snapshot taken with the start command running and ready: the last layer (or parent
+    build), the command, its env, working directory, user and readiness check."""
+    what = json.dumps([config.start_cmd, config.env, config.workdir, config.user, config.ready_cmd,
+                       config.ready_port], separators=(",", ":"))
+    return hashlib.sha256(f"start1\n{last_key}\n{what}".encode()).hexdigest()
 
 
 def template_digest(last_key: str, config: ImageConfig) -> str:

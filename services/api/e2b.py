@@ -129,8 +129,10 @@ class NewSandbox(_Body):
     auto_resume: dict[str, Any] | None = Field(None, alias="autoResume", description="{\"enabled\": bool}")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
-    # network.allowPublicTraffic (false: ports need trafficAccessToken); other network keys are ignored.
+    # network.allowPublicTraffic (false: ports need trafficAccessToken); allowOut/denyOut and
+    # allow_internet_access become the egress policy (e2b_network.py); other network keys are ignored.
     network: dict[str, Any] | None = None
+    allow_internet_access: bool | None = None
 
 
 class TimeoutBody(_Body):
@@ -198,13 +200,15 @@ async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
 
 
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
-    from .e2b_snapshots import create_from_snapshot, is_snapshot_id  # it builds on this module
+    from .e2b_network import egress_policy  # these build on this module
+    from .e2b_snapshots import create_from_snapshot, is_snapshot_id
 
     if is_snapshot_id(body.template_id):  # Sandbox.create(snapshot_id)
         return await create_from_snapshot(body.template_id, body.timeout, ctx, who)
     try:
         req = SandboxCreate(template=body.template_id, metadata=body.metadata or {},
-                            lease_s=_lease(body.timeout, ctx), on_lease_expiry="pause" if body.auto_pause else "delete")
+                            lease_s=_lease(body.timeout, ctx), on_lease_expiry="pause" if body.auto_pause else "delete",
+                            network=egress_policy(body.allow_internet_access, body.network))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))

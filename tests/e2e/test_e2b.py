@@ -358,12 +358,22 @@ def test_commands_cwd_pty_kill_files_remove_and_parents(sbx: Any, stack: Any) ->
     assert sbx.commands.run("cat /tmp/p/q/r.txt").stdout == "deep"
 
 
-def test_short_timeout_listing_filters_and_metrics_history(e2b_env: dict[str, str]) -> None:
+def test_short_timeout_listing_filters_metrics_history_and_network(e2b_env: dict[str, str], stack: Any) -> None:
     from datetime import UTC, datetime, timedelta
 
+    import httpx
+
     before = datetime.now(UTC) - timedelta(seconds=5)
-    a = e2b.Sandbox.create(template="base", timeout=600, metadata={"suite": "e2b-filters"})
+    a = e2b.Sandbox.create(template="base", timeout=600, metadata={"suite": "e2b-filters"},
+                           allow_internet_access=False)
     try:
+        # E2B's network options are the sandbox's podbay egress policy, which the gateway enforces.
+        podbay = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {stack.api_key}"})
+        policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
+        assert policy["source"] == "sandbox" and policy["policy"] == {"allow": [], "deny": []}, policy
+        a.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]})
+        policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
+        assert [r["domain"] for r in policy["policy"]["allow"]] == ["example.com"], policy
         a.set_timeout(3)  # E2B honours timeouts under 10 s
         assert a.get_info().end_at < datetime.now(UTC) + timedelta(seconds=9)
         a.set_timeout(600)

@@ -46,3 +46,29 @@ def test_file_url_signatures_match_the_sdks_and_expire() -> None:
         assert check_file_signature(query, "read", "other", now) is not None
         if exp:
             assert "expired" in (check_file_signature(query, "read", token, now + 3600) or "")
+
+
+def test_e2b_network_options_map_onto_podbay_egress_policy() -> None:
+    from podbay_api.e2b_network import egress_policy
+
+    def rules(policy: object, side: str) -> list[str]:
+        return [r.cidr or r.domain for r in getattr(policy, side)]
+
+    assert egress_policy(None, None) is None  # nothing asked: the template's policy
+    everything = ["0.0.0.0/0", "::/0"]
+    assert rules(egress_policy(True, None), "allow") == everything
+    closed = egress_policy(False, {"allowOut": ["api.example.com", "8.8.8.8"]})
+    assert rules(closed, "allow") == ["api.example.com", "8.8.8.8/32"] and closed.deny == []
+    same = egress_policy(None, {"denyOut": ["0.0.0.0/0"], "allowOut": ["*.github.com"]})
+    assert rules(same, "allow") == ["*.github.com"] and same.deny == []
+    # allowOut wins over denyOut: the allowed network is cut out of the denied one.
+    part = egress_policy(None, {"denyOut": ["10.0.0.0/8"], "allowOut": ["10.1.0.0/16"]})
+    assert rules(part, "allow") == everything
+    denied = rules(part, "deny")
+    assert "10.1.0.0/16" not in denied and "10.0.0.0/16" in denied and len(denied) == 8
+    # update_network with nothing: everything cleared, the internet open (E2B's default).
+    assert rules(egress_policy(None, {}, at_create=False), "allow") == everything
+    with pytest.raises(InvalidRequest):
+        egress_policy(None, {"denyOut": ["example.com"]})
+    with pytest.raises(InvalidRequest):
+        egress_policy(None, {"allowOut": ["not a host!"]})

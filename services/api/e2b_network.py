@@ -1,0 +1,119 @@
+"""E2B's sandbox network options mapped onto podbay's egress policy (docs/e2b.md "Network"; the gateway
+enforces it, docs/egress.md).
+
+E2B: the internet is open unless ``allow_internet_access`` is false (the same as ``denyOut: ["0.0.0.0/0"]``);
+``denyOut`` lists CIDRs or addresses; ``allowOut`` lists CIDRs, addresses or domains (``*.`` wildcards) and
+wins over ``denyOut``. podbay: nothing is allowed unless an ``allow`` rule matches, and a matching ``deny``
+rule wins. The mapping:
+
+* nothing asked at create -> None (the template's policy applies, as for any podbay sandbox);
+* internet open, no ``denyOut`` -> allow everything (``0.0.0.0/0``, ``::/0``);
+* ``denyOut`` covering everything (``0.0.0.0/0``, or the internet closed) -> allow only ``allowOut``;
+* otherwise -> allow everything, deny ``denyOut`` minus the ``allowOut`` networks inside it (an allowed
+  *domain* inside a denied network stays denied: podbay's policy cannot express that exception).
+
+``rules`` (header transforms), ``dnsServers``, ``egressProxy`` and ``maskRequestHost`` are accepted and not
+applied.
+
+    PUT /e2b/sandboxes/{id}/network   204   E2B's SandboxNetworkUpdateConfig; omitted fields are cleared
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import Field, ValidationError
+
+from podbay.contracts.egress import EgressPolicy, EgressRule
+from podbay.errors import InvalidRequest
+
+from . import network as podbay_network
+from .context import ApiContext
+from .deps import ctx_dep
+from .e2b import WhoDep, _Body, _E2bRoute, _row
+
+__all__ = ["router", "egress_policy", "NetworkUpdate"]
+
+_EVERYTHING = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+
+router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+
+
+class NetworkUpdate(_Body):
+    """E2B's ``SandboxNetworkUpdateConfig`` (the fields podbay applies)."""
+
+    allow_out: list[str] | None = Field(None, alias="allowOut", max_length=256)
+    deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
+    allow_internet_access: bool | None = None
+
+
+def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(entry.strip(), strict=False)
+    except ValueError:
+        return None
+
+
+def _rule(entry: str) -> EgressRule:
+    net = _network(entry)
+    try:
+        return EgressRule(cidr=str(net)) if net is not None else EgressRule(domain=entry)
+    except ValidationError as exc:
+        raise InvalidRequest(f"network: {entry!r} is neither a CIDR, an address nor a domain name") from exc
+
+
+def egress_policy(allow_internet_access: bool | None, network: dict[str, Any] | None, *,
+                  at_create: bool = True) -> EgressPolicy | None:
+    """The podbay egress policy for E2B's options (see the module docstring); None at create when nothing
+    about egress was asked. ``InvalidRequest`` for an entry that is not a network or a domain, or a domain
+    in ``denyOut``."""
+    network = network or {}
+    allow_out = [str(e) for e in network.get("allowOut") or []]
+    deny_out = [str(e) for e in network.get("denyOut") or []]
+    if at_create and allow_internet_access is None and not allow_out and not deny_out:
+        return None
+    denied = []
+    for entry in deny_out:
+        net = _network(entry)
+        if net is None:
+            raise InvalidRequest(f"network.denyOut: {entry!r} is not a CIDR or an address (E2B denies no domains)")
+        denied.append(net)
+    if allow_internet_access is False:
+        denied.append(_EVERYTHING[0])
+    allow_rules = [_rule(e) for e in allow_out]
+    everything = [EgressRule(cidr=str(n)) for n in _EVERYTHING]
+    if any(n.prefixlen == 0 for n in denied):  # closed: only allowOut is reachable
+        return EgressPolicy(allow=allow_rules)
+    if not denied:
+        return EgressPolicy(allow=everything)
+    allowed_nets = [n for n in (_network(e) for e in allow_out) if n is not None]
+    deny: list[EgressRule] = []
+    for net in denied:
+        parts = [net]
+        for hole in allowed_nets:
+            nxt = []
+            for part in parts:
+                if hole.version == part.version and hole.subnet_of(part):  # type: ignore[arg-type]
+                    nxt.extend(part.address_exclude(hole))  # type: ignore[arg-type]
+                elif not (part.version == hole.version and part.subnet_of(hole)):  # type: ignore[arg-type]
+                    nxt.append(part)
+            parts = nxt
+        deny.extend(EgressRule(cidr=str(p)) for p in parts)
+    if len(deny) > 256:
+        raise InvalidRequest("network: the denied networks split into more than 256 rules around allowOut")
+    return EgressPolicy(allow=everything, deny=deny)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: NetworkUpdate, ctx: CtxDep, who: WhoDep) -> Response:
+    """Replace a sandbox's egress configuration (omitted fields are cleared: the internet is open unless
+    closed) -> 204; the gateway applies it from the guest's next connection."""
+    await _row(ctx, who, sandbox_id)
+    policy = egress_policy(body.allow_internet_access,
+                           {"allowOut": body.allow_out or [], "denyOut": body.deny_out or []}, at_create=False)
+    assert policy is not None
+    await podbay_network.set_sandbox_network(sandbox_id, policy, ctx, who)
+    return Response(status_code=204)

@@ -242,6 +242,29 @@ def test_templates_and_operations(fake_api: FakeApi) -> None:
     assert (op["id"], op["state"]) == ("op-1", "succeeded")
 
 
+def test_template_build_streams_steps_and_prints_the_template(fake_api: FakeApi, tmp_path: Path) -> None:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "app.txt").write_text("x")
+    (tmp_path / "Dockerfile").write_text("FROM podbay/base\nCOPY app.txt /app.txt\n")
+    result = run(fake_api, "template", "build", "web", "-f", str(tmp_path / "Dockerfile"), str(ctx),
+                 "--build-arg", "A=1", "--ready-port", "8000")
+    assert result.exit_code == 0, result.output
+    assert "[1/2] CACHED RUN apt-get update" in result.stderr and "[2/2] RUN make" in result.stderr
+    assert "compiling" in result.stderr and "cdcdcd" in result.stdout
+    body = fake_api.last("/v1/templates").body
+    for field_, value in (("name", b"web"), ("build_args", b'{"A": "1"}'), ("ready_port", b"8000")):
+        assert f'name="{field_}"'.encode() + b"\r\n\r\n" + value in body
+    assert b"COPY app.txt /app.txt" in body and b'name="context"' in body
+
+
+def test_template_build_failure_exits_nonzero_with_the_step(fake_api: FakeApi, tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM podbay/base\nRUN FAIL\n")
+    result = run(fake_api, "template", "build", "web", str(tmp_path))
+    assert result.exit_code != 0
+    assert "RUN make' exited 2" in result.stderr and "build_step_failed" in result.stderr
+
+
 def test_env_prints_exports(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(app, ["--api-url", "http://h:1", "--api-key", "k'ey", "env"])
     assert result.stdout.splitlines() == ["export PODBAY_API_URL=http://h:1", "export PODBAY_API_KEY='k'\"'\"'ey'"]

@@ -232,6 +232,33 @@ def build_app(fake: FakeApi) -> FastAPI:
         return {"templates": [{"name": "base", "digest": "sha256:" + "ab" * 32, "memory_mib": 256, "vcpus": 1,
                                "created_at": now}]}
 
+    @app.post("/v1/templates")
+    async def build_template(request: Request) -> StreamingResponse:
+        # A build stream: FROM, one cached step, one run with output, then done (or failed when the
+        # multipart body says FAIL); the body is logged as sent.
+        body = fake.last("/v1/templates").body
+        fields = {"name": "web"} if b"FAIL" not in body else {"name": "web", "dockerfile": "FAIL"}
+        now = datetime.now(UTC).isoformat()
+        events: list[dict[str, Any]] = [
+            {"type": "step", "step": 0, "total": 2, "cached": True, "text": "FROM base (abab)"},
+            {"type": "step", "step": 1, "total": 2, "cached": True, "text": "RUN apt-get update"},
+            {"type": "step", "step": 2, "total": 2, "cached": False, "text": "RUN make"},
+            {"type": "log", "step": 2, "text": "compiling\n"},
+        ]
+        if "FAIL" in fields.get("dockerfile", ""):
+            events.append({"type": "failed", "step": 2, "exit_code": 2, "code": "build_step_failed",
+                           "message": "step 2 (line 3) 'RUN make' exited 2", "output_tail": "compiling\n"})
+        else:
+            events.append({"type": "done", "template": {"name": fields.get("name"), "digest": "cd" * 32,
+                           "memory_mib": 256, "vcpus": 1, "created_at": now, "parent": "base",
+                           "config": {"env": {"A": "1"}}, "size_bytes": 2 << 30}})
+
+        async def lines() -> AsyncIterator[bytes]:
+            for ev in events:
+                yield (json.dumps(ev) + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
     def runnable(sandbox_id: str) -> None:
         if box(sandbox_id).state != "running":
             raise InvalidState("cannot exec a sandbox that is paused", details={"state": "paused"})

@@ -38,7 +38,9 @@ def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 def _show(ev: BuildEvent) -> None:
     """A build event on stderr: ``[i/n] STEP`` (``CACHED`` when reused), then the step's output."""
-    if ev.type == "step":
+    if ev.type == "step" and not ev.step:
+        sys.stderr.write(f"{ev.text}\n")  # FROM
+    elif ev.type == "step":
         mark = " CACHED" if ev.cached else ""
         sys.stderr.write(f"[{ev.step}/{ev.total}]{mark} {ev.text}\n")
     elif ev.type == "log" and ev.text:

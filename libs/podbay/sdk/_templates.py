@@ -25,7 +25,7 @@ __all__ = ["TemplateBuildFailed", "build_call", "parse_line", "outcome"]
 
 
 class TemplateBuildFailed(PodbayError):
-    """The build ended ``failed``; ``code`` is the server's (e.g. ``build_step_failed``)."""
+    """The build ended ``failed``; ``code`` is the server's (e.g. ``build_step_failed``), else ``build_failed``."""
 
     code = "build_failed"
     http_status = 422
@@ -61,7 +61,9 @@ def outcome(ev: BuildEvent) -> TemplateDetail | None:
         return ev.template
     if ev.type == "failed":
         err = TemplateBuildFailed(ev.message or "the build failed", details={
-            k: v for k, v in {"step": ev.step, "exit_code": ev.exit_code, "output_tail": ev.output_tail,
-                              "code": ev.code}.items() if v is not None})
+            k: v for k, v in {"step": ev.step, "exit_code": ev.exit_code, "output_tail": ev.output_tail}.items()
+            if v is not None})
+        if ev.code:
+            err.code = ev.code  # the server's code (e.g. build_step_failed), for this instance
         raise err
     return None

@@ -166,3 +166,32 @@ async def test_mkdir_with_user_owns_the_directories_it_creates(ch: GuestChannel,
     assert (st.uid, st.gid) == (nobody.pw_uid, nobody.pw_gid)
     assert (tmp_path / "a").stat().st_uid == nobody.pw_uid
     assert tmp_path.stat().st_uid != nobody.pw_uid  # existing parents keep their owner
+
+
+# -- inotify (the watch's source wherever the kernel has it) -----------------------------------------
+
+
+async def test_watch_pairs_renames_and_follows_new_subdirectories(ch: GuestChannel, tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    async with ch.watch(str(tmp_path), recursive=True) as w:
+        await w.started()
+        os.rename(tmp_path / "a.txt", tmp_path / "b.txt")
+        got = await _collect(w, {("a.txt", "rename"), ("b.txt", "create")})
+        kinds = [(e.name, e.type) for e in got]
+        assert kinds.index(("a.txt", "rename")) < kinds.index(("b.txt", "create"))
+        assert ("a.txt", "remove") not in kinds
+        # A directory made after the watch started is followed at once, its first file included.
+        (tmp_path / "new" / "deeper").mkdir(parents=True)
+        (tmp_path / "new" / "deeper" / "f.txt").write_text("f")
+        await _collect(w, {("new", "create"), ("new/deeper/f.txt", "create")})
+        (tmp_path / "new" / "deeper" / "g.txt").write_text("g")
+        await _collect(w, {("new/deeper/g.txt", "create"), ("new/deeper/g.txt", "write")})
+
+
+async def test_watch_reports_a_file_created_and_removed_between_reads(ch: GuestChannel, tmp_path: Path) -> None:
+    async with ch.watch(str(tmp_path)) as w:
+        await w.started()
+        (tmp_path / "brief").write_text("x")
+        (tmp_path / "brief").unlink()
+        got = await _collect(w, {("brief", "create"), ("brief", "remove")})
+    assert [e.type for e in got if e.name == "brief"][0] == "create"

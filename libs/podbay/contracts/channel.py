@@ -353,10 +353,11 @@ class WatchRequest(_Strict):
 
 class WatchEvent(_Lenient):
     """One change seen by ``watch`` (a JSON line in DATA fd 3): ``name`` relative to the watched directory,
-    ``stat`` of the entry after the change (None for ``remove``)."""
+    ``stat`` of the entry after the change (None for ``remove`` and ``rename``, which names the old path; the
+    new path follows as ``create``)."""
 
     name: str = Field(max_length=4096)
-    type: Literal["create", "write", "remove", "chmod"]
+    type: Literal["create", "write", "remove", "rename", "chmod"]
     stat: FileStat | None = None
 
 

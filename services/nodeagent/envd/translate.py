@@ -69,7 +69,7 @@ KNOWN_OWNERS = {0: "root", 1000: "user"}
 _TYPES = {"file": fs_pb.FileType.FILE, "dir": fs_pb.FileType.DIRECTORY,
           "symlink": fs_pb.FileType.SYMLINK}
 _EVENTS = {"create": fs_pb.EventType.CREATE, "write": fs_pb.EventType.WRITE,
-           "remove": fs_pb.EventType.REMOVE, "chmod": fs_pb.EventType.CHMOD}
+           "remove": fs_pb.EventType.REMOVE, "rename": fs_pb.EventType.RENAME, "chmod": fs_pb.EventType.CHMOD}
 
 
 def owner_name(uid: int) -> str:

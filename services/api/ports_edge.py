@@ -11,7 +11,8 @@ request passes to the app untouched:
    traffic token, the cookie, or an API key of the sandbox's tenant (401 without a credential, 403 with a
    wrong one). Credentials are removed before the request goes on: the guest never sees them.
 4. State: a paused or suspended sandbox is resumed through the same path as ``?auto_resume=true`` data-plane
-   calls (services/api/suspend.py), bounded by its timeouts, when ``ports_wake`` is on; otherwise, and for
+   calls (services/api/suspend.py), bounded by its timeouts, when ``ports_wake`` is on (through E2B's hosts:
+   when the sandbox was created with E2B's ``autoResume``, as E2B does); otherwise, and for
    states that cannot serve, 409 ``invalid_state``. The lease is renewed as by any data-plane call (at most
    every :data:`LEASE_RENEW_EVERY_S` per sandbox and process).
 5. The request goes to the node's ``/internal/ports/{id}/{port}`` (services/nodeagent/ports.py) with the
@@ -52,7 +53,7 @@ E2B_ENVD_PORT = 49983
 _WAKE_STATES = ("paused", "suspended")
 _ROW_SQL = (
     "SELECT s.tenant_id, s.state, s.generation, n.dataplane_url, COALESCE(p.public, false) AS public,"
-    " COALESCE(e.allow_public_traffic, false) AS e2b_public"
+    " COALESCE(e.allow_public_traffic, false) AS e2b_public, COALESCE(e.auto_resume, false) AS e2b_auto_resume"
     " FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
     " LEFT JOIN sandbox_ports p ON p.sandbox_id = s.id AND p.port = $2"
     " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
@@ -231,7 +232,9 @@ class PortsEdge:
     async def _ready(self, ctx: ApiContext, route: _Route, row: Any) -> Any:
         """The row of a running sandbox with a node, waking a paused or suspended one when allowed; renews
         the lease (throttled). Raises :class:`_Stop` 409 or the resume's own errors."""
-        if row["state"] in _WAKE_STATES and self.settings.ports_wake:
+        # Through E2B's hosts, E2B's rule: only a sandbox created with autoResume wakes on traffic.
+        wake = self.settings.ports_wake and (route.mode != "e2b" or row["e2b_auto_resume"])
+        if row["state"] in _WAKE_STATES and wake:
             from .suspend import auto_resume  # suspend imports sandboxes, which imports nothing of ours
 
             await auto_resume(ctx, Principal(tenant_id=row["tenant_id"], key_id="ports-edge"), route.sandbox_id)
@@ -239,8 +242,8 @@ class PortsEdge:
         if row is None or row["state"] != "running" or not row["dataplane_url"]:
             state = row["state"] if row is not None else "deleted"
             raise _Stop(409, "invalid_state", f"sandbox {route.sandbox_id} is {state}"
-                        + ("" if self.settings.ports_wake or state not in _WAKE_STATES
-                           else ": resume it first (waking on a request is off)"))
+                        + ("" if wake or state not in _WAKE_STATES
+                           else ": resume it first (waking on a request is off for it)"))
         now = time.monotonic()
         if now - self._renewed.get(route.sandbox_id, 0.0) > LEASE_RENEW_EVERY_S:
             if len(self._renewed) > 10000:

@@ -64,7 +64,11 @@ def _snapshot_info(snapshot_id: str) -> dict[str, Any]:
 
 
 async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> None:
-    """Children keep the parent's E2B create settings (default environment, auto-resume)."""
+    """Children keep the parent's E2B create settings (default environment, auto-resume, what a timeout
+    does)."""
+    await ctx.pool.execute(
+        "UPDATE sandboxes c SET lease_action = p.lease_action FROM sandboxes p WHERE p.id = $1"
+        " AND c.id = ANY($2::text[])", parent, children)
     await ctx.pool.execute(
         "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume)"
         " SELECT c, e.env_vars, e.auto_resume FROM e2b_sandboxes e, unnest($2::text[]) AS c WHERE e.sandbox_id=$1"

@@ -6,12 +6,13 @@ sandbox of the first version keeps it; a failed RUN registers nothing and leaves
 is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
 sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
 network under the build's egress policy and nothing without one (skipped where the machine has no way to
-a package index).
+a package index); a node agent SIGKILLed mid-build fails the build and leaves no builder VM behind.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import urllib.parse
 from pathlib import Path
@@ -90,8 +91,10 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
             with new_sandbox(h, "e2e-web") as sid2:
                 assert sh(h, sid2, "cat /home/agent/last.txt") == "second\n"
                 assert sh(h, sid2, "cat /srv/run.txt") == "hello from run\n"
-            # The first sandbox keeps its version.
+            # The first sandbox keeps its version, and the node keeps that build while it is used.
             assert sh(h, sid, "cat /home/agent/last.txt") == "first\n"
+            builds = {p.name for p in Path(stack.data_dir).glob("nodes/*/store/templates/e2e-web/*")}
+            assert {tpl.digest, tpl2.digest} <= builds
             r = h.delete("/v1/templates/e2e-web")
             assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
         listed = {t["name"]: t for t in h.get("/v1/templates").json()["templates"]}
@@ -177,3 +180,39 @@ def test_run_steps_reach_the_network_under_the_builds_egress_policy(stack: Any) 
         with pytest.raises(TemplateBuildFailed) as info:  # the same step without a policy: no egress
             _build(c, "e2e-net", "FROM podbay/base\nARG UNCACHED=1\n" + run, None)  # (an ARG: not cached)
         assert info.value.details["step"] == 1 and info.value.details["exit_code"] != 0
+
+
+def test_node_agent_killed_mid_build_fails_it_and_leaves_no_builder(stack: Any) -> None:
+    store = Path(stack.data_dir)
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            with Client(stack.api_url, stack.api_key, timeout_s=600) as c:
+                _build(c, "e2e-crash", "FROM podbay/base\nRUN sleep 120\n", None)
+        except BaseException as exc:  # the stream breaks with the node agent
+            errors.append(exc)
+
+    def builder_pid() -> int | None:
+        for pidfile in store.glob("nodes/*/store/builds/bld*/qemu.pid"):
+            text = pidfile.read_text().strip()
+            if text.isdigit():
+                return int(text)
+        return None
+
+    first = threading.Thread(target=build)
+    first.start()
+    pid = until("the builder VM", builder_pid, 120, 0.2)
+    stack.kill("nodeagent", signal.SIGKILL)
+    stack.restart("nodeagent")
+    first.join(120)
+    assert errors and not first.is_alive()
+    until("the builder VM to be killed", lambda: not Path(f"/proc/{pid}").exists(), 30, 0.2)
+    assert not list(store.glob("nodes/*/store/builds/*")) and not list(store.glob("nodes/*/store/layers/.tmp-*"))
+    # The restarted agent also removed the builds of removed templates that nothing uses (e2e-web, above).
+    assert not list(store.glob("nodes/*/store/templates/e2e-web/*"))
+    with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
+        assert "e2e-crash" not in {t["name"] for t in h.get("/v1/templates").json()["templates"]}
+        tpl, _ = _build(c, "e2e-crash", "FROM podbay/base\nRUN true\n", None)  # not refused as still running
+        assert tpl.name == "e2e-crash"
+        assert h.delete("/v1/templates/e2e-crash").status_code == 204

@@ -298,10 +298,41 @@ class TemplateBuilder:
         for vm_id in self.m.net.leased():
             if vm_id.startswith("build-"):
                 await asyncio.to_thread(self.m.net.release, vm_id)
+        for tdir in sorted(self.m.store.templates_dir.iterdir()) if self.m.store.templates_dir.exists() else ():
+            if tdir.name not in self.m.templates or self.m.templates[tdir.name].snapshot.parent is not None:
+                await self.reclaim(tdir.name)  # removed templates' builds, and builds left by earlier versions
         await self.m.pool.execute(
             "UPDATE template_builds SET state='failed', finished_at=now(), error=$2::jsonb"
             " WHERE node_id=$1 AND state='running'", self.m.node_id,
             {"code": "interrupted", "message": "the node agent restarted during the build"})
+
+    async def reclaim(self, name: str) -> list[str]:
+        """Remove builds of template ``name`` from this node's store that nothing references any more: not its
+        current build here, not the build of a sandbox that is not deleted, not a warm slot's, not a build
+        another template's files were taken FROM (their kernel is a reflink, so that costs nothing). Returns
+        the digests removed. Built-in templates are left alone (their builds come from the build cache)."""
+        if name in BUILTIN:
+            return []
+        root = self.m.store.templates_dir / name
+        if not root.exists():
+            return []
+        keep = {r["d"] for r in await self.m.pool.fetch(
+            "SELECT template_digest AS d FROM sandboxes WHERE template=$1 AND state <> 'deleted'"
+            " UNION SELECT template_digest FROM warm_slots WHERE template=$1", name)}
+        cur = self.m.templates.get(name)
+        if cur is not None:
+            keep.add(cur.digest)
+        gone: list[str] = []
+        for d in sorted(root.iterdir()):
+            if d.name in keep or d.name.startswith("."):
+                continue
+            await asyncio.to_thread(shutil.rmtree, d, True)
+            self.m._older_templates.pop((name, d.name), None)
+            gone.append(d.name)
+        if gone:
+            log.info("template %s: removed %d build(s) nothing uses: %s", name, len(gone),
+                     ", ".join(g[:12] for g in gone))
+        return gone
 
     def parent_of(self, spec: BuildSpec) -> TemplateImage:
         """The ``FROM`` template's current build on this node. Raises ``Unprocessable`` (OCI images: not
@@ -405,6 +436,7 @@ class TemplateBuilder:
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest)
         detail = await self._register(img, parent)
+        await self.reclaim(req.name)
         await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
         log.info("template %s built: %s (%d steps, %d cached) in %.1f s", req.name, digest[:12], total,
                  done, time.monotonic() - t_all)

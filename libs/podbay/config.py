@@ -126,6 +126,8 @@ class Settings(BaseSettings):
     node_vcpus: int = Field(0, description="vCPUs offered to running sandboxes; 0 means 128x host cores (an idle "
                             "guest uses about 0.5% of a core; paused ones none).")
     node_store_size_gib: int = Field(40, description="Size of the loop-backed btrfs file when DATA_DIR is not btrfs.")
+    volume_max_size_gib: int = Field(64, ge=1, description="Largest volume a tenant may create, GiB (a sparse "
+                                     "ext4 file on the node's btrfs store: it costs what is written).")
     node_heartbeat_s: float = Field(2.0)
     node_heartbeat_ttl_s: float = Field(10.0)
     node_lost_grace_s: float = Field(60.0, ge=0, description="Scheduler: a ready or draining node whose heartbeat "

@@ -4,13 +4,16 @@
     ├── InvalidRequest        400  invalid_request
     │   ├── InvalidCron       400  invalid_cron      (not a five-field cron expression, or it never fires)
     │   ├── UnknownTimeZone   400  unknown_time_zone (not an IANA time zone name)
-    │   └── TimeInPast        400  time_in_past      (a one-shot schedule's time has passed)
+    │   ├── TimeInPast        400  time_in_past      (a one-shot schedule's time has passed)
+    │   ├── InvalidVolumePath 400  invalid_volume_path (not absolute, or shadows a system directory)
+    │   └── VolumeTooLarge    400  volume_too_large  (over the node's limit; ``details.max_bytes``)
     ├── Unauthorized          401  unauthorized
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
     │   ├── InvalidState      409  invalid_state (carries the current state)
     │   ├── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
-    │   └── LimitExceeded     409  limit_exceeded (a per-sandbox or per-tenant limit; ``details.limit``)
+    │   ├── LimitExceeded     409  limit_exceeded (a per-sandbox or per-tenant limit; ``details.limit``)
+    │   └── VolumeInUse       409  volume_in_use (attached read-write elsewhere, or attached at all for rm)
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
@@ -35,6 +38,9 @@ __all__ = [
     "InvalidCron",
     "UnknownTimeZone",
     "TimeInPast",
+    "InvalidVolumePath",
+    "VolumeTooLarge",
+    "VolumeInUse",
     "LimitExceeded",
     "Unauthorized",
     "Forbidden",
@@ -98,6 +104,18 @@ class TimeInPast(InvalidRequest):
     code = "time_in_past"
 
 
+class InvalidVolumePath(InvalidRequest):
+    """A volume's mount path is not absolute and normalised, or is or lies under a system directory."""
+
+    code = "invalid_volume_path"
+
+
+class VolumeTooLarge(InvalidRequest):
+    """A volume's size is over the node's limit (``details.max_bytes``, ``details.setting``)."""
+
+    code = "volume_too_large"
+
+
 class Unauthorized(PodbayError):
     code = "unauthorized"
     http_status = 401
@@ -137,6 +155,13 @@ class LimitExceeded(Conflict):
     """Creating this would pass a limit (``details.limit``: its value; ``details.setting``: what sets it)."""
 
     code = "limit_exceeded"
+
+
+class VolumeInUse(Conflict):
+    """The volume is attached where this call needs it free: read-write to another sandbox (an attach), or
+    to any sandbox that is not deleted (a delete). ``details.sandbox_ids`` names them."""
+
+    code = "volume_in_use"
 
 
 class Unprocessable(PodbayError):
@@ -215,6 +240,9 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         InvalidCron,
         UnknownTimeZone,
         TimeInPast,
+        InvalidVolumePath,
+        VolumeTooLarge,
+        VolumeInUse,
         LimitExceeded,
         Unauthorized,
         Forbidden,

@@ -31,6 +31,7 @@ from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
 from . import templates as template_routes
+from . import volumes as volume_routes
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app"]
@@ -162,6 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(drain.router)
     app.include_router(schedule_routes.router)
+    app.include_router(volume_routes.router)
 
     app.add_middleware(RequestMetrics)
 

@@ -37,6 +37,7 @@ from .auth import Principal
 from .context import ApiContext
 from .credentials import GUEST_ENV_SQL
 from .deps import ctx_dep, principal_dep
+from .volumes import attach_volumes
 from .warm import warm_create
 
 __all__ = ["router", "sandbox_info", "load_sandbox", "audit", "await_operation"]
@@ -118,15 +119,17 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
     and a resume), else by restoring the template's snapshot on a node with room.
 
-    Errors: 404 ``not_found`` (unknown template), 400 ``invalid_request`` (resources the template's snapshot
-    cannot restore with), 503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
+    Errors: 404 ``not_found`` (unknown template or volume), 400 ``invalid_request`` (resources the template's
+    snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volumes.py),
+    503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
     retry window, ``PODBAY_PLACEMENT_RETRY_S``; the sandbox is ``failed``), 500 ``sandbox_failed`` (with the
     reason), 503 ``unavailable``. With ``?wait=false`` the same outcomes show on the operation
     (``error.code``) and the sandbox (``failed``, ``failure_reason``).
     """
     t0 = time.perf_counter()
-    # A warm claim looks the template up in its own statement; the checks below answer when it cannot.
-    if wait and (warm := await warm_create(ctx, who, body, t0)) is not None:
+    # A warm claim looks the template up in its own statement; the checks below answer when it cannot. A warm
+    # slot was restored without volumes and its node may not hold them: a create with volumes restores.
+    if wait and not body.volumes and (warm := await warm_create(ctx, who, body, t0)) is not None:
         return warm
     tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates"
                                   " WHERE name = $1 AND deleted_at IS NULL", body.template)
@@ -164,8 +167,10 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
         )
         await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
                                  data={"template": tpl["name"], "operation_id": op_id})
+        await attach_volumes(conn, who.tenant_id, sandbox_id, body.volumes or [])
         await audit(conn, who, "sandbox.create", sandbox_id,
-                    detail={"template": tpl["name"], "network": body.network is not None})
+                    detail={"template": tpl["name"], "network": body.network is not None,
+                            **({"volumes": [v.model_dump() for v in body.volumes]} if body.volumes else {})})
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
     ctx.relay.kick()
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None

@@ -45,6 +45,7 @@ from .deps import ctx_dep, principal_dep
 from .credentials import GUEST_ENV_SQL
 from .schedules.routes import copy_schedules
 from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
+from .volumes import refuse_with_volumes
 
 __all__ = ["router"]
 
@@ -119,13 +120,16 @@ async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, wh
 
     Allowed from ``running``, ``paused`` and ``failed`` (a dead VM comes back from a ready snapshot on its
     node). Errors: 404 ``not_found`` (sandbox or snapshot), 409 ``invalid_state``, 409 ``conflict`` (snapshot
-    not ready)."""
+    not ready; or a full snapshot of a sandbox with a read-write volume: services/api/volumes.py)."""
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.RESTORE, row["state"])
-        await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
+        snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
+        if snap["kind"] == "full":
+            await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot (use a disk snapshot: "
+                                      "the guest boots and mounts the volume as it is now)", writable_only=True)
         gen = await conn.fetchval(
             "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
             " RETURNING generation", sandbox_id)
@@ -151,6 +155,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.FORK, row["state"])
+        await refuse_with_volumes(conn, sandbox_id, "fork", writable_only=False)
         take = body.snapshot_id is None
         if body.snapshot_id is not None:
             snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)

@@ -52,6 +52,7 @@ from .reconcile import reconcile
 from .sandboxes import SandboxManager
 from .store import NodeStore
 from .suspend import SuspendOps
+from .volumes import sweep_loop as volume_sweep_loop
 from .tapwatch import tap_watch_loop
 from .vmdriver import VmDriver
 from .warm import WarmPool
@@ -157,6 +158,7 @@ async def _serve(stop: asyncio.Event) -> None:
     leases = asyncio.create_task(lease_loop(manager, stop), name="leases")
     fencing = asyncio.create_task(fence_loop(manager, stop), name="fencing")
     taps = asyncio.create_task(tap_watch_loop(manager, stop), name="tap-watch")
+    vol_sweep = asyncio.create_task(volume_sweep_loop(manager.volumes, stop), name="volume-sweep")
     await warm.start()
     refill = asyncio.create_task(warm.run(stop), name="warm-pool")
     manager.ready = True
@@ -165,7 +167,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await stop.wait()
     manager.ready = False
     # 60 s for in-flight commands, then up to 10 s to cancel and hand back the rest (bus.consume).
-    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing, memory, taps}, timeout=75)
+    await asyncio.wait({consumer, hb, http, cadence, leases, refill, fencing, memory, taps, vol_sweep}, timeout=75)
     await warm.close()
     await manager.migrations.close()
     await manager.close()

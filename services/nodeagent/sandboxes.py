@@ -39,6 +39,7 @@ from podbay.vmprocs import vm_processes
 from .network import SandboxNetwork
 from .store import NodeStore
 from .vmdriver import TemplateImage, VmDriver, VmHandle
+from .volumes import VolumeStore
 
 __all__ = ["SandboxManager", "RunningVm"]
 
@@ -85,6 +86,7 @@ class SandboxManager:
         self.vms: dict[str, RunningVm] = {}
         self.hibernated: dict[str, HibernatedVm] = {}
         self.templates: dict[str, TemplateImage] = {}
+        self.volumes = VolumeStore(store.volumes_dir, pool, settings.node_id)
         # Earlier builds of a template that sandboxes still run on, by (name, digest); loaded on demand.
         self._older_templates: dict[tuple[str, str], TemplateImage] = {}
         self.ready = False
@@ -207,6 +209,7 @@ class SandboxManager:
         try:
             tpl = await self.template(template, template_digest)
             await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
+            volumes = await self.volumes.attach(sandbox_id, vm_dir)  # into the slots before QEMU starts
             # Its address, tap and binding (a new CA for a new generation) exist before the guest runs.
             binding, fd = await asyncio.to_thread(self.net.prepare, sandbox_id, generation)
             tap_fd = fd
@@ -229,7 +232,7 @@ class SandboxManager:
             hygiene = await channel.after_restore(hostname=hostname, seed=os.urandom(64), time_ns=time.time_ns(),
                                                   env={"PODBAY_SANDBOX_ID": sandbox_id},
                                                   access_token=secrets.token_urlsafe(32),
-                                                  net=self.guest_net(binding))
+                                                  net=self.guest_net(binding), volumes=volumes)
             if not hygiene.crng_reseeded:
                 # Older guests or a refused ioctl: the seed still lands at the kernel's next reseed.
                 log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "

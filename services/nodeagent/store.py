@@ -9,7 +9,9 @@ cost nothing until written.
 Layout::
 
     store/templates/<name>/<digest>/{template.json, state, ram, disk.img, vmlinuz, initrd.img}
-    store/sandboxes/<sandbox id>/{disk.img, ram, run/qmp.sock, run/channel.sock, console.log, qemu.pid, meta.json}
+    store/sandboxes/<sandbox id>/{disk.img, ram, vol0.img..vol3.img, run/qmp.sock, run/channel.sock, console.log,
+                                  qemu.pid, meta.json}
+    store/volumes/<volume id>.img          (ext4 in a sparse file; volumes.py)
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class NodeStore:
         os.chmod(self.root, 0o700)
         self.templates_dir.mkdir(exist_ok=True)
         self.sandboxes_dir.mkdir(exist_ok=True)
+        self.volumes_dir.mkdir(exist_ok=True)
 
     @property
     def templates_dir(self) -> Path:
@@ -96,6 +99,10 @@ class NodeStore:
     @property
     def sandboxes_dir(self) -> Path:
         return self.root / "sandboxes"
+
+    @property
+    def volumes_dir(self) -> Path:
+        return self.root / "volumes"
 
     def template_dir(self, name: str, digest: str) -> Path:
         return self.templates_dir / name / digest

@@ -48,7 +48,7 @@ from .drain import drain_node
 from .load import node_loads
 from .nodeloss import NodeLossWatcher
 from .pending import PendingSweeper, fail_unplaced
-from .placement import NoCapacity, Request, choose_node, ready_nodes
+from .placement import NoCapacity, Request, choose_node, ready_nodes, with_volumes
 from .wake import wake_command
 
 __all__ = ["main"]
@@ -101,11 +101,18 @@ class Scheduler:
                                               digest=row["template_digest"],
                                               snapshot_id=row["suspended_snapshot_id"] if cmd.wake else None)
                 HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
+                volume_node = await conn.fetchval(
+                    "SELECT v.node_id FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
+                    " WHERE sv.sandbox_id = $1 AND v.node_id IS NOT NULL LIMIT 1", cmd.sandbox_id)
+                candidates = with_volumes(candidates, volume_node)
                 req = Request(cmd.template, cmd.resources.memory_mib, cmd.resources.vcpus, wake=cmd.wake,
                               memory_overcommit=self.settings.memory_overcommit_ratio,
                               vcpu_overcommit=self.settings.vcpu_overcommit_ratio,
                               memory_estimate_mib=self.settings.memory_sandbox_estimate_mib)
                 try:
+                    if volume_node is not None and not candidates:
+                        raise NoCapacity(f"node {volume_node}, which holds the sandbox's volumes, is not live "
+                                         "and ready")
                     chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
                 except NoCapacity as exc:
                     if waited_s < self.settings.placement_retry_s and not last_try:
@@ -129,6 +136,11 @@ class Scheduler:
                     log.info("place %s: placed by another scheduler meanwhile", cmd.sandbox_id)
                     return True
                 await conn.execute("UPDATE operations SET state='running' WHERE id=$1", cmd.operation_id)
+                # Its volumes that have no node yet live where it runs from now on (under the placement lock,
+                # so two sandboxes sharing a new volume agree on the node).
+                await conn.execute(
+                    "UPDATE volumes SET node_id=$2 WHERE node_id IS NULL AND id IN"
+                    " (SELECT volume_id FROM sandbox_volumes WHERE sandbox_id=$1)", cmd.sandbox_id, node_id)
             if cmd.wake:
                 wake = await wake_command(conn, cmd, int(gen))
             create = CreateSandboxCmd(

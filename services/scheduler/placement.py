@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from podbay.contracts.messages import NodeHeartbeat
 
 __all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "fits_memory", "expected_cost", "room_mib",
-           "measured", "NoCapacity", "ready_nodes", "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT",
+           "measured", "NoCapacity", "ready_nodes", "with_volumes", "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT",
            "FALLBACK_OVERHEAD_MIB"]
 
 #: Score weights (dimensionless). Locality and warm slots outweigh a full node's worth of free capacity
@@ -185,6 +185,14 @@ def score(n: NodeLoad, req: Request) -> float:
     if not req.wake and n.warm_ready > 0:
         s += W_WARM
     return s - W_TENANT * n.tenant_sandboxes
+
+
+def with_volumes(nodes: list[NodeLoad], volume_node: str | None) -> list[NodeLoad]:
+    """The nodes a sandbox may run on given where its volumes live (``volume_node``; None: it has none, or
+    they have no node yet): only that node, since a volume's file is on one node's store."""
+    if volume_node is None:
+        return nodes
+    return [n for n in nodes if n.node_id == volume_node]
 
 
 def _affine(n: NodeLoad, req: Request) -> bool:

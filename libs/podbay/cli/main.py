@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 
 import typer
 
-from podbay.cli import access, env, events, files, node, pool, sandbox, schedule, snapshot, template
+from podbay.cli import access, env, events, files, node, pool, sandbox, schedule, snapshot, template, volume
 from podbay.cli._common import CliState, OneLineErrorsGroup, fail
 from podbay.cli.exec_cmd import exec_command
 
@@ -42,6 +42,7 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(files.app, name="files")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(schedule.app, name="schedule")
+app.add_typer(volume.app, name="volume")
 app.add_typer(pool.app, name="pool")
 app.add_typer(node.app, name="node")
 app.add_typer(access.credential_app, name="credential")

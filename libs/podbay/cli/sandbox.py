@@ -29,11 +29,14 @@ def create(
     memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB (default: the template's)."),
     vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (default: the template's)."),
     metadata: list[str] = typer.Option([], "--metadata", "-m", help="KEY=VALUE label; repeatable."),
+    volume: list[str] = typer.Option([], "--volume", "-v", help="NAME:/PATH[:ro] mounts volume NAME (podbay "
+                                     "volume create) at PATH; repeatable, up to 4."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
 ) -> None:
     """Create a sandbox and print its id alone on stdout, so that ID=$(podbay sandbox create) works."""
     info = client(ctx).create_sandbox(
-        template, memory_mib=memory_mib, vcpus=vcpus, metadata=parse_pairs(metadata, "--metadata"), wait=not no_wait
+        template, memory_mib=memory_mib, vcpus=vcpus, metadata=parse_pairs(metadata, "--metadata"), wait=not no_wait,
+        volumes=volume or None,
     )
     print(info.id)
     if no_wait and info.operation_id:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from .egress import EgressPolicy
+from .volumes import MAX_VOLUMES_PER_SANDBOX, VolumeMount
 
 __all__ = [
     "PortInfo",
@@ -74,6 +75,9 @@ class SandboxCreate(_In):
         None, description="What happens when the lease runs out and the guest is idle (default: pause).")
     network: EgressPolicy | None = Field(
         None, description="Egress policy of this sandbox; absent: the template's (whose default is no egress).")
+    volumes: list[VolumeMount] | None = Field(
+        None, max_length=MAX_VOLUMES_PER_SANDBOX,
+        description="Volumes to mount (``/v1/volumes``); the sandbox is placed on their node. Not from a warm slot.")
 
 
 class LeaseUpdate(_In):

@@ -44,6 +44,7 @@ from podbay.sdk import _access as access
 from podbay.sdk import _ports as ports_calls
 from podbay.contracts.api import PortAccess, PortList, PortUrl
 from podbay.sdk import _schedules as sched
+from podbay.sdk import _volumes as vols
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
 from podbay.contracts.templates import BuildEvent, TemplateDetail
@@ -90,6 +91,8 @@ class AsyncClient:
         self.webhooks = sdk_events.AsyncWebhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
         self.schedules = sched.AsyncSchedules(self._call)
+        #: ``volumes.create/list/get/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
+        self.volumes = vols.AsyncVolumes(self._call)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
@@ -131,11 +134,12 @@ class AsyncClient:
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
+        volumes: Sequence[Any] | None = None,
     ) -> SandboxInfo:
         """See ``Client.create_sandbox``."""
         return await self._call(
             calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                 network=network)
+                                 network=network, volumes=volumes)
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -441,6 +445,7 @@ class AsyncSandbox:
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
+        volumes: Sequence[Any] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -450,7 +455,8 @@ class AsyncSandbox:
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = await http.create_sandbox(
-                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait, network=network
+                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait, network=network,
+                volumes=volumes
             )
         except BaseException:
             if owns:

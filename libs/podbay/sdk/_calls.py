@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from podbay.contracts.volumes import VolumeMount, parse_mount
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import TemplateDetail, TemplateDetailList
 from podbay.contracts.api import (
@@ -159,6 +160,17 @@ def _validate(cls: type[M], fields: dict[str, Any], what: str) -> M:
         raise InvalidRequest(f"invalid {what}: {where}: {first['msg']}") from exc
 
 
+def _mount(v: Any) -> dict[str, Any]:
+    """One entry of a create's ``volumes``: ``"NAME:/path[:ro]"``, a ``VolumeMount`` or its JSON shape."""
+    if isinstance(v, str):
+        try:
+            v = parse_mount(v)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+    shape = v.model_dump(mode="json") if isinstance(v, BaseModel) else dict(v)
+    return _validate(VolumeMount, shape, "volume").model_dump(mode="json")
+
+
 def _none(resp: httpx.Response) -> None:
     return None
 
@@ -203,12 +215,16 @@ def create_sandbox(
     metadata: Mapping[str, str] | None,
     wait: bool,
     network: Any = None,
+    volumes: Any = None,
 ) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``).
-    ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's."""
+    ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's. ``volumes``: a sequence of
+    ``"NAME:/path[:ro]"``, ``VolumeMount`` or its JSON shape (``podbay.sdk._volumes``)."""
     fields = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus, "metadata": dict(metadata or {})}
     if network is not None:
         fields["network"] = network.model_dump(mode="json") if isinstance(network, BaseModel) else dict(network)
+    if volumes:
+        fields["volumes"] = [_mount(v) for v in volumes]
     body = _validate(SandboxCreate, fields, "create request")
     return Call(
         "POST",

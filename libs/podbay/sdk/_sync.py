@@ -45,6 +45,7 @@ from podbay.sdk import _access as access
 from podbay.sdk import _ports as ports_calls
 from podbay.contracts.api import PortAccess, PortList, PortUrl
 from podbay.sdk import _schedules as sched
+from podbay.sdk import _volumes as vols
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
 from podbay.contracts.templates import BuildEvent, TemplateDetail
@@ -96,6 +97,8 @@ class Client:
         self.webhooks = sdk_events.Webhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
         self.schedules = sched.Schedules(self._call)
+        #: ``volumes.create/list/get/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
+        self.volumes = vols.Volumes(self._call)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -138,12 +141,13 @@ class Client:
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
+        volumes: Sequence[Any] | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; with ``wait`` the answer comes when it runs (or failed), else at once with
         ``operation_id``. Raises ``InvalidRequest``/``Unprocessable`` (bad values), ``NotFound`` (template)."""
         return self._call(
             calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                 network=network)
+                                 network=network, volumes=volumes)
         )
 
     def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -478,6 +482,7 @@ class Sandbox:
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
+        volumes: Sequence[Any] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -491,7 +496,7 @@ class Sandbox:
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                       network=network)
+                                       network=network, volumes=volumes)
         except BaseException:
             if owns:
                 http.close()

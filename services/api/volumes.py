@@ -1,0 +1,194 @@
+"""Volume endpoints (``/v1/volumes``) and the attach step of a sandbox create.
+
+A volume is a tenant's named ext4 filesystem in a file on one node's btrfs store (docs/ARCHITECTURE.md
+"Volumes"). Creating one only writes its row: the scheduler binds it to the node of the first sandbox that
+attaches it, and the node agent makes the file there (services/nodeagent/volumes.py). Deleting one is refused
+while a sandbox that is not deleted or failed has it attached; otherwise its row is marked ``deleting`` (or
+removed at once when it never had a file) and its node agent removes the file.
+
+:func:`attach_volumes` runs inside the create transaction of a sandbox: it locks the volume rows, checks each
+attach (the volume exists and is the tenant's, the path is allowed, one read-write attach at a time and none
+while read-only ones exist, all volumes on one node) and writes ``sandbox_volumes``; any refusal raises before
+the transaction commits, so nothing changes.
+
+Errors: 400 ``invalid_request`` / ``invalid_volume_path`` / ``volume_too_large``, 404 ``not_found`` (also
+another tenant's volume), 409 ``conflict`` (the name is taken), 409 ``volume_in_use``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Response
+
+from podbay.audit import record
+from podbay.config import Settings
+from podbay.contracts.volumes import (
+    VolumeAttachment,
+    VolumeCreate,
+    VolumeInfo,
+    VolumeList,
+    VolumeMount,
+    check_mount_path,
+)
+from podbay.errors import Conflict, InvalidRequest, InvalidVolumePath, NotFound, VolumeInUse, VolumeTooLarge
+from podbay.outbox import new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .deps import ctx_dep, principal_dep
+
+__all__ = ["router", "attach_volumes", "check_volume_size", "refuse_with_volumes"]
+
+router = APIRouter(prefix="/v1")
+CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
+
+#: Sandbox states whose attachments still hold a volume.
+_HOLDING = "s.state NOT IN ('deleted', 'failed')"
+
+
+def check_volume_size(size_bytes: int, settings: Settings) -> None:
+    """Raise :class:`VolumeTooLarge` when ``size_bytes`` is over ``volume_max_size_gib``."""
+    limit = settings.volume_max_size_gib << 30
+    if size_bytes > limit:
+        raise VolumeTooLarge(f"a volume is at most {settings.volume_max_size_gib} GiB on this deployment",
+                             details={"max_bytes": limit, "setting": "PODBAY_VOLUME_MAX_SIZE_GIB"})
+
+
+async def _attachments(conn: Any, volume_ids: list[str]) -> dict[str, list[VolumeAttachment]]:
+    rows = await conn.fetch(
+        "SELECT sv.volume_id, sv.sandbox_id, sv.path, sv.readonly FROM sandbox_volumes sv"
+        f" JOIN sandboxes s ON s.id = sv.sandbox_id WHERE sv.volume_id = ANY($1::text[]) AND {_HOLDING}"
+        " ORDER BY sv.sandbox_id", volume_ids)
+    out: dict[str, list[VolumeAttachment]] = {v: [] for v in volume_ids}
+    for r in rows:
+        out[r["volume_id"]].append(VolumeAttachment(sandbox_id=r["sandbox_id"], path=r["path"],
+                                                    readonly=r["readonly"]))
+    return out
+
+
+def _info(row: asyncpg.Record, attachments: list[VolumeAttachment]) -> VolumeInfo:
+    return VolumeInfo(id=row["id"], name=row["name"], size_bytes=row["size_bytes"], node_id=row["node_id"],
+                      created_at=row["created_at"], attachments=attachments)
+
+
+async def _load(conn: Any, tenant_id: str, name: str, *, for_update: bool = False) -> asyncpg.Record:
+    row = await conn.fetchrow(
+        "SELECT id, name, size_bytes, node_id, created_at FROM volumes WHERE tenant_id=$1 AND name=$2"
+        " AND state='available'" + (" FOR UPDATE" if for_update else ""), tenant_id, name)
+    if row is None:
+        raise NotFound(f"volume {name!r} does not exist", details={"volume": name})
+    return row
+
+
+@router.post("/volumes", status_code=201, response_model=VolumeInfo)
+async def create_volume(body: VolumeCreate, ctx: CtxDep, who: PrincipalDep) -> VolumeInfo:
+    """Create a named volume of ``size_bytes`` (its file is made on the node of its first sandbox).
+    Errors: 400 ``volume_too_large``, 409 ``conflict`` (the tenant has a volume of that name)."""
+    check_volume_size(body.size_bytes, ctx.settings)
+    vol_id = new_id("vol")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        try:
+            row = await conn.fetchrow(
+                "INSERT INTO volumes (id, tenant_id, name, size_bytes) VALUES ($1,$2,$3,$4)"
+                " RETURNING id, name, size_bytes, node_id, created_at", vol_id, who.tenant_id, body.name,
+                body.size_bytes)
+        except asyncpg.UniqueViolationError as exc:
+            raise Conflict(f"volume {body.name!r} exists", details={"volume": body.name}) from exc
+        await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action="volume.create", target=vol_id,
+                     detail={"name": body.name, "size_bytes": body.size_bytes})
+    return _info(row, [])
+
+
+@router.get("/volumes", response_model=VolumeList)
+async def list_volumes(ctx: CtxDep, who: PrincipalDep) -> VolumeList:
+    """The tenant's volumes, by name, with their attachments."""
+    async with ctx.pool.acquire() as conn:
+        rows = await conn.fetch("SELECT id, name, size_bytes, node_id, created_at FROM volumes"
+                                " WHERE tenant_id=$1 AND state='available' ORDER BY name", who.tenant_id)
+        att = await _attachments(conn, [r["id"] for r in rows])
+    return VolumeList(volumes=[_info(r, att[r["id"]]) for r in rows])
+
+
+@router.get("/volumes/{name}", response_model=VolumeInfo)
+async def get_volume(name: str, ctx: CtxDep, who: PrincipalDep) -> VolumeInfo:
+    """One volume by name. Errors: 404 ``not_found`` (also another tenant's)."""
+    async with ctx.pool.acquire() as conn:
+        row = await _load(conn, who.tenant_id, name)
+        att = await _attachments(conn, [row["id"]])
+    return _info(row, att[row["id"]])
+
+
+@router.delete("/volumes/{name}", status_code=204)
+async def delete_volume(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
+    """Delete a volume and its data. Errors: 404 ``not_found``, 409 ``volume_in_use`` while a sandbox that is
+    not deleted or failed has it attached (``details.sandbox_ids``)."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await _load(conn, who.tenant_id, name, for_update=True)
+        att = (await _attachments(conn, [row["id"]]))[row["id"]]
+        if att:
+            raise VolumeInUse(f"volume {name!r} is attached to {len(att)} sandbox(es); delete them first",
+                              details={"volume": name, "sandbox_ids": [a.sandbox_id for a in att]})
+        if row["node_id"] is None:
+            await conn.execute("DELETE FROM volumes WHERE id=$1", row["id"])
+        else:
+            await conn.execute("UPDATE volumes SET state='deleting' WHERE id=$1", row["id"])
+        await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action="volume.delete", target=row["id"],
+                     detail={"name": name})
+    return Response(status_code=204)
+
+
+async def attach_volumes(conn: Any, tenant_id: str, sandbox_id: str, mounts: list[VolumeMount]) -> None:
+    """Check and record ``mounts`` for a new sandbox inside the caller's transaction (module docstring);
+    slots are given in order. Raises ``InvalidVolumePath``, ``InvalidRequest``, ``NotFound``, ``VolumeInUse``."""
+    if not mounts:
+        return
+    paths: set[str] = set()
+    names: set[str] = set()
+    for m in mounts:
+        if (why := check_mount_path(m.path)) is not None:
+            raise InvalidVolumePath(f"volume {m.name!r} at {m.path!r}: the path {why}",
+                                    details={"volume": m.name, "path": m.path})
+        if m.path in paths or any(p.startswith(m.path + "/") or m.path.startswith(p + "/") for p in paths):
+            raise InvalidVolumePath(f"volume paths overlap at {m.path!r}", details={"path": m.path})
+        if m.name in names:
+            raise InvalidRequest(f"volume {m.name!r} is named twice", details={"volume": m.name})
+        paths.add(m.path)
+        names.add(m.name)
+    rows = {}
+    # Locked in name order, so two creates naming the same volumes never deadlock.
+    for name in sorted(names):
+        rows[name] = await _load(conn, tenant_id, name, for_update=True)
+    nodes = {r["node_id"] for r in rows.values() if r["node_id"] is not None}
+    if len(nodes) > 1:
+        raise InvalidRequest("the volumes live on different nodes; a sandbox can only use volumes of one node",
+                             details={"nodes": sorted(nodes)})
+    att = await _attachments(conn, [r["id"] for r in rows.values()])
+    for m in mounts:
+        held = att[rows[m.name]["id"]]
+        writers = [a.sandbox_id for a in held if not a.readonly]
+        if writers or (held and not m.readonly):
+            holders = writers or [a.sandbox_id for a in held]
+            how = "read-write" if writers else "read-only"
+            raise VolumeInUse(f"volume {m.name!r} is attached {how} to {', '.join(holders)}",
+                              details={"volume": m.name, "sandbox_ids": holders})
+    await conn.executemany(
+        "INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly) VALUES ($1,$2,$3,$4,$5)",
+        [(sandbox_id, rows[m.name]["id"], slot, m.path, m.readonly) for slot, m in enumerate(mounts)])
+
+
+async def refuse_with_volumes(conn: Any, sandbox_id: str, what: str, *, writable_only: bool) -> None:
+    """Raise :class:`~podbay.errors.Conflict` when the sandbox has volumes (only read-write ones with
+    ``writable_only``) and so cannot do ``what``. Why: a guest's memory holds its mounted filesystems' state.
+    A fork child would mount the parent's volume in memory without the volume (children get none yet), and
+    a rollback to an older full snapshot would bring back a mount whose cached state predates the volume's
+    later writes (volumes are not rolled back with their sandbox). A wake from the sandbox's own latest
+    snapshot is safe and allowed: nothing wrote the volume since."""
+    rows = await conn.fetch("SELECT v.name, sv.readonly FROM sandbox_volumes sv JOIN volumes v"
+                            " ON v.id = sv.volume_id WHERE sv.sandbox_id = $1", sandbox_id)
+    names = sorted(r["name"] for r in rows if not (writable_only and r["readonly"]))
+    if names:
+        raise Conflict(f"sandbox {sandbox_id} has volume(s) {', '.join(names)}{' read-write' if writable_only else ''}"
+                       f": {what} is not supported with volumes", details={"volumes": names})

@@ -1,0 +1,126 @@
+"""Volumes on a node: ext4 filesystems in files on the node's btrfs store, put into a VM's volume slots.
+
+A volume (table ``volumes``, API ``/v1/volumes``) lives on one node, in ``store/volumes/<volume id>.img``: a
+sparse file of the volume's size with an ext4 filesystem, made by the first sandbox that attaches it here
+(the scheduler binds an unbound volume to the node it places that sandbox on, so the API never waits for a
+node to create one). Attachments are rows of ``sandbox_volumes`` (slot, path, read-only), written by the API
+in the sandbox's create transaction; every start of the sandbox's VM on this node (create, wake, restore of
+its own snapshot, restart) puts them back into the VM directory before QEMU starts:
+
+- read-write: ``vol<slot>.img`` is a hard link to the volume's file (same inode, same btrfs), so the guest's
+  writes land in the volume itself and survive the VM directory's removal;
+- read-only: a reflink copy (~ms whatever the size), so no guest can change the volume's file, whatever it
+  does to its device; the guest mounts it read-only.
+
+The VMM then announces each slot's size and guestd mounts it (services/nodeagent/vmm.py "Volume slots",
+guestd/volumes.py). A volume deleted through the API is marked ``deleting``; :meth:`VolumeStore.sweep`
+removes its file here and then its row. Errors: :class:`VolumeError` (``mkfs.ext4`` failed, no room).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import asyncpg
+
+from podbay.contracts.channel import GuestVolume
+from podbay.errors import PodbayError
+from podbay.reflink import reflink_or_copy
+
+from .vmm import VOLUME_SLOTS, volume_slot_name
+
+__all__ = ["VolumeStore", "VolumeError", "make_volume_file", "sweep_loop"]
+
+log = logging.getLogger("podbay.nodeagent.volumes")
+
+
+class VolumeError(PodbayError):
+    """A volume's file could not be made or attached; the message names the volume and the step."""
+
+    code = "volume_failed"
+
+
+def make_volume_file(path: Path, size_bytes: int, label: str) -> None:
+    """Create ``path`` as a sparse file of ``size_bytes`` with an ext4 filesystem labelled ``label`` (at most
+    16 characters). The file appears under its name only once complete. Raises :class:`VolumeError`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "wb") as f:
+        f.truncate(size_bytes)
+    proc = subprocess.run(["mkfs.ext4", "-q", "-F", "-L", label[:16], "-m", "0", str(tmp)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise VolumeError(f"mkfs.ext4 for {path.name} failed: {(proc.stderr or proc.stdout).strip()}")
+    os.replace(tmp, path)
+
+
+class VolumeStore:
+    """The volumes of one node: ``root`` is ``store/volumes``; ``pool`` reads and updates their rows."""
+
+    def __init__(self, root: Path, pool: asyncpg.Pool, node_id: str) -> None:
+        self.root = root
+        self.pool = pool
+        self.node_id = node_id
+
+    def path(self, volume_id: str) -> Path:
+        return self.root / f"{volume_id}.img"
+
+    async def attach(self, sandbox_id: str, vm_dir: Path) -> list[GuestVolume]:
+        """Put the sandbox's attached volumes into ``vm_dir``'s slots (module docstring); returns what guestd
+        is to mount. A volume bound to another node is refused (the scheduler places its sandboxes with it).
+        Raises :class:`VolumeError`."""
+        rows = await self.pool.fetch(
+            "SELECT sv.slot, sv.path, sv.readonly, v.id, v.name, v.size_bytes, v.node_id FROM sandbox_volumes sv"
+            " JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1 ORDER BY sv.slot", sandbox_id)
+        out: list[GuestVolume] = []
+        for r in rows:
+            if r["slot"] >= VOLUME_SLOTS:
+                raise VolumeError(f"volume {r['name']}: slot {r['slot']} beyond the machine's {VOLUME_SLOTS}")
+            if r["node_id"] not in (None, self.node_id):
+                raise VolumeError(f"volume {r['name']} lives on node {r['node_id']}, not here ({self.node_id})")
+            src = self.path(r["id"])
+            if not src.exists():
+                self.root.mkdir(parents=True, exist_ok=True)
+                await asyncio.to_thread(make_volume_file, src, r["size_bytes"], r["name"])
+                await self.pool.execute("UPDATE volumes SET node_id=$2 WHERE id=$1 AND node_id IS NULL",
+                                        r["id"], self.node_id)
+                log.info("volume %s (%s): created here, %d bytes", r["name"], r["id"], r["size_bytes"])
+            slot_file = vm_dir / volume_slot_name(r["slot"])
+            vm_dir.mkdir(parents=True, exist_ok=True)
+            slot_file.unlink(missing_ok=True)
+            if r["readonly"]:
+                await asyncio.to_thread(reflink_or_copy, src, slot_file)
+            else:
+                os.link(src, slot_file)
+            out.append(GuestVolume(slot=r["slot"], path=r["path"], readonly=r["readonly"]))
+        return out
+
+    async def sweep(self) -> int:
+        """Remove the files of this node's volumes marked ``deleting`` (none attached any more), then their
+        rows; returns how many. A file already gone is fine (a crash between the two steps)."""
+        rows = await self.pool.fetch(
+            "SELECT id FROM volumes WHERE state = 'deleting' AND node_id = $1", self.node_id)
+        for r in rows:
+            await asyncio.to_thread(self.path(r["id"]).unlink, True)
+            await self.pool.execute("DELETE FROM volumes WHERE id = $1 AND state = 'deleting'", r["id"])
+        return len(rows)
+
+
+async def sweep_loop(volumes: VolumeStore, stop: asyncio.Event, period_s: float = 5.0) -> None:
+    """:meth:`VolumeStore.sweep` every ``period_s`` until ``stop``; errors are logged and the loop goes on."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=period_s)
+            return
+        except TimeoutError:
+            pass
+        try:
+            if n := await volumes.sweep():
+                log.info("removed %d deleted volume(s)", n)
+        except Exception as exc:  # the next tick retries; a sweep must never end the agent
+            log.warning("volume sweep failed: %r", exc)

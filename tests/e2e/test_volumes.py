@@ -1,0 +1,108 @@
+"""Volumes with real microVMs (docs/ARCHITECTURE.md "Volumes"): data written by one sandbox is read by the
+next after the first is deleted; one read-write attach at a time, read-only by many; a volume in use cannot
+be deleted; suspend and wake (same node) and a rollback to a disk snapshot have the volume back at its path,
+as it is now; a full-snapshot rollback and a fork of a sandbox with a volume are refused; a deleted volume's
+file leaves the node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e_http import api_client, sh, sh_output, until
+
+pytestmark = pytest.mark.e2e
+
+MIB = 1 << 20
+
+
+def _create(c: httpx.Client, *volumes: dict[str, Any]) -> httpx.Response:
+    return c.post("/v1/sandboxes", json={"template": "base", "volumes": list(volumes)})
+
+
+def _code(r: httpx.Response) -> str:
+    return str(r.json()["error"]["code"])
+
+
+def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> None:
+    with api_client(stack) as c:
+        r = c.post("/v1/volumes", json={"name": "e2e-data", "size_bytes": 256 * MIB})
+        assert r.status_code == 201, r.text
+        vol_id = r.json()["id"]
+        first = _create(c, {"name": "e2e-data", "path": "/mnt/data"})
+        assert first.status_code == 201, first.text
+        a = first.json()["id"]
+        # The guest sees the volume's capacity and an ext4 filesystem at the path.
+        df = sh(c, a, "df -P -k /mnt/data | tail -1; stat -f -c %T /mnt/data; cat /proc/mounts | grep ' /mnt/data '")
+        assert "/mnt/data" in df and "ext2/ext3" in df and " rw," in df, df
+        assert 200_000 < int(df.split()[1]) <= 256 * 1024, df  # KiB: ext4's overhead aside, the whole volume
+        sh(c, a, "echo written-by-a > /mnt/data/note && mkdir -p /mnt/data/dir && head -c 1048576 /dev/urandom"
+                 " > /mnt/data/dir/blob && sha256sum /mnt/data/dir/blob > /mnt/data/blob.sum && sync")
+        info = c.get("/v1/volumes/e2e-data").json()
+        assert info["node_id"] == first.json()["node_id"] and info["attachments"] == [
+            {"sandbox_id": a, "path": "/mnt/data", "readonly": False}]
+
+        # One writer at a time: a second attach, read-write or read-only, is refused and creates nothing.
+        count = len(c.get("/v1/sandboxes").json()["sandboxes"])
+        for ro in (False, True):
+            again = _create(c, {"name": "e2e-data", "path": "/data", "readonly": ro})
+            assert again.status_code == 409 and _code(again) == "volume_in_use", again.text
+            assert again.json()["error"]["details"]["sandbox_ids"] == [a]
+        assert len(c.get("/v1/sandboxes").json()["sandboxes"]) == count
+        busy = c.delete("/v1/volumes/e2e-data")
+        assert busy.status_code == 409 and _code(busy) == "volume_in_use"
+
+        # Suspend (to the object store) and wake: the guest's memory has the volume mounted, and the wake puts
+        # the volume back under it (the same node: the volume's file lives there).
+        r = c.post(f"/v1/sandboxes/{a}/suspend")
+        assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+        r = c.post(f"/v1/sandboxes/{a}/resume")
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert sh(c, a, "cat /mnt/data/note") == "written-by-a\n"
+        assert sh(c, a, "echo after-wake >> /mnt/data/note; sync; cat /mnt/data/note") == "written-by-a\nafter-wake\n"
+
+        # Volumes are not rolled back with their sandbox: a rollback to a disk snapshot boots the guest and
+        # mounts the volume as it is now; one to a full snapshot (memory with a stale mount) and a fork (a
+        # child would have the mount without the volume) are refused.
+        disk = c.post(f"/v1/sandboxes/{a}/snapshots", json={"kind": "disk"})
+        assert disk.status_code in (200, 201), disk.text
+        full = c.post(f"/v1/sandboxes/{a}/snapshots", json={"kind": "full"})
+        assert full.status_code in (200, 201), full.text
+        sh(c, a, "echo after-snapshot > /mnt/data/later && sync")
+        refused = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": full.json()["id"]})
+        assert refused.status_code == 409 and refused.json()["error"]["details"]["volumes"] == ["e2e-data"]
+        fork = c.post(f"/v1/sandboxes/{a}/fork", json={"count": 1})
+        assert fork.status_code == 409, fork.text
+        back = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": disk.json()["id"]})
+        assert back.status_code == 200, back.text
+        assert sh(c, a, "cat /mnt/data/later /mnt/data/note") == "after-snapshot\nwritten-by-a\nafter-wake\n"
+
+        assert c.delete(f"/v1/sandboxes/{a}").status_code in (200, 202)
+        # The next sandbox reads what the first wrote (the volume survived its deletion).
+        second = _create(c, {"name": "e2e-data", "path": "/work/data"})
+        assert second.status_code == 201, second.text
+        b = second.json()["id"]
+        assert sh(c, b, "cat /work/data/note") == "written-by-a\nafter-wake\n"
+        assert "OK" in sh(c, b, "cd /work/data && sed 's#/mnt/data#/work/data#' blob.sum | sha256sum -c")
+        assert c.delete(f"/v1/sandboxes/{b}").status_code in (200, 202)
+
+        # Read-only by many at once: both read, neither can write.
+        readers = [_create(c, {"name": "e2e-data", "path": "/ro", "readonly": True}) for _ in range(2)]
+        assert all(r.status_code == 201 for r in readers), [r.text for r in readers]
+        rw = _create(c, {"name": "e2e-data", "path": "/rw"})
+        assert rw.status_code == 409 and _code(rw) == "volume_in_use"
+        for r in readers:
+            sid = r.json()["id"]
+            assert sh(c, sid, "cat /ro/later") == "after-snapshot\n"
+            out = sh_output(c, sid, "(echo x > /ro/new) 2>&1; echo rc=$?")
+            assert "Read-only file system" in out and "rc=0" not in out, out
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code in (200, 202)
+
+        # Deleted: the row goes and so does its file on the node.
+        assert c.delete("/v1/volumes/e2e-data").status_code == 204
+        vol_file = Path(stack.data_dir) / "nodes" / info["node_id"] / "store" / "volumes" / f"{vol_id}.img"
+        until("the deleted volume's file is removed", lambda: not vol_file.exists(), 60)
+        assert c.get("/v1/volumes/e2e-data").status_code == 404

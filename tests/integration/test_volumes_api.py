@@ -1,0 +1,116 @@
+"""``/v1/volumes`` and the volume checks of ``POST /v1/sandboxes`` against the real API and PostgreSQL: every
+refusal is a 4xx with its code and leaves no row behind (no VM is started: each create here is refused)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from access_helpers import Tenant, new_tenant, sql
+
+from podbay.config import Settings
+from podbay.devstack.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def acme(stack: Stack) -> Tenant:
+    return new_tenant(stack, "vol-acme")
+
+
+@pytest.fixture(scope="module")
+def other(stack: Stack) -> Tenant:
+    return new_tenant(stack, "vol-other")
+
+
+def _code(r: httpx.Response) -> str:
+    return str(r.json()["error"]["code"])
+
+
+def _sandboxes(stack: Stack, tenant: Tenant) -> int:
+    return int(sql(stack, "SELECT count(*) AS n FROM sandboxes WHERE tenant_id=$1", tenant.tenant_id)[0]["n"])
+
+
+def test_create_list_get_delete(stack: Stack, acme: Tenant) -> None:
+    with acme.http() as http:
+        r = http.post("/v1/volumes", json={"name": "data", "size_bytes": 10 * GIB})
+        assert r.status_code == 201, r.text
+        vol = r.json()
+        assert vol["name"] == "data" and vol["size_bytes"] == 10 * GIB and vol["node_id"] is None
+        assert vol["attachments"] == [] and vol["id"].startswith("vol_")
+        dup = http.post("/v1/volumes", json={"name": "data", "size_bytes": GIB})
+        assert dup.status_code == 409 and _code(dup) == "conflict"
+        assert [v["name"] for v in http.get("/v1/volumes").json()["volumes"]] == ["data"]
+        assert http.get("/v1/volumes/data").json()["id"] == vol["id"]
+        assert http.delete("/v1/volumes/data").status_code == 204
+        assert http.get("/v1/volumes/data").status_code == 404
+        # A volume that never had a file is gone at once, and its name is free again.
+        assert sql(stack, "SELECT id FROM volumes WHERE id=$1", vol["id"]) == []
+        assert http.post("/v1/volumes", json={"name": "data", "size_bytes": GIB}).status_code == 201
+
+
+def test_bad_volume_bodies(stack: Stack, acme: Tenant) -> None:
+    limit = Settings().volume_max_size_gib  # the stack's services read the same environment
+    with acme.http() as http:
+        big = http.post("/v1/volumes", json={"name": "huge", "size_bytes": (limit + 1) * GIB})
+        assert big.status_code == 400 and _code(big) == "volume_too_large"
+        assert big.json()["error"]["details"]["max_bytes"] == limit * GIB
+        for body in ({"name": "Bad Name", "size_bytes": GIB}, {"name": "tiny", "size_bytes": 1024},
+                     {"name": "x", "size_bytes": GIB, "extra": 1}):
+            r = http.post("/v1/volumes", json=body)
+            assert 400 <= r.status_code < 500, (body, r.text)
+        assert http.get("/v1/volumes/huge").status_code == 404
+
+
+def test_another_tenants_volume_is_not_found(stack: Stack, acme: Tenant, other: Tenant) -> None:
+    with acme.http() as http:
+        assert http.post("/v1/volumes", json={"name": "private", "size_bytes": GIB}).status_code == 201
+    before = _sandboxes(stack, other)
+    with other.http() as http:
+        assert http.get("/v1/volumes/private").status_code == 404
+        assert http.delete("/v1/volumes/private").status_code == 404
+        assert "private" not in [v["name"] for v in http.get("/v1/volumes").json()["volumes"]]
+        r = http.post("/v1/sandboxes", json={"template": "base",
+                                             "volumes": [{"name": "private", "path": "/mnt/data"}]})
+        assert r.status_code == 404 and _code(r) == "not_found", r.text
+    assert _sandboxes(stack, other) == before
+    with acme.http() as http:
+        assert http.get("/v1/volumes/private").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "code"), [
+    ("mnt/data", "invalid_volume_path"), ("/", "invalid_volume_path"), ("/etc", "invalid_volume_path"),
+    ("/usr/local/data", "invalid_volume_path"), ("/proc/x", "invalid_volume_path"),
+    ("/mnt/../etc", "invalid_volume_path"), ("/mnt/data/", "invalid_volume_path"),
+])
+def test_a_refused_attach_creates_nothing(stack: Stack, acme: Tenant, path: str, code: str) -> None:
+    with acme.http() as http:
+        http.post("/v1/volumes", json={"name": "paths", "size_bytes": GIB})
+        before = _sandboxes(stack, acme)
+        r = http.post("/v1/sandboxes", json={"template": "base", "volumes": [{"name": "paths", "path": path}]})
+        assert r.status_code == 400 and _code(r) == code, r.text
+        assert _sandboxes(stack, acme) == before
+        assert http.get("/v1/volumes/paths").json()["attachments"] == []
+
+
+def test_missing_doubled_and_too_many_volumes(stack: Stack, acme: Tenant) -> None:
+    with acme.http() as http:
+        http.post("/v1/volumes", json={"name": "paths", "size_bytes": GIB})
+        before = _sandboxes(stack, acme)
+        missing = http.post("/v1/sandboxes", json={"template": "base",
+                                                   "volumes": [{"name": "nope", "path": "/mnt/data"}]})
+        assert missing.status_code == 404 and _code(missing) == "not_found"
+        twice = http.post("/v1/sandboxes", json={"template": "base", "volumes": [
+            {"name": "paths", "path": "/a"}, {"name": "paths", "path": "/b", "readonly": True}]})
+        assert twice.status_code == 400, twice.text
+        nested = http.post("/v1/volumes", json={"name": "second", "size_bytes": GIB})
+        assert nested.status_code == 201
+        overlap = http.post("/v1/sandboxes", json={"template": "base", "volumes": [
+            {"name": "paths", "path": "/data"}, {"name": "second", "path": "/data/inner"}]})
+        assert overlap.status_code == 400 and _code(overlap) == "invalid_volume_path"
+        five = http.post("/v1/sandboxes", json={"template": "base", "volumes": [
+            {"name": "paths", "path": f"/v{i}", "readonly": True} for i in range(5)]})
+        assert 400 <= five.status_code < 500
+        assert _sandboxes(stack, acme) == before

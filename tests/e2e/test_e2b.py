@@ -215,6 +215,10 @@ def test_list_get_info_envs_timeout_metrics_and_kill(e2b_env: dict[str, str]) ->
         assert len(first) == 1 and page.has_next
         second = page.next_items()
         assert {s.sandbox_id for s in first + second} == {a.sandbox_id, b.sandbox_id}
+        q = e2b.SandboxQuery(metadata={"suite": "e2b-list"})
+        asc = [s.sandbox_id for s in e2b.Sandbox.list(query=q, order="asc").next_items()]
+        desc = [s.sandbox_id for s in e2b.Sandbox.list(query=q, order="desc").next_items()]
+        assert asc == [a.sandbox_id, b.sandbox_id] and desc == [b.sandbox_id, a.sandbox_id]
         info = a.get_info()
         assert info.template_id == "base" and info.metadata == {"suite": "e2b-list"}
         before = info.end_at

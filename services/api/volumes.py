@@ -3,7 +3,7 @@
 A volume is a tenant's named ext4 filesystem in a file on one node's btrfs store (docs/ARCHITECTURE.md
 "Volumes"). Creating one only writes its row: the scheduler binds it to the node of the first sandbox that
 attaches it, and the node agent makes the file there (services/nodeagent/volumes.py). Deleting one is refused
-while a sandbox that is not deleted or failed has it attached; otherwise its row is marked ``deleting`` (or
+while a sandbox that is not deleted has it attached; otherwise its row is marked ``deleting`` (or
 removed at once when it never had a file) and its node agent removes the file.
 
 :func:`attach_volumes` runs inside the create transaction of a sandbox: it locks the volume rows, checks each
@@ -45,8 +45,9 @@ router = APIRouter(prefix="/v1")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
-#: Sandbox states whose attachments still hold a volume.
-_HOLDING = "s.state NOT IN ('deleted', 'failed')"
+#: Sandbox states whose attachments still hold a volume: every one but deleted (a failed sandbox can be
+#: restored, and would then mount its volumes again).
+_HOLDING = "s.state <> 'deleted'"
 
 
 def check_volume_size(size_bytes: int, settings: Settings) -> None:
@@ -124,7 +125,7 @@ async def get_volume(name: str, ctx: CtxDep, who: PrincipalDep) -> VolumeInfo:
 @router.delete("/volumes/{name}", status_code=204)
 async def delete_volume(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
     """Delete a volume and its data. Errors: 404 ``not_found``, 409 ``volume_in_use`` while a sandbox that is
-    not deleted or failed has it attached (``details.sandbox_ids``)."""
+    not deleted has it attached (``details.sandbox_ids``)."""
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await _load(conn, who.tenant_id, name, for_update=True)
         att = (await _attachments(conn, [row["id"]]))[row["id"]]

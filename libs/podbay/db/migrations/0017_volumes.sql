@@ -13,8 +13,8 @@ CREATE TABLE volumes (
 );
 CREATE UNIQUE INDEX volumes_tenant_name ON volumes (tenant_id, name) WHERE state = 'available';
 
--- One row per volume a sandbox has at a path (slot = the guest's volume slot, 0..3). Rows of a deleted or
--- failed sandbox no longer count as attachments; they stay as its history.
+-- One row per volume a sandbox has at a path (slot = the guest's volume slot, 0..3). Rows of a deleted
+-- sandbox no longer count as attachments; they stay as its history.
 CREATE TABLE sandbox_volumes (
     sandbox_id  text NOT NULL REFERENCES sandboxes(id),
     volume_id   text NOT NULL REFERENCES volumes(id) ON DELETE CASCADE,

@@ -33,6 +33,8 @@ from podbay.buildcontext import MAX_CONTEXT_BYTES, ContextTooLarge, check_contex
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import (
     TEMPLATE_NAME_RE,
+    BuildInfo,
+    BuildList,
     ImageConfig,
     NodeBuildRequest,
     TemplateDetail,
@@ -199,6 +201,16 @@ async def build_template(
 async def _finish(ctx: ApiContext, build_id: str, error: dict[str, Any]) -> None:
     await ctx.pool.execute("UPDATE template_builds SET state='failed', error=$2::jsonb, finished_at=now()"
                            " WHERE id=$1 AND state='running'", build_id, error)
+
+
+@router.get("/templates/{name}/builds", response_model=BuildList)
+async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
+    """The caller's builds of template ``name``, newest first (at most 50): how a build whose stream was cut
+    ended."""
+    rows = await ctx.pool.fetch(
+        "SELECT id, name, state, parent, digest, error, created_at, finished_at FROM template_builds"
+        " WHERE name=$1 AND tenant_id=$2 ORDER BY created_at DESC LIMIT 50", name, who.tenant_id)
+    return BuildList(builds=[BuildInfo(**dict(r)) for r in rows])
 
 
 @router.delete("/templates/{name}", status_code=204)

@@ -213,6 +213,9 @@ def test_node_agent_killed_mid_build_fails_it_and_leaves_no_builder(stack: Any) 
     assert not list(store.glob("nodes/*/store/templates/e2e-web/*"))
     with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
         assert "e2e-crash" not in {t["name"] for t in h.get("/v1/templates").json()["templates"]}
+        [cut] = c.list_builds("e2e-crash")
+        assert cut.state == "failed" and cut.error is not None and cut.error["code"] == "interrupted", cut
         tpl, _ = _build(c, "e2e-crash", "FROM podbay/base\nRUN true\n", None)  # not refused as still running
         assert tpl.name == "e2e-crash"
+        assert [b.state for b in c.list_builds("e2e-crash")] == ["succeeded", "failed"]
         assert h.delete("/v1/templates/e2e-crash").status_code == 204

@@ -37,6 +37,8 @@ __all__ = [
     "TemplateDetailList",
     "step_text",
     "NodeBuildRequest",
+    "BuildInfo",
+    "BuildList",
 ]
 
 #: Template names: lower-case letters, digits and dashes, starting with a letter or digit (a DNS label).
@@ -191,3 +193,22 @@ class NodeBuildRequest(BaseModel):
     build_id: str
     name: TemplateName
     spec: BuildSpec
+
+
+class BuildInfo(BaseModel):
+    """One build of a template (``GET /v1/templates/{name}/builds``): ``state`` running, succeeded or failed;
+    ``digest`` of the template it registered; ``error`` ``{code, message}`` when it failed (``interrupted``
+    when the node agent restarted during it)."""
+
+    id: str
+    name: str
+    state: BuildState
+    parent: str | None = None
+    digest: str | None = None
+    error: dict[str, object] | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+
+class BuildList(BaseModel):
+    builds: list[BuildInfo]

@@ -47,7 +47,7 @@ from podbay.sdk import _schedules as sched
 from podbay.sdk import _volumes as vols
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
-from podbay.contracts.templates import BuildEvent, TemplateDetail
+from podbay.contracts.templates import BuildEvent, BuildInfo, TemplateDetail
 from podbay.sdk._access import NetworkArg
 from podbay.sdk._calls import Call, Command, ExecOptions
 from podbay.sdk._files import FileData, async_body
@@ -260,6 +260,10 @@ class AsyncClient:
                 if (done := _tpl.outcome(ev)) is not None:
                     return done
         raise PodbayError(f"the build of {name!r} ended without an outcome")
+
+    async def list_builds(self, name: str) -> builtins.list[BuildInfo]:
+        """The caller's builds of template ``name``, newest first: state, digest, error."""
+        return await self._call(calls.list_builds_call(name))
 
     async def delete_template(self, name: str) -> None:
         """Remove template ``name`` (409 while sandboxes or a pool use it)."""

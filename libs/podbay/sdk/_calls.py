@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from podbay.contracts.volumes import VolumeMount, parse_mount
 from podbay.contracts.egress import EgressPolicy
-from podbay.contracts.templates import TemplateDetail, TemplateDetailList
+from podbay.contracts.templates import BuildInfo, BuildList, TemplateDetail, TemplateDetailList
 from podbay.contracts.api import (
     DrainStarted,
     ExecRequest,
@@ -70,6 +70,7 @@ __all__ = [
     "list_templates",
     "build_template_call",
     "delete_template_call",
+    "list_builds_call",
     "suspend_call",
     "resume_call",
     "with_auto_resume",
@@ -509,6 +510,12 @@ def build_template_call(name: str, dockerfile: str, context: bytes,
                 data=form,
                 files={"context": ("context.tar.gz", context, "application/gzip")},
                 long_running=True, read_timeout_s=None)
+
+
+def list_builds_call(name: str) -> Call[builtins.list[BuildInfo]]:
+    """``GET /v1/templates/{name}/builds`` -> ``{"builds": [BuildInfo]}``, returned as the list."""
+    return Call("GET", f"/v1/templates/{quote(check_id(name, 'template'), safe='')}/builds",
+                lambda resp: _model(BuildList)(resp).builds)
 
 
 def delete_template_call(name: str) -> Call[None]:

@@ -75,7 +75,7 @@ def egress_policy(allow_internet_access: bool | None, network: dict[str, Any] | 
     deny_out = [str(e) for e in network.get("denyOut") or []]
     if at_create and allow_internet_access is None and not allow_out and not deny_out:
         return None
-    denied = []
+    denied: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for entry in deny_out:
         net = _network(entry)
         if net is None:
@@ -94,7 +94,7 @@ def egress_policy(allow_internet_access: bool | None, network: dict[str, Any] | 
     for net in denied:
         parts = [net]
         for hole in allowed_nets:
-            nxt = []
+            nxt: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
             for part in parts:
                 if hole.version == part.version and hole.subnet_of(part):  # type: ignore[arg-type]
                     nxt.extend(part.address_exclude(hole))  # type: ignore[arg-type]

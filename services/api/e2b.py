@@ -201,9 +201,9 @@ async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
 
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
     from .e2b_network import egress_policy  # these build on this module
-    from .e2b_snapshots import create_from_snapshot, is_snapshot_id
+    from .e2b_snapshots import create_from_snapshot, resolve_snapshot
 
-    if is_snapshot_id(body.template_id):  # Sandbox.create(snapshot_id)
+    if await resolve_snapshot(ctx, who, body.template_id):  # Sandbox.create(snapshot id or name)
         return await create_from_snapshot(body.template_id, body.timeout, ctx, who)
     try:
         req = SandboxCreate(template=body.template_id, metadata=body.metadata or {},

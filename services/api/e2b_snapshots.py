@@ -8,6 +8,8 @@ fork"). No second snapshot system: an E2B snapshot *is* a podbay snapshot of the
     POST   /e2b/sandboxes/{id}/fork        201 [ForkResult]      {"timeout"?, "count"?}: one entry per child
     POST   /e2b/v2/sandboxes {"templateID": "snap_..."}          a sandbox started from that full snapshot
 
+``create_snapshot(name=...)`` also names the snapshot (table ``e2b_snapshot_names``; a later snapshot with
+the same name takes the name over): its ``snapshotID`` is then the name, which create and delete accept.
 A snapshot lives as long as its source sandbox (podbay keeps snapshots per sandbox): once the source is
 killed, creating from its snapshots answers 404. A filesystem-only snapshot (``memory: false``) is a podbay
 disk snapshot; sandboxes start from full snapshots only (400 for a disk one).
@@ -33,7 +35,7 @@ from .context import ApiContext
 from .deps import ctx_dep
 from .e2b import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, error_body
 
-__all__ = ["router", "is_snapshot_id", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
+__all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
 
 # E2B's default lifetime of a fork child (SandboxForkRequest.timeout).
 FORK_DEFAULT_TIMEOUT_S = 15
@@ -59,8 +61,18 @@ class ForkBody(_Body):
     count: int | None = Field(None, ge=1, le=MAX_FORK_COUNT)
 
 
-def _snapshot_info(snapshot_id: str) -> dict[str, Any]:
-    return {"snapshotID": snapshot_id, "names": [snapshot_id]}
+def _snapshot_info(snapshot_id: str, name: str | None = None) -> dict[str, Any]:
+    return {"snapshotID": name or snapshot_id, "names": [name or snapshot_id]}
+
+
+async def resolve_snapshot(ctx: ApiContext, who: Principal, template_id: str) -> str | None:
+    """The podbay snapshot a create's ``templateID`` names: a snapshot id (``snap_...``, optionally with
+    E2B's ``:default`` tag) or a snapshot name of the caller's; None for anything else (a template)."""
+    ref = template_id.split(":", 1)[0]
+    if is_snapshot_id(ref):
+        return ref
+    return await ctx.pool.fetchval(  # type: ignore[no-any-return]
+        "SELECT snapshot_id FROM e2b_snapshot_names WHERE tenant_id=$1 AND name=$2", who.tenant_id, ref)
 
 
 async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> None:
@@ -106,10 +118,11 @@ async def fork(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ForkBody | None 
 
 
 async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> Any:
+    resolved = await resolve_snapshot(ctx, who, snapshot_id)
     row = await ctx.pool.fetchrow(
         "SELECT n.id, n.sandbox_id, n.kind FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
         " WHERE n.id=$1 AND n.tenant_id=$2 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')",
-        snapshot_id.split(":", 1)[0], who.tenant_id)
+        resolved, who.tenant_id) if resolved else None
     if row is None:
         raise NotFound(f"snapshot {snapshot_id} was not found")
     return row
@@ -117,7 +130,7 @@ async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> An
 
 async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiContext, who: Principal,
                                ) -> JSONResponse:
-    """``Sandbox.create(snapshot_id)``: one child of the snapshot's source sandbox, from that snapshot
+    """``Sandbox.create(snapshot_id or name)``: one child of the snapshot's source sandbox, from that snapshot
     -> 201 ``Sandbox``; 404 unknown (or its source is gone), 400 a disk (filesystem-only) snapshot."""
     snap = await _snapshot_row(ctx, who, template_id)
     if snap["kind"] != "full":
@@ -134,15 +147,23 @@ async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiCo
 async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: SnapshotBody | None = None
                           ) -> JSONResponse:
     """Snapshot a running or paused sandbox: full (memory and disk; the guest is paused meanwhile) unless
-    ``memory`` is false (disk only) -> 201 ``SnapshotInfo``. ``name`` is accepted; the snapshot's name is its
-    id."""
+    ``memory`` is false (disk only) -> 201 ``SnapshotInfo``; with ``name`` the snapshot takes that name
+    (from an earlier snapshot that had it) and its ``snapshotID`` is the name."""
     await _row(ctx, who, sandbox_id)
     kind = "disk" if body is not None and body.memory is False else "full"
     info = await podbay_snapshots.create_snapshot(sandbox_id, SnapshotCreate(kind=kind), ctx, who, Response(),
                                                   wait=True)
     if info.state != "ready":
         return error_body(500, f"snapshot {info.id} of {sandbox_id} is {info.state}: {info.error or 'not ready'}")
-    return JSONResponse(_snapshot_info(info.id), status_code=201)
+    name = body.name.split(":", 1)[0] if body is not None and body.name else None
+    if name:
+        if is_snapshot_id(name):
+            raise InvalidRequest("a snapshot name must not start with snap_ (podbay's snapshot ids do)")
+        await ctx.pool.execute(
+            "INSERT INTO e2b_snapshot_names (tenant_id, name, snapshot_id) VALUES ($1, $2, $3)"
+            " ON CONFLICT (tenant_id, name) DO UPDATE SET snapshot_id = EXCLUDED.snapshot_id",
+            who.tenant_id, name, info.id)
+    return JSONResponse(_snapshot_info(info.id, name), status_code=201)
 
 
 def _cursor(raw: str | None) -> tuple[datetime, str] | None:
@@ -162,7 +183,8 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
     """The caller's ready snapshots (of sandboxes not killed), newest first, ``limit`` per page (next page's
     token in ``x-next-token``)."""
     cursor = _cursor(next_token)
-    sql = ("SELECT n.id, n.created_at FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
+    sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
+           " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
            " WHERE n.tenant_id=$1 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')"
            " AND ($2::text IS NULL OR n.sandbox_id = $2)")
     args: list[Any] = [who.tenant_id, sandbox_id, limit + 1]
@@ -175,19 +197,19 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
         last = rows[limit - 1]
         token = base64.urlsafe_b64encode(json.dumps([last["created_at"].isoformat(), last["id"]]).encode()).decode()
         rows = rows[:limit]
-    return JSONResponse([_snapshot_info(r["id"]) for r in rows], headers={"x-next-token": token} if token else None)
+    return JSONResponse([_snapshot_info(r["id"], r["name"]) for r in rows], headers={"x-next-token": token} if token else None)
 
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_snapshot(template_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     """Delete a snapshot -> 204: it is no longer listed nor usable (its files go with its source sandbox's
     retention or deletion); 404 when the caller has no such snapshot. podbay templates are not deleted here."""
-    if not is_snapshot_id(template_id):
-        raise NotFound(f"template {template_id} was not found: only snapshots are deleted through this route")
-    snap = await _snapshot_row(ctx, who, template_id)
+    snap = await _snapshot_row(ctx, who, template_id)  # NotFound for a template: only snapshots go here
     in_use = await ctx.pool.fetchval(
         "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting')", snap["id"])
     if in_use:
         raise Conflict(f"snapshot {snap['id']} is being used to start a sandbox; retry shortly")
-    await ctx.pool.execute("UPDATE snapshots SET state='deleted' WHERE id=$1", snap["id"])
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        await conn.execute("UPDATE snapshots SET state='deleted' WHERE id=$1", snap["id"])
+        await conn.execute("DELETE FROM e2b_snapshot_names WHERE snapshot_id=$1", snap["id"])
     return Response(status_code=204)

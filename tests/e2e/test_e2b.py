@@ -423,6 +423,12 @@ def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
         assert len(forks) == 2 and all(not isinstance(f, Exception) for f in forks), forks
         assert [f.files.read("/home/user/snap.txt") for f in forks] == ["after", "after"]
         assert forks[0].commands.run("echo fork").stdout == "fork\n"
+        named = sbx.create_snapshot(name="e2b-named")  # "after" is in it
+        assert named.snapshot_id == "e2b-named" and named.names == ["e2b-named"]
+        by_name = e2b.Sandbox.create("e2b-named", timeout=300)
+        made.append(by_name)
+        assert by_name.files.read("/home/user/snap.txt") == "after"
+        assert e2b.Sandbox.delete_snapshot("e2b-named") is True
         assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
         assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
         with pytest.raises(e2b.SandboxException, match="404"):

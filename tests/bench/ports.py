@@ -102,14 +102,20 @@ def _measure(stack: Stack, runs: int) -> dict[str, dict[str, Any]]:
             token = c.get(f"/v1/sandboxes/{sid}/ports/8000/url").json()["token"]
             host = {"host": f"8000-{sid.replace('_', '-')}.localhost", "x-podbay-access-token": token}
             with httpx.Client(base_url=stack.api_url, headers=host, timeout=600) as edge:
-                edge.get("/small.bin").raise_for_status()  # warm-up
+                deadline = time.monotonic() + 120
+                while edge.get("/small.bin").status_code != 200:  # the servers start, then warm-up
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the guest's HTTP server did not answer within 120 s")
+                    time.sleep(0.5)
                 ttfb = []
                 for _ in range(runs):
                     t = time.perf_counter()
                     with edge.stream("GET", "/small.bin") as resp:
-                        next(resp.iter_raw(1))
+                        body = resp.iter_raw()
+                        next(body)
                         ttfb.append((time.perf_counter() - t) * 1000)
-                        resp.read()
+                        for _ in body:
+                            pass
                 results["ports_ttfb_edge"] = summarise(ttfb)
                 t = time.perf_counter()
                 total = 0

@@ -6,7 +6,8 @@ Only the operator tenant (``PODBAY_OPERATOR_TENANT``) may drain a node: it moves
 is published and the call answers 202 with the operation id. The scheduler moves the sandboxes
 (services/scheduler/drain.py) and ``GET /v1/operations/{id}`` shows ``progress``. A drain of a node that is
 already draining answers the drain in progress; of a ``drained`` node, a new drain (nothing may be left);
-of an unknown node 404; of a ``lost`` node 409 ``invalid_state`` (its sandboxes are rescheduled, not moved).
+of an unknown node 404; of a ``lost`` node 409 ``invalid_state`` (its sandboxes are rescheduled, not moved);
+of a node with sandboxes that have volumes 409 ``volume_in_use`` (a live migration does not carry a volume).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 from .sandboxes import audit
+from .volumes import refuse_drain_with_volumes
 
 __all__ = ["router"]
 
@@ -54,6 +56,7 @@ async def drain_node(node_id: str, ctx: CtxDep, who: PrincipalDep) -> DrainStart
             " ORDER BY created_at DESC LIMIT 1", node_id)
         if running is not None:
             return DrainStarted(operation_id=running, node_id=node_id, state="draining")
+        await refuse_drain_with_volumes(conn, node_id)
         op_id = new_id("op")
         await conn.execute("INSERT INTO operations (id, tenant_id, kind, state, node_id) VALUES"
                            " ($1,$2,'drain','pending',$3)", op_id, who.tenant_id, node_id)

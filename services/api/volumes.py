@@ -39,7 +39,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "attach_volumes", "check_volume_size", "refuse_with_volumes"]
+__all__ = ["router", "attach_volumes", "check_volume_size", "refuse_with_volumes", "refuse_drain_with_volumes"]
 
 router = APIRouter(prefix="/v1")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -193,3 +193,16 @@ async def refuse_with_volumes(conn: Any, sandbox_id: str, what: str, *, writable
     if names:
         raise Conflict(f"sandbox {sandbox_id} has volume(s) {', '.join(names)}{' read-write' if writable_only else ''}"
                        f": {what} is not supported with volumes", details={"volumes": names})
+
+
+async def refuse_drain_with_volumes(conn: Any, node_id: str) -> None:
+    """Raise :class:`VolumeInUse` when sandboxes on ``node_id`` (not deleted) have volumes: a drain moves
+    sandboxes by live migration, which does not carry a volume's file (its target's slots would be empty),
+    and their volumes live on this node. ``details.sandbox_ids`` names them (at most 20)."""
+    rows = await conn.fetch(
+        "SELECT DISTINCT s.id FROM sandboxes s JOIN sandbox_volumes sv ON sv.sandbox_id = s.id"
+        " WHERE s.node_id = $1 AND s.state <> 'deleted' ORDER BY s.id LIMIT 20", node_id)
+    if rows:
+        ids = [r["id"] for r in rows]
+        raise VolumeInUse(f"node {node_id} has sandboxes with volumes ({', '.join(ids)}); a drain cannot move "
+                          "them: delete them (or their volumes' data elsewhere) first", details={"sandbox_ids": ids})

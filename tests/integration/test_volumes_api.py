@@ -3,6 +3,8 @@ refusal is a 4xx with its code and leaves no row behind (no VM is started: each 
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 import pytest
 from access_helpers import Tenant, new_tenant, sql
@@ -114,3 +116,22 @@ def test_missing_doubled_and_too_many_volumes(stack: Stack, acme: Tenant) -> Non
             {"name": "paths", "path": f"/v{i}", "readonly": True} for i in range(5)]})
         assert 400 <= five.status_code < 500
         assert _sandboxes(stack, acme) == before
+
+
+def test_a_node_with_volume_sandboxes_is_not_drained(stack: Stack, acme: Tenant) -> None:
+    # Rows as the API and scheduler write them, on a node of this test's own (no VM is started).
+    node, sid = f"vn-{secrets.token_hex(3)}", f"sbx_{secrets.token_hex(10)}"
+    sql(stack, "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
+               " ($1, 'http://127.0.0.1:1', 1024, 2, 'tcg', 'ready')", node)
+    with acme.http() as http:
+        vol = http.post("/v1/volumes", json={"name": "drained", "size_bytes": GIB}).json()
+    sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
+               " vcpus, hostname, node_id) VALUES ($1, $2, 'base', 'x', 'running', 'running', 256, 1, 'h', $3)",
+        sid, acme.tenant_id, node)
+    sql(stack, "INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly) VALUES"
+               " ($1, $2, 0, '/mnt/data', false)", sid, vol["id"])
+    with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}) as op:
+        r = op.post(f"/v1/nodes/{node}/drain")
+    assert r.status_code == 409 and _code(r) == "volume_in_use" and r.json()["error"]["details"]["sandbox_ids"] == [sid]
+    assert sql(stack, "SELECT state FROM nodes WHERE id=$1", node)[0]["state"] == "ready"
+    sql(stack, "UPDATE sandboxes SET state='deleted' WHERE id=$1", sid)

@@ -149,6 +149,7 @@ async def _serve(stop: asyncio.Event) -> None:
     await manager.migrations.start()  # answers migrations into this node (drain of another node)
     http = asyncio.create_task(serve_http(create_dataplane_app(manager), settings.node_host, settings.node_port, stop))
     memwatch = MemoryWatch(manager, warm)
+    warm.memory = memwatch
     await memwatch.measure()  # the first heartbeat already carries measured memory
     hb = asyncio.create_task(heartbeat_loop(bus, settings, dataplane_url, driver.accel, manager.load, stop,
                                             memwatch.report))

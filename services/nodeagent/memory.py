@@ -14,6 +14,8 @@ only when NODE_MEMORY_MIB is set). When the room falls below two sandboxes' expe
 mark: a create or two may be on their way, admitted by the scheduler because this node said it can free
 memory), the node releases RAM until the room is back above it, in this order:
 
+0. warm slots: nobody uses them, and the pool prepares them again only once the room allows
+   (``WarmPool.has_room`` asks :meth:`MemoryWatch.fits`, the same rule, so a refill never undoes a release);
 1. paused sandboxes, longest paused first: their RAM is written to their files and QEMU exits
    (``SandboxManager.hibernate``, what PAUSED_RELEASE_S does on a timer);
 2. then running sandboxes whose lease action is ``pause`` and whose guest has been idle (below
@@ -59,25 +61,31 @@ MEMORY_MIB = Gauge("podbay_node_memory_mib", "This node's measured memory, MiB: 
                    "reclaimable, sandbox_cost (median of running sandboxes), room (what placement may still "
                    "use), headroom.", ["kind"])
 MEMORY_VMS = Gauge("podbay_node_memory_vms", "VMs this node measured, by kind (running, paused, warm).", ["kind"])
-MEMORY_RELEASES = Counter("podbay_node_memory_releases_total", "Sandboxes whose RAM this node released under "
-                          "memory pressure, by kind (paused, idle_running) and outcome (ok, failed).",
+MEMORY_RELEASES = Counter("podbay_node_memory_releases_total", "VMs whose RAM this node released under "
+                          "memory pressure, by kind (warm, paused, idle_running) and outcome (ok, failed).",
                           ["kind", "outcome"])
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A sandbox whose RAM could be released: ``kind`` ``paused`` (since ``since``, monotonic s) or ``idle``
-    (running, guest idle since ``since``), costing ``cost_mib``."""
+    """A VM whose RAM could be released: ``kind`` ``warm`` (a warm slot, ``sandbox_id`` its slot id),
+    ``paused`` (since ``since``, monotonic s) or ``idle`` (running, guest idle since ``since``), costing
+    ``cost_mib``."""
 
     sandbox_id: str
-    kind: Literal["paused", "idle"]
+    kind: Literal["warm", "paused", "idle"]
     since: float
     cost_mib: float
 
 
+#: Release order of the kinds: what nobody uses, then what nobody runs, then what runs idle.
+_KIND_ORDER = {"warm": 0, "paused": 1, "idle": 2}
+
+
 def release_order(candidates: list[Candidate]) -> list[Candidate]:
-    """Paused sandboxes first, longest paused first; then idle running ones, longest idle first."""
-    return sorted(candidates, key=lambda c: (c.kind != "paused", c.since, c.sandbox_id))
+    """Warm slots first; then paused sandboxes, longest paused first; then idle running ones, longest idle
+    first."""
+    return sorted(candidates, key=lambda c: (_KIND_ORDER[c.kind], c.since, c.sandbox_id))
 
 
 def to_release(candidates: list[Candidate], need_mib: float) -> list[Candidate]:
@@ -155,11 +163,24 @@ class MemoryWatch:
             except TimeoutError:
                 pass
 
+    def expected_cost_mib(self, m: NodeMemory) -> float:
+        """What one more fresh sandbox (or warm slot) is expected to cost here, MiB."""
+        return m.cost_mib if m.cost_mib is not None else self.m.settings.sandbox_memory_mib + FALLBACK_OVERHEAD_MIB
+
+    def fits(self, memory_mib: int) -> bool | None:
+        """Whether one more VM leaves the room at or above the low-water mark (so that pressure would not
+        release it again at once), by the latest measurement; None before the first. ``memory_mib`` is the
+        VM's nominal size, used only while no sandbox here has been measured."""
+        m = self.latest
+        if m is None:
+            return None
+        cost = m.cost_mib if m.cost_mib is not None else memory_mib + FALLBACK_OVERHEAD_MIB
+        return m.room_mib - cost >= 2 * self.expected_cost_mib(m)
+
     async def tick(self) -> NodeMemory:
         """One measurement (and, under pressure, one round of releases); returns the measurement."""
-        s = self.m.settings
         m = await self.measure()
-        low_water = 2 * (m.cost_mib if m.cost_mib is not None else s.sandbox_memory_mib + FALLBACK_OVERHEAD_MIB)
+        low_water = 2 * self.expected_cost_mib(m)
         need = low_water - m.room_mib
         if need > 0 and m.candidates:
             victims = to_release(m.candidates, need)
@@ -213,6 +234,8 @@ class MemoryWatch:
                       for sid, (_, _, paused_at) in vms.items() if paused_at is not None and sid in per]
         candidates += [Candidate(sid, "idle", self._idle_since.get(sid, now), per[sid].cost_mib)
                        for sid in pausable if sid in per]
+        candidates += [Candidate(key.removeprefix("warm:"), "warm", 0.0, per[key].cost_mib)
+                       for key in slots if key in per]
         running = [per[sid].cost_mib for sid, (_, _, p) in vms.items() if p is None and sid in per]
         cost = float(s.memory_sandbox_estimate_mib) if s.memory_sandbox_estimate_mib > 0 else (
             statistics.median(running) if running else None)
@@ -250,16 +273,19 @@ class MemoryWatch:
         return host_memory(), {k: cache[k][2] for k in pids if k in cache}
 
     async def _release(self, c: Candidate) -> None:
-        kind = "paused" if c.kind == "paused" else "idle_running"
+        kind = {"warm": "warm", "paused": "paused", "idle": "idle_running"}[c.kind]
         try:
-            if c.kind == "idle":
-                await self.m.lease_expired(c.sandbox_id, "pause", reason="memory pressure")
-            done = await self.m.hibernate(c.sandbox_id)
+            if c.kind == "warm":
+                done = self.warm is not None and await self.warm.release(c.sandbox_id, "memory pressure")
+            else:
+                if c.kind == "idle":
+                    await self.m.lease_expired(c.sandbox_id, "pause", reason="memory pressure")
+                done = await self.m.hibernate(c.sandbox_id)
         except Exception:
             log.exception("releasing the RAM of %s under memory pressure failed", c.sandbox_id)
             MEMORY_RELEASES.labels(kind, "failed").inc()
             return
         if done:
             MEMORY_RELEASES.labels(kind, "ok").inc()
-            log.info("memory pressure: released the RAM of %s sandbox %s (%.0f MiB)", c.kind, c.sandbox_id,
-                     c.cost_mib)
+            log.info("memory pressure: released the RAM of %s %s %s (%.0f MiB)", c.kind,
+                     "slot" if c.kind == "warm" else "sandbox", c.sandbox_id, c.cost_mib)

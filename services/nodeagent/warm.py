@@ -59,6 +59,7 @@ from .heartbeat import node_capacity
 from .vmdriver import TemplateImage, VmHandle
 
 if TYPE_CHECKING:
+    from .memory import MemoryWatch
     from .sandboxes import SandboxManager
 
 __all__ = ["WarmSlot", "WarmPool", "WARM_SLOTS", "WARM_SLOT_EVENTS", "STARTED_SQL", "slot_hostname"]
@@ -70,9 +71,9 @@ WARM_SLOT_EVENTS = Counter("podbay_warm_slot_events_total",
                            "Warm slot events: prepared, claimed, discarded (with why), claim_refused.",
                            ["template", "event"])
 
-#: Discards that are no failure (a pool that shrank, a template that changed): their rows end ``retired``,
-#: so a pool's ``failing`` count (``GET /v1/pools``) shows failures only.
-RETIRED_EVENTS = frozenset({"surplus", "stale"})
+#: Discards that are no failure (a pool that shrank, a template that changed, memory pressure): their rows
+#: end ``retired``, so a pool's ``failing`` count (``GET /v1/pools``) shows failures only.
+RETIRED_EVENTS = frozenset({"surplus", "stale", "memory"})
 
 #: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (fenced by
 #: generation and node), its operation finished, and its ``started`` event in the outbox with the next seq.
@@ -110,6 +111,8 @@ class WarmPool:
         self.m = manager
         self.slots: dict[str, WarmSlot] = {}
         self.preparing: dict[str, str] = {}  # slot id -> template
+        # The node's measured memory (set by the agent once its MemoryWatch exists): refills follow it.
+        self.memory: MemoryWatch | None = None
         self._kick = asyncio.Event()
         self._subs: list[object] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -310,7 +313,11 @@ class WarmPool:
                 + sum(1 for t in self.preparing.values() if t == template))
 
     async def _has_room(self, tpl: TemplateImage) -> bool:
-        """True when one more slot of ``tpl`` fits in the memory this node offers (sandboxes and slots)."""
+        """True when one more slot of ``tpl`` fits: by the node's measured memory when there is a measurement
+        (:meth:`MemoryWatch.fits`, the rule under which pressure releases slots first, so a refill never
+        undoes a release), else by the nominal sizes of its sandboxes and slots against the node's capacity."""
+        if self.memory is not None and (fits := self.memory.fits(tpl.snapshot.memory_mib)) is not None:
+            return fits
         mem, _ = node_capacity(self.m.settings)
         used = await self.m.pool.fetchval(
             "SELECT coalesce((SELECT sum(memory_mib) FROM sandboxes WHERE node_id=$1"
@@ -434,6 +441,15 @@ class WarmPool:
         WARM_SLOT_EVENTS.labels(slot.template, event).inc()
         self._gauge()
         self.kick()
+
+    async def release(self, slot_id: str, reason: str) -> bool:
+        """Discard the waiting slot ``slot_id`` to free its memory (retired, event ``memory``); False when it
+        is no longer waiting (claimed or gone meanwhile)."""
+        slot = self.slots.get(slot_id)
+        if slot is None or slot.taken:
+            return False
+        await self._discard(slot, reason, event="memory")
+        return True
 
     async def _mark_failed(self, slot_id: str, reason: str, *, state: str = "failed") -> None:
         # A claimed row belongs to its sandbox now (the API falls back to a restore for it).

@@ -72,3 +72,48 @@ def test_measured_use_admits_beyond_nominal_and_pressure_releases_a_paused_sandb
         finally:
             for sid in ids:
                 c.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.fixture(scope="module")
+def pooled_node(test_root: Path) -> Iterator[Stack]:
+    """A node of 600 MiB with the same fixed estimate: the low-water mark is 300 MiB of room, so a warm slot
+    is prepared only while the room is at least 450 (one slot and the mark)."""
+    with own_stack(test_root, {"PODBAY_NODE_MEMORY_MIB": "600", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
+                               "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
+                               "PODBAY_NODE_HEARTBEAT_S": "1"}, prefix="mw") as running:
+        yield running
+
+
+def _ready_slots(c: httpx.Client) -> int:
+    pools = {p["template"]: p for p in c.get("/v1/pools").json()["pools"]}
+    return int(pools["base"]["ready"]) if "base" in pools else 0
+
+
+def test_memory_pressure_releases_warm_slots_first_and_the_pool_refills_only_when_room_returns(
+        pooled_node: Stack) -> None:
+    with api_client(pooled_node) as c:
+        sid = None
+        try:
+            assert c.put("/v1/pools/base", json={"size": 1}).status_code == 200
+            until("a warm slot", lambda: _ready_slots(c) == 1, 120)
+            r = c.post("/v1/sandboxes", json={"template": "base"})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            # Room ~500 (one idle sandbox of ~95 MiB) still fits a slot above the mark: the pool refills.
+            until("the pool refilled beside the sandbox", lambda: _ready_slots(c) == 1, 120)
+            # The guest touches 160 MiB: the room falls below the mark. The slot goes, not the sandbox.
+            sh(c, sid, "setsid -f python3 -c 'import time; b = b\"x\" * (160 << 20); time.sleep(900)' "
+                       ">/dev/null 2>&1; sleep 2")
+            until("the warm slot released under pressure", lambda: _node_metric(
+                pooled_node, "podbay_node_memory_releases_total", 'kind="warm",outcome="ok"') >= 1, 120)
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+            assert "python3" in sh(c, sid, "pgrep -a python3 || true")
+            assert _ready_slots(c) == 0
+            # With the sandbox gone the room is back, and the pool prepares its slot again.
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code in (200, 202, 204)
+            sid = None
+            until("the pool refilled once the room returned", lambda: _ready_slots(c) == 1, 120)
+        finally:
+            c.put("/v1/pools/base", json={"size": 0})
+            if sid is not None:
+                c.delete(f"/v1/sandboxes/{sid}")

@@ -22,6 +22,29 @@ def test_paused_sandboxes_go_first_longest_paused_first_then_idle_running_longes
     assert [c.sandbox_id for c in release_order(cands)] == ["paused-old", "paused-new", "idle-old", "idle-new"]
 
 
+def test_warm_slots_go_before_any_sandbox() -> None:
+    cands = [_c("idle-old", "idle", 1.0), _c("paused-old", "paused", 2.0), _c("slot-b", "warm", 0.0),
+             _c("slot-a", "warm", 0.0)]
+    assert [c.sandbox_id for c in release_order(cands)] == ["slot-a", "slot-b", "paused-old", "idle-old"]
+    assert [c.sandbox_id for c in to_release(cands, 150)] == ["slot-a", "slot-b"]
+
+
+def test_a_refill_fits_only_above_the_low_water_mark() -> None:
+    """MemoryWatch.fits: one more VM must leave the room at or above twice the expected cost, the mark below
+    which pressure releases (so a refill never undoes a release); unknown before the first measurement."""
+    from types import SimpleNamespace
+
+    from podbay_nodeagent.memory import MemoryWatch
+
+    manager = SimpleNamespace(settings=SimpleNamespace(sandbox_memory_mib=256))
+    watch = MemoryWatch(manager)  # type: ignore[arg-type]
+    assert watch.fits(256) is None
+    watch.latest = _mem(available=100_000, sandboxes=200, limit=600)  # room 400, cost 130: 400 - 130 >= 260
+    assert watch.fits(256) is True
+    watch.latest = _mem(available=100_000, sandboxes=250, limit=600)  # room 350: 350 - 130 < 260
+    assert watch.fits(256) is False
+
+
 def test_to_release_takes_the_shortest_prefix_that_frees_enough() -> None:
     cands = [_c("p1", "paused", 1.0, 120.0), _c("p2", "paused", 2.0, 120.0), _c("i1", "idle", 0.0, 150.0)]
     assert to_release(cands, 0) == []

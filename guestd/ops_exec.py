@@ -23,7 +23,7 @@ import select
 import signal
 import subprocess
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from podbay.channel import frames
 from podbay.channel.frames import FrameType
@@ -92,7 +92,7 @@ def _own_user() -> tuple[int, int, list[int], str, str]:
     uid = os.geteuid()
     try:
         pw = pwd.getpwuid(uid)
-        found = (uid, pw.pw_gid, [], pw.pw_dir, pw.pw_name)
+        found: tuple[int, int, list[int], str, str] = (uid, pw.pw_gid, [], pw.pw_dir, pw.pw_name)
     except KeyError:
         found = (uid, os.getegid(), [], "/", str(uid))
     _own_cache[:] = [key, found]
@@ -153,11 +153,14 @@ def _parse_keep(args: dict[str, Any]) -> tuple[bool, str | None, tuple[int, int]
     size = None
     if pty is not None:
         cols, rows = (pty.get("cols"), pty.get("rows")) if isinstance(pty, dict) else (None, None)
-        if not keep or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 10000
-                               for v in (cols, rows)):
+        if not keep or not (_pty_dim(cols) and _pty_dim(rows)):
             raise OpError("invalid", "pty must be {cols, rows} (integers in 1..10000), with keep")
         size = (cols, rows)
     return keep, tag, size
+
+
+def _pty_dim(v: object) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 10000
 
 
 def op_exec(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:

@@ -289,9 +289,10 @@ def op_mkdir(stream: Stream, args: dict[str, Any]) -> dict[str, Any]:
             except FileExistsError:
                 if not (exist_ok and os.path.isdir(path)):
                     raise
-        for d in created if owner is not None else []:
-            with contextlib.suppress(FileNotFoundError):  # without parents only the leaf was made
-                os.lchown(d, owner[0], owner[1])
+        if owner is not None:
+            for d in created:
+                with contextlib.suppress(FileNotFoundError):  # without parents only the leaf was made
+                    os.lchown(d, owner[0], owner[1])
     except OSError as exc:
         raise from_oserror(exc, path) from exc
     return _lstat(path)

@@ -189,9 +189,9 @@ def _start(
         for fd in fds:
             os.close(fd)
         raise
-    for fd in (in_r, out_w, err_w):
-        if fd is not None:
-            os.close(fd)
+    for end in (in_r, out_w, err_w):  # the child's ends of its pipes
+        if end is not None:
+            os.close(end)
     return Child(pid, in_w, out_r, err_r, popen)
 
 

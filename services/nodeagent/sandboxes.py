@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import asyncpg
 
@@ -40,6 +41,9 @@ from .network import SandboxNetwork
 from .store import NodeStore
 from .vmdriver import TemplateImage, VmDriver, VmHandle
 from .volumes import VolumeStore
+
+if TYPE_CHECKING:
+    from .build.builder import TemplateBuilder
 
 __all__ = ["SandboxManager", "RunningVm"]
 
@@ -104,6 +108,7 @@ class SandboxManager:
         from .migrate import MigrationOps
 
         self.migrations: MigrationOps  # set by main (answers live migrations into this node)
+        self.builder: TemplateBuilder  # set by main (template builds on this node)
         # The operator's extra CAs (GUEST_CA_FILE), read once: every guest gets them with its network.
         try:
             self.guest_ca_pem = load_guest_ca(settings.guest_ca_file)

@@ -9,6 +9,7 @@ build raises :class:`TemplateBuildFailed` whose ``details`` carry ``step``, ``ex
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,20 @@ def parse_line(line: str | bytes) -> BuildEvent | None:
         raise PodbayError(f"malformed build event from the server: {exc.error_count()} errors") from exc
 
 
+@functools.cache
+def _failed_with(code: str) -> type[TemplateBuildFailed]:
+    """A :class:`TemplateBuildFailed` whose ``code`` is the server's (e.g. ``build_step_failed``); ``code`` is a
+    class attribute of every podbay error, so each server code gets its subclass (made once)."""
+    return type("TemplateBuildFailed", (TemplateBuildFailed,), {"code": code})
+
+
 def outcome(ev: BuildEvent) -> TemplateDetail | None:
     """The template when ``ev`` is ``done``; raises :class:`TemplateBuildFailed` when it is ``failed``."""
     if ev.type == "done" and ev.template is not None:
         return ev.template
     if ev.type == "failed":
-        err = TemplateBuildFailed(ev.message or "the build failed", details={
+        cls = _failed_with(ev.code) if ev.code else TemplateBuildFailed
+        raise cls(ev.message or "the build failed", details={
             k: v for k, v in {"step": ev.step, "exit_code": ev.exit_code, "output_tail": ev.output_tail}.items()
             if v is not None})
-        if ev.code:
-            err.code = ev.code  # the server's code (e.g. build_step_failed), for this instance
-        raise err
     return None

@@ -221,7 +221,8 @@ def create_sandbox(
     """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``).
     ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's. ``volumes``: a sequence of
     ``"NAME:/path[:ro]"``, ``VolumeMount`` or its JSON shape (``podbay.sdk._volumes``)."""
-    fields = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus, "metadata": dict(metadata or {})}
+    fields: dict[str, Any] = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus,
+                              "metadata": dict(metadata or {})}
     if network is not None:
         fields["network"] = network.model_dump(mode="json") if isinstance(network, BaseModel) else dict(network)
     if volumes:

@@ -69,6 +69,10 @@ __all__ = [
     "promote",
     "fetch",
     "collect_garbage",
+    "TEMPLATE_FILES",
+    "promote_template",
+    "template_root",
+    "fetch_template",
     "chunk_index",
     "local_chunks",
 ]
@@ -77,6 +81,8 @@ log = logging.getLogger("podbay.promotion")
 
 SNAPSHOT_FILES = ("state", "ram", "disk.img")
 """Files a snapshot directory may hold (a disk snapshot has only ``disk.img``)."""
+TEMPLATE_FILES = ("template.json", "state", "ram", "disk.img", "vmlinuz", "initrd.img")
+"""Files of a built template's directory (its snapshot, its kernel and its ``template.json``)."""
 
 _SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _BYTES_BUCKETS = tuple(float(1 << n) for n in range(16, 36, 2))
@@ -141,11 +147,13 @@ class GcResult:
     deleted_hashes: list[str] = field(default_factory=list)
 
 
-def build_manifest(snapshot_dir: Path, chunk_size: int) -> tuple[Manifest, dict[str, tuple[Path, ChunkRef]]]:
-    """Hash the snapshot's files (blocking). Returns the manifest and, per distinct hash, where to read it."""
+def build_manifest(snapshot_dir: Path, chunk_size: int, names: Iterable[str] = SNAPSHOT_FILES,
+                   ) -> tuple[Manifest, dict[str, tuple[Path, ChunkRef]]]:
+    """Hash the files ``names`` of ``snapshot_dir`` that exist (blocking). Returns the manifest and, per distinct
+    hash, where to read it."""
     files: list[FileManifest] = []
     where: dict[str, tuple[Path, ChunkRef]] = {}
-    for name in SNAPSHOT_FILES:
+    for name in names:
         path = snapshot_dir / name
         if not path.exists():
             continue
@@ -223,6 +231,34 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
         stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
             "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
     missing = [h for h in hashes if h not in stored]
+    await _upload_missing(pool, store, settings, missing, where, stored, res, f"snapshot {snapshot_id}", progress)
+    fault_point("promote.verified")
+    async with pool.acquire() as conn, conn.transaction():
+        marked = await conn.fetchval(
+            "UPDATE snapshots SET promotion='promoted', promoted_at=now(), uploaded_bytes=$2, stored_bytes=$3"
+            " WHERE id=$1 AND promotion='promoting' RETURNING id", snapshot_id, res.uploaded_bytes,
+            res.stored_bytes)
+        if marked:
+            await emit_sandbox_event(conn, row["sandbox_id"], "promoted", tenant_id=row["tenant_id"],
+                                     data={"snapshot_id": snapshot_id, "kind": row["kind"],
+                                           "uploaded_bytes": res.uploaded_bytes, "total_bytes": res.total_bytes})
+    res.seconds = time.perf_counter() - t0
+    PROMOTION_SECONDS.labels("ok").observe(res.seconds)
+    TRANSFER_BYTES.labels("up").observe(res.stored_bytes)
+    TRANSFER_SECONDS.labels("up").observe(res.upload_seconds)
+    CHUNK_REUSE_RATIO.labels("promote").observe(1 - res.chunks_uploaded / max(1, res.chunks))
+    log.info("promoted %s: %d chunks, %d uploaded (%.1f MiB of %.1f MiB, %.1f MiB stored) in %.1f s (hash %.1f s,"
+             " upload %.1f s, verify %.1f s)", snapshot_id, res.chunks, res.chunks_uploaded, res.uploaded_bytes / 2**20,
+             res.total_bytes / 2**20, res.stored_bytes / 2**20, res.seconds, res.hash_seconds, res.upload_seconds,
+             res.verify_seconds)
+    return res
+
+
+async def _upload_missing(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, missing: list[str],
+                          where: dict[str, tuple[Path, ChunkRef]], stored: dict[str, int], res: PromoteResult,
+                          what: str, progress: Progress | None) -> None:
+    """Upload the chunks ``missing`` from the bucket (read from ``where``), verify each object written, then
+    record their ``chunks`` rows (steps 2 and 3 of the module docstring). Adds to ``res``'s counters."""
     done = [0]
 
     fresh: list[tuple[str, int, int]] = []
@@ -272,42 +308,23 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
 
     await _pool_map(missing, verify, settings.s3_concurrency * 2)
     if bad:
-        log.warning("snapshot %s: %d object(s) missing or of the wrong size; uploading them again", snapshot_id, len(bad))
+        log.warning("%s: %d object(s) missing or of the wrong size; uploading them again", what, len(bad))
         fresh[:] = [r for r in fresh if r[0] not in set(bad)]
         await _pool_map(list(bad), upload, settings.s3_concurrency)
         still = [h for h in bad if await store.head(chunk_key(h)) != stored.get(h)]
         if still:
-            raise SnapshotCorrupt(f"{len(still)} object(s) of snapshot {snapshot_id} fail verification",
+            raise SnapshotCorrupt(f"{len(still)} object(s) of {what} fail verification",
                                   details={"chunks": still[:10]})
     await record(fresh)
     res.verify_seconds = time.perf_counter() - t
-    fault_point("promote.verified")
-    async with pool.acquire() as conn, conn.transaction():
-        marked = await conn.fetchval(
-            "UPDATE snapshots SET promotion='promoted', promoted_at=now(), uploaded_bytes=$2, stored_bytes=$3"
-            " WHERE id=$1 AND promotion='promoting' RETURNING id", snapshot_id, res.uploaded_bytes,
-            res.stored_bytes)
-        if marked:
-            await emit_sandbox_event(conn, row["sandbox_id"], "promoted", tenant_id=row["tenant_id"],
-                                     data={"snapshot_id": snapshot_id, "kind": row["kind"],
-                                           "uploaded_bytes": res.uploaded_bytes, "total_bytes": res.total_bytes})
-    res.seconds = time.perf_counter() - t0
-    PROMOTION_SECONDS.labels("ok").observe(res.seconds)
-    TRANSFER_BYTES.labels("up").observe(res.stored_bytes)
-    TRANSFER_SECONDS.labels("up").observe(res.upload_seconds)
-    CHUNK_REUSE_RATIO.labels("promote").observe(1 - res.chunks_uploaded / max(1, res.chunks))
-    log.info("promoted %s: %d chunks, %d uploaded (%.1f MiB of %.1f MiB, %.1f MiB stored) in %.1f s (hash %.1f s,"
-             " upload %.1f s, verify %.1f s)", snapshot_id, res.chunks, res.chunks_uploaded, res.uploaded_bytes / 2**20,
-             res.total_bytes / 2**20, res.stored_bytes / 2**20, res.seconds, res.hash_seconds, res.upload_seconds,
-             res.verify_seconds)
-    return res
 
 
-def chunk_index(base_dir: Path, chunk_size: int) -> dict[str, list[str]]:
-    """Chunk hashes of each snapshot file in ``base_dir`` (a template's snapshot), cached beside them in
-    ``.chunks-<size>.json`` keyed by file size and mtime. Blocking."""
-    cache = base_dir / f".chunks-{chunk_size}.json"
-    stamp = {n: [p.stat().st_size, p.stat().st_mtime_ns] for n in SNAPSHOT_FILES if (p := base_dir / n).exists()}
+def chunk_index(base_dir: Path, chunk_size: int, names: tuple[str, ...] = SNAPSHOT_FILES) -> dict[str, list[str]]:
+    """Chunk hashes of each file ``names`` in ``base_dir`` (a template's snapshot), cached beside them in
+    ``.chunks-<size>.json`` (``.chunks-<size>-all.json`` for a template's files) keyed by file size and mtime.
+    Blocking."""
+    cache = base_dir / (f".chunks-{chunk_size}.json" if names == SNAPSHOT_FILES else f".chunks-{chunk_size}-all.json")
+    stamp = {n: [p.stat().st_size, p.stat().st_mtime_ns] for n in names if (p := base_dir / n).exists()}
     try:
         saved = json.loads(cache.read_text())
         if saved.get("stamp") == stamp:
@@ -354,16 +371,25 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
 
     Raises ``NotFound`` (no such snapshot, or not promoted), ``SnapshotCorrupt`` (an object is missing or
     fails its checksum; ``details.chunk``, ``details.what``), ``StorageError`` (retryable)."""
-    t0 = time.perf_counter()
     row = await pool.fetchrow("SELECT promotion, manifest FROM snapshots WHERE id=$1", snapshot_id)
     if row is None or row["promotion"] != "promoted" or row["manifest"] is None:
         raise NotFound(f"snapshot {snapshot_id} is not promoted")
     manifest = Manifest.model_validate(row["manifest"])
+    return await _fetch_manifest(store, settings, manifest, snapshot_id, f"snapshot {snapshot_id}", dest,
+                                 base_dir=base_dir, names=SNAPSHOT_FILES, local=local, progress=progress)
+
+
+async def _fetch_manifest(store: ObjectStore, settings: Settings, manifest: Manifest, ident: str, what: str,
+                          dest: Path, *, base_dir: Path | None, names: tuple[str, ...],
+                          local: dict[str, tuple[Path, int, int]] | None, progress: Progress | None) -> FetchResult:
+    """Rebuild ``manifest``'s files into ``dest`` (through ``<dest>.part``); ``names``: the files of
+    ``base_dir`` that may be reflinked. What :func:`fetch` does once the manifest is read."""
+    t0 = time.perf_counter()
     cs = manifest.chunk_size
-    res = FetchResult(snapshot_id, total_bytes=manifest.total_bytes())
+    res = FetchResult(ident, total_bytes=manifest.total_bytes())
     index: dict[str, list[str]] = {}
     if base_dir is not None and base_dir.exists():
-        index = await asyncio.to_thread(chunk_index, base_dir, cs)
+        index = await asyncio.to_thread(chunk_index, base_dir, cs, names)
     part = dest.with_name(dest.name + ".part")
     await asyncio.to_thread(shutil.rmtree, part, True)
     part.mkdir(parents=True)
@@ -373,7 +399,7 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
     try:
         for f in manifest.files:
             if file_checksum(f.chunks) != f.sha256 or len(f.chunks) != -(-f.size // cs):
-                raise SnapshotCorrupt(f"the manifest of snapshot {snapshot_id} is inconsistent for {f.name}",
+                raise SnapshotCorrupt(f"the manifest of {what} is inconsistent for {f.name}",
                                       details={"what": f.name})
             dst = part / f.name
             base_hashes = index.get(f.name)
@@ -430,9 +456,94 @@ async def fetch(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, snap
     TRANSFER_BYTES.labels("down").observe(res.downloaded_bytes)
     TRANSFER_SECONDS.labels("down").observe(res.download_seconds)
     CHUNK_REUSE_RATIO.labels("fetch").observe(1 - res.chunks_downloaded / max(1, res.chunks))
-    log.info("fetched %s: %d chunks, %d downloaded (%.1f MiB) in %.1f s", snapshot_id, res.chunks,
+    log.info("fetched %s: %d chunks, %d downloaded (%.1f MiB) in %.1f s", what, res.chunks,
              res.chunks_downloaded, res.downloaded_bytes / 2**20, res.seconds)
     return res
+
+
+def _root_chunks(root_dir: Path, chunk_size: int) -> dict[str, tuple[Path, int, int]]:
+    """Every chunk of the root template's files: ``{hash: (file, offset, size)}`` (blocking)."""
+    out: dict[str, tuple[Path, int, int]] = {}
+    for name, hashes in chunk_index(root_dir, chunk_size, TEMPLATE_FILES).items():
+        size = (root_dir / name).stat().st_size
+        for i, h in enumerate(hashes):
+            out.setdefault(h, (root_dir / name, i * chunk_size, min(chunk_size, size - i * chunk_size)))
+    return out
+
+
+async def promote_template(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, name: str, digest: str,
+                           template_dir: Path, *, root: str, root_digest: str, root_dir: Path,
+                           progress: Progress | None = None) -> PromoteResult:
+    """Promote build ``digest`` of built template ``name`` (its files, :data:`TEMPLATE_FILES`, in
+    ``template_dir``) as snapshots are promoted (module docstring), into ``template_promotions`` and
+    ``template_chunks``. Chunks its root has (the built-in template it was built on, ``root`` at
+    ``root_digest``, files in ``root_dir``; every node builds that one itself) are neither uploaded nor
+    referenced: a fetching node reads them from its own root. Chunks already stored (a parent template's, a
+    sandbox's) are not uploaded again. Idempotent: a promoted build returns ``already``; a half-promoted one is
+    finished. Raises ``NotFound`` (no files), ``StorageError`` (retryable), ``SnapshotCorrupt``."""
+    t0 = time.perf_counter()
+    ident = f"{name}@{digest[:12]}"
+    res = PromoteResult(ident)
+    if await pool.fetchval("SELECT state FROM template_promotions WHERE name=$1 AND digest=$2",
+                           name, digest) == "promoted":
+        res.already = True
+        return res
+    cs = settings.chunk_size_kib << 10
+    t = time.perf_counter()
+    manifest, where = await asyncio.to_thread(build_manifest, template_dir, cs, TEMPLATE_FILES)
+    in_root = set(await asyncio.to_thread(_root_chunks, root_dir, cs))
+    res.hash_seconds = time.perf_counter() - t
+    hashes = sorted(manifest.hashes() - in_root)
+    res.total_bytes, res.chunks = manifest.total_bytes(), len(manifest.hashes())
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "INSERT INTO template_promotions (name, digest, root, root_digest, state, manifest, total_bytes)"
+            " VALUES ($1,$2,$3,$4,'promoting',$5,$6) ON CONFLICT (name, digest) DO UPDATE SET state='promoting',"
+            " root=$3, root_digest=$4, manifest=$5, total_bytes=$6",
+            name, digest, root, root_digest, manifest.model_dump(), res.total_bytes)
+        await conn.execute("DELETE FROM template_chunks WHERE name=$1 AND digest=$2", name, digest)
+        await conn.execute("INSERT INTO template_chunks (name, digest, hash) SELECT $1, $2, unnest($3::text[])",
+                           name, digest, hashes)
+        await conn.execute("UPDATE chunks SET last_ref_at=now() WHERE hash = ANY($1::text[])", hashes)
+    async with pool.acquire() as conn, conn.transaction():
+        stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
+            "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
+    missing = [h for h in hashes if h not in stored]
+    await _upload_missing(pool, store, settings, missing, where, stored, res, f"template {ident}", progress)
+    await pool.execute(
+        "UPDATE template_promotions SET state='promoted', promoted_at=now(), uploaded_bytes=$3, stored_bytes=$4"
+        " WHERE name=$1 AND digest=$2", name, digest, res.uploaded_bytes, res.stored_bytes)
+    res.seconds = time.perf_counter() - t0
+    PROMOTION_SECONDS.labels("ok").observe(res.seconds)
+    TRANSFER_BYTES.labels("up").observe(res.stored_bytes)
+    CHUNK_REUSE_RATIO.labels("promote").observe(1 - res.chunks_uploaded / max(1, res.chunks))
+    log.info("promoted template %s: %d chunks, %d in its root %s, %d uploaded (%.1f MiB of %.1f MiB, %.1f MiB"
+             " stored) in %.1f s", ident, res.chunks, res.chunks - len(hashes), root, res.chunks_uploaded,
+             res.uploaded_bytes / 2**20, res.total_bytes / 2**20, res.stored_bytes / 2**20, res.seconds)
+    return res
+
+
+async def template_root(pool: asyncpg.Pool, name: str, digest: str) -> tuple[str, str] | None:
+    """``(root, root_digest)`` of a promoted build of template ``name``; None when it is not promoted."""
+    row = await pool.fetchrow("SELECT root, root_digest FROM template_promotions WHERE name=$1 AND digest=$2"
+                              " AND state='promoted'", name, digest)
+    return None if row is None else (row["root"], row["root_digest"])
+
+
+async def fetch_template(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, name: str, digest: str,
+                         dest: Path, *, root_dir: Path, progress: Progress | None = None) -> FetchResult:
+    """Rebuild promoted build ``digest`` of template ``name`` into ``dest``: files of ``root_dir`` (this node's
+    build of its root, at the promotion's ``root_digest``) of the same size are reflinked, chunks found
+    anywhere in them are read locally, the rest is downloaded and checked. Raises ``NotFound`` (not
+    promoted), ``SnapshotCorrupt``, ``StorageError``."""
+    row = await pool.fetchrow("SELECT manifest FROM template_promotions WHERE name=$1 AND digest=$2"
+                              " AND state='promoted'", name, digest)
+    if row is None:
+        raise NotFound(f"template {name!r} build {digest[:12]} is not promoted")
+    manifest = Manifest.model_validate(row["manifest"])
+    local = await asyncio.to_thread(_root_chunks, root_dir, manifest.chunk_size)
+    return await _fetch_manifest(store, settings, manifest, f"{name}@{digest[:12]}", f"template {name}", dest,
+                                 base_dir=root_dir, names=TEMPLATE_FILES, local=local, progress=progress)
 
 
 def _write_places(data: bytes, places: list[tuple[Path, int, int]]) -> None:
@@ -456,6 +567,7 @@ async def collect_garbage(pool: asyncpg.Pool, store: ObjectStore, grace_s: float
             rows = await conn.fetch(
                 "SELECT hash FROM chunks c WHERE c.last_ref_at < now() - make_interval(secs => $1)"
                 " AND NOT EXISTS (SELECT 1 FROM snapshot_chunks sc WHERE sc.hash = c.hash)"
+                " AND NOT EXISTS (SELECT 1 FROM template_chunks tc WHERE tc.hash = c.hash)"
                 " ORDER BY hash LIMIT $2 FOR UPDATE SKIP LOCKED", float(grace_s), batch)
             if not rows:
                 break

@@ -140,8 +140,9 @@ class SandboxManager:
 
     async def template(self, name: str, digest: str) -> TemplateImage:
         """The build ``digest`` of template ``name``: the current one (``templates``, what new creates use) or
-        an earlier build still in the node store or build cache, loaded once and cached. Raises ``NotFound``
-        when this node holds neither (a sandbox's memory snapshot only restores on the build it came from)."""
+        an earlier build still in the node store or build cache, loaded once and cached, or a build another
+        node promoted, fetched from object storage. Raises ``NotFound`` when none holds it (a sandbox's memory
+        snapshot only restores on the build it came from)."""
         cur = self.templates.get(name)
         if cur is not None and cur.digest == digest:
             return cur
@@ -149,6 +150,12 @@ class SandboxManager:
         if img is None:
             img = await asyncio.to_thread(self.driver.find_template, name, digest)
             if img is None:
+                # Built on another node and promoted: fetched once into the store (template_fetch.py).
+                from .template_fetch import fetch_promoted
+
+                fetched = await fetch_promoted(self, name, digest)
+                if fetched is not None:
+                    return fetched
                 have = f"build {cur.digest[:12]}" if cur is not None else "no build of it"
                 raise NotFound(f"template {name!r} build {digest[:12]} (the sandbox's) is not on node "
                                f"{self.node_id}, which has {have}")

@@ -105,7 +105,12 @@ class Scheduler:
                     "SELECT v.node_id FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
                     " WHERE sv.sandbox_id = $1 AND v.node_id IS NOT NULL LIMIT 1", cmd.sandbox_id)
                 candidates = with_volumes(candidates, volume_node)
+                # A promoted build may go to any node holding the base it was built on (fetched there).
+                fetch_root = await conn.fetchval(
+                    "SELECT root FROM template_promotions WHERE name=$1 AND digest=$2 AND state='promoted'",
+                    cmd.template, row["template_digest"])
                 req = Request(cmd.template, cmd.resources.memory_mib, cmd.resources.vcpus, wake=cmd.wake,
+                              fetch_root=fetch_root,
                               memory_overcommit=self.settings.memory_overcommit_ratio,
                               vcpu_overcommit=self.settings.vcpu_overcommit_ratio,
                               memory_estimate_mib=self.settings.memory_sandbox_estimate_mib)

@@ -3,7 +3,9 @@
 Input: one :class:`NodeLoad` per live node (heartbeat from the ``podbay_nodes`` KV bucket, so alive within the
 TTL; load counted from PostgreSQL in one query, so placements in flight count). Steps:
 
-1. **Filter.** The node is schedulable, carries the template, and has room (:func:`fits`):
+1. **Filter.** The node is schedulable, carries the template (or, when the template's build is promoted to
+   object storage, the built-in template it was built on: the node fetches the build on first use), and has
+   room (:func:`fits`):
 
    - memory, on a node that reports measured memory (its heartbeat's ``memory_*`` fields,
      services/nodeagent/memory.py): its room (available memory less its headroom, and less its sandboxes'
@@ -102,12 +104,15 @@ class Request:
     ``memory_overcommit``: ratio of a node's advertised memory that nominal guest RAM may reach (0: no nominal
     cap on nodes that measure, 1.0 on those that do not); ``vcpu_overcommit``: the same for vCPUs (>= 1.0).
     ``memory_estimate_mib``: expected host cost of a fresh sandbox, MiB (0: the node's measured median).
+    ``fetch_root``: the template's build is promoted to object storage and was built on this built-in
+    template (``base``), so a node holding that one may take it too (it fetches the build on first use).
     """
 
     template: str
     memory_mib: int
     vcpus: int
     wake: bool = False
+    fetch_root: str | None = None
     memory_overcommit: float = 1.0
     vcpu_overcommit: float = 1.0
     memory_estimate_mib: int = 0
@@ -207,7 +212,8 @@ def choose_node(nodes: list[NodeLoad], req: Request | None = None, *, template: 
     req = req or Request(template, memory_mib, vcpus)
     if not nodes:
         raise NoCapacity("no node is alive")
-    with_template = [n for n in nodes if n.heartbeat.schedulable and req.template in n.heartbeat.templates]
+    with_template = [n for n in nodes if n.heartbeat.schedulable and (
+        req.template in n.heartbeat.templates or (req.fetch_root is not None and req.fetch_root in n.heartbeat.templates))]
     if not with_template:
         raise NoCapacity(f"no live node has template {req.template!r}")
     ok = [n for n in with_template if fits(n, req)]

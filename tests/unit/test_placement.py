@@ -50,6 +50,23 @@ def test_template_must_be_on_the_node() -> None:
         choose_node([NodeLoad(_hb("a"), 0, 0)], template="other", memory_mib=256, vcpus=1)
 
 
+def test_a_promoted_template_may_go_to_a_node_holding_its_root_and_prefers_the_one_holding_it() -> None:
+    """A build promoted to object storage is fetched on first use, so a node with only its root (base) is a
+    candidate; one that holds the build at the digest still wins on locality, and a node without the root
+    never gets it."""
+    holder = NodeLoad(_hb("a", templates=("base", "web")), 0, 0, has_digest=True)
+    other = NodeLoad(_hb("b"), 0, 0)
+    bare = NodeLoad(_hb("c", templates=()), 0, 0)
+    req = Request("web", 256, 1, fetch_root="base")
+    assert choose_node([other, bare], req, rng=random.Random(1)).node_id == "b"
+    for seed in range(20):
+        assert choose_node([holder, other], req, rng=random.Random(seed)).node_id == "a"
+    with pytest.raises(NoCapacity, match="template 'web'"):
+        choose_node([other], Request("web", 256, 1))  # not promoted: only a node that built it
+    with pytest.raises(NoCapacity, match="template 'web'"):
+        choose_node([bare], req)
+
+
 def test_unschedulable_nodes_are_skipped() -> None:
     nodes = [NodeLoad(_hb("a", schedulable=False), 0, 0), NodeLoad(_hb("b"), 0, 0)]
     for seed in range(20):

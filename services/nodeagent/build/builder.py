@@ -53,6 +53,7 @@ from podbay.contracts.templates import (
     WorkdirStep,
 )
 from podbay.errors import Conflict, NotFound, PodbayError, Unprocessable
+from podbay.promotion import promote_template, template_root
 
 from ..template import TemplateSnapshot
 from ..vmdriver import TemplateImage, VmHandle
@@ -436,11 +437,40 @@ class TemplateBuilder:
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest)
         detail = await self._register(img, parent)
+        await self._promote(img, parent, emit)
         await self.reclaim(req.name)
         await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
         log.info("template %s built: %s (%d steps, %d cached) in %.1f s", req.name, digest[:12], total,
                  done, time.monotonic() - t_all)
         return detail
+
+    async def _promote(self, img: TemplateImage, parent: TemplateImage, emit: Emit) -> None:
+        """Promote the build to object storage (:func:`podbay.promotion.promote_template`) so that other nodes
+        can fetch it (template_fetch.py); chunks of its root (the built-in template at the bottom of its FROM
+        chain) are not uploaded. A failure leaves a template usable on this node only: it is logged and said in
+        the build's log, and the build still succeeds."""
+        try:
+            if parent.snapshot.parent is None:
+                root = (parent.name, parent.digest)
+            else:
+                found = await template_root(self.m.pool, parent.name, parent.digest)
+                if found is None:
+                    raise PodbayError(f"its FROM template {parent.name!r} ({parent.digest[:12]}) is not promoted")
+                root = found
+            root_img = await self.m.template(*root)
+            res = await promote_template(self.m.pool, self.m.suspend_ops.store, self.m.settings, img.name,
+                                         img.digest, img.snapshot.dir, root=root[0], root_digest=root[1],
+                                         root_dir=root_img.snapshot.dir)
+        except Exception as exc:
+            reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+            log.warning("template %s (%s) not promoted: %s", img.name, img.digest[:12], reason)
+            await emit(BuildEvent(type="log", step=0, text=f"not promoted to object storage ({reason}): only "
+                                  f"this node can run it\n"))
+            return
+        if not res.already:
+            await emit(BuildEvent(type="log", step=0, text=f"promoted to object storage: {res.uploaded_bytes} of "
+                                  f"{res.total_bytes} bytes uploaded ({res.chunks_uploaded} of {res.chunks} "
+                                  f"chunks)\n"))
 
     def _install(self, req: BuildRequest, parent: TemplateImage, src: Path, digest: str) -> TemplateImage:
         """Reflink the final snapshot and the parent's kernel into ``store/templates/<name>/<digest>``."""

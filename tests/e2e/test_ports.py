@@ -268,3 +268,12 @@ def test_e2b_get_host_and_its_traffic_access_token(stack: Any, box: Any, monkeyp
         assert get({"e2b-traffic-access-token": "0" * 64}).status_code == 403
     finally:
         sb.kill()
+
+
+def test_a_suspended_sandbox_wakes_from_object_storage_on_a_request(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    r = c.post(f"/v1/sandboxes/{sid}/suspend")
+    assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+    r = _get(stack, 8000, sid, headers={"x-podbay-access-token": token})
+    assert r.status_code == 200 and r.text == "hello-8000\n"  # the server's process came back with the guest
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"

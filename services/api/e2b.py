@@ -40,11 +40,11 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from podbay.contracts.api import SandboxCreate
+from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
 from podbay.contracts.states import SandboxCommand
-from podbay.errors import InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
+from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
 
-from . import dataplane, sandboxes
+from . import dataplane, sandboxes, snapshots
 from .ports import e2b_traffic
 from .auth import Principal, authenticate
 from .context import ApiContext
@@ -356,14 +356,48 @@ async def refresh(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: RefreshBody |
     return Response(status_code=204)
 
 
+class PauseBody(_Body):
+    memory: bool | None = Field(None, description="false: filesystem-only (the next connect boots afresh).")
+
+
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
-    """Pause a running sandbox (memory and processes kept) -> 204; 409 when it is already paused."""
+async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: PauseBody | None = None) -> Response:
+    """Pause a running sandbox (memory and processes kept) -> 204; 409 when it is already paused. With
+    ``memory: false`` (E2B's filesystem-only pause) a disk snapshot is taken first and the next connect boots
+    the sandbox afresh from it (a podbay restore): files kept, processes and memory not."""
     row = await _row(ctx, who, sandbox_id)
     if E2B_STATES[row["state"]] == "paused":
         raise InvalidState(f"sandbox {sandbox_id} is already paused", details={"state": row["state"]})
+    cold: str | None = None
+    if body is not None and body.memory is False:
+        snap = await snapshots.create_snapshot(sandbox_id, SnapshotCreate(kind="disk"), ctx, who, Response(),
+                                               wait=True)
+        if snap.state != "ready":
+            raise Unavailable(f"the filesystem snapshot of {sandbox_id} is {snap.state}: {snap.error or 'not ready'}")
+        cold = snap.id
     await sandboxes.pause_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    await ctx.pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, cold_resume_snapshot) VALUES ($1, $2)"
+        " ON CONFLICT (sandbox_id) DO UPDATE SET cold_resume_snapshot = EXCLUDED.cold_resume_snapshot",
+        sandbox_id, cold)
     return Response(status_code=204)
+
+
+async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
+    """Resume a paused sandbox: from memory, or, after a filesystem-only pause, a fresh boot from its disk
+    snapshot (when that snapshot is gone, from memory after all)."""
+    cold = await ctx.pool.fetchval("SELECT cold_resume_snapshot FROM e2b_sandboxes WHERE sandbox_id=$1",
+                                   sandbox_id)
+    if cold is not None:
+        await ctx.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot = NULL WHERE sandbox_id=$1",
+                               sandbox_id)
+        try:
+            await snapshots.restore_sandbox(sandbox_id, RestoreRequest(snapshot_id=cold), ctx, who, Response(),
+                                            wait=True)
+            return
+        except (NotFound, InvalidState, Conflict):
+            pass  # reclaimed by retention, or a state restore refuses: resume its memory instead
+    await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True, fallback=False)
 
 
 async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: Principal) -> JSONResponse:
@@ -372,7 +406,7 @@ async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: P
     row = await _row(ctx, who, sandbox_id)
     status = 200
     if E2B_STATES[row["state"]] == "paused":
-        await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True, fallback=False)
+        await _wake(ctx, who, sandbox_id)
         status = 201
     if timeout is not None:
         await _exact_lease(ctx, who, sandbox_id, timeout, only_extend=status == 200)

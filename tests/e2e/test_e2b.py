@@ -473,3 +473,18 @@ def test_file_metadata(sbx: Any) -> None:
     assert sbx.files.get_info("/home/user/meta.txt").metadata == {"team": "blue", "k": "v"}
     listed = {e.name: e.metadata for e in sbx.files.list("/home/user")}
     assert listed["meta.txt"] == {"team": "blue", "k": "v"}
+
+
+def test_filesystem_only_pause_boots_afresh_on_connect(e2b_env: dict[str, str]) -> None:
+    sb = e2b.Sandbox.create(template="base", timeout=600)
+    try:
+        sb.files.write("/home/user/disk.txt", "on disk")
+        bg = sb.commands.run("sleep 600", background=True)
+        sb.pause(mode="filesystem")
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.PAUSED
+        again = e2b.Sandbox.connect(sb.sandbox_id)
+        assert again.files.read("/home/user/disk.txt") == "on disk"
+        assert bg.pid not in [p.pid for p in again.commands.list()]  # memory and processes were dropped
+        assert again.commands.run("echo booted").stdout == "booted\n"
+    finally:
+        sb.kill()

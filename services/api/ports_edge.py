@@ -106,6 +106,16 @@ class PortsEdge:
         self.settings = settings
         self.limiter = pa.RateLimiter(settings.ports_public_rate_per_s)
         self._renewed: dict[str, float] = {}
+        self._nodes: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        """The edge's own client to the nodes: guest traffic (long downloads, many connections) never takes
+        the connections that exec, files and lifecycle calls use (``ApiContext.nodes_http``). Made on first
+        use, in the serving loop; it lives as long as the process."""
+        if self._nodes is None:
+            self._nodes = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
+                                           limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        return self._nodes
 
     # ------------------------------------------------------------------ matching
 
@@ -291,10 +301,11 @@ class PortsEdge:
                 sent.inc(len(chunk))
                 yield chunk
 
-        req = ctx.nodes_http.build_request(scope["method"], url, headers=req_headers,
+        http = self._client()
+        req = http.build_request(scope["method"], url, headers=req_headers,
                                            content=body() if has_body else None)
         try:
-            resp = await ctx.nodes_http.send(req, stream=True)
+            resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:
             log.warning("node %s did not answer for a port: %r", url, exc)
             raise _Stop(502, "node_unavailable", "the sandbox's node did not answer; retry shortly") from exc

@@ -14,6 +14,9 @@ Metrics:
 - ``layer_exclusive_MiB`` / ``layers``: extents of the node's layer store not shared with anything else
   (``btrfs filesystem du``) after the cold builds, and the number of layers;
 - ``template_exclusive_MiB``: the same for the built template's directory (what it adds over base);
+- ``template_upload_MiB`` / ``template_total_MiB``: bytes the first cold build's promotion to object storage
+  uploaded (chunks its root ``base`` lacks and the bucket did not hold; from the build log), against the
+  template's whole files;
 - ``create_cold_<template>``: ``POST /v1/sandboxes`` with no pool, for ``base`` and the built template;
 - ``create_warm_<template>``: the same with a ready warm slot waiting (pool of 2; the wait is not timed).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -108,8 +112,15 @@ def main() -> None:
         with Client(stack.api_url, stack.api_key, timeout_s=600) as sdk:
             for i in range(args.runs):
                 t0 = time.perf_counter()
-                sdk.build_template("bench-web", DOCKERFILE, ctx, build_args={"NONCE": str(i)}, ready_port=8000)
+                logs: list[Any] = []
+                sdk.build_template("bench-web", DOCKERFILE, ctx, build_args={"NONCE": str(i)}, ready_port=8000,
+                                   on_event=logs.append)
                 cold.append(_ms(t0))
+                promoted = [m for e in logs if e.type == "log" and e.text and (
+                    m := re.search(r"promoted to object storage: (\d+) of (\d+) bytes", e.text))]
+                if i == 0 and promoted:
+                    results["template_upload_MiB"] = {"value": int(promoted[0].group(1)) / 2**20}
+                    results["template_total_MiB"] = {"value": int(promoted[0].group(2)) / 2**20}
                 t0 = time.perf_counter()
                 events: list[Any] = []
                 sdk.build_template("bench-web", DOCKERFILE, ctx, build_args={"NONCE": str(i)}, ready_port=8000,

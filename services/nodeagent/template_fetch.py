@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from podbay.errors import NotFound
 from podbay.promotion import fetch_template, template_root
 
-from .template import MACHINE, TemplateSnapshot
+from .template import MACHINE, TEMPLATES, TemplateSnapshot
 from .vmdriver import TemplateImage
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ async def fetch_promoted(m: SandboxManager, name: str, digest: str) -> TemplateI
     promoted. Raises ``NotFound`` when this node lacks the build of the root it was made on (or the build was
     made for another machine), ``SnapshotCorrupt`` or ``StorageError`` when an object is missing, corrupt or
     unreachable."""
+    if name in TEMPLATES:
+        return None  # built-in templates are built by every node itself, never promoted
     root = await template_root(m.pool, name, digest)
     if root is None:
         return None

@@ -158,7 +158,8 @@ class PortsEdge:
                 raise _Stop(308, "redirect", "add a slash", [(b"location", (route.prefix + "/").encode())])
             query, query_token = _query_without_token(scope.get("query_string", b"").decode("latin-1"))
             if query_token is not None and scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
-                raise self._exchange(route, query, query_token)
+                raise self._exchange(route, query, query_token,
+                                     secure=headers.get("x-forwarded-proto", scope.get("scheme", "")) == "https")
             row = await ctx.pool.fetchrow(_ROW_SQL, route.sandbox_id, route.port)
             if row is None:
                 raise _Stop(404, "not_found", f"sandbox {route.sandbox_id} does not exist")
@@ -193,14 +194,17 @@ class PortsEdge:
 
     # ------------------------------------------------------------------ steps
 
-    def _exchange(self, route: _Route, query: str, token: str) -> _Stop:
-        """The answer to ``?podbay_token=``: a cookie and a redirect without it, or 403."""
+    def _exchange(self, route: _Route, query: str, token: str, *, secure: bool) -> _Stop:
+        """The answer to ``?podbay_token=``: a cookie (``Secure`` when the client came over HTTPS, as a TLS
+        terminator's ``X-Forwarded-Proto`` says) and a redirect without it, or 403."""
         if not pa.token_ok(token, pa.traffic_token(self.settings.internal_token, route.sandbox_id)):
             return _Stop(403, "forbidden", f"that token does not open sandbox {route.sandbox_id}")
         path = route.path.partition("?")[0]
         location = (route.prefix + path) + (f"?{query}" if query else "")
         cookie = (f"{pa.COOKIE}={token}; Path={route.prefix or '/'}/; HttpOnly; SameSite=Lax"
                   if route.prefix else f"{pa.COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax")
+        if secure:
+            cookie += "; Secure"
         return _Stop(303, "see_other", "token accepted", [(b"location", location.encode("latin-1")),
                                                           (b"set-cookie", cookie.encode("latin-1"))])
 

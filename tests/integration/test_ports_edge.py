@@ -47,6 +47,10 @@ def test_access_is_decided_before_the_guest(stack: Stack, acme: Tenant, other: T
     r = _get(stack, sid, path=f"/a/b?x=1&podbay_token={token}")
     assert r.status_code == 303 and r.headers["location"] == "/a/b?x=1"
     assert r.headers["set-cookie"].startswith(f"podbay_port_token={token};") and "HttpOnly" in r.headers["set-cookie"]
+    assert "Secure" not in r.headers["set-cookie"]
+    # Behind a TLS terminator (X-Forwarded-Proto: https) the cookie is Secure.
+    r = _get(stack, sid, path=f"/?podbay_token={token}", **{"x-forwarded-proto": "https"})
+    assert r.status_code == 303 and r.headers["set-cookie"].endswith("; Secure")
     # Authorised, but a failed sandbox cannot serve: 409, as JSON or as a page for a browser.
     for creds in ({"x-podbay-access-token": token}, {"cookie": f"podbay_port_token={token}"},
                   {"authorization": f"Bearer {acme.key}"}):

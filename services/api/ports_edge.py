@@ -42,6 +42,7 @@ from podbay.errors import PodbayError, Unauthorized
 from . import ports_access as pa
 from .auth import Principal, authenticate
 from .context import ApiContext
+from .suspend import auto_resume
 
 __all__ = ["PortsEdge", "LEASE_RENEW_EVERY_S", "E2B_ENVD_PORT"]
 
@@ -249,8 +250,6 @@ class PortsEdge:
         # Through E2B's hosts, E2B's rule: only a sandbox created with autoResume wakes on traffic.
         wake = self.settings.ports_wake and (route.mode != "e2b" or row["e2b_auto_resume"])
         if row["state"] in _WAKE_STATES and wake:
-            from .suspend import auto_resume  # suspend imports sandboxes, which imports nothing of ours
-
             await auto_resume(ctx, Principal(tenant_id=row["tenant_id"], key_id="ports-edge"), route.sandbox_id)
             row = await ctx.pool.fetchrow(_ROW_SQL, route.sandbox_id, route.port)
         if row is None or row["state"] != "running" or not row["dataplane_url"]:

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -28,6 +28,7 @@ from podbay.channel.watch import DirWatch
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .proto.filesystem import filesystem_pb as pb
+from .proto.filesystem.filesystem_connect import Filesystem
 from .translate import DEFAULT_USER, METADATA_XATTR_PREFIX, connect_error, entry_info, filesystem_event, user_from_authorization
 
 __all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH", "WATCHER_IDLE_S"]
@@ -68,7 +69,7 @@ class _Watcher:
     last_poll: float = field(default_factory=time.monotonic)
 
 
-class FilesystemService:
+class FilesystemService(Filesystem):
     """The ``filesystem.Filesystem`` RPCs for every sandbox of a node. ``channel_for(ctx)`` returns
     ``(sandbox_id, channel)`` or raises ``PodbayError``."""
 
@@ -167,7 +168,9 @@ class FilesystemService:
         it = watch.__aiter__()
         pending: asyncio.Future[Any] | None = None
         try:
-            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+            started: Oneof[Literal["start"], pb.WatchDirResponse.StartEvent] = Oneof(
+                "start", pb.WatchDirResponse.StartEvent())
+            yield pb.WatchDirResponse(event=started)
             while True:
                 pending = pending or asyncio.ensure_future(it.__anext__())
                 left = ctx.timeout_ms  # Connect-Timeout-Ms: the stream ends when it passes, as envd's does
@@ -177,7 +180,9 @@ class FilesystemService:
                 done, _ = await asyncio.wait({pending}, timeout=wait_s)
                 if not done:
                     if left is None or left / 1000.0 > _KEEPALIVE_S:
-                        yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                        alive: Oneof[Literal["keepalive"], pb.WatchDirResponse.KeepAlive] = Oneof(
+                            "keepalive", pb.WatchDirResponse.KeepAlive())
+                        yield pb.WatchDirResponse(event=alive)
                     continue
                 try:
                     ev = pending.result()
@@ -187,7 +192,9 @@ class FilesystemService:
                     raise connect_error(exc) from exc
                 finally:
                     pending = None
-                yield pb.WatchDirResponse(event=Oneof("filesystem", filesystem_event(ev, request.include_entry)))
+                changed: Oneof[Literal["filesystem"], pb.FilesystemEvent] = Oneof(
+                    "filesystem", filesystem_event(ev, request.include_entry))
+                yield pb.WatchDirResponse(event=changed)
         finally:
             if pending is not None:
                 pending.cancel()

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -30,6 +31,7 @@ from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .filesystem import resolve_path
 from .proto.process import process_pb as pb
+from .proto.process.process_connect import Process
 from .translate import (
     DEFAULT_USER,
     ENV_HEADER,
@@ -126,12 +128,11 @@ class ProcessTable:
         try:
             async with handle:
                 async for kind, data in handle:
-                    key = "pty" if proc.pty else kind
-                    data_event = pb.ProcessEvent.DataEvent(output=Oneof(key, data))
-                    proc.publish(pb.ProcessEvent(event=Oneof("data", data_event)))
+                    proc.publish(data_event("pty" if proc.pty else kind, data))
                 ex = await handle.wait()
-            end = pb.ProcessEvent(event=Oneof("end", pb.ProcessEvent.EndEvent(
-                exit_code=ex.exit_code, exited=ex.exit_code >= 0, status=end_status(ex.exit_code))))
+            ended: Oneof[Literal["end"], pb.ProcessEvent.EndEvent] = Oneof("end", pb.ProcessEvent.EndEvent(
+                exit_code=ex.exit_code, exited=ex.exit_code >= 0, status=end_status(ex.exit_code)))
+            end = pb.ProcessEvent(event=ended)
         except asyncio.CancelledError:
             proc.publish(ConnectError(Code.UNAVAILABLE, "the node lost the guest connection; connect again"))
             proc.publish(None)
@@ -172,7 +173,9 @@ async def _stream(proc: Proc, q: asyncio.Queue[Event | None], first: pb.ProcessE
                 item = await asyncio.wait_for(q.get(), wait_s)
             except TimeoutError:
                 if left is None or left / 1000.0 > keepalive_s:
-                    yield pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive()))
+                    alive: Oneof[Literal["keepalive"], pb.ProcessEvent.KeepAlive] = Oneof(
+                        "keepalive", pb.ProcessEvent.KeepAlive())
+                    yield pb.ProcessEvent(event=alive)
                 continue
             if item is None:
                 return
@@ -191,7 +194,7 @@ def _keepalive_s(ctx: RequestContext[Any, Any]) -> float:
         return _DEFAULT_KEEPALIVE_S
 
 
-class ProcessService:
+class ProcessService(Process):
     """The ``process.Process`` RPCs for every sandbox of a node. ``channel_for(ctx)`` returns the sandbox's
     guest channel and its table (raising ``PodbayError`` for an unknown, paused or fenced sandbox)."""
 
@@ -246,7 +249,7 @@ class ProcessService:
         proc = Proc(pid, cfg, request.tag, pty is not None)
         q = proc.subscribe()
         table.add(proc, handle)
-        first = pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=pid)))
+        first = start_event(pid)
         async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx):
             yield pb.StartResponse(event=ev)
 
@@ -259,7 +262,7 @@ class ProcessService:
         except PodbayError as exc:
             raise connect_error(exc) from exc
         q = proc.subscribe()
-        first = pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=proc.pid)))
+        first = start_event(proc.pid)
         async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx):
             yield pb.ConnectResponse(event=ev)
 
@@ -292,7 +295,7 @@ class ProcessService:
             else:
                 inp = ev.value.input
                 data = inp.input.value if inp is not None and inp.input is not None else b""
-                await self._on(ctx, target, lambda ch, p, d=data: ch.proc_input(p.pid, d))
+                await self._on(ctx, target, functools.partial(_send_input, data=data))
         return pb.StreamInputResponse()
 
     async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext[Any, Any]
@@ -326,3 +329,30 @@ def close_tables(tables: dict[str, ProcessTable]) -> None:
             if proc.task is not None:
                 with contextlib.suppress(Exception):
                     proc.task.cancel()
+
+
+def start_event(pid: int) -> pb.ProcessEvent:
+    """The first event of a process stream (envd's ``StartEvent`` with the pid)."""
+    start: Oneof[Literal["start"], pb.ProcessEvent.StartEvent] = Oneof("start", pb.ProcessEvent.StartEvent(pid=pid))
+    return pb.ProcessEvent(event=start)
+
+
+def data_event(kind: str, data: bytes) -> pb.ProcessEvent:
+    """An output event: ``kind`` ``pty``, ``stderr`` or (anything else) ``stdout``, the oneof field of envd's
+    ``DataEvent``. Each field is spelled out so the type checker sees the generated oneof's literal names."""
+    output: Oneof[Literal["stdout"], bytes] | Oneof[Literal["stderr"], bytes] | Oneof[Literal["pty"], bytes]
+    if kind == "pty":
+        pty: Oneof[Literal["pty"], bytes] = Oneof("pty", data)
+        output = pty
+    elif kind == "stderr":
+        err: Oneof[Literal["stderr"], bytes] = Oneof("stderr", data)
+        output = err
+    else:
+        out: Oneof[Literal["stdout"], bytes] = Oneof("stdout", data)
+        output = out
+    event: Oneof[Literal["data"], pb.ProcessEvent.DataEvent] = Oneof("data", pb.ProcessEvent.DataEvent(output=output))
+    return pb.ProcessEvent(event=event)
+
+
+async def _send_input(ch: GuestChannel, p: Proc, *, data: bytes) -> None:
+    await ch.proc_input(p.pid, data)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from podbay.config import Settings
-from podbay.devstack.stack import SERVICES, StackPorts, credential_key_for, gateway_executable
+from podbay.devstack.stack import SERVICES, StackPorts, credential_key_for, gateway_executable, internal_token_for
 
 
 def test_gateway_is_a_stack_service_with_its_ports() -> None:
@@ -41,3 +41,13 @@ def test_credential_key_is_kept_in_the_data_dir(tmp_path: Path) -> None:
     assert len(first) == 44 and credential_key_for(tmp_path / "d", {}) == first
     mode = (tmp_path / "d" / "credential.key").stat().st_mode
     assert stat.S_IMODE(mode) == 0o600
+
+
+def test_the_internal_token_is_kept_in_the_data_dir_so_derived_tokens_survive_a_restart(tmp_path: Path) -> None:
+    """Port-edge traffic tokens, their cookies and E2B's envd tokens are derived from it: a new one at every
+    `podbay up` broke every link handed out before."""
+    assert internal_token_for(tmp_path, {"PODBAY_INTERNAL_TOKEN": "given"}) == "given"
+    first = internal_token_for(tmp_path / "d", {})
+    assert len(first) >= 32 and internal_token_for(tmp_path / "d", {}) == first
+    assert internal_token_for(tmp_path / "other", {}) != first
+    assert stat.S_IMODE((tmp_path / "d" / "internal.token").stat().st_mode) == 0o600

@@ -70,6 +70,7 @@ __all__ = [
     "default_bin_dir",
     "gateway_executable",
     "credential_key_for",
+    "internal_token_for",
     "guest_ca_for",
     "NODE_SERVICES",
 ]
@@ -354,19 +355,34 @@ def credential_key_for(data_dir: Path, env: dict[str, str]) -> str:
     """The credential sealing key of a stack: ``PODBAY_CREDENTIAL_KEY`` when given, else the one kept in
     ``DATA_DIR/credential.key`` (created on first use, mode 0600), so that the API (which seals) and the gateway
     (which reveals) share it and a restarted stack can still read what it sealed."""
-    if env.get("PODBAY_CREDENTIAL_KEY"):
-        return env["PODBAY_CREDENTIAL_KEY"]
+    return env.get("PODBAY_CREDENTIAL_KEY") or _kept_secret(data_dir / "credential.key", new_key)
 
-    path = data_dir / "credential.key"
+
+def internal_token_for(data_dir: Path, env: dict[str, str]) -> str:
+    """The secret the API and the node data planes share (``PODBAY_INTERNAL_TOKEN`` when given, else the one
+    kept in ``DATA_DIR/internal.token``, created on first use, mode 0600). Kept, not drawn anew at each start,
+    because the tokens derived from it outlive a restart: the port edge's traffic tokens and cookies, E2B's
+    envd access tokens."""
+    return env.get("PODBAY_INTERNAL_TOKEN") or _kept_secret(data_dir / "internal.token",
+                                                           lambda: secrets.token_urlsafe(32))
+
+
+def _kept_secret(path: Path, make: Callable[[], str]) -> str:
+    """The secret in ``path``, or a new one from ``make`` written there first (mode 0600, never overwritten:
+    of two starts racing, the second reads what the first wrote)."""
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        key = new_key()
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        return key
+    except FileExistsError:
+        return path.read_text().strip()
+    value = make()
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
 
 
 def guest_ca_for(data_dir: Path, env: dict[str, str]) -> Path | None:
@@ -411,7 +427,8 @@ class Stack(NodeOps):
     s3_bucket: str = "podbay"
     bin_dir: Path = field(default_factory=lambda: default_bin_dir())
     base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    #: Shared by the API and the node data planes; empty: :func:`internal_token_for` at start.
+    internal_token: str = field(default="", repr=False)
     start_timeout_s: float = 120.0
     #: Port of the OpenBao dev server (started only for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
     #: external ``PODBAY_OPENBAO_ADDR``); 0: ``PODBAY_OPENBAO_PORT``, else a free one.
@@ -549,6 +566,7 @@ class Stack(NodeOps):
         ``data_dir/credential.key``, mode 0600) and, for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
         external ``PODBAY_OPENBAO_ADDR``, an OpenBao dev server (in memory: its secrets end with it)."""
         self.credential_key = credential_key_for(self.data_dir, self.base_env)
+        self.internal_token = self.internal_token or internal_token_for(self.data_dir, self.base_env)
         if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") != "openbao":
             return
         addr, token = self.base_env.get("PODBAY_OPENBAO_ADDR", ""), self.base_env.get("PODBAY_OPENBAO_TOKEN", "")

@@ -18,6 +18,8 @@ import shutil
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated
 
+import asyncpg
+
 from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
@@ -31,9 +33,37 @@ from .builder import BuildRequest, StepFailed
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
 
-__all__ = ["add_build_routes"]
+__all__ = ["add_build_routes", "record_outcome"]
 
 log = logging.getLogger("podbay.nodeagent.build")
+
+
+async def record_outcome(pool: asyncpg.Pool, build_id: str, state: BuildState, digest: str | None,
+                         error: dict[str, object] | None) -> None:
+    """Finish ``template_builds`` row ``build_id`` (``state``, ``digest``, ``error`` as ``{code, message}``).
+
+    The write runs as its own task and is waited for even when the caller is cancelled (again) meanwhile:
+    a build cut off by its caller going away, whose stream is then torn down, must still end, or its row
+    stays ``running`` and refuses every later build of the name. A database error is logged, not raised;
+    a cancellation of the caller is re-raised once the write is done.
+    """
+    write = asyncio.create_task(pool.execute(
+        "UPDATE template_builds SET state=$2, digest=$3, error=$4::jsonb, finished_at=now()"
+        " WHERE id=$1 AND state='running'", build_id, state.value, digest, error), name=f"finish-{build_id}")
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(write)
+            break
+        except asyncio.CancelledError:
+            if write.done():
+                break
+            cancelled = True
+        except Exception:
+            log.exception("could not record the end of build %s", build_id)
+            break
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
@@ -69,7 +99,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
 
             async def run() -> None:
                 state, digest = BuildState.FAILED, None
-                error: dict[str, object] | None = {"code": "cancelled", "message": "the caller went away"}
+                error: dict[str, object] | None = {"code": "interrupted", "message": "the caller went away"}
                 try:
                     detail = await builder.build(req, steps, emit)
                     state, digest = BuildState.SUCCEEDED, detail.digest
@@ -87,10 +117,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
                     error = {"code": "build_failed", "message": repr(exc)}
                     await queue.put(BuildEvent(type="failed", code="build_failed", message=repr(exc)))
                 finally:
-                    with contextlib.suppress(Exception):
-                        await manager.pool.execute(
-                            "UPDATE template_builds SET state=$2, digest=$3, error=$4::jsonb, finished_at=now()"
-                            " WHERE id=$1", p.build_id, state.value, digest, error)
+                    await record_outcome(manager.pool, p.build_id, state, digest, error)
                     await queue.put(None)
 
             task = asyncio.create_task(run(), name=f"build-{p.build_id}")

@@ -159,14 +159,19 @@ async def build_template(
         if isinstance(policy, str):
             policy = json.loads(policy)
     build_id = new_id("bld")
-    try:
-        async with ctx.pool.acquire() as conn, conn.transaction():
-            await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
-                               " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name, who.tenant_id,
-                               node["id"], dockerfile, parent, policy)
-            await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": parent})
-    except asyncpg.UniqueViolationError as exc:
-        raise Conflict(f"a build of template {name!r} is already running", details={"template": name}) from exc
+    for attempt in range(2):
+        try:
+            async with ctx.pool.acquire() as conn, conn.transaction():
+                await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
+                                   " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name,
+                                   who.tenant_id, node["id"], dockerfile, parent, policy)
+                await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": parent})
+            break
+        except asyncpg.UniqueViolationError as exc:
+            if attempt == 0 and await fail_stale_build(ctx.pool, ctx.nodes_http, ctx.settings.internal_token, name):
+                continue  # the running row was left by a build that no longer runs anywhere
+            raise Conflict(f"a build of template {name!r} is already running",
+                           details={"template": name}) from exc
     params = NodeBuildRequest(build_id=build_id, name=name, spec=spec).model_dump_json()
     try:
         req = ctx.nodes_http.build_request(
@@ -196,6 +201,40 @@ async def build_template(
             await resp.aclose()
 
     return StreamingResponse(relay(), media_type="application/x-ndjson", headers={"x-podbay-build-id": build_id})
+
+
+STALE_BUILD_GRACE_S = 30.0
+"""A ``running`` build row younger than this is taken as live without asking its node: the API writes the row
+before the node has claimed the name."""
+
+
+async def fail_stale_build(pool: asyncpg.Pool, http: httpx.AsyncClient, internal_token: str, name: str) -> bool:
+    """Fail the ``running`` build row of template ``name`` when no build of it runs any more: its node is not
+    ``ready`` (gone, drained, lost), or its node agent answers that it builds no template of that name
+    (``GET /internal/v1/templates/building/{name}``). Rows younger than :data:`STALE_BUILD_GRACE_S`, and rows
+    whose ready node does not answer, are left alone. Returns whether a row was failed (error ``interrupted``)."""
+    row = await pool.fetchrow(
+        "SELECT b.id, n.state AS node_state, n.dataplane_url FROM template_builds b LEFT JOIN nodes n"
+        " ON n.id = b.node_id WHERE b.name=$1 AND b.state='running'"
+        " AND b.created_at < now() - make_interval(secs => $2)", name, STALE_BUILD_GRACE_S)
+    if row is None:
+        return False
+    if row["node_state"] == "ready":
+        try:
+            resp = await http.get(f"{row['dataplane_url']}/internal/v1/templates/building/{name}",
+                                  headers={"x-podbay-internal-token": internal_token}, timeout=10.0)
+            resp.raise_for_status()
+            if resp.json().get("running", True):
+                return False
+        except (httpx.HTTPError, ValueError):
+            log.warning("could not ask node %s whether template %s is being built", row["dataplane_url"], name)
+            return False
+    status = await pool.execute(
+        "UPDATE template_builds SET state='failed', error=$2::jsonb, finished_at=now() WHERE id=$1"
+        " AND state='running'", row["id"],
+        {"code": "interrupted", "message": "the build no longer ran on its node"})
+    log.warning("failed build %s of template %s: it no longer ran on its node", row["id"], name)
+    return bool(status == "UPDATE 1")
 
 
 async def _finish(ctx: ApiContext, build_id: str, error: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""A build's end is recorded in ``template_builds`` even when its task is cancelled while recording it
-(services/nodeagent/build/http.py ``record_outcome``), against a real PostgreSQL: a build whose caller
-went away must not stay ``running``, which would refuse every later build of the name."""
+"""A build's ``template_builds`` row never stays ``running`` with no build behind it (which would refuse every
+later build of the name), against a real PostgreSQL: the node records a build's end even when its task is
+cancelled while recording it (services/nodeagent/build/http.py ``record_outcome``), and the API fails a row
+whose node is gone before it refuses a new build (services/api/templates.py ``fail_stale_build``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
+import httpx
 import pytest
 
 from podbay import db
 from podbay.contracts.templates import BuildState
 from podbay.outbox import new_id
+from podbay_api.templates import fail_stale_build
 from podbay_nodeagent.build.http import record_outcome
 
 
@@ -48,3 +51,32 @@ async def test_outcome_recorded_through_repeated_cancellation(pool: asyncpg.Pool
     row = await pool.fetchrow("SELECT state, error FROM template_builds WHERE id=$1", build_id)
     assert row["state"] == "failed"
     assert row["error"]["code"] == "interrupted"
+
+
+async def _running_build(pool: asyncpg.Pool, *, node_state: str, age_s: float) -> tuple[str, str]:
+    node, build_id, name = new_id("node"), new_id("bld"), f"stale-{new_id('t')[-8:].lower()}"
+    await pool.execute("INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
+                       " ($1, 'http://127.0.0.1:9', 1024, 1, 'tcg', $2)", node, node_state)
+    await pool.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, created_at) VALUES"
+                       " ($1, $2, 'tnt', $3, 'FROM base', now() - make_interval(secs => $4))",
+                       build_id, name, node, age_s)
+    return build_id, name
+
+
+async def test_stale_build_of_a_gone_node_is_failed(pool: asyncpg.Pool) -> None:
+    build_id, name = await _running_build(pool, node_state="lost", age_s=600.0)
+    async with httpx.AsyncClient() as http:
+        assert await fail_stale_build(pool, http, "token", name) is True
+    row = await pool.fetchrow("SELECT state, error FROM template_builds WHERE id=$1", build_id)
+    assert row["state"] == "failed"
+    assert row["error"]["code"] == "interrupted"
+
+
+@pytest.mark.parametrize(("node_state", "age_s"), [("lost", 0.0), ("ready", 600.0)])
+async def test_fresh_or_unconfirmed_build_is_left_running(pool: asyncpg.Pool, node_state: str, age_s: float) -> None:
+    """A row younger than the grace (the node may not have claimed the name yet), or one whose ready node does
+    not answer (it may still be building), is not failed."""
+    build_id, name = await _running_build(pool, node_state=node_state, age_s=age_s)
+    async with httpx.AsyncClient() as http:
+        assert await fail_stale_build(pool, http, "token", name) is False
+    assert await pool.fetchval("SELECT state FROM template_builds WHERE id=$1", build_id) == "running"

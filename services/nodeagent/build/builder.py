@@ -362,6 +362,10 @@ class TemplateBuilder:
             out.append(step)
         return out
 
+    def is_running(self, name: str) -> bool:
+        """Whether a build of template ``name`` holds its claim here."""
+        return name in self._running
+
     @contextlib.contextmanager
     def claim(self, name: str):  # type: ignore[no-untyped-def]
         """Hold ``name`` for one build; ``Conflict`` when a build of it runs here, or it is built in."""

@@ -69,6 +69,12 @@ async def record_outcome(pool: asyncpg.Pool, build_id: str, state: BuildState, d
 def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
     """Mount the build endpoint on the node's data-plane app."""
 
+    @app.get("/internal/v1/templates/building/{name}")
+    async def building(name: str) -> dict[str, bool]:
+        """``{"running": bool}``: whether a build of template ``name`` runs on this node (the API asks before
+        it fails a build row left ``running``)."""
+        return {"running": manager.builder.is_running(name)}
+
     @app.post("/internal/v1/templates/build")
     async def build(params: Annotated[str, Form()],
                     context: Annotated[UploadFile | None, File()] = None) -> StreamingResponse:

@@ -90,8 +90,12 @@ class ImageSpec(BaseModel):
     """Inputs of the base image besides the repository's sources."""
 
     suite: str = "bookworm"
+    # What users of comparable systems take for granted: sudo, curl, wget, git, a `python` command
+    # (python-is-python3), pip and venv, build essentials, and tzdata for the time zone (C.UTF-8 is in libc).
     packages: tuple[str, ...] = (
         "python3", "bash", "coreutils", "procps", "ca-certificates", "tini", "util-linux",
+        "sudo", "curl", "wget", "git", "python-is-python3", "python3-pip", "python3-venv", "build-essential",
+        "tzdata",
     )
     kernel_meta_package: str = "linux-image-cloud-amd64"
     # Load order matters only for humans: dependencies are resolved from modules.dep anyway.
@@ -476,6 +480,15 @@ async def _rootfs_step(
                 "chroot", root, "/usr/sbin/useradd", "-m", "-u", "1000", "-U", "-d", "/home/user",
                 "-s", "/bin/bash", "user",
             ])
+        # `user` may use sudo without a password (an agent installs what it needs, as elsewhere).
+        sudoers = root / "etc" / "sudoers.d" / "user"
+        sudoers.write_text("user ALL=(ALL:ALL) NOPASSWD:ALL\n")
+        os.chmod(sudoers, 0o440)
+        # Locale C.UTF-8 (built into libc: no locales package) and time zone UTC.
+        (root / "etc" / "default" / "locale").write_text("LANG=C.UTF-8\n")
+        (root / "etc" / "timezone").write_text("Etc/UTC\n")
+        (root / "etc" / "localtime").unlink(missing_ok=True)
+        (root / "etc" / "localtime").symlink_to("/usr/share/zoneinfo/Etc/UTC")
         lib = root / "opt" / "podbay" / "lib"
         shutil.copytree(guestd, lib / "podbay_guestd",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

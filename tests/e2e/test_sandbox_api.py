@@ -122,6 +122,20 @@ def test_exec_stream_yields_output_as_produced(stack: Any) -> None:
                     if ev.get("type") == "stdout":
                         text += ev["data"]
             assert text == "é世🚀\n" * 30000
+
+            # The fuller base: what `user` takes for granted (sudo without a password, curl, git, a `python`
+            # command, venv with pip, a compiler), the locale and the time zone.
+            script = ("set -e; sudo -n true; curl --version | head -1; wget --version | head -1; git --version;"
+                      " python --version; python -m venv /tmp/venv; /tmp/venv/bin/python -m pip --version;"
+                      " gcc --version | head -1; make --version | head -1; date +%Z; cat /etc/timezone;"
+                      " . /etc/default/locale; echo LANG=$LANG; sudo -n id -un")
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": script, "user": "user", "cwd": "/home/user"})
+            assert r.json()["exit_code"] == 0, r.text
+            out = r.json()["stdout"].splitlines()
+            assert out[0].startswith("curl ") and out[1].startswith("GNU Wget") and out[2].startswith("git version")
+            assert out[3].startswith("Python 3.") and out[4].startswith("pip ") and "/tmp/venv/" in out[4]
+            assert out[5].startswith("gcc ") and out[6].startswith("GNU Make")
+            assert out[7:] == ["UTC", "Etc/UTC", "LANG=C.UTF-8", "root"], out
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
 

@@ -26,7 +26,7 @@ import asyncpg
 
 from podbay.bus import Bus
 from podbay.channel.client import GuestChannel
-from podbay.contracts.channel import GuestNet
+from podbay.contracts.channel import ExecSpec, GuestNet
 from podbay.config import ConfigError, Settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, OperationDone, Resources, SandboxOpCmd
@@ -304,6 +304,7 @@ class SandboxManager:
                 "SELECT state, node_id, tenant_id, generation FROM sandboxes WHERE id = $1", cmd.sandbox_id)
             if row is None or row["state"] == "deleted" or row["node_id"] != self.node_id:
                 return
+            await self._sync_volumes(cmd.sandbox_id)
             await self.stop_vm(cmd.sandbox_id)
             await self._discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
             await self.release_net(cmd.sandbox_id)
@@ -320,6 +321,21 @@ class SandboxManager:
             self.relay.kick()
             LIFECYCLE_OPERATIONS.labels("nodeagent", "delete", "ok").inc()
             self._locks.pop(cmd.sandbox_id, None)
+
+    async def _sync_volumes(self, sandbox_id: str) -> None:
+        """Have a running guest with read-write volumes write its dirty pages back (``sync``) before its VM is
+        killed: a volume outlives its sandbox (a later sandbox mounts it), and a kill drops what the guest's
+        page cache held. Best effort: a guest that does not answer within 15 s is killed all the same."""
+        vm = self.vms.get(sandbox_id)
+        if vm is None or vm.channel is None or vm.paused_at is not None:
+            return
+        if not await self.pool.fetchval(
+                "SELECT true FROM sandbox_volumes WHERE sandbox_id=$1 AND NOT readonly LIMIT 1", sandbox_id):
+            return
+        try:
+            await asyncio.wait_for(vm.channel.run(ExecSpec(argv=["sync"], timeout_s=10)), 15)
+        except Exception as exc:  # noqa: BLE001 - the delete goes on; the guest's unsynced writes are lost
+            log.warning("sync of %s's volumes before delete failed: %s", sandbox_id, exc)
 
     # ------------------------------------------------------------------ pause / resume
 

@@ -25,8 +25,8 @@ from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
-from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, events, keys,
-               network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
+from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, e2b_volumes,
+               events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
@@ -146,6 +146,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_envd.router)
     app.include_router(e2b_snapshots.router)
     app.include_router(e2b_network.router)
+    app.include_router(e2b_volumes.router)
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):

@@ -24,73 +24,47 @@ out of podbay's OpenAPI document: they are E2B's contract, not podbay's.
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import urllib.parse
-from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import asyncpg
 import httpx
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
 from podbay.contracts.states import SandboxCommand
-from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, PodbayError, Unavailable
+from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 
 from . import dataplane, sandboxes, snapshots
-from .ports import e2b_traffic
-from .auth import Principal, authenticate
+from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
-from .errors import BAD_TEXT_MESSAGE, retry_headers
+from .e2b_common import (
+    CLIENT_ID,
+    E2B_STATES,
+    ENVD_VERSION,
+    WhoDep,
+    _Body,
+    _E2bRoute,
+    _exact_lease,
+    _iso,
+    _row,
+    _sandbox,
+    envd_access_token,
+    error_body,
+)
+from .e2b_network import egress_policy
+from .e2b_snapshots import create_from_snapshot, resolve_snapshot
+from .e2b_volumes import VolumeMountBody, volume_mounts
+from .ports import e2b_traffic
 
 __all__ = ["router", "fallback_router", "envd_access_token", "ENVD_VERSION", "error_body", "E2B_STATES", "parse_metrics"]
 
-# The envd protocol version podbay's envd API speaks: the SDK enables features by it (default user,
-# closing stdin, octet-stream uploads, file metadata (0.6.2), entries in watch events (0.6.3), watching
-# network mounts (0.6.4: podbay's watcher scans, so any filesystem can be watched)). Never raise it past a
-# feature podbay lacks.
-ENVD_VERSION = "0.6.4"
-CLIENT_ID = "podbay"
-# podbay states -> E2B's two; the others are not listed (and answer 404 where E2B has no word for them).
-E2B_STATES = {"pending": "running", "starting": "running", "running": "running", "paused": "paused",
-              "suspending": "paused", "suspended": "paused", "resuming": "running"}
 # How many metrics samples of a sandbox are kept (one is taken per metrics call, at most one per second).
 METRICS_KEEP = 360
-
-
-def error_body(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """E2B's error shape."""
-    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
-
-
-class _E2bRoute(APIRoute):
-    """Answers every error of these routes in E2B's shape (validation errors are 400, as E2B's are)."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        inner = super().get_route_handler()
-
-        async def handler(request: Request) -> Response:
-            try:
-                return await inner(request)
-            except PodbayError as exc:
-                # No capacity is 503 with Retry-After, as E2B's API answers a placement without room.
-                return error_body(exc.http_status, exc.message, retry_headers(exc))
-            except asyncpg.DataError:
-                return error_body(400, BAD_TEXT_MESSAGE)
-            except RequestValidationError as exc:
-                first = exc.errors()[0] if exc.errors() else {}
-                where = ".".join(str(p) for p in first.get("loc", ()))
-                return error_body(400, f"{where}: {first.get('msg', 'invalid request')}")
-
-        return handler
 
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
@@ -98,26 +72,6 @@ router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False
 # its NotFoundException rather than failing to read podbay's error shape.
 fallback_router = APIRouter(prefix="/e2b", include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
-
-
-async def _principal(request: Request) -> Principal:
-    """401 unless ``X-API-KEY`` (or a bearer header) holds a valid podbay API key."""
-    ctx: ApiContext = request.app.state.ctx
-    key = request.headers.get("x-api-key")
-    return await authenticate(ctx.pool, f"Bearer {key}" if key else request.headers.get("authorization"),
-                              on_refused=ctx.relay.kick)
-
-
-WhoDep = Annotated[Principal, Depends(_principal)]
-
-
-def envd_access_token(internal_token: str, sandbox_id: str) -> str:
-    """The token the SDK sends to a sandbox's envd API (``X-Access-Token``): hex HMAC-SHA256."""
-    return hmac.new(internal_token.encode(), f"e2b-envd:{sandbox_id}".encode(), hashlib.sha256).hexdigest()
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class NewSandbox(_Body):
@@ -133,6 +87,8 @@ class NewSandbox(_Body):
     # allow_internet_access become the egress policy (e2b_network.py); other network keys are ignored.
     network: dict[str, Any] | None = None
     allow_internet_access: bool | None = None
+    # [{"name", "path"}]: podbay volumes mounted read-write (e2b_volumes.py); the sandbox goes to their node.
+    volume_mounts: list[VolumeMountBody] | None = Field(None, alias="volumeMounts", max_length=16)
 
 
 class TimeoutBody(_Body):
@@ -152,35 +108,6 @@ def _lease(timeout: int | None, ctx: ApiContext) -> int:
     return max(10, timeout) if timeout is not None else ctx.settings.lease_s
 
 
-async def _exact_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds: int, *,
-                       only_extend: bool = False) -> None:
-    """The lease runs out ``seconds`` from now, any length E2B accepts (podbay's own API keeps a 10 s floor).
-    With ``only_extend`` a lease that already ends later is kept, as E2B's connect does."""
-    async with ctx.pool.acquire() as conn, conn.transaction():
-        row = await sandboxes.load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
-        if row["state"] in ("deleting", "deleted"):
-            raise NotFound(f"sandbox {sandbox_id} was not found")
-        done = await conn.fetchval(
-            "UPDATE sandboxes SET lease_s=$2, lease_expires_at = now() + $2::integer * interval '1 second',"
-            " updated_at=now() WHERE id=$1 AND NOT ($3 AND lease_expires_at >= now() + $2::integer * interval"
-            " '1 second') RETURNING true", sandbox_id, seconds, only_extend)
-        if done:
-            await sandboxes.audit(conn, who, "sandbox.timeout", sandbox_id)
-
-
-def _iso(ts: datetime | None) -> str:
-    return (ts or datetime.now(UTC)).astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
-def _sandbox(ctx: ApiContext, sandbox_id: str, template: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"templateID": template, "sandboxID": sandbox_id, "alias": template,
-                            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
-                            "envdAccessToken": envd_access_token(ctx.settings.internal_token, sandbox_id)}
-    if ctx.settings.e2b_domain:
-        body["domain"] = ctx.settings.e2b_domain
-    return body
-
-
 def _listed(row: Any) -> dict[str, Any]:
     return {"templateID": row["template"], "alias": row["template"], "sandboxID": row["id"], "clientID": CLIENT_ID,
             "startedAt": _iso(row["created_at"]), "endAt": _iso(row["lease_expires_at"]),
@@ -188,27 +115,14 @@ def _listed(row: Any) -> dict[str, Any]:
             "state": E2B_STATES[row["state"]], "envdVersion": ENVD_VERSION, "metadata": row["metadata"] or {}}
 
 
-async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
-    """The caller's sandbox in a state E2B knows; NotFound ("... was not found") otherwise."""
-    try:
-        row = await sandboxes.load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
-    except NotFound:
-        row = None
-    if row is None or row["state"] not in E2B_STATES:
-        raise NotFound(f"sandbox {sandbox_id} was not found")
-    return row
-
-
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
-    from .e2b_network import egress_policy  # these build on this module
-    from .e2b_snapshots import create_from_snapshot, resolve_snapshot
-
     if await resolve_snapshot(ctx, who, body.template_id):  # Sandbox.create(snapshot id or name)
         return await create_from_snapshot(body.template_id, body.timeout, ctx, who)
     try:
         req = SandboxCreate(template=body.template_id, metadata=body.metadata or {},
                             lease_s=_lease(body.timeout, ctx), on_lease_expiry="pause" if body.auto_pause else "delete",
-                            network=egress_policy(body.allow_internet_access, body.network))
+                            network=egress_policy(body.allow_internet_access, body.network),
+                            volumes=volume_mounts(body.volume_mounts))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))

@@ -32,7 +32,7 @@ from podbay.errors import InvalidRequest
 from . import network as podbay_network
 from .context import ApiContext
 from .deps import ctx_dep
-from .e2b import WhoDep, _Body, _E2bRoute, _row
+from .e2b_common import WhoDep, _Body, _E2bRoute, _row
 
 __all__ = ["router", "egress_policy", "NetworkUpdate"]
 

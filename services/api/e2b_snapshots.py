@@ -33,7 +33,7 @@ from . import snapshots as podbay_snapshots
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
-from .e2b import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, error_body
+from .e2b_common import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, error_body
 
 __all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
 

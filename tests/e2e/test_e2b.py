@@ -488,3 +488,31 @@ def test_filesystem_only_pause_boots_afresh_on_connect(e2b_env: dict[str, str]) 
         assert again.commands.run("echo booted").stdout == "booted\n"
     finally:
         sb.kill()
+
+
+def test_volumes_create_mount_write_remount_read_list_and_delete(e2b_env: dict[str, str]) -> None:
+    name = f"e2b-vol-{int(time.time())}"
+    vol = e2b.Volume.create(name)
+    assert vol.volume_id.startswith("vol_") and vol.name == name
+    assert e2b.Volume.get_info(vol.volume_id).name == name
+    first = e2b.Sandbox.create(template="base", timeout=300, volume_mounts={"/mnt/data": vol})
+    try:
+        # A new volume's root directory is root's (mkfs.ext4), so the file is written as root.
+        first.files.write("/mnt/data/note.txt", "kept on the volume", user="root")
+        # The volume is held read-write by a live sandbox: E2B's delete is refused with 409.
+        with pytest.raises(e2b.VolumeException, match="409: .*attached"):
+            e2b.Volume.destroy(vol.volume_id)
+    finally:
+        first.kill()
+    second = e2b.Sandbox.create(template="base", timeout=300, volume_mounts={"/home/user/vol": name})
+    try:
+        assert second.files.read("/home/user/vol/note.txt") == "kept on the volume"
+    finally:
+        second.kill()
+    assert [v.volume_id for v in e2b.Volume.list() if v.name == name] == [vol.volume_id]
+    # E2B's volume content API (files without a sandbox) is not served: an E2B-shaped 501, not a crash.
+    with pytest.raises(e2b.VolumeException, match="does not serve"):
+        vol.read_file("/note.txt", api_url=e2b_env["E2B_API_URL"])
+    assert e2b.Volume.destroy(vol.volume_id) is True
+    assert e2b.Volume.destroy(vol.volume_id) is False
+    assert all(v.name != name for v in e2b.Volume.list())

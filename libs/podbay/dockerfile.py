@@ -181,8 +181,9 @@ def parse_from(ref: str, line: int = 1) -> FromRef:
     if name.endswith(":latest"):
         name = name[: -len(":latest")]
     if not re.match(TEMPLATE_NAME_RE, name):
-        raise DockerfileError(line, "FROM", f"{ref!r} is neither a podbay template (podbay/NAME, NAME of "
-                              "[a-z0-9-]) nor an OCI image (oci:, oci-archive:, docker-archive:, docker://)")
+        raise DockerfileError(line, "FROM", f"{ref!r} is not a podbay template name (podbay/NAME or NAME, of "
+                              "[a-z0-9-]); OCI images such as ubuntu:22.04 are not supported yet: build FROM "
+                              "podbay/base or another podbay template")
     return FromRef(kind="template", ref=name)
 
 

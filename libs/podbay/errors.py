@@ -24,12 +24,15 @@
     ├── SnapshotCorrupt       502  snapshot_corrupt (an object failed its checksum or is missing)
     └── StorageError          503  storage_error   retryable (the object store failed or did not answer)
 
-On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``.
+On the wire every error is ``{"error": {"code": ..., "message": ..., "details": {...}}}``. A client rebuilds a
+code it does not know (e.g. ``invalid_dockerfile``, ``missing_copy_source``) under its status's family, keeping
+the code and status.
 Lower-level errors (asyncpg, nats-py, QEMU) are converted at the boundary with ``raise ... from exc``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 __all__ = [
@@ -263,11 +266,33 @@ _BY_CODE: dict[str, type[PodbayError]] = {
 }
 
 
+#: The family of an error whose code this side does not know (e.g. ``invalid_dockerfile``), by HTTP status.
+_BY_STATUS: dict[int, type[PodbayError]] = {
+    400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: Unprocessable,
+    503: Unavailable, 504: Timeout,
+}
+
+
+@functools.cache
+def _coded(code: str, status: int) -> type[PodbayError]:
+    """A subclass of the family of ``status`` carrying the server's ``code`` and HTTP ``status`` (``code`` and
+    ``http_status`` are class attributes of every podbay error, so each pair gets its class, made once)."""
+    base = _BY_STATUS.get(status, PodbayError)
+    return type(base.__name__, (base,), {"code": code, "http_status": status})
+
+
 def error_from_wire(body: Any, status: int) -> PodbayError:
-    """Rebuild the typed error from a wire body; unknown shapes become ``PodbayError`` with the status."""
+    """Rebuild the typed error from a wire body; unknown shapes become ``PodbayError`` with the status.
+
+    A code this side does not know keeps its code and status, under the class of its status's family
+    (422 ``invalid_dockerfile`` is an :class:`Unprocessable`), so a refused request never reads as internal."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
-        cls = _BY_CODE.get(str(err.get("code")), PodbayError)
+        code = str(err.get("code") or "")
+        cls = _BY_CODE.get(code)
+        if cls is None:
+            coded = bool(code) and 400 <= status < 600
+            cls = _coded(code, status) if coded else PodbayError
         exc = cls(str(err.get("message", "")), details=err.get("details") or {})
         return exc
     return PodbayError(f"HTTP {status}: {str(body)[:200]}")

@@ -265,6 +265,18 @@ def test_template_build_failure_exits_nonzero_with_the_step(fake_api: FakeApi, t
     assert "RUN make' exited 2" in result.stderr and "build_step_failed" in result.stderr
 
 
+@pytest.mark.parametrize(("dockerfile", "says"), [
+    ("FROM podbay/base\nHEALTHCHECK CMD true\n", "line 2 (HEALTHCHECK): HEALTHCHECK is not supported"),
+    ("FROM podbay/base\nCOPY ../etc/passwd /x\n", "line 2 (COPY): '../etc/passwd' points outside the build context"),
+])
+def test_template_build_refused_dockerfile_exits_2_with_its_code(fake_api: FakeApi, tmp_path: Path, dockerfile: str,
+                                                                 says: str) -> None:
+    (tmp_path / "Dockerfile").write_text(dockerfile)
+    result = run(fake_api, "template", "build", "web", str(tmp_path))
+    assert_error_line(result, "invalid_dockerfile", 2)
+    assert says in result.stderr
+
+
 def test_env_prints_exports(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(app, ["--api-url", "http://h:1", "--api-key", "k'ey", "env"])
     assert result.stdout.splitlines() == ["export PODBAY_API_URL=http://h:1", "export PODBAY_API_KEY='k'\"'\"'ey'"]

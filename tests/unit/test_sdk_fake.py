@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from podbay.contracts.api import ExecRequest, FileInfo, PoolInfo, PoolNode, PoolSet, SandboxCreate, SandboxInfo
+from podbay.dockerfile import parse_dockerfile
 from podbay.errors import InvalidState, NoCapacity, NotFound, PodbayError, Unauthorized
 
 API_KEY = "pb_test_key"
@@ -233,9 +234,15 @@ def build_app(fake: FakeApi) -> FastAPI:
                                "created_at": now}]}
 
     @app.post("/v1/templates")
-    async def build_template(request: Request) -> StreamingResponse:
-        # A build stream: FROM, one cached step, one run with output, then done (or failed when the
-        # multipart body says FAIL); the body is logged as sent.
+    async def build_template(request: Request) -> Response:
+        # A Dockerfile the real parser refuses is answered as the API does (422 before any stream); else a
+        # build stream: FROM, one cached step, one run with output, then done (or failed when the multipart
+        # body says FAIL); the body is logged as sent.
+        form = await request.form()
+        try:
+            parse_dockerfile(str(form.get("dockerfile", "")), {})
+        except PodbayError as exc:
+            return JSONResponse(exc.to_wire(), status_code=exc.http_status)
         body = fake.last("/v1/templates").body
         fields = {"name": "web"} if b"FAIL" not in body else {"name": "web", "dockerfile": "FAIL"}
         now = datetime.now(UTC).isoformat()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState, check_allowed
-from podbay.errors import InvalidState, NotFound, PodbayError, SandboxFailed, error_from_wire
+from podbay.errors import InvalidState, NotFound, PodbayError, SandboxFailed, Unprocessable, error_from_wire
 from podbay_api.auth import generate_key, hash_key
 
 
@@ -47,6 +47,15 @@ def test_error_round_trips_through_the_wire() -> None:
 def test_unknown_error_body_keeps_the_status() -> None:
     err = error_from_wire("<html>bad gateway</html>", 502)
     assert type(err) is PodbayError and "502" in err.message
+
+
+def test_unknown_error_code_keeps_code_status_and_family() -> None:
+    """A code the client does not know (the API's ``invalid_dockerfile``) is not read as internal."""
+    err = error_from_wire({"error": {"code": "invalid_dockerfile", "message": "line 2 (HEALTHCHECK)"}}, 422)
+    assert isinstance(err, Unprocessable) and (err.code, err.http_status) == ("invalid_dockerfile", 422)
+    big = error_from_wire({"error": {"code": "context_too_large", "message": "over"}}, 413)
+    assert (big.code, big.http_status) == ("context_too_large", 413)
+    assert type(error_from_wire({"error": {"message": "no code"}}, 500)) is PodbayError
 
 
 def test_api_keys_are_random_and_hashed() -> None:

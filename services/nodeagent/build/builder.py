@@ -16,7 +16,7 @@ for a builder, so egress from RUN steps is denied (builds with an egress policy 
 
 Steps: RUN through the guest channel's exec (argv or ``/bin/sh -c``, with the step's env, working directory
 and user); COPY/ADD through the channel's file writes (directories made, modes kept, ``--chown`` applied
-with ``chown -R``; ADD of a local tar archive unpacks it in the guest with ``tar -x``); WORKDIR as ``mkdir
+with ``chown -R``, a user alone with its primary group; ADD of a local tar archive unpacks it in the guest with ``tar -x``); WORKDIR as ``mkdir
 -p``. ENV, WORKDIR, USER, LABEL, CMD/ENTRYPOINT and EXPOSE become the template's :class:`ImageConfig`,
 which the node's data plane applies as the defaults of every exec in its sandboxes.
 
@@ -52,7 +52,7 @@ from podbay.contracts.templates import (
     TemplateDetail,
     WorkdirStep,
 )
-from podbay.errors import Conflict, NotFound, PodbayError, Unprocessable
+from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unprocessable
 from podbay.promotion import promote_template, template_root
 
 from ..template import TemplateSnapshot
@@ -100,8 +100,18 @@ def _describe(step: BuildStep) -> str:
     if isinstance(step, RunStep):
         return "RUN " + (step.shell if step.shell is not None else str(step.argv))
     if isinstance(step, CopyStep):
-        return f"{'ADD' if step.add else 'COPY'} {' '.join(step.sources)} {step.dest}"
+        chown = f"--chown={step.chown} " if step.chown else ""
+        return f"{'ADD' if step.add else 'COPY'} {chown}{' '.join(step.sources)} {step.dest}"
     return f"WORKDIR {step.path}"
+
+
+def chown_spec(chown: str) -> str:
+    """``--chown``'s value as ``chown(1)``'s owner: a user without a group gets the user's primary group, as
+    Docker does (``app`` -> ``app:``, which GNU chown reads as the user's login group; a bare numeric uid
+    ``1000`` -> ``1000:1000``, as Docker uses the uid as the gid when no passwd entry names it)."""
+    if ":" in chown:
+        return chown
+    return f"{chown}:{chown}" if chown.isdigit() else f"{chown}:"
 
 
 async def _chunks(path: Path, size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -161,12 +171,16 @@ class _Builder:
         spec = ExecSpec(argv=step.argv, shell=step.shell, env=step.env, cwd=step.workdir, user=step.user,
                         timeout_s=STEP_TIMEOUT_S)
         tail = bytearray()
-        async with self.ch.exec(spec) as proc:
-            async for _kind, data in proc:
-                tail += data
-                del tail[:-OUTPUT_TAIL_BYTES]
-                await self.emit(BuildEvent(type="log", step=index, text=data.decode(errors="replace")))
-            ex = await proc.wait()
+        try:
+            async with self.ch.exec(spec) as proc:
+                async for _kind, data in proc:
+                    tail += data
+                    del tail[:-OUTPUT_TAIL_BYTES]
+                    await self.emit(BuildEvent(type="log", step=index, text=data.decode(errors="replace")))
+                ex = await proc.wait()
+        except InvalidRequest as exc:  # the guest refused the exec itself, e.g. USER names no user
+            raise StepFailed(f"step {index} (line {step.line}) {_describe(step)!r}: {exc.message}",
+                             details={"step": index, "line": step.line}) from exc
         if ex.exit_code != 0 or ex.timed_out:
             text = tail.decode(errors="replace")
             why = "timed out" if ex.timed_out else f"exited {ex.exit_code}"
@@ -211,7 +225,7 @@ class _Builder:
                 elif p.is_file():
                     await ch.write_file(guest, _chunks(p), st.st_mode & 0o7777, parents=True)
         if step.chown:
-            await self.sh(index, ["chown", "-R", step.chown, *tops])
+            await self.sh(index, ["chown", "-R", chown_spec(step.chown), *tops])
 
     async def _ready(self, cfg: ImageConfig) -> bool:
         assert self.ch is not None

@@ -26,7 +26,8 @@ LAYER_FILES = ("state", "ram", "disk.img")
 
 def layer_key(parent_key: str, step: BuildStep) -> str:
     """The cache key (sha256 hex) of ``step`` on top of ``parent_key``."""
-    return hashlib.sha256(f"layer1\n{parent_key}\n{step_text(step)}".encode()).hexdigest()
+    # layer2: COPY --chown=USER gives the user's primary group (layer1 kept root), so older layers differ
+    return hashlib.sha256(f"layer2\n{parent_key}\n{step_text(step)}".encode()).hexdigest()
 
 
 def start_key(last_key: str, config: ImageConfig) -> str:

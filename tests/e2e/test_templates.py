@@ -1,7 +1,7 @@
 """Templates from Dockerfiles, with real VMs (services/nodeagent/build/, services/api/templates.py).
 
-One build whose steps use RUN, COPY (--chown), ARG, ENV, WORKDIR and USER, and a sandbox that sees each
-effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a
+One build whose steps use RUN, COPY (--chown=USER: the user's primary group), ARG, ENV, WORKDIR and USER,
+and a sandbox that sees each effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a
 sandbox of the first version keeps it; a failed RUN registers nothing and leaves no half layer; bad input
 is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
 sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
@@ -31,7 +31,7 @@ FROM podbay/base
 ARG GREETING=hi
 RUN useradd -m agent && mkdir -p /srv && echo "$GREETING from run" > /srv/run.txt
 COPY app/ /srv/app/
-COPY --chown=agent:agent data.txt /home/agent/data.txt
+COPY --chown=agent data.txt /home/agent/data.txt
 ENV APP_MODE=test
 WORKDIR /srv/app
 USER agent
@@ -69,6 +69,7 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
         assert tpl.name == "e2e-web" and tpl.parent == "base"
         assert tpl.config is not None and tpl.config.user == "agent" and tpl.config.workdir == "/srv/app"
         assert _steps(events) == {1: False, 2: False, 3: False, 4: False, 5: False}
+        assert "COPY --chown=agent data.txt /home/agent/data.txt" in [e.text for e in events if e.type == "step"]
         assert any(e.type == "done" for e in events)
         with new_sandbox(h, "e2e-web") as sid:
             assert sh(h, sid, "cat /srv/run.txt") == "hello from run\n"

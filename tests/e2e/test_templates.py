@@ -220,3 +220,41 @@ def test_node_agent_killed_mid_build_fails_it_and_leaves_no_builder(stack: Any) 
         assert tpl.name == "e2e-crash"
         assert [b.state for b in c.list_builds("e2e-crash")] == ["succeeded", "failed"]
         assert h.delete("/v1/templates/e2e-crash").status_code == 204
+
+
+def test_api_killed_mid_build_ends_it_and_the_name_builds_again(stack: Any) -> None:
+    """The API SIGKILLed while it relays a build: the node's stream is cut, so the node kills the builder VM
+    and records the build failed (``interrupted``); the restarted API builds the name again (no 409)."""
+    store = Path(stack.data_dir)
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            with Client(stack.api_url, stack.api_key, timeout_s=600) as c:
+                _build(c, "e2e-cut", "FROM podbay/base\nRUN sleep 120\n", None)
+        except BaseException as exc:  # the stream breaks with the API
+            errors.append(exc)
+
+    def builder_pid() -> int | None:
+        for pidfile in store.glob("nodes/*/store/builds/bld*/qemu.pid"):
+            text = pidfile.read_text().strip()
+            if text.isdigit():
+                return int(text)
+        return None
+
+    first = threading.Thread(target=build)
+    first.start()
+    pid = until("the builder VM", builder_pid, 120, 0.2)
+    stack.kill("api", signal.SIGKILL)
+    stack.restart("api")
+    first.join(120)
+    assert errors and not first.is_alive()
+    until("the builder VM to be killed", lambda: not Path(f"/proc/{pid}").exists(), 60, 0.2)
+    with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
+        cut = until("the build to end", lambda: next((b for b in c.list_builds("e2e-cut") if b.state != "running"),
+                                                     None), 60, 0.2)
+        assert cut.state == "failed" and cut.error is not None and cut.error["code"] == "interrupted", cut
+        tpl, _ = _build(c, "e2e-cut", "FROM podbay/base\nRUN true\n", None)  # not refused as still running
+        assert tpl.name == "e2e-cut"
+        assert [b.state for b in c.list_builds("e2e-cut")] == ["succeeded", "failed"]
+        assert h.delete("/v1/templates/e2e-cut").status_code == 204

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this checkout for development: Debian packages, then .venv with podbay installed editable: the client
 # package (libs/pyproject.toml: SDK and CLI) and the server package (pyproject.toml: services, dev stack).
-# Idempotent and quiet: it only installs what is missing, and prints output only when a step fails.
+# Idempotent and quiet: it only installs what is missing, says in one line when it starts a step that
+# installs something (they take minutes on a fresh checkout), and prints a step's output only when it fails.
 # Run as root (or with sudo available) when Debian packages are missing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,9 +16,10 @@ DEB_PACKAGES=(
 log="$(mktemp -t podbay-setup.XXXXXX)"
 trap 'rm -f "$log"' EXIT
 
-# run DESCRIPTION CMD...: run CMD with its output in the log; on failure show the log and stop.
+# run DESCRIPTION CMD...: say what starts, run CMD with its output in the log; on failure show the log and stop.
 run() {
   local what="$1"; shift
+  echo "setup: $what ..." >&2
   if ! "$@" >>"$log" 2>&1; then
     echo "setup: $what failed:" >&2
     tail -n 60 "$log" >&2

@@ -77,6 +77,10 @@ class DrainProgress:
         return not self.failed and self.moved == self.total
 
 
+#: How long a drain looks for a destination for one sandbox before reporting it unmovable, seconds.
+PLACE_RETRY_S = 10.0
+
+
 async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate_timeout_s: float,
                      keepalive: Callable[[], Awaitable[None]] | None = None) -> DrainProgress:
     """Move every sandbox off ``cmd.node_id`` (see the module docstring); returns the final progress.
@@ -128,15 +132,24 @@ async def _settled(pool: asyncpg.Pool, sid: str, keepalive: Callable[[], Awaitab
 async def _move_one(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, prog: DrainProgress,
                     timeout_s: float, keepalive: Callable[[], Awaitable[None]] | None) -> None:
     sid = row["id"]
-    nodes = await bus.live_nodes()
-    async with pool.acquire() as conn:
-        candidates = await node_loads(conn, nodes, exclude=cmd.node_id)
-    try:
-        dest = choose_node(candidates, template=row["template"], memory_mib=row["memory_mib"],
-                           vcpus=row["vcpus"]).node_id
-    except NoCapacity as exc:
-        prog.failed.append({"sandbox_id": sid, "reason": str(exc)})
-        return
+    # A destination is looked for again for PLACE_RETRY_S before the sandbox is reported unmovable: the live
+    # nodes are read from a NATS watcher's cache, which a connection blip empties until it reconnects.
+    place_deadline = time.monotonic() + PLACE_RETRY_S
+    while True:
+        nodes = await bus.live_nodes()
+        async with pool.acquire() as conn:
+            candidates = await node_loads(conn, nodes, exclude=cmd.node_id)
+        try:
+            dest = choose_node(candidates, template=row["template"], memory_mib=row["memory_mib"],
+                               vcpus=row["vcpus"]).node_id
+            break
+        except NoCapacity as exc:
+            if time.monotonic() > place_deadline:
+                prog.failed.append({"sandbox_id": sid, "reason": str(exc)})
+                return
+        if keepalive:
+            await keepalive()
+        await asyncio.sleep(1.0)
     mig_op = new_id("op")
     await pool.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, node_id) VALUES"
                        " ($1,$2,$3,'migrate','running',$4)", mig_op, row["tenant_id"], sid, cmd.node_id)

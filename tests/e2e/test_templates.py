@@ -132,8 +132,10 @@ def test_failed_step_registers_nothing_and_bad_input_is_refused(stack: Any, tmp_
         first = threading.Thread(target=lambda: _build(c, "e2e-slow", "FROM podbay/base\nRUN sleep 8\n", None))
         first.start()
         try:
-            until("the first build to reach its node",
-                  lambda: any(Path(stack.data_dir).glob("nodes/*/store/builds/bld*")), 60, 0.1)
+            # Its row says running from the moment the API accepts it until it ends (a build directory in the
+            # store is no sign: earlier builds' stay, so that check raced the build to its end).
+            until("the first build to run", lambda: any(
+                b["state"] == "running" for b in h.get("/v1/templates/e2e-slow/builds").json()["builds"]), 60, 0.1)
             refused(409, "conflict", "e2e-slow", "FROM podbay/base\nRUN true\n")
         finally:
             first.join(120)

@@ -23,8 +23,6 @@ out of podbay's OpenAPI document: they are E2B's contract, not podbay's.
 
 from __future__ import annotations
 
-import base64
-import json
 import urllib.parse
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -44,6 +42,8 @@ from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import (
     CLIENT_ID,
+    decode_cursor,
+    encode_cursor,
     E2B_STATES,
     ENVD_VERSION,
     WhoDep,
@@ -156,16 +156,6 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return dict(urllib.parse.parse_qsl(raw, keep_blank_values=True)) if raw else {}
 
 
-def _cursor(raw: str | None) -> tuple[datetime, str] | None:
-    if not raw:
-        return None
-    try:
-        ts, sid = json.loads(base64.urlsafe_b64decode(raw.encode()))
-        return datetime.fromisoformat(ts), str(sid)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest("nextToken is not one this server issued") from exc
-
-
 class ListFilter(BaseModel):
     """What a listing asks for beyond the caller: E2B states, metadata subset, template (id or alias: the
     same in podbay), started at or after, order by start time."""
@@ -204,7 +194,7 @@ async def _list(ctx: ApiContext, who: Principal, flt: ListFilter, limit: int,
     token = None
     if len(rows) > limit:
         last = rows[limit - 1]
-        token = base64.urlsafe_b64encode(json.dumps([last["created_at"].isoformat(), last["id"]]).encode()).decode()
+        token = encode_cursor(last["created_at"], last["id"])
         rows = rows[:limit]
     return [_listed(r) for r in rows], token
 
@@ -231,7 +221,7 @@ async def list_v2(ctx: CtxDep, who: WhoDep, metadata: str | None = Query(None), 
         raise InvalidRequest("order must be asc or desc")
     flt = ListFilter(states=states, metadata=_metadata_filter(metadata), template=template or None,
                      started_after=_started_after(started_after), ascending=order == "asc")
-    items, token = await _list(ctx, who, flt, limit, _cursor(next_token))
+    items, token = await _list(ctx, who, flt, limit, decode_cursor(next_token))
     return JSONResponse(items, headers={"x-next-token": token} if token else None)
 
 

@@ -9,8 +9,10 @@ an import cycle.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import json
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -22,14 +24,15 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
-from podbay.errors import NotFound, PodbayError
+from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from . import sandboxes
 from .auth import Principal, authenticate
 from .context import ApiContext
 from .errors import BAD_TEXT_MESSAGE, retry_headers
 
-__all__ = ["ENVD_VERSION", "CLIENT_ID", "E2B_STATES", "error_body", "WhoDep", "envd_access_token"]
+__all__ = ["ENVD_VERSION", "CLIENT_ID", "E2B_STATES", "error_body", "WhoDep", "envd_access_token", "encode_cursor",
+           "decode_cursor"]
 
 # The envd protocol version podbay's envd API speaks: the SDK enables features by it (default user,
 # closing stdin, octet-stream uploads, file metadata (0.6.2), entries in watch events (0.6.3), watching
@@ -131,3 +134,19 @@ async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
     return row
 
 
+def encode_cursor(created_at: datetime, row_id: str) -> str:
+    """E2B's ``nextToken`` for a list page that ends at (``created_at``, ``row_id``): opaque to the SDK, which
+    sends it back as given (url-safe base64 of a JSON pair)."""
+    return base64.urlsafe_b64encode(json.dumps([created_at.isoformat(), row_id]).encode()).decode()
+
+
+def decode_cursor(raw: str | None) -> tuple[datetime, str] | None:
+    """The (created_at, id) a ``nextToken`` from :func:`encode_cursor` names; None for none. Raises
+    ``InvalidRequest`` (400) for a token this server did not issue."""
+    if not raw:
+        return None
+    try:
+        ts, sid = json.loads(base64.urlsafe_b64decode(raw.encode()))
+        return datetime.fromisoformat(ts), str(sid)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("nextToken is not one this server issued") from exc

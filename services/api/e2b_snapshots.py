@@ -17,9 +17,6 @@ disk snapshot; sandboxes start from full snapshots only (400 for a disk one).
 
 from __future__ import annotations
 
-import base64
-import json
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
@@ -33,7 +30,7 @@ from . import snapshots as podbay_snapshots
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
-from .e2b_common import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, error_body
+from .e2b_common import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, decode_cursor, encode_cursor, error_body
 
 __all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
 
@@ -166,23 +163,13 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
     return JSONResponse(_snapshot_info(info.id, name), status_code=201)
 
 
-def _cursor(raw: str | None) -> tuple[datetime, str] | None:
-    if not raw:
-        return None
-    try:
-        ts, sid = json.loads(base64.urlsafe_b64decode(raw.encode()))
-        return datetime.fromisoformat(ts), str(sid)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest("nextToken is not one this server issued") from exc
-
-
 @router.get("/snapshots")
 async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Query(None, alias="sandboxID"),
                          limit: int = Query(100, ge=1, le=1000),
                          next_token: str | None = Query(None, alias="nextToken")) -> JSONResponse:
     """The caller's ready snapshots (of sandboxes not killed), newest first, ``limit`` per page (next page's
     token in ``x-next-token``)."""
-    cursor = _cursor(next_token)
+    cursor = decode_cursor(next_token)
     sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
            " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
            " WHERE n.tenant_id=$1 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')"
@@ -195,7 +182,7 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
     token = None
     if len(rows) > limit:
         last = rows[limit - 1]
-        token = base64.urlsafe_b64encode(json.dumps([last["created_at"].isoformat(), last["id"]]).encode()).decode()
+        token = encode_cursor(last["created_at"], last["id"])
         rows = rows[:limit]
     return JSONResponse([_snapshot_info(r["id"], r["name"]) for r in rows], headers={"x-next-token": token} if token else None)
 

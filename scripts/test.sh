@@ -14,7 +14,8 @@ if [ "${PODBAY_SKIP_E2E:-}" != "1" ]; then
   .venv/bin/podbay template build base
 fi
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# --durations: the slowest tests are listed at the end, so a run that nears its time budget shows where it went.
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 tests "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

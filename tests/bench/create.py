@@ -19,7 +19,10 @@ Metrics:
   ``create_warm`` counter; the others fell back to a restore);
 - ``hop_<service>_<hop>_mean_ms`` (and ``..._8clients``): mean time per hop over each warm phase
   (``podbay_hop_seconds``; the node's ``warm_prepare`` is the refill running meanwhile), and
-  ``..._cold`` over the cold phase;
+  ``..._cold`` over the cold phase, ``..._exec`` over the exec phase and ``..._first`` over the warm first
+  command phase; beside them ``hop_<service>_route_<create|exec>_mean_ms...``: the whole handling of the
+  public create and exec routes in the API and of the exec route on the node (``podbay_http_request_seconds``),
+  so that what lies between the hops (HTTP handling, the proxy's transport, the client) shows;
 - ``exec_true`` (phase ``exec``): ``POST /v1/sandboxes/{id}/exec`` of ``true`` on one running sandbox,
   one client (the same call as ``create_exec.py``, here on the benchmark's own stack, so that one run with
   ``PODBAY_TCG_TB_SIZE_MIB`` set and one without compare the memory bound's cost on a quiet machine);
@@ -120,10 +123,29 @@ def _hops(text: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+#: Routes whose whole handling time is reported beside the hops (``podbay_http_request_seconds``, 2xx):
+#: the public create and exec, and the node's exec, so that what lies between the hops shows.
+_ROUTES = {("api", "POST", "/v1/sandboxes"): "route_create", ("api", "POST", "/v1/sandboxes/{sandbox_id}/exec"):
+           "route_exec", ("nodeagent", "POST", "/internal/v1/sandboxes/{sandbox_id}/exec"): "route_exec"}
+
+
+def _routes(text: str) -> dict[str, tuple[float, float]]:
+    """``podbay_http_request_seconds`` sum and count of the routes in ``_ROUTES``, as ``<service>_route_<name>``."""
+    out: dict[str, list[float]] = {}
+    for m in re.finditer(r'^podbay_http_request_seconds_(sum|count)\{method="([^"]+)",route="([^"]+)",'
+                         r'service="([^"]+)",status="2xx"\} (\S+)$', text, re.M):
+        kind, method, route, service, value = m.groups()
+        if (name := _ROUTES.get((service, method, route))) is not None:
+            out.setdefault(f"{service}_{name}", [0.0, 0.0])[0 if kind == "sum" else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def _scrape(urls: list[str]) -> dict[str, tuple[float, float]]:
     total: dict[str, tuple[float, float]] = {}
     for url in urls:
-        total.update(_hops(httpx.get(url, timeout=10).text))
+        text = httpx.get(url, timeout=10).text
+        total.update(_hops(text))
+        total.update(_routes(text))
     return total
 
 
@@ -342,15 +364,17 @@ def main() -> None:
                 _warm_phases(c, args, phases, metrics, results)
             if "exec" in phases:
                 sid = _create(c, args.template)[0]
+                before = _scrape(metrics)
                 samples = []
                 for _ in range(args.runs):
                     t0 = time.perf_counter()
                     c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}).raise_for_status()
                     samples.append(_ms(t0))
+                results.update(_hop_means("_exec", before, _scrape(metrics)))
                 _delete(c, [sid])
                 results["exec_true"] = summarise(samples)
             if phases & {"first", "firstcold"}:
-                _first_command(c, args, phases, stack.api_url, stack.api_key, results)
+                _first_command(c, args, phases, stack.api_url, stack.api_key, metrics, results)
             if "density" in phases:
                 results.update(_density(c, args.template, store, args.density))
             if "max" in phases:
@@ -398,7 +422,7 @@ def _warm_phases(c: httpx.Client, args: argparse.Namespace, phases: set[str], me
 
 
 def _first_command(c: httpx.Client, args: argparse.Namespace, phases: set[str], api_url: str, api_key: str,
-                   results: dict[str, dict[str, Any]]) -> None:
+                   metrics: list[str], results: dict[str, dict[str, Any]]) -> None:
     """``first_command_warm`` (a pool of ``--pool``) and ``first_command_cold`` (no pool), through the SDK."""
     with Client(api_url=api_url, api_key=api_key) as sdk:
         def first() -> float:
@@ -413,11 +437,14 @@ def _first_command(c: httpx.Client, args: argparse.Namespace, phases: set[str], 
 
         if "first" in phases:
             c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
+            _wait("the pool to fill", lambda: _ready(c, args.template) >= args.pool)
+            before = _scrape(metrics)
             samples = []
             for _ in range(args.runs):
                 _wait("a ready slot", lambda: _ready(c, args.template) >= 1)
                 samples.append(first())
             results["first_command_warm"] = summarise(samples)
+            results.update(_hop_means("_first", before, _scrape(metrics)))
             c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
             _wait("the pool to drain", lambda: _ready(c, args.template) == 0)
         if "firstcold" in phases:

@@ -5,12 +5,20 @@
 Metrics (docs/DESIGN.md §7): ``pause``, ``resume`` (API round trips), ``disk_snapshot_held`` (guest frozen),
 ``disk_snapshot`` (API round trip), ``full_snapshot_paused`` (guest paused), ``full_snapshot``, ``rollback``
 (to the full snapshot, until the API answers with the sandbox running), ``fork_1`` and ``fork_10`` (whole
-call; ``fork_10_per_child`` divides by 10). The guest first dirties ``--dirty-mib`` MiB of memory (64).
+call; ``fork_10_per_child`` divides by 10), and ``fork_parent_paused``: the time the parent is stopped during
+a fork of the running sandbox (no ``snapshot_id``, so the node takes a full snapshot first), as the node
+measures it (the snapshot's ``paused_ms``, from QMP ``stop`` to ``cont``), ``--runs`` forks of one child each
+(issue "first command in 25 ms, forks in 150 ms"). The guest first dirties ``--dirty-mib`` MiB of memory (64).
+
+With ``--stack`` the benchmark starts a stack of its own (as ``create.py`` does) instead of using the running
+one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -19,13 +27,15 @@ import httpx
 from podbay.clientconfig import load_client_config
 
 try:
-    from tests.bench._stats import report, start_dirty_holder, summarise
+    from tests.bench._benchstack import own_stack
+    from tests.bench._stats import report, start_dirty_holder, stop_on_sigterm, summarise
 except ImportError:  # run as a script from the repository root
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _stats import report, start_dirty_holder, summarise  # type: ignore[no-redef]
+    from _benchstack import own_stack  # type: ignore[no-redef]
+    from _stats import report, start_dirty_holder, stop_on_sigterm, summarise  # type: ignore[no-redef]
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -41,11 +51,24 @@ def main() -> None:
     ap.add_argument("--fork-runs", type=int, default=3, help="runs of fork_10 (each starts 10 VMs)")
     ap.add_argument("--dirty-mib", type=int, default=64)
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--stack", action="store_true", help="start a stack of its own for the run")
     args = ap.parse_args()
+    stop_on_sigterm()
+    with contextlib.ExitStack() as cleanup:
+        if args.stack:
+            stack = cleanup.enter_context(own_stack())
+            os.environ.update(PODBAY_API_URL=stack.api_url, PODBAY_API_KEY=stack.api_key)
+        print(f"load average at start: {os.getloadavg()}")
+        results = _run(args)
+        print(f"load average at end: {os.getloadavg()}")
+    report(results, args.json_path)
+
+
+def _run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     cfg = load_client_config()
     m: dict[str, list[float]] = {k: [] for k in ("pause", "resume", "disk_snapshot_held", "disk_snapshot",
                                                  "full_snapshot_paused", "full_snapshot", "rollback", "fork_1",
-                                                 "fork_10", "fork_10_per_child")}
+                                                 "fork_10", "fork_10_per_child", "fork_parent_paused")}
     with httpx.Client(base_url=cfg.api_url, headers={"authorization": f"Bearer {cfg.api_key}"}, timeout=600) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).raise_for_status().json()["id"]
         try:
@@ -77,9 +100,18 @@ def main() -> None:
                         m["fork_10_per_child"].append(ms / 10)
                     for child in body["children"]:
                         c.delete(f"/v1/sandboxes/{child['sandbox_id']}")
+            for _ in range(args.runs):
+                # No snapshot_id: the node stops the running parent for a full snapshot of its own, and
+                # records how long it held it in that snapshot's paused_ms.
+                _, body = _timed(lambda: c.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1}))
+                snaps = c.get(f"/v1/sandboxes/{sid}/snapshots").raise_for_status().json()["snapshots"]
+                taken = next(s for s in snaps if s["id"] == body["snapshot_id"])  # noqa: B023
+                m["fork_parent_paused"].append(float(taken["paused_ms"]))
+                for child in body["children"]:
+                    c.delete(f"/v1/sandboxes/{child['sandbox_id']}")
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
-    report({k: summarise(v) for k, v in m.items()}, args.json_path)
+    return {k: summarise(v) for k, v in m.items()}
 
 
 if __name__ == "__main__":

@@ -238,9 +238,10 @@ async def delete_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respon
                 "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
                 " VALUES ($1,$2,$3,'delete','succeeded',now())", op_id, who.tenant_id, sandbox_id)
             await emit_sandbox_event(conn, sandbox_id, "deleted", state="deleted", tenant_id=who.tenant_id)
-            # A suspended sandbox's promoted snapshots go too (their chunks at the next collection).
-            await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'",
-                               sandbox_id)
+            # A suspended sandbox's promoted snapshots go too (their chunks at the next collection), except
+            # pinned ones, which outlive it.
+            await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
+                               " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)
         else:
             await conn.execute(
                 "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1",

@@ -147,6 +147,7 @@ class SnapshotOps:
                 "                 AND c.state NOT IN ('deleted', 'failed'))"
                 " AND NOT EXISTS (SELECT 1 FROM snapshots p WHERE p.parent_id = s.id AND p.state = 'creating')"
                 " AND s.promotion <> 'promoting'"  # the snapshotter is reading its files
+                " AND NOT s.pinned"  # kept until deleted itself (E2B's create_snapshot)
                 " ORDER BY s.created_at DESC", sandbox_id)
             seen = {"disk": 0, "full": 0}
             drop: list[str] = []
@@ -289,8 +290,9 @@ class SnapshotOps:
             await m.notify_op(op["id"], "interrupted by a node agent restart")
 
     async def discard(self, sandbox_id: str) -> None:
-        """Remove a deleted sandbox's snapshot files and mark its snapshots deleted."""
+        """Remove a deleted sandbox's snapshot files and mark its snapshots deleted, except pinned promoted
+        ones: they stay ready, restorable from object storage."""
         m = self.m
         await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / sandbox_id, True)
-        await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'",
-                             sandbox_id)
+        await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
+                             " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)

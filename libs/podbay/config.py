@@ -231,6 +231,9 @@ class Settings(BaseSettings):
     migrate_timeout_s: float = Field(600.0, gt=0, description="Bound on one live migration (RAM and disk).")
     migrate_bandwidth_mib_s: int = Field(1024, ge=1, description="Cap on one migration stream.")
     migrate_max_downtime_ms: int = Field(50, ge=1, description="Stop-and-copy phase QEMU aims for.")
+    build_layer_share_s: float = Field(30.0, ge=0, description="Template build layers whose step took at least "
+                                       "this long (seconds) are also kept in cache_dir/layers, so other stores "
+                                       "on the host (test and CI stacks) reuse them instead of building again.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
 

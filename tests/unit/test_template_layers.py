@@ -127,3 +127,20 @@ def test_start_key_follows_the_command_its_context_and_readiness() -> None:
                                                  {"workdir": "/srv"}, {"start_cmd": ["true"]})]
     assert len({start_key("k", cfg), start_key("j", cfg), *(start_key("k", o) for o in others)}) == 7
     assert start_key("k", cfg.model_copy(update={"labels": {"x": "y"}})) == start_key("k", cfg)
+
+
+def test_slow_layers_are_shared_across_stores_and_fetched_whole(tmp_path: Path) -> None:
+    shared = tmp_path / "cache" / "layers"
+    a = LayerCache(tmp_path / "a" / "layers", shared=shared, share_min_s=30.0, shared_max=1)
+    for key, took in (("quick", 1.0), ("slow", 45.0)):
+        tmp = a.tmp_dir(key)
+        (tmp / "disk.img").write_bytes(key.encode())
+        a.commit(tmp, key, {"step": key}, took)
+    assert (shared / "slow" / "layer.json").exists() and not (shared / "quick").exists()
+    b = LayerCache(tmp_path / "b" / "layers", shared=shared)  # another stack's store on this host
+    assert b.has("slow") and not b.has("quick") and not b.path("slow").exists()
+    assert (b.local("slow") / "disk.img").read_bytes() == b"slow"
+    assert (b.path("slow") / "layer.json").exists()
+    tmp = a.tmp_dir("slower")
+    a.commit(tmp, "slower", {"step": "slower"}, 60.0)
+    assert sorted(p.name for p in shared.iterdir()) == ["slower"]  # shared_max=1: the older one went

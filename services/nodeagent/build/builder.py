@@ -279,13 +279,14 @@ class _Builder:
                 await pumping
             await proc.__aexit__(None, None, None)  # the stream ends; the kept process runs on
 
-    async def layer(self, key: str, step: BuildStep | str, cache: LayerCache) -> None:
+    async def layer(self, key: str, step: BuildStep | str, cache: LayerCache, took_s: float = 0.0) -> None:
+        """Take the full snapshot of layer ``key``; ``took_s``: how long its step ran (slow ones are shared)."""
         assert self.handle is not None
         tmp = await asyncio.to_thread(cache.tmp_dir, key)
         try:
             await self.m.driver.snapshot_full(self.handle, tmp, leave_stopped=False)
             what = step if isinstance(step, str) else _describe(step)
-            await asyncio.to_thread(cache.commit, tmp, key, {"step": what, "template": self.req.name})
+            await asyncio.to_thread(cache.commit, tmp, key, {"step": what, "template": self.req.name}, took_s)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
             raise
@@ -296,7 +297,8 @@ class TemplateBuilder:
 
     def __init__(self, manager: SandboxManager) -> None:
         self.m = manager
-        self.layers = LayerCache(manager.store.root / "layers")
+        self.layers = LayerCache(manager.store.root / "layers", shared=manager.settings.cache_dir / "layers",
+                                 share_min_s=manager.settings.build_layer_share_s)
         self._running: set[str] = set()
 
     async def recover(self) -> None:
@@ -410,11 +412,16 @@ class TemplateBuilder:
         t_all = time.monotonic()
         await emit(BuildEvent(type="step", step=0, total=total, cached=True,
                               text=f"FROM {parent.name} ({parent.digest[:12]})"))
-        done = 0
-        while done < len(steps) and await asyncio.to_thread(self.layers.has, keys[done]):
-            await asyncio.to_thread(self.layers.touch, keys[done])
-            done += 1
-            await emit(BuildEvent(type="step", step=done, total=total, cached=True, text=_describe(steps[done - 1]),
+        # The deepest cached layer: keys chain their parents, so it implies every step before it (the shared
+        # cache keeps only slow layers, so a cheap step's layer may be missing below a slow one's).
+        done = len(steps)
+        if skey is None or not await asyncio.to_thread(self.layers.has, skey):
+            while done > 0 and not await asyncio.to_thread(self.layers.has, keys[done - 1]):
+                done -= 1
+        if done:
+            await asyncio.to_thread(self.layers.touch, keys[done - 1])
+        for i in range(done):
+            await emit(BuildEvent(type="step", step=i + 1, total=total, cached=True, text=_describe(steps[i]),
                                   elapsed_ms=0.0))
         start_text = f"START {cfg.start_cmd}" + (f" (ready: {cfg.ready_cmd})" if cfg.ready_cmd else "") + (
             f" (ready: port {cfg.ready_port})" if cfg.ready_port else "")
@@ -427,7 +434,8 @@ class TemplateBuilder:
         try:
             if done < len(steps) or (skey is not None and not start_cached):
                 builder = _Builder(self.m, req, parent, emit)
-                await builder.start(self.layers.path(keys[done - 1]) if done else parent.snapshot.dir)
+                start_dir = (await asyncio.to_thread(self.layers.local, keys[done - 1])) if done else None
+                await builder.start(start_dir or parent.snapshot.dir)
             for i in range(done, len(steps)):
                 assert builder is not None
                 step = steps[i]
@@ -440,18 +448,20 @@ class TemplateBuilder:
                 elif isinstance(step, WorkdirStep):
                     assert builder.ch is not None
                     await builder.ch.mkdir(step.path, parents=True, exist_ok=True)
-                await builder.layer(keys[i], step, self.layers)
+                await builder.layer(keys[i], step, self.layers, time.monotonic() - t)
                 await emit(BuildEvent(type="log", step=i + 1, text=f"step {i + 1} done in "
                                       f"{(time.monotonic() - t) * 1000:.0f} ms\n"))
             if skey is not None and not start_cached:
                 assert builder is not None
                 await emit(BuildEvent(type="step", step=total, total=total, cached=False, text=start_text))
+                t = time.monotonic()
                 await builder.start_command(total, cfg)
-                await builder.layer(skey, start_text, self.layers)
+                await builder.layer(skey, start_text, self.layers, time.monotonic() - t)
         finally:
             if builder is not None:
                 await builder.close()
-        src = self.layers.path(skey) if skey else (self.layers.path(keys[-1]) if keys else parent.snapshot.dir)
+        last_layer = skey or (keys[-1] if keys else None)
+        src = (await asyncio.to_thread(self.layers.local, last_layer)) if last_layer else parent.snapshot.dir
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest)
         detail = await self._register(img, parent)

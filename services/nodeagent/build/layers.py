@@ -6,6 +6,13 @@ step depends on: its command or sources with their digests, env, working directo
 the node store (btrfs) at ``store/layers/<key>/`` so that making and using one is a reflink. A layer appears
 only whole: it is written to ``.tmp-<key>-<pid>`` and renamed, so a failed or interrupted step leaves no half
 layer (a crashed build's temporary directories are removed by :meth:`LayerCache.sweep`).
+
+Layers that took long to make (at least ``share_min_s``, e.g. a RUN that installs a browser) are also kept in
+a shared directory outside every node store (``<cache_dir>/layers/<key>/``, the host's build cache, beside
+the base template's), so that another store on the same host, such as a fresh test or CI stack, reuses them
+instead of building again. The key already names every input, so a shared layer is valid wherever its key
+is asked for. The cache directory is usually not on the store's btrfs: sharing and fetching are sparse
+copies (seconds for a GiB), paid only for such slow layers.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+from podbay.reflink import reflink_or_copy
 from podbay.contracts.templates import BuildStep, ImageConfig, step_text
 
 __all__ = ["LAYER_FILES", "layer_key", "start_key", "template_digest", "LayerCache"]
@@ -44,21 +52,61 @@ def template_digest(last_key: str, config: ImageConfig) -> str:
     return hashlib.sha256(f"template1\n{last_key}\n{cfg}".encode()).hexdigest()
 
 
-class LayerCache:
-    """``root/<key>/{state, ram, disk.img, layer.json}``; blocking file I/O (call from a thread)."""
+def _copy_layer(src: Path, parent: Path, key: str) -> Path:
+    """Copy layer ``src`` to ``parent/<key>`` whole (a temporary directory renamed; a concurrent copy wins)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    dest = parent / key
+    tmp = parent / f".tmp-{key[:16]}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        for f in (*LAYER_FILES, "layer.json"):
+            if (src / f).exists():
+                reflink_or_copy(src / f, tmp / f)
+        os.rename(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dest / "layer.json").exists():
+            raise
+    return dest
 
-    def __init__(self, root: Path) -> None:
+
+class LayerCache:
+    """``root/<key>/{state, ram, disk.img, layer.json}``; blocking file I/O (call from a thread).
+
+    ``shared``: the host-wide directory of slow layers (see the module docstring), None for none;
+    ``share_min_s``: how long a step must have taken, seconds, for its layer to be shared;
+    ``shared_max``: layers kept there (least recently used go first).
+    """
+
+    def __init__(self, root: Path, shared: Path | None = None, share_min_s: float = 30.0,
+                 shared_max: int = 16) -> None:
         self.root = root
+        self.shared = shared
+        self.share_min_s = share_min_s
+        self.shared_max = shared_max
 
     def path(self, key: str) -> Path:
+        """The layer in this store (see :meth:`local` for one that may be in the shared directory only)."""
         return self.root / key
 
+    def _in_shared(self, key: str) -> bool:
+        return self.shared is not None and (self.shared / key / "layer.json").exists()
+
     def has(self, key: str) -> bool:
-        return (self.root / key / "layer.json").exists()
+        return (self.root / key / "layer.json").exists() or self._in_shared(key)
+
+    def local(self, key: str) -> Path:
+        """The layer's directory in this store, copied from the shared directory first when only it has it."""
+        if not (self.root / key / "layer.json").exists() and self._in_shared(key):
+            assert self.shared is not None
+            _copy_layer(self.shared / key, self.root, key)
+        return self.root / key
 
     def touch(self, key: str) -> None:
         """Mark ``key`` used now (the LRU order of :meth:`gc`)."""
-        os.utime(self.root / key / "layer.json")
+        for d in (self.root, self.shared):
+            if d is not None and (d / key / "layer.json").exists():
+                os.utime(d / key / "layer.json")
 
     def tmp_dir(self, key: str) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -66,14 +114,19 @@ class LayerCache:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, key: str, meta: dict[str, object]) -> Path:
-        """Write ``layer.json`` into ``tmp`` and rename it to the layer (a concurrent identical layer wins)."""
-        (tmp / "layer.json").write_text(json.dumps({**meta, "key": key, "created_at": time.time()}))
+    def commit(self, tmp: Path, key: str, meta: dict[str, object], took_s: float = 0.0) -> Path:
+        """Write ``layer.json`` into ``tmp`` and rename it to the layer (a concurrent identical layer wins);
+        a layer whose step took at least ``share_min_s`` seconds is copied to the shared directory too."""
+        (tmp / "layer.json").write_text(json.dumps({**meta, "key": key, "created_at": time.time(),
+                                                    "took_s": round(took_s, 1)}))
         dest = self.root / key
         try:
             os.rename(tmp, dest)
         except OSError:  # already there (another build made the same layer): keep that one
             shutil.rmtree(tmp, ignore_errors=True)
+        if self.shared is not None and took_s >= self.share_min_s and not self._in_shared(key):
+            _copy_layer(dest, self.shared, key)
+            self._gc_dir(self.shared, self.shared_max)
         return dest
 
     def sweep(self) -> int:
@@ -87,9 +140,13 @@ class LayerCache:
     def gc(self, max_layers: int) -> list[str]:
         """Drop the least recently used layers beyond ``max_layers``; returns the keys removed. Templates do
         not depend on layers (their files are reflinks of their own), so any layer can go."""
-        if not self.root.exists():
+        return self._gc_dir(self.root, max_layers)
+
+    @staticmethod
+    def _gc_dir(root: Path, max_layers: int) -> list[str]:
+        if not root.exists():
             return []
-        layers = sorted((p for p in self.root.iterdir() if (p / "layer.json").exists()),
+        layers = sorted((p for p in root.iterdir() if (p / "layer.json").exists()),
                         key=lambda p: (p / "layer.json").stat().st_mtime)
         gone = layers[: max(0, len(layers) - max_layers)]
         for p in gone:

@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     promote_disk_interval_s: float = Field(300.0, ge=0, description="The newest disk snapshot of each sandbox "
                                            "is promoted this often (a lost node loses at most this much "
                                            "disk work); 0 = off.")
+    volume_promote_interval_s: float = Field(300.0, ge=0, description="Snapshotter: a volume whose file changed "
+                                             "since its newest promoted snapshot is snapshotted (a reflink) and "
+                                             "promoted this often, so a lost node loses at most this much of a "
+                                             "volume's writes (plus what a guest's page cache had not written back, "
+                                             "about 30 s by Linux defaults); a suspend promotes its volumes too; "
+                                             "0 = only on suspend.")
+    retain_volume_snapshots: int = Field(3, ge=1, description="Promoted snapshots kept per volume (older ones "
+                                         "are dropped and their chunks collected).")
     gc_interval_s: float = Field(600.0, gt=0, description="Snapshotter garbage-collection cycle.")
     gc_grace_s: float = Field(3600.0, ge=0, description="A chunk unreferenced for this long is deleted.")
     suspend_timeout_s: float = Field(900.0, gt=0, description="Bound on a suspend's promotion.")

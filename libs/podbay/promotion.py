@@ -19,7 +19,8 @@ base (the template's snapshot) has with the same size is reflinked from it first
 differ are written; every downloaded chunk is decompressed and checked against its SHA-256, so a corrupt or
 missing object raises :class:`~podbay.errors.SnapshotCorrupt` and nothing is restored silently.
 
-Garbage collection deletes chunks that no live snapshot references once they have been unreferenced for
+Garbage collection deletes chunks that no live snapshot (of a sandbox, a template or a volume,
+:mod:`podbay.volume_promotion`) references once they have been unreferenced for
 ``gc_grace_s``, and objects without a ``chunks`` row (left by an upload whose process died) older than that.
 """
 
@@ -562,12 +563,16 @@ async def collect_garbage(pool: asyncpg.Pool, store: ObjectStore, grace_s: float
     res.refs_dropped = int((await pool.execute(
         "DELETE FROM snapshot_chunks sc USING snapshots s WHERE s.id = sc.snapshot_id"
         " AND (s.state IN ('deleted', 'failed') OR s.promotion IN ('failed', 'local'))")).split()[-1])
+    res.refs_dropped += int((await pool.execute(
+        "DELETE FROM volume_snapshot_chunks vc USING volume_snapshots s WHERE s.id = vc.snapshot_id"
+        " AND s.state = 'failed'")).split()[-1])
     while True:
         async with pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
                 "SELECT hash FROM chunks c WHERE c.last_ref_at < now() - make_interval(secs => $1)"
                 " AND NOT EXISTS (SELECT 1 FROM snapshot_chunks sc WHERE sc.hash = c.hash)"
                 " AND NOT EXISTS (SELECT 1 FROM template_chunks tc WHERE tc.hash = c.hash)"
+                " AND NOT EXISTS (SELECT 1 FROM volume_snapshot_chunks vc WHERE vc.hash = c.hash)"
                 " ORDER BY hash LIMIT $2 FOR UPDATE SKIP LOCKED", float(grace_s), batch)
             if not rows:
                 break

@@ -1,0 +1,146 @@
+"""Volume snapshots promoted through the chunk store and fetched back, against real PostgreSQL and S3.
+
+The volume's file is made here (a sparse file with a few MiB of data), so no VM is needed;
+tests/e2e/test_volumes.py wakes a sandbox with its volume on another node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from podbay import db
+from podbay.config import Settings
+from podbay.devstack.servers import S3Endpoint
+from podbay.errors import NotFound
+from podbay.objstore import ObjectStore, open_store
+from podbay.outbox import new_id
+from podbay.promotion import collect_garbage
+from podbay.volume_promotion import due_volumes, fetch_volume, snapshot_volume, volume_path, volume_snapshots_dir
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def settings(s3: S3Endpoint, pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+    return Settings(s3_url=s3.url, s3_bucket=s3.bucket, pg_dsn=pg_dsn, chunk_size_kib=256, data_dir=tmp_path,
+                    retain_volume_snapshots=2)
+
+
+@pytest.fixture
+async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await db.connect_pool(pg_dsn, min_size=1, max_size=8)
+    await db.migrate(p)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[ObjectStore]:
+    async with open_store(settings) as st:
+        await st.ensure_bucket()
+        yield st
+
+
+async def _volume(pool: asyncpg.Pool, node: str, size: int) -> str:
+    tenant, vol = new_id("tnt"), new_id("vol")
+    await pool.execute("INSERT INTO tenants (id, name) VALUES ($1, $1)", tenant)
+    await pool.execute("INSERT INTO volumes (id, tenant_id, name, size_bytes, node_id) VALUES ($1,$2,'data',$3,$4)",
+                       vol, tenant, size, node)
+    return vol
+
+
+def _write(path: Path, offset: int, seed: bytes, n: int) -> None:
+    data = b"".join(hashlib.sha256(seed + i.to_bytes(4, "big")).digest() for i in range(n // 32))
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+async def test_volume_snapshot_promotes_fetches_elsewhere_and_keeps_the_newest(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
+    node_a, node_b = new_id("node"), new_id("node")
+    size = 32 * MIB
+    vol = await _volume(pool, node_a, size)
+    src = volume_path(settings.data_dir, node_a, vol)
+    src.parent.mkdir(parents=True)
+    with open(src, "wb") as f:
+        f.truncate(size)
+    _write(src, 0, b"one", 2 * MIB)
+    assert await due_volumes(pool, settings.data_dir, node_a, 300) == [vol]
+    work = volume_snapshots_dir(settings.data_dir, node_a)
+    first = await snapshot_volume(pool, store, settings, vol, node_id=node_a, source=src, work_dir=work,
+                                  reason="cadence")
+    assert first.result.chunks_uploaded == 8 + 1  # 2 MiB of data in 256 KiB chunks, plus the zero chunk
+    row = await pool.fetchrow("SELECT snapshot_id, snapshot_at FROM volumes WHERE id=$1", vol)
+    assert row["snapshot_id"] == first.snapshot_id
+    assert not any(work.rglob("*.img")), "the local copy is removed once promoted"
+    # Not due again within the period, whatever the file does.
+    assert vol not in await due_volumes(pool, settings.data_dir, node_a, 300)
+
+    # A second snapshot after a 1 MiB write sends only the changed chunks.
+    _write(src, 8 * MIB, b"two", MIB)
+    second = await snapshot_volume(pool, store, settings, vol, node_id=node_a, source=src, work_dir=work,
+                                   reason="suspend")
+    assert second.result.chunks_uploaded == 4
+    assert await pool.fetchval("SELECT snapshot_id FROM volumes WHERE id=$1", vol) == second.snapshot_id
+
+    # Another node that lacks the file rebuilds it from object storage: same bytes, holes stay holes.
+    dest = volume_path(settings.data_dir, node_b, vol)
+    dest.parent.mkdir(parents=True)
+    res = await fetch_volume(pool, store, settings, vol, dest)
+    assert _digest(dest) == _digest(src)
+    assert dest.stat().st_size == size
+    assert dest.stat().st_blocks * 512 < 8 * MIB
+    assert res.chunks_downloaded == 12
+
+    # Retention keeps the newest two promoted snapshots; a third drops the first and its chunk references.
+    _write(src, 16 * MIB, b"three", MIB)
+    third = await snapshot_volume(pool, store, settings, vol, node_id=node_a, source=src, work_dir=work,
+                                  reason="cadence")
+    ids = [r["id"] for r in await pool.fetch("SELECT id FROM volume_snapshots WHERE volume_id=$1"
+                                             " ORDER BY taken_at", vol)]
+    assert ids == [second.snapshot_id, third.snapshot_id]
+    assert await pool.fetchval("SELECT count(*) FROM volume_snapshot_chunks WHERE snapshot_id=$1",
+                               first.snapshot_id) == 0
+
+    # Garbage collection keeps every chunk a volume snapshot references.
+    await collect_garbage(pool, store, 0.0)
+    again = volume_path(settings.data_dir, node_b, vol)
+    again.unlink()
+    await fetch_volume(pool, store, settings, vol, again)
+    assert _digest(again) == _digest(src)
+
+
+async def test_nothing_promoted_or_no_file_is_refused(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
+    node = new_id("node")
+    vol = await _volume(pool, node, 4 * MIB)
+    with pytest.raises(NotFound):
+        await fetch_volume(pool, store, settings, vol, settings.data_dir / "x.img")
+    src = volume_path(settings.data_dir, node, vol)
+    with pytest.raises(NotFound):
+        await snapshot_volume(pool, store, settings, vol, node_id=node, source=src,
+                              work_dir=volume_snapshots_dir(settings.data_dir, node), reason="cadence")
+    src.parent.mkdir(parents=True)
+    with open(src, "wb") as f:
+        f.truncate(4 * MIB)
+    _write(src, 0, b"x", MIB)
+    snap = await snapshot_volume(pool, store, settings, vol, node_id=node, source=src,
+                                 work_dir=volume_snapshots_dir(settings.data_dir, node), reason="cadence")
+    assert await pool.fetchval("SELECT snapshot_id FROM volumes WHERE id=$1", vol) == snap.snapshot_id

@@ -6,7 +6,10 @@ Suspend (``podbay.cmd.node.<node>.suspend``, sandbox ``suspending``, its snapsho
    snapshot is lost; take the full snapshot (``suspend.snapshotted``);
 2. ask this node's snapshotter to promote it and wait until the row says ``promoted`` or ``failed``
    (``suspend.promoted``);
-3. only then kill the VM, remove its directory and the sandbox's local snapshot files, and in one
+3. snapshot and promote its read-write volumes while the guest is still stopped (their own snapshots,
+   services/nodeagent/volumes.py), so each matches the memory snapshot;
+4. only then kill the VM, remove its directory, the sandbox's local snapshot files and its promoted
+   volumes' files (the volumes are unbound: the wake fetches them wherever it is placed), and in one
    transaction set ``suspended`` (no node), finish the operation and emit ``suspended``.
 
 A failed snapshot or promotion puts the sandbox back to ``paused`` (its VM intact) with the error on the
@@ -18,7 +21,8 @@ promoted snapshots on this node are copied, neither is downloaded; every
 downloaded chunk is checked against its SHA-256), restore it, run the after-restore hygiene, set
 ``running`` with the event ``resumed``. A corrupt or missing object puts the sandbox back to ``suspended``
 with the error (``snapshot_corrupt``) on the operation; only with ``fallback`` is the newest older intact
-promoted full snapshot restored instead.
+promoted full snapshot restored instead. The sandbox's volumes are made present first (fetched from
+object storage when this node lacks them); a failure there also puts it back to ``suspended``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SuspendOps:
     def __init__(self, manager: SandboxManager, store: ObjectStore) -> None:
         self.m = manager
         self.store = store
+        manager.volumes.use_object_store(store, manager.settings)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def kick(self, state: str, sandbox_id: str, operation_id: str, generation: int, snapshot_id: str | None) -> None:
@@ -101,6 +106,11 @@ class SuspendOps:
                     await self._back_to_paused(cmd, row["tenant_id"], error)
                     LIFECYCLE_OPERATIONS.labels("nodeagent", "suspend", "failed").inc()
                     return
+            error = await m.volumes.promote_for_suspend(cmd.sandbox_id)
+            if error is not None:
+                await self._back_to_paused(cmd, row["tenant_id"], error)
+                LIFECYCLE_OPERATIONS.labels("nodeagent", "suspend", "failed").inc()
+                return
             fault_point("suspend.promoted")
             await self._free(cmd, row["tenant_id"], snap_id)
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "suspend", "ok").observe(time.perf_counter() - t0)
@@ -146,6 +156,7 @@ class SuspendOps:
         m = self.m
         await m.stop_vm(cmd.sandbox_id)
         await m._discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
+        await m.volumes.release_after_suspend(cmd.sandbox_id)
         await m.release_net(cmd.sandbox_id)
         await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)
         async with m.pool.acquire() as conn, conn.transaction():
@@ -227,6 +238,13 @@ class SuspendOps:
                     return
             if chosen is None:
                 await self._back_to_suspended(cmd, row["tenant_id"], "snapshot_corrupt", "; ".join(errors))
+                return
+            try:
+                await m.volumes.prepare(cmd.sandbox_id)
+            except Exception as exc:
+                code = exc.code if isinstance(exc, PodbayError) else "volume_failed"
+                why = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+                await self._back_to_suspended(cmd, row["tenant_id"], code, f"volumes: {why}")
                 return
             fault_point("resume.fetched")
             await m.pool.execute("UPDATE snapshots SET node_id=$2 WHERE id=$1", chosen, m.node_id)

@@ -14,7 +14,17 @@ its own snapshot, restart) puts them back into the VM directory before QEMU star
 
 The VMM then announces each slot's size and guestd mounts it (services/nodeagent/vmm.py "Volume slots",
 guestd/volumes.py). A volume deleted through the API is marked ``deleting``; :meth:`VolumeStore.sweep`
-removes its file here and then its row. Errors: :class:`VolumeError` (``mkfs.ext4`` failed, no room).
+removes its file here and then its row, and the files of fork children's read-only views once their
+sandbox is deleted.
+
+Where a volume's file comes from when this node lacks it (:meth:`VolumeStore.prepare`): a fork child's volume
+is a reflink of the copy its parent's full snapshot took (``volumes.origin``); a volume with a promoted
+snapshot (``volumes.snapshot_id``: it was suspended with its sandbox, or its node was lost) is fetched from
+object storage (:func:`podbay.volume_promotion.fetch_volume`); any other is made empty. A suspend promotes the
+sandbox's read-write volumes while its guest is stopped (:meth:`VolumeStore.promote_for_suspend`), then
+removes their files here and unbinds them (:meth:`VolumeStore.release_after_suspend`), so the wake may be
+placed on any node, which becomes the volume's home. Errors: :class:`VolumeError` (``mkfs.ext4`` failed, no
+room), and what a fetch raises (``SnapshotCorrupt``, ``StorageError``).
 """
 
 from __future__ import annotations
@@ -27,9 +37,12 @@ from pathlib import Path
 
 import asyncpg
 
+from podbay.config import Settings
 from podbay.contracts.channel import GuestVolume
 from podbay.errors import PodbayError
+from podbay.objstore import ObjectStore
 from podbay.reflink import reflink_or_copy
+from podbay.volume_promotion import fetch_volume, snapshot_volume
 
 from .vmm import VOLUME_SLOTS, volume_slot_name
 
@@ -66,30 +79,90 @@ class VolumeStore:
         self.root = root
         self.pool = pool
         self.node_id = node_id
+        self.objects: ObjectStore | None = None
+        self.settings: Settings | None = None
+
+    def use_object_store(self, objects: ObjectStore, settings: Settings) -> None:
+        """Give the store the node's object store (opened after the manager is made): for fetches and the
+        suspend's promotions."""
+        self.objects, self.settings = objects, settings
 
     def path(self, volume_id: str) -> Path:
         return self.root / f"{volume_id}.img"
 
-    async def attach(self, sandbox_id: str, vm_dir: Path) -> list[GuestVolume]:
-        """Put the sandbox's attached volumes into ``vm_dir``'s slots (module docstring); returns what guestd
-        is to mount. A volume bound to another node is refused (the scheduler places its sandboxes with it).
-        Raises :class:`VolumeError`."""
+    async def prepare(self, sandbox_id: str) -> None:
+        """Make sure each volume of the sandbox has its file here (module docstring: from a fork's copy, from
+        object storage, or empty) and is bound to this node. Raises :class:`VolumeError`, ``SnapshotCorrupt``,
+        ``StorageError``."""
         rows = await self.pool.fetch(
-            "SELECT sv.slot, sv.path, sv.readonly, v.id, v.name, v.size_bytes, v.node_id FROM sandbox_volumes sv"
+            "SELECT v.id, v.name, v.size_bytes, v.node_id, v.snapshot_id, v.origin FROM sandbox_volumes sv"
             " JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1 ORDER BY sv.slot", sandbox_id)
-        out: list[GuestVolume] = []
         for r in rows:
-            if r["slot"] >= VOLUME_SLOTS:
-                raise VolumeError(f"volume {r['name']}: slot {r['slot']} beyond the machine's {VOLUME_SLOTS}")
             if r["node_id"] not in (None, self.node_id):
                 raise VolumeError(f"volume {r['name']} lives on node {r['node_id']}, not here ({self.node_id})")
             src = self.path(r["id"])
             if not src.exists():
                 self.root.mkdir(parents=True, exist_ok=True)
-                await asyncio.to_thread(make_volume_file, src, r["size_bytes"], r["name"])
+                if r["origin"] is not None and (self.root.parent / r["origin"]).exists():
+                    await asyncio.to_thread(reflink_or_copy, self.root.parent / r["origin"], src)
+                    how = "copied from its fork's snapshot"
+                elif r["snapshot_id"] is not None and self.objects is not None and self.settings is not None:
+                    res = await fetch_volume(self.pool, self.objects, self.settings, r["id"], src)
+                    how = f"fetched from object storage ({res.chunks_downloaded} of {res.chunks} chunks downloaded)"
+                elif r["snapshot_id"] is not None or r["origin"] is not None:
+                    raise VolumeError(f"volume {r['name']}: its data is neither here nor reachable")
+                else:
+                    await asyncio.to_thread(make_volume_file, src, r["size_bytes"], r["name"])
+                    how = "created here"
+                log.info("volume %s (%s): %s, %d bytes", r["name"], r["id"], how, r["size_bytes"])
+            if r["node_id"] is None:
                 await self.pool.execute("UPDATE volumes SET node_id=$2 WHERE id=$1 AND node_id IS NULL",
                                         r["id"], self.node_id)
-                log.info("volume %s (%s): created here, %d bytes", r["name"], r["id"], r["size_bytes"])
+
+    async def promote_for_suspend(self, sandbox_id: str) -> str | None:
+        """Snapshot and promote each read-write volume of the sandbox (its guest is stopped, so the copy
+        matches the memory snapshot). Returns an error message, or None when all are promoted."""
+        if self.objects is None or self.settings is None:
+            return "the node's object store is not open"
+        rows = await self.pool.fetch(
+            "SELECT v.id, v.name FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
+            " WHERE sv.sandbox_id = $1 AND NOT sv.readonly AND v.node_id = $2", sandbox_id, self.node_id)
+        for r in rows:
+            if not self.path(r["id"]).exists():
+                continue  # released by an earlier try of this suspend: its promoted snapshot stands
+            try:
+                await snapshot_volume(self.pool, self.objects, self.settings, r["id"], node_id=self.node_id,
+                                      source=self.path(r["id"]), work_dir=self.root.parent / "volume-snapshots",
+                                      reason="suspend")
+            except Exception as exc:
+                why = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
+                return f"volume {r['name']} was not promoted: {why}"
+        return None
+
+    async def release_after_suspend(self, sandbox_id: str) -> None:
+        """Remove the files of the sandbox's promoted read-write volumes here and unbind them, so its wake
+        (or a later sandbox) fetches them on whichever node it is placed."""
+        rows = await self.pool.fetch(
+            "SELECT v.id FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1"
+            " AND NOT sv.readonly AND v.node_id = $2 AND v.snapshot_id IS NOT NULL", sandbox_id, self.node_id)
+        for r in rows:
+            await asyncio.to_thread(self.path(r["id"]).unlink, True)
+            await self.pool.execute("UPDATE volumes SET node_id=NULL WHERE id=$1 AND node_id=$2", r["id"],
+                                    self.node_id)
+
+    async def attach(self, sandbox_id: str, vm_dir: Path) -> list[GuestVolume]:
+        """Put the sandbox's attached volumes into ``vm_dir``'s slots (module docstring); returns what guestd
+        is to mount. A volume bound to another node is refused (the scheduler places its sandboxes with it).
+        Raises :class:`VolumeError`."""
+        await self.prepare(sandbox_id)
+        rows = await self.pool.fetch(
+            "SELECT sv.slot, sv.path, sv.readonly, v.id, v.name FROM sandbox_volumes sv"
+            " JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1 ORDER BY sv.slot", sandbox_id)
+        out: list[GuestVolume] = []
+        for r in rows:
+            if r["slot"] >= VOLUME_SLOTS:
+                raise VolumeError(f"volume {r['name']}: slot {r['slot']} beyond the machine's {VOLUME_SLOTS}")
+            src = self.path(r["id"])
             slot_file = vm_dir / volume_slot_name(r["slot"])
             vm_dir.mkdir(parents=True, exist_ok=True)
             slot_file.unlink(missing_ok=True)
@@ -103,6 +176,10 @@ class VolumeStore:
     async def sweep(self) -> int:
         """Remove the files of this node's volumes marked ``deleting`` (none attached any more), then their
         rows; returns how many. A file already gone is fine (a crash between the two steps)."""
+        # A fork child's read-only view goes with its sandbox.
+        await self.pool.execute(
+            "UPDATE volumes v SET state='deleting' FROM sandboxes s WHERE s.id = v.owner_sandbox_id"
+            " AND v.state = 'view' AND s.state = 'deleted' AND v.node_id = $1", self.node_id)
         rows = await self.pool.fetch(
             "SELECT id FROM volumes WHERE state = 'deleting' AND node_id = $1", self.node_id)
         for r in rows:

@@ -16,9 +16,15 @@ last put. Each scheduler polls the bucket every ``PODBAY_NODE_LOSS_CHECK_S`` and
    - ``starting`` without one (a create in flight): back to ``pending`` and placed again;
    - ``suspending`` with a promoted full snapshot: ``suspended`` at it (what was asked);
    - ``deleting``: deleted (its files went with the node);
+   - with a read-write volume: ``failed`` (its memory holds the volume's mount, and the volume's newest
+     promoted snapshot is not of the same moment); the volume stays its, and mounts again from that
+     snapshot on a rollback to a disk snapshot or in a later sandbox;
    - otherwise: ``failed`` with a reason that says so.
    Its ready or preparing warm slots fail; operations in flight on those sandboxes fail with ``node_lost``.
-3. Event ``podbay.evt.node.<id>.lost`` with what became of each sandbox.
+3. Volumes bound to the node that have a promoted snapshot are unbound: the next sandbox using one, on any
+   node, fetches that snapshot (at most ``volume_promote_interval_s`` of its writes are lost). Volumes
+   never promoted stay bound to the lost node.
+4. Event ``podbay.evt.node.<id>.lost`` with what became of each sandbox.
 
 After the commit the wake and create placements are published to ``podbay.cmd.scheduler.place`` (the
 operation id is the ``Nats-Msg-Id``, so a retry is dropped as a duplicate).
@@ -109,6 +115,7 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     report.acted = True
     for r in await conn.fetch(_SANDBOXES, node_id):
         await _move(conn, node_id, r, report)
+    await conn.execute("UPDATE volumes SET node_id=NULL WHERE node_id=$1 AND snapshot_id IS NOT NULL", node_id)
     await conn.execute(
         "UPDATE warm_slots SET state='failed', reason=$2, failed_at=now() WHERE node_id=$1"
         " AND state IN ('preparing', 'ready')", node_id, f"node {node_id} was lost")
@@ -139,6 +146,9 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         report.deleted.append(sid)
         return
     snap = await conn.fetchrow(_NEWEST_PROMOTED, sid)
+    if snap is not None and await conn.fetchval(
+            "SELECT true FROM sandbox_volumes WHERE sandbox_id=$1 AND NOT readonly LIMIT 1", sid):
+        snap = None  # its memory's mount would not match the volume's promoted copy: failed below
     if snap is not None and state == "suspending":
         # It was being suspended: it ends suspended (at its newest promoted snapshot), as asked.
         gen = await conn.fetchval(
@@ -179,7 +189,7 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         report.placements.append(PlaceSandbox(operation_id=r["op_id"], sandbox_id=sid, tenant_id=tenant,
                                               template=r["template"], resources=res))
         return
-    reason = f"{lost} and the sandbox had no promoted full snapshot to restore"
+    reason = f"{lost} and the sandbox had no promoted full snapshot to restore (or has a read-write volume)"
     gen = await conn.fetchval(
         "UPDATE sandboxes SET state='failed', failure_reason=$2, node_id=NULL, generation=generation+1,"
         " updated_at=now() WHERE id=$1 RETURNING generation", sid, reason)

@@ -9,6 +9,10 @@
 - Cadence: every ``promote_disk_interval_s`` the newest ready disk snapshot of each live sandbox on this
   node is promoted, unless one of its snapshots was promoted more recently (a lost node loses at most that
   much disk work).
+- Volumes: every ``volume_promote_interval_s`` each volume of this node whose file changed since its newest
+  promoted snapshot is snapshotted (a reflink) and promoted (:mod:`podbay.volume_promotion`); a lost node
+  loses at most that much of a volume's writes. A start fails this node's volume snapshots a crash left
+  ``promoting``.
 - Garbage collection every ``gc_interval_s`` (:func:`podbay.promotion.collect_garbage`).
 
 Serves ``/healthz`` (PostgreSQL, NATS and S3 answer) and ``/metrics``.
@@ -36,6 +40,7 @@ from podbay.outbox import Relay
 from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_path
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import PROMOTION_LAG_SECONDS
+from podbay.volume_promotion import due_volumes, fail_interrupted, snapshot_volume, volume_path, volume_snapshots_dir
 
 __all__ = ["main", "Snapshotter"]
 
@@ -140,6 +145,23 @@ class Snapshotter:
         return len(rows)
 
 
+    async def volume_cadence_once(self) -> int:
+        """Snapshot and promote each volume of this node that is due (module docstring), one at a time.
+        Returns how many were promoted; a failure is logged and the volume is tried again next time."""
+        s = self.settings
+        done = 0
+        for vol in await due_volumes(self.pool, s.data_dir, s.node_id, s.volume_promote_interval_s):
+            try:
+                async with self.slots:
+                    await snapshot_volume(self.pool, self.store, s, vol, node_id=s.node_id,
+                                          source=volume_path(s.data_dir, s.node_id, vol),
+                                          work_dir=volume_snapshots_dir(s.data_dir, s.node_id), reason="cadence")
+                done += 1
+            except Exception as exc:
+                log.warning("cadence promotion of volume %s failed: %s", vol, exc)
+        return done
+
+
 async def _keep_alive(msg: Any) -> None:
     """Tell JetStream a long promotion is still being worked on, so it is not redelivered meanwhile."""
     while True:
@@ -215,6 +237,13 @@ async def _main(stop: asyncio.Event) -> None:
         if settings.promote_disk_interval_s > 0:
             tasks.append(asyncio.create_task(_every(min(settings.promote_disk_interval_s, 30.0), stop,
                                                     "disk promotion cadence", snap.cadence_once)))
+        if settings.volume_promote_interval_s > 0:
+            tasks.append(asyncio.create_task(_every(min(settings.volume_promote_interval_s, 30.0), stop,
+                                                    "volume promotion cadence", snap.volume_cadence_once)))
+        try:
+            await fail_interrupted(pool, settings.node_id)
+        except Exception as exc:
+            log.warning("failing interrupted volume promotions failed: %s", exc)
         try:
             await snap.resume_interrupted()
         except Exception as exc:

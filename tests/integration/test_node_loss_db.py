@@ -108,3 +108,32 @@ async def test_only_ready_or_draining_nodes_are_declared_lost(pool: asyncpg.Pool
         node = await _node(pool, state)
         async with pool.acquire() as conn, conn.transaction():
             assert (await declare_lost(conn, node)).acted is acts
+
+
+async def test_a_lost_node_unbinds_its_promoted_volumes_and_fails_sandboxes_writing_one(pool: asyncpg.Pool) -> None:
+    tenant = new_id("tnt")
+    await pool.execute("INSERT INTO tenants (id, name) VALUES ($1, $1)", tenant)
+    await pool.execute("INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ('loss-test', 'd', 256, 1)"
+                       " ON CONFLICT DO NOTHING")
+    node = await _node(pool)
+    writer = await _sandbox(pool, tenant, node, "running")
+    await _snapshot(pool, tenant, writer, promotion="promoted", age_s=30)
+    promoted, never = new_id("vol"), new_id("vol")
+    for vol, name in ((promoted, "promoted"), (never, "never")):
+        await pool.execute("INSERT INTO volumes (id, tenant_id, name, size_bytes, node_id) VALUES ($1,$2,$3,1048576,$4)",
+                           vol, tenant, name, node)
+    vsnap = new_id("vsnap")
+    await pool.execute("INSERT INTO volume_snapshots (id, volume_id, node_id, reason, state, taken_at)"
+                       " VALUES ($1,$2,$3,'cadence','promoted',now())", vsnap, promoted, node)
+    await pool.execute("UPDATE volumes SET snapshot_id=$2, snapshot_at=now() WHERE id=$1", promoted, vsnap)
+    await pool.execute("INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly)"
+                       " VALUES ($1,$2,0,'/mnt/data',false)", writer, promoted)
+
+    async with pool.acquire() as conn, conn.transaction():
+        report = await declare_lost(conn, node)
+    # Its memory holds the volume's mount, which the volume's promoted copy does not match: not woken.
+    assert report.failed == [writer] and report.rescheduled == []
+    assert await pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", writer) == "failed"
+    nodes = {r["id"]: r["node_id"] for r in await pool.fetch(
+        "SELECT id, node_id FROM volumes WHERE id = ANY($1::text[])", [promoted, never])}
+    assert nodes == {promoted: None, never: node}

@@ -12,8 +12,13 @@ rule wins. The mapping:
 * otherwise -> allow everything, deny ``denyOut`` minus the ``allowOut`` networks inside it (an allowed
   *domain* inside a denied network stays denied: podbay's policy cannot express that exception).
 
-``rules`` (header transforms), ``dnsServers``, ``egressProxy`` and ``maskRequestHost`` are accepted and not
-applied.
+``rules`` (``{host: [{"transform": {"headers": {...}}}]}``) become the policy's header ``transforms``, which the
+gateway sets on HTTP and (intercepted) HTTPS requests to that host; a rule allows nothing by itself, as in
+E2B. A host is a domain (exact or ``*.``); an address or network there is refused (400: the gateway matches
+requests by name). ``dnsServers`` (IPv4 addresses, at most 10; E2B's default ``8.8.8.8`` when left out)
+are allowed like ``allowOut`` addresses when ``allowOut`` names a domain, as E2B does; they change nothing
+else (the guest resolves through podbay's gateway). ``egressProxy`` (a SOCKS5 proxy of the user's) is
+refused with 400: podbay does not tunnel egress. ``maskRequestHost`` is accepted and not applied.
 
     PUT /e2b/sandboxes/{id}/network   204   E2B's SandboxNetworkUpdateConfig; omitted fields are cleared
 """
@@ -26,7 +31,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Response
 from pydantic import Field, ValidationError
 
-from podbay.contracts.egress import EgressPolicy, EgressRule
+from podbay.contracts.egress import EgressPolicy, EgressRule, HeaderTransform
 from podbay.errors import InvalidRequest
 
 from . import network as podbay_network
@@ -37,6 +42,8 @@ from .e2b_common import WhoDep, _Body, _E2bRoute, _row
 __all__ = ["router", "egress_policy", "NetworkUpdate"]
 
 _EVERYTHING = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+E2B_DEFAULT_DNS = ["8.8.8.8"]  # what E2B opens for a domain allowOut when dnsServers is left out
+MAX_DNS_SERVERS = 10
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -47,6 +54,9 @@ class NetworkUpdate(_Body):
 
     allow_out: list[str] | None = Field(None, alias="allowOut", max_length=256)
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
+    rules: dict[str, Any] | None = None
+    dns_servers: list[str] | None = Field(None, alias="dnsServers")
+    egress_proxy: dict[str, Any] | None = Field(None, alias="egressProxy")
     allow_internet_access: bool | None = None
 
 
@@ -65,16 +75,75 @@ def _rule(entry: str) -> EgressRule:
         raise InvalidRequest(f"network: {entry!r} is neither a CIDR, an address nor a domain name") from exc
 
 
+def transforms(rules: Any) -> list[HeaderTransform]:
+    """E2B's ``network.rules`` as podbay header transforms, one per host and rule, in order. ``InvalidRequest``
+    for a host that is not a domain name, or a rule or transform that is not E2B's shape."""
+    if rules is None:
+        return []
+    if not isinstance(rules, dict):
+        raise InvalidRequest("network.rules: expected an object of host -> list of rules")
+    out: list[HeaderTransform] = []
+    for host, host_rules in rules.items():
+        if _network(str(host)) is not None:
+            raise InvalidRequest(f"network.rules: {host!r} is an address: podbay applies transforms to host "
+                                 "names (the name of the request), not to addresses or networks")
+        if not isinstance(host_rules, list):
+            raise InvalidRequest(f"network.rules[{host!r}]: expected a list of rules")
+        for rule in host_rules:
+            if not isinstance(rule, dict) or set(rule) - {"transform"}:
+                raise InvalidRequest(f"network.rules[{host!r}]: a rule is {{\"transform\": {{\"headers\": ...}}}}")
+            transform = rule.get("transform") or {}
+            if not isinstance(transform, dict) or set(transform) - {"headers"}:
+                raise InvalidRequest(f"network.rules[{host!r}]: a transform sets only headers")
+            headers = transform.get("headers") or {}
+            if not headers:
+                continue
+            try:
+                out.append(HeaderTransform(domain=str(host), headers=headers))
+            except ValidationError as exc:
+                raise InvalidRequest(f"network.rules[{host!r}]: {exc.errors()[0]['msg']}") from exc
+    if len(out) > 64:
+        raise InvalidRequest("network.rules: at most 64 host rules with headers")
+    return out
+
+
+def _dns_servers(network: dict[str, Any]) -> list[str]:
+    servers = network.get("dnsServers")
+    if servers is None:
+        return list(E2B_DEFAULT_DNS)
+    if not isinstance(servers, list) or len(servers) > MAX_DNS_SERVERS:
+        raise InvalidRequest(f"network.dnsServers: at most {MAX_DNS_SERVERS} IPv4 addresses")
+    for entry in servers:
+        try:
+            ipaddress.IPv4Address(str(entry))
+        except ValueError as exc:
+            raise InvalidRequest(f"network.dnsServers: {entry!r} is not an IPv4 address") from exc
+    return [str(e) for e in servers]
+
+
 def egress_policy(allow_internet_access: bool | None, network: dict[str, Any] | None, *,
                   at_create: bool = True) -> EgressPolicy | None:
     """The podbay egress policy for E2B's options (see the module docstring); None at create when nothing
-    about egress was asked. ``InvalidRequest`` for an entry that is not a network or a domain, or a domain
-    in ``denyOut``."""
+    about egress was asked. ``InvalidRequest`` for an entry that is not a network or a domain, a domain in
+    ``denyOut``, bad ``rules`` or ``dnsServers``, or any ``egressProxy``."""
     network = network or {}
+    if network.get("egressProxy") is not None:
+        raise InvalidRequest("network.egressProxy: podbay does not tunnel a sandbox's egress through a proxy "
+                             "(its gateway sends it out directly); leave egressProxy out")
     allow_out = [str(e) for e in network.get("allowOut") or []]
     deny_out = [str(e) for e in network.get("denyOut") or []]
-    if at_create and allow_internet_access is None and not allow_out and not deny_out:
+    headers = transforms(network.get("rules"))
+    dns = _dns_servers(network)
+    if at_create and allow_internet_access is None and not allow_out and not deny_out and not headers:
         return None
+    if any(_network(e) is None for e in allow_out):  # a domain: E2B opens its DNS servers too
+        allow_out += [d for d in dns if d not in allow_out]
+    policy = _allow_deny(allow_internet_access, allow_out, deny_out)
+    policy.transforms = headers
+    return policy
+
+
+def _allow_deny(allow_internet_access: bool | None, allow_out: list[str], deny_out: list[str]) -> EgressPolicy:
     denied: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for entry in deny_out:
         net = _network(entry)
@@ -113,7 +182,8 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, ctx: CtxDep, who:
     closed) -> 204; the gateway applies it from the guest's next connection."""
     await _row(ctx, who, sandbox_id)
     policy = egress_policy(body.allow_internet_access,
-                           {"allowOut": body.allow_out or [], "denyOut": body.deny_out or []}, at_create=False)
+                           {"allowOut": body.allow_out or [], "denyOut": body.deny_out or [], "rules": body.rules,
+                            "dnsServers": body.dns_servers, "egressProxy": body.egress_proxy}, at_create=False)
     assert policy is not None
     await podbay_network.set_sandbox_network(sandbox_id, policy, ctx, who)
     return Response(status_code=204)

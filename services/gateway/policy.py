@@ -28,6 +28,7 @@ __all__ = [
     "decide",
     "decide_name",
     "cidr_allows",
+    "transform_headers",
 ]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -95,6 +96,19 @@ def name_matches(pattern: str, name: str) -> bool:
     if pattern.startswith("*."):
         return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
     return name == pattern
+
+
+def transform_headers(policy: EgressPolicy | None, name: str | None) -> dict[str, str]:
+    """The headers the policy's ``transforms`` set on a request to ``name`` (every matching transform, in
+    order; a later one's value for a header wins; names compared case-insensitively). Empty without a name."""
+    norm = normalise_name(name)
+    if policy is None or norm is None:
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    for t in policy.transforms:
+        if name_matches(t.domain, norm):
+            out.update({k.lower(): (k, v) for k, v in t.headers.items()})
+    return dict(out.values())
 
 
 def always_denied(addr: str | IPAddress, *, own_addrs: Iterable[str] = (), sandbox_cidr: str | None = None) -> Decision | None:

@@ -12,11 +12,13 @@ Hooks, per client connection (state in :class:`_Conn`, keyed by mitmproxy's clie
   this node, the sandbox network).
 * ``tls_clienthello``: decide by SNI + port (and the address must be the name's). Denied -> the connection is
   made a pass-through whose upstream connect is refused in ``server_connect`` (closed at once). Allowed and no
-  credential for the SNI -> pass-through, untouched. Allowed with a credential -> intercepted with this
-  sandbox's own CA (:class:`SandboxTlsConfig`).
+  credential nor header transform for the SNI -> pass-through, untouched. Allowed with a credential or a
+  transform (the policy's ``transforms``, E2B's ``network.rules``) -> intercepted with this sandbox's own CA
+  (:class:`SandboxTlsConfig`).
 * ``request``: plain HTTP is decided by Host + port (denied -> 403 JSON with ``X-Podbay-Denied``). On an
   intercepted connection, the credential for host + path is checked (expired -> 403 ``credential_expired``,
-  over its limit -> 429 ``credential_rate_limited``), revealed and injected.
+  over its limit -> 429 ``credential_rate_limited``), revealed and injected. The transforms' headers for the
+  host are set on both (before the credential, which wins a header they share).
 * ``server_connect``: the choke point: an upstream connection opens only for a connection with an allowed
   decision to its original destination; a connection that reached it undecided (raw TCP) is decided here by
   CIDR, or by the name our DNS answered this guest for the address.
@@ -40,10 +42,11 @@ from mitmproxy.proxy import server_hooks
 
 from podbay import hostca
 from podbay.config import Settings
+from podbay.contracts.egress import EgressPolicy
 
 from .engine import Gateway, Peer
 from .metrics import CONNECTIONS, CREDENTIAL_USES, REDACTIONS
-from .policy import Decision, normalise_name
+from .policy import Decision, normalise_name, transform_headers
 from .shaping import (
     DENIED_HEADER,
     CredentialRow,
@@ -70,6 +73,10 @@ class _Conn:
     intercepted: bool = False
     creds: list[CredentialRow] = field(default_factory=list)
     secrets: set[str] = field(default_factory=set)
+
+
+def _policy(st: _Conn) -> EgressPolicy | None:
+    return st.peer.ctx.policy if st.peer.ctx else None
 
 
 def _ip(addr: str) -> str:
@@ -142,7 +149,7 @@ class EgressAddon:
             data.ignore_connection = True
             return
         self.gw.allowed("tls", decision)
-        if not creds:
+        if not creds and not transform_headers(_policy(st), st.sni):
             data.ignore_connection = True  # allowed, nothing to inject: bytes pass untouched
             return
         st.creds, st.intercepted = creds, True  # SandboxTlsConfig presents a certificate of this sandbox's CA
@@ -186,6 +193,7 @@ class EgressAddon:
             return
         self.gw.allowed("http", decision)
         st.protocol, st.verdict = "http", decision
+        flow.request.headers.update(transform_headers(_policy(st), host))
 
     async def _inject(self, flow: http.HTTPFlow, st: _Conn) -> None:
         host = (st.sni or "").lower()
@@ -197,6 +205,7 @@ class EgressAddon:
             flow.response = _refusal(421, "misdirected_request",
                                      f"request for {named} on a connection to {host}")
             return
+        flow.request.headers.update(transform_headers(_policy(st), host))
         try:
             # Read per request, so a credential deleted or changed applies to the next request on a
             # kept-alive connection too.

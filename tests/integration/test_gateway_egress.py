@@ -444,6 +444,31 @@ async def test_policy_change_applies_to_the_next_connection(env: Env, pool: asyn
     assert (await asyncio.to_thread(a.https, env.up_addr, "www.test", env.upstream_ca))["status"] == 200
 
 
+async def test_header_transforms_set_on_plain_and_intercepted_https(env: Env, pool: asyncpg.Pool) -> None:
+    a = env.a
+    policy = {**BASE_POLICY, "transforms": [{"domain": "www.test", "headers": {"X-Team": "blue"}},
+                                            {"domain": "*.test", "headers": {"X-Via": "podbay", "x-team": "red"}},
+                                            {"domain": "www.test", "headers": {"X-Team": "green"}}]}
+    await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, policy)
+    try:
+        # HTTPS to a name with a transform is intercepted with the sandbox's CA, and the headers arrive.
+        out = await asyncio.to_thread(a.https, env.up_addr, "www.test", a.ca_cert, "/t")
+        assert out["status"] == 200, out
+        assert out["issuer_cn"].startswith(f"podbay sandbox {a.sandbox}")
+        echoed = json.loads(out["body"])["headers"]
+        assert echoed["X-Team"] == "green" and echoed["X-Via"] == "podbay", echoed
+        out = await asyncio.to_thread(a.run, {"op": "http", "addr": env.up_addr, "port": 80, "host": "www.test",
+                                              "path": "/plain"})
+        echoed = json.loads(out["body"])["headers"]
+        assert out["status"] == 200 and echoed["X-Team"] == "green" and echoed["X-Via"] == "podbay", out
+    finally:
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, BASE_POLICY)
+    # Without the transform, the same connection passes untouched again (the upstream's own certificate).
+    out = await asyncio.to_thread(a.https, env.up_addr, "www.test", env.upstream_ca, "/t")
+    assert out["status"] == 200 and out["issuer_cn"] == "upstream test CA"
+    assert "X-Team" not in json.loads(out["body"])["headers"]
+
+
 async def test_metadata_and_node_addresses_refused_whatever_the_policy(env: Env, pool: asyncpg.Pool) -> None:
     a = env.a
     await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox,

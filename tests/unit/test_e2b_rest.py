@@ -60,7 +60,8 @@ def test_e2b_network_options_map_onto_podbay_egress_policy() -> None:
     closed = egress_policy(False, {"allowOut": ["api.example.com", "8.8.8.8"]})
     assert rules(closed, "allow") == ["api.example.com", "8.8.8.8/32"] and closed.deny == []
     same = egress_policy(None, {"denyOut": ["0.0.0.0/0"], "allowOut": ["*.github.com"]})
-    assert rules(same, "allow") == ["*.github.com"] and same.deny == []
+    # A domain in allowOut opens E2B's default DNS server too (dnsServers left out).
+    assert rules(same, "allow") == ["*.github.com", "8.8.8.8/32"] and same.deny == []
     # allowOut wins over denyOut: the allowed network is cut out of the denied one.
     part = egress_policy(None, {"denyOut": ["10.0.0.0/8"], "allowOut": ["10.1.0.0/16"]})
     assert rules(part, "allow") == everything
@@ -72,3 +73,33 @@ def test_e2b_network_options_map_onto_podbay_egress_policy() -> None:
         egress_policy(None, {"denyOut": ["example.com"]})
     with pytest.raises(InvalidRequest):
         egress_policy(None, {"allowOut": ["not a host!"]})
+
+
+def test_e2b_network_rules_dns_servers_and_egress_proxy() -> None:
+    from podbay_api.e2b_network import egress_policy
+
+    rules = {"api.example.com": [{"transform": {"headers": {"X-Team": "blue"}}}, {}],
+             "*.example.org": [{"transform": {"headers": {"Authorization": "Bearer t"}}}]}
+    policy = egress_policy(None, {"rules": rules})
+    assert policy is not None  # rules alone: E2B's open internet, with the transforms
+    assert [r.cidr for r in policy.allow] == ["0.0.0.0/0", "::/0"]
+    assert [(t.domain, t.headers) for t in policy.transforms] == [
+        ("api.example.com", {"X-Team": "blue"}), ("*.example.org", {"Authorization": "Bearer t"})]
+    assert policy.model_dump(mode="json")["transforms"][0] == {"domain": "api.example.com",
+                                                               "headers": {"X-Team": "blue"}}
+    assert "transforms" not in egress_policy(True, None).model_dump(mode="json")  # the plain shape stays
+    dns = egress_policy(None, {"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"],
+                               "dnsServers": ["1.1.1.1", "9.9.9.9"]})
+    assert [r.cidr or r.domain for r in dns.allow] == ["api.example.com", "1.1.1.1/32", "9.9.9.9/32"]
+    none = egress_policy(None, {"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"], "dnsServers": []})
+    assert [r.domain for r in none.allow] == ["api.example.com"]
+    no_domain = egress_policy(None, {"allowOut": ["10.0.0.1"], "denyOut": ["0.0.0.0/0"]})
+    assert [r.cidr for r in no_domain.allow] == ["10.0.0.1/32"]  # no domain: DNS servers change nothing
+    for bad in ({"egressProxy": {"address": "proxy.example.com:1080"}},
+                {"rules": {"10.0.0.0/8": [{"transform": {"headers": {"X-A": "b"}}}]}},
+                {"rules": {"a.example.com": [{"transform": {"body": "x"}}]}},
+                {"rules": {"a.example.com": [{"transform": {"headers": {"Bad Name": "b"}}}]}},
+                {"rules": {"a.example.com": [{"transform": {"headers": {"X-A": "b\r\nX-B: c"}}}]}},
+                {"dnsServers": ["::1"]}, {"dnsServers": ["1.1.1.1"] * 11}):
+        with pytest.raises(InvalidRequest):
+            egress_policy(None, bad)

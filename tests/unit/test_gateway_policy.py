@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from podbay.contracts.egress import EgressPolicy
-from podbay_gateway.policy import always_denied, cidr_allows, decide, decide_name, name_matches, normalise_name
+from podbay_gateway.policy import (
+    always_denied,
+    cidr_allows,
+    decide,
+    decide_name,
+    name_matches,
+    normalise_name,
+    transform_headers,
+)
 
 
 def _policy(allow: list[dict] | None = None, deny: list[dict] | None = None) -> EgressPolicy:
@@ -138,3 +146,15 @@ def test_cidr_allows_any_port_unless_denied_on_every_port() -> None:
     assert cidr_allows(policy, "198.51.100.77")  # denied on 443 only: the name may still be learned
     assert not cidr_allows(policy, "203.0.113.1")
     assert not cidr_allows(None, "198.51.100.7")
+
+
+def test_transform_headers_merge_in_order_case_insensitively() -> None:
+    policy = EgressPolicy.model_validate({"transforms": [
+        {"domain": "api.example.com", "headers": {"X-Team": "blue", "X-One": "1"}},
+        {"domain": "*.example.com", "headers": {"x-team": "red"}},
+        {"domain": "other.example.org", "headers": {"X-Other": "o"}}]})
+    assert transform_headers(policy, "API.example.com.:443") == {"x-team": "red", "X-One": "1"}
+    assert transform_headers(policy, "www.example.com") == {"x-team": "red"}
+    assert transform_headers(policy, "example.com") == {}  # a wildcard is strictly below its suffix
+    assert transform_headers(policy, "192.0.2.1") == {} and transform_headers(policy, None) == {}
+    assert transform_headers(None, "api.example.com") == {}

@@ -9,6 +9,9 @@ Policy semantics (the gateway is the one place that applies them):
   ``github.com`` at any depth but not ``github.com`` itself. Names are compared lower-case without a final dot.
 * A connection is matched by the name the guest asked for (TLS SNI, HTTP Host, or the name whose DNS answer
   gave the address) and by its destination address and port.
+* ``transforms`` set HTTP headers on requests to a host (E2B's ``network.rules``): on plain HTTP, and on HTTPS,
+  which the gateway then intercepts with the sandbox's own CA (as for a credential). A transform allows
+  nothing by itself; a header already on the request is replaced; a credential for the same header wins.
 * Whatever the policy says, the gateway never connects to loopback, link-local (169.254.0.0/16, fe80::/10,
   including the metadata address 169.254.169.254), multicast, the node's own addresses or the sandbox
   network: those are refused before any rule is read.
@@ -30,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "EgressRule",
+    "HeaderTransform",
     "EgressPolicy",
     "NetBinding",
     "bindings_dir",
@@ -38,6 +42,7 @@ __all__ = [
 
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # an HTTP token (RFC 9110)
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -78,6 +83,34 @@ class EgressRule(BaseModel):
         return self
 
 
+class HeaderTransform(BaseModel):
+    """Headers set on every HTTP request to a host: ``{"domain": "api.example.com", "headers": {"X-Team":
+    "blue"}}`` (``domain`` exact or a ``*.`` wildcard, as in :class:`EgressRule`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    domain: str = Field(max_length=253, description="Exact name or '*.' wildcard.")
+    headers: dict[str, str] = Field(max_length=32, description="Header name -> value; replaces the request's.")
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, v: str) -> str:
+        v = v.strip().lower().rstrip(".")
+        if not _DOMAIN_RE.match(v):
+            raise ValueError("domain must be a host name such as api.example.com or *.example.com")
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not _HEADER_NAME_RE.match(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if len(value) > 8192 or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"the value of header {name!r} is longer than 8192 or holds CR, LF or NUL")
+        return v
+
+
 class EgressPolicy(BaseModel):
     """A sandbox's egress policy. The empty policy (the default) allows nothing."""
 
@@ -85,6 +118,9 @@ class EgressPolicy(BaseModel):
 
     allow: list[EgressRule] = Field(default_factory=list, max_length=256)
     deny: list[EgressRule] = Field(default_factory=list, max_length=256)
+    # Left out when empty, so a policy without transforms keeps its plain {"allow", "deny"} shape.
+    transforms: list[HeaderTransform] = Field(default_factory=list, max_length=64, exclude_if=lambda v: not v,
+                                              description="Headers set on HTTP(S) requests to matching hosts.")
 
 
 class NetBinding(BaseModel):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,17 +10,15 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import Settings
 from podbay.health import nats_check, pg_check, task_check
-from podbay.logs import bind_from_path
+from podbay.httpmetrics import RequestMetrics
 from podbay.outbox import Relay
 from podbay.service import readyz_route
 from podbay.webhooks import Deliverer
-from podbay.telemetry import HTTP_REQUEST_SECONDS
 
 from podbay.contracts import subjects
 
@@ -34,38 +31,7 @@ from . import templates as template_routes
 from . import volumes as volume_routes
 from .schedules.firer import ScheduleFirer
 
-__all__ = ["create_app"]
-
-
-class RequestMetrics:
-    """ASGI middleware: ``podbay_http_request_seconds`` per route, method and status class. Plain ASGI rather
-    than ``@app.middleware("http")``, whose per-request task and stream hand-off cost about a millisecond of
-    the warm create path on a busy host."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t = time.perf_counter()
-        bind_from_path(scope["path"])  # log lines of this request carry its sandbox / operation id
-        status = 500  # what the client gets when the app raises before answering
-
-        async def send_and_note(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            # The router records the matched route in the (shared) scope; unmatched paths stay one label.
-            path = getattr(scope.get("route"), "path", "unmatched")
-            HTTP_REQUEST_SECONDS.labels("api", path, scope["method"], f"{status // 100}xx").observe(
-                time.perf_counter() - t)
+__all__ = ["create_app", "RequestMetrics"]
 
 
 async def _starting() -> str:
@@ -166,7 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(schedule_routes.router)
     app.include_router(volume_routes.router)
 
-    app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestMetrics, service="api")
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

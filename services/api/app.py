@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,7 +55,13 @@ def create_app(settings: Settings) -> FastAPI:
         # Exec and file transfers can be long; the per-request timeout is the guest's business, not httpx's.
         nodes_http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                        limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
-        ctx = ApiContext(settings=settings, pool=pool, bus=bus, relay=relay, nodes_http=nodes_http)
+        # Idle connections are dropped before the node's server drops them (uvicorn: after 5 s), so a call
+        # never goes out on a connection the node is closing.
+        nodes_json = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), auto_decompress=False, trust_env=False,
+            connector=aiohttp.TCPConnector(limit=200, keepalive_timeout=4.0))
+        ctx = ApiContext(settings=settings, pool=pool, bus=bus, relay=relay, nodes_http=nodes_http,
+                         nodes_json=nodes_json)
         await ctx.waiter.start(bus)
         await bus.nc.subscribe(subjects.API_KEY_REVOKED, cb=keys.on_revoked)
         relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
@@ -93,6 +100,7 @@ def create_app(settings: Settings) -> FastAPI:
                     firer_task.cancel()
             relay_task.cancel()
             await nodes_http.aclose()
+            await nodes_json.close()
             await bus.close()
             await pool.close()
 

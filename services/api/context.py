@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+import aiohttp
 import asyncpg
 import httpx
 
@@ -95,3 +96,7 @@ class ApiContext:
     relay: Relay
     nodes_http: httpx.AsyncClient
     waiter: EventWaiter = field(default_factory=EventWaiter)
+    #: The nodes' data plane for calls answered in one piece (exec, file stat/list/mkdir/remove): aiohttp's
+    #: client costs ~1-3 ms less per call than httpx's on a loaded 2-core host; streams stay on ``nodes_http``.
+    #: None: everything goes through ``nodes_http``.
+    nodes_json: aiohttp.ClientSession | None = None

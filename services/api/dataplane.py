@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import aiohttp
 import httpx
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
@@ -125,6 +126,9 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
                  pass_headers: tuple[str, ...] = _PASS_HEADERS) -> Response:
     headers = {**(extra_headers or {}), "x-podbay-internal-token": ctx.settings.internal_token,
                "x-podbay-generation": str(generation)}
+    if ctx.nodes_json is not None and not stream_body and not stream_response:
+        return await _call_node(ctx.nodes_json, url, headers, method=method, params=params, json_body=json_body,
+                                pass_headers=pass_headers)
     content: AsyncIterator[bytes] | None = None
     if stream_body:
         content = request.stream()
@@ -158,6 +162,31 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
 
     return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers,
                              media_type=resp.headers.get("content-type"))
+
+
+async def _call_node(session: aiohttp.ClientSession, url: str, headers: dict[str, str], *, method: str,
+                     params: dict[str, str] | None, json_body: object | None,
+                     pass_headers: tuple[str, ...]) -> Response:
+    """One call to a node answered in one piece (exec, file stat/list/mkdir/remove), through aiohttp; the
+    node's status, body and ``pass_headers`` go back as they are. ``Unavailable`` (retryable) when the node
+    does not answer."""
+    data: bytes | None = None
+    if json_body is not None:
+        data = json.dumps(json_body, separators=(",", ":")).encode()
+        headers = {**headers, "content-type": "application/json"}
+    t = time.perf_counter()
+    try:
+        async with session.request(method, url, params=params, data=data, headers=headers) as resp:
+            body = await resp.read()
+            status = resp.status
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() in pass_headers}
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # The node's address is internal topology: log it, do not show it to tenants.
+        log.warning("node data plane %s did not answer: %r", url, exc)
+        raise Unavailable(f"the sandbox's node did not answer ({type(exc).__name__}); retry shortly",
+                          details={"retryable": True}) from exc
+    HOP_SECONDS.labels("api", "node").observe(time.perf_counter() - t)
+    return Response(body, status_code=status, headers=out_headers)
 
 
 def _node_url(base: str, sandbox_id: str, suffix: str) -> str:

@@ -4,7 +4,7 @@ A value is sealed on the way in by :func:`podbay.credentials.open_store` (AES-GC
 and never leaves through any API, log line or error message; the gateway alone reveals it, at the moment it
 injects it into a matching request. Every sandbox created (or forked) while a credential is in scope gets the
 placeholder ``PODBAY_CRED_<NAME>=podbay-credential:<name>`` in its command environment (``sandboxes.guest_env``,
-computed by :data:`GUEST_ENV_SQL` in the create's own statement).
+computed by :data:`services.api.sandbox_lookup.GUEST_ENV_SQL` in the create's own statement).
 
 Errors: 409 ``conflict`` (name taken), 422 ``validation_error``, 404 ``not_found`` (also another tenant's),
 503 ``storage_error`` (the backend is unreachable or misconfigured; retryable).
@@ -19,7 +19,6 @@ import asyncpg
 from fastapi import APIRouter, Depends, Response
 
 from podbay.contracts.access import (
-    PLACEHOLDER_PREFIX,
     CredentialCreate,
     CredentialInfo,
     CredentialList,
@@ -32,26 +31,15 @@ from podbay.outbox import new_id
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
+from .sandbox_lookup import audit
 
-__all__ = ["router", "GUEST_ENV_SQL", "store_for"]
+__all__ = ["router", "store_for"]
 
 log = logging.getLogger("podbay.api.credentials")
 router = APIRouter(prefix="/v1")
 
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
-
-#: SQL expression (``str.format`` with ``tenant``, ``sandbox`` and ``template`` as SQL expressions) giving the
-#: placeholder env of a sandbox: one entry per live, unexpired credential of the tenant whose scope includes
-#: the sandbox and its template; NULL when there is none. Kept in SQL so that the warm create stays one
-#: statement. Mirrors :func:`podbay.contracts.access.placeholder_env`.
-GUEST_ENV_SQL = (
-    "(SELECT jsonb_object_agg('" + PLACEHOLDER_PREFIX + "' || upper(replace(c.name, '-', '_')),"
-    " 'podbay-credential:' || c.name) FROM credentials c"
-    " WHERE c.tenant_id = {tenant} AND c.deleted_at IS NULL AND (c.expires_at IS NULL OR c.expires_at > now())"
-    " AND (c.scope_sandboxes IS NULL OR {sandbox} = ANY(c.scope_sandboxes))"
-    " AND (c.scope_templates IS NULL OR {template} = ANY(c.scope_templates)))"
-)
 
 _COLS = ("id, name, hosts, path_prefix, header, format, expires_at, rate_limit_per_min, scope_sandboxes,"
          " scope_templates, backend, created_at")
@@ -161,8 +149,6 @@ async def delete_credential(name: str, ctx: CtxDep, who: PrincipalDep) -> Respon
 
 
 async def _audit(conn: Any, who: Principal, action: str, target: str, detail: dict[str, Any]) -> None:
-    from .sandboxes import audit  # sandboxes imports this module for GUEST_ENV_SQL
-
     await audit(conn, who, action, target, detail=detail)
 
 

@@ -27,6 +27,7 @@ from podbay.errors import NotFound, Unavailable
 from podbay.outbox import new_id
 from podbay.telemetry import HOP_SECONDS
 
+from . import sandbox_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
@@ -43,9 +44,7 @@ async def _auto_resume(sandbox_id: str, ctx: CtxDep, who: PrincipalDep,
                        auto_resume: bool = Query(False, description="Resume a suspended or paused sandbox first "
                                                  "(waits for it, bounded).")) -> None:
     if auto_resume:
-        from .suspend import auto_resume as resume_first
-
-        await resume_first(ctx, who, sandbox_id)
+        await sandbox_service.auto_resume(ctx, who, sandbox_id)
 
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", dependencies=[Depends(_auto_resume)])

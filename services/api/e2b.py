@@ -36,7 +36,7 @@ from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
 from podbay.contracts.states import SandboxCommand
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 
-from . import dataplane, sandboxes, snapshots
+from . import dataplane, sandbox_service, snapshots
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
@@ -127,7 +127,7 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise InvalidRequest(f"{where}: {first.get('msg', 'invalid')}") from exc
-    info = await sandboxes.create_sandbox(req, ctx, who, Response(), wait=True)
+    info, _ = await sandbox_service.create(ctx, who, req, wait=True)
     auto_resume = bool(body.auto_pause and body.auto_resume and body.auto_resume.get("enabled"))
     if body.env_vars or auto_resume:
         await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume) VALUES ($1, $2, $3)",
@@ -240,7 +240,7 @@ async def get_info(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
 async def kill(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     """Delete the sandbox -> 204; 404 when it does not exist (or is already gone)."""
     await _row(ctx, who, sandbox_id)
-    await sandboxes.delete_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    await sandbox_service.delete(ctx, who, sandbox_id, wait=True)
     return Response(status_code=204)
 
 
@@ -279,7 +279,7 @@ async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: PauseBody | Non
         if snap.state != "ready":
             raise Unavailable(f"the filesystem snapshot of {sandbox_id} is {snap.state}: {snap.error or 'not ready'}")
         cold = snap.id
-    await sandboxes.pause_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+    await sandbox_service.pause(ctx, who, sandbox_id, wait=True)
     await ctx.pool.execute(
         "INSERT INTO e2b_sandboxes (sandbox_id, cold_resume_snapshot) VALUES ($1, $2)"
         " ON CONFLICT (sandbox_id) DO UPDATE SET cold_resume_snapshot = EXCLUDED.cold_resume_snapshot",
@@ -301,7 +301,7 @@ async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
             return
         except (NotFound, InvalidState, Conflict):
             pass  # reclaimed by retention, or a state restore refuses: resume its memory instead
-    await sandboxes.resume_sandbox(sandbox_id, ctx, who, Response(), wait=True, fallback=False)
+    await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
 
 
 async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: Principal) -> JSONResponse:

@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict
 
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
-from . import sandboxes
 from .auth import Principal, authenticate
 from .context import ApiContext
 from .errors import BAD_TEXT_MESSAGE, retry_headers
+from .sandbox_lookup import audit, load_sandbox
 
 __all__ = ["ENVD_VERSION", "CLIENT_ID", "E2B_STATES", "error_body", "WhoDep", "envd_access_token", "encode_cursor",
            "decode_cursor"]
@@ -98,7 +98,7 @@ async def _exact_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds
     """The lease runs out ``seconds`` from now, any length E2B accepts (podbay's own API keeps a 10 s floor).
     With ``only_extend`` a lease that already ends later is kept, as E2B's connect does."""
     async with ctx.pool.acquire() as conn, conn.transaction():
-        row = await sandboxes.load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         if row["state"] in ("deleting", "deleted"):
             raise NotFound(f"sandbox {sandbox_id} was not found")
         done = await conn.fetchval(
@@ -106,7 +106,7 @@ async def _exact_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds
             " updated_at=now() WHERE id=$1 AND NOT ($3 AND lease_expires_at >= now() + $2::integer * interval"
             " '1 second') RETURNING true", sandbox_id, seconds, only_extend)
         if done:
-            await sandboxes.audit(conn, who, "sandbox.timeout", sandbox_id)
+            await audit(conn, who, "sandbox.timeout", sandbox_id)
 
 
 def _iso(ts: datetime | None) -> str:
@@ -126,7 +126,7 @@ def _sandbox(ctx: ApiContext, sandbox_id: str, template: str) -> dict[str, Any]:
 async def _row(ctx: ApiContext, who: Principal, sandbox_id: str) -> Any:
     """The caller's sandbox in a state E2B knows; NotFound ("... was not found") otherwise."""
     try:
-        row = await sandboxes.load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
+        row = await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
     except NotFound:
         row = None
     if row is None or row["state"] not in E2B_STATES:

@@ -40,7 +40,7 @@ from . import dataplane
 from .auth import Principal
 from .context import ApiContext
 from .e2b_common import envd_access_token, error_body
-from .suspend import auto_resume
+from .sandbox_service import auto_resume
 
 __all__ = ["router", "EnvdRouting", "file_signature", "check_file_signature", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
 

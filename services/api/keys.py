@@ -19,7 +19,7 @@ from podbay.errors import Conflict, NotFound
 from .auth import Principal, create_key, forget_key
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
-from .sandboxes import audit
+from .sandbox_lookup import audit
 
 __all__ = ["router", "on_revoked"]
 

@@ -23,7 +23,7 @@ from podbay.errors import Forbidden, InvalidState, NotFound
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
-from .sandboxes import audit
+from .sandbox_lookup import audit
 
 __all__ = ["router", "effective_policy"]
 

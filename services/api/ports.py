@@ -24,7 +24,7 @@ from . import ports_access as pa
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
-from .sandboxes import audit, load_sandbox
+from .sandbox_lookup import audit, load_sandbox
 
 __all__ = ["router"]
 

@@ -42,7 +42,7 @@ from podbay.errors import PodbayError, Unauthorized
 from . import ports_access as pa
 from .auth import Principal, authenticate
 from .context import ApiContext
-from .suspend import auto_resume
+from .sandbox_service import auto_resume
 
 __all__ = ["PortsEdge", "LEASE_RENEW_EVERY_S", "E2B_ENVD_PORT"]
 

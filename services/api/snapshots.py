@@ -42,9 +42,8 @@ from .auth import Principal
 from .context import ApiContext
 from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
-from .credentials import GUEST_ENV_SQL
 from .schedules.routes import copy_schedules
-from .sandboxes import audit, await_operation, load_sandbox, sandbox_info
+from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
 from .volumes import refuse_with_volumes
 
 __all__ = ["router"]

@@ -47,7 +47,7 @@ from podbay.outbox import new_id
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
-from .sandboxes import audit
+from .sandbox_lookup import audit
 
 __all__ = ["router", "BUILTIN"]
 

@@ -18,7 +18,6 @@ import json
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 import asyncpg
 
@@ -33,7 +32,7 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 
 from .auth import Principal
 from .context import ApiContext
-from .credentials import GUEST_ENV_SQL
+from .sandbox_lookup import GUEST_ENV_SQL, finish, load_sandbox, sandbox_info
 
 __all__ = ["warm_create", "CLAIM_SQL"]
 
@@ -83,8 +82,6 @@ async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: 
     Returns the running sandbox (also after a fallback to a restore), or raises ``SandboxFailed``.
     Hops recorded in ``podbay_hop_seconds{service="api"}``: ``warm_claim_db``, ``warm_node``.
     """
-    from .sandboxes import load_sandbox, sandbox_info  # sandboxes imports this module
-
     op_id = new_id("op")
 
     bind_log_context(operation_id=op_id)  # every log line of this request names it
@@ -120,7 +117,7 @@ async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: 
         return info
     log.warning("warm slot %s on %s not handed over (%s): restoring instead", sandbox_id, node_id, reply.error)
     LIFECYCLE_OPERATIONS.labels("api", "create_warm", "fallback").inc()
-    return await _fall_back(ctx, who, row, sandbox_id, op_id, t0, load_sandbox, sandbox_info)
+    return await _fall_back(ctx, who, row, sandbox_id, op_id, t0)
 
 
 async def _ask_node(ctx: ApiContext, node_id: str, claim: WarmClaim) -> WarmClaimReply:
@@ -136,7 +133,7 @@ async def _ask_node(ctx: ApiContext, node_id: str, claim: WarmClaim) -> WarmClai
 
 
 async def _fall_back(ctx: ApiContext, who: Principal, row: asyncpg.Record, sandbox_id: str, op_id: str,
-                     t0: float, load_sandbox: Any, sandbox_info: Any) -> SandboxInfo:
+                     t0: float) -> SandboxInfo:
     """Send the already recorded sandbox (``row``) through the scheduler (restore path) and wait for it."""
     async with ctx.pool.acquire() as conn, conn.transaction():
         back = await conn.fetchval(
@@ -146,16 +143,14 @@ async def _fall_back(ctx: ApiContext, who: Principal, row: asyncpg.Record, sandb
             await conn.execute("UPDATE operations SET state='pending' WHERE id=$1", op_id)
     if back is None:
         # The node committed after all (its answer was lost or late): the sandbox runs or moved on.
-        return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)  # type: ignore[no-any-return]
+        return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"})
     await ctx.bus.publish_command(
         subjects.SCHEDULER_PLACE,
         PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=row["template"],
                      resources=Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"])),
         msg_id=op_id)
-    from .sandboxes import _finish
-
-    info, _ = await _finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
+    info, _ = await finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
     if info.state == "failed":
         raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}",
                             details={"sandbox_id": sandbox_id, "operation_id": op_id})

@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Cycles not yet broken, each as the sorted files of its strongly connected component.
 KNOWN: set[tuple[str, ...]] = {
-    ("services/api/credentials.py", "services/api/sandboxes.py", "services/api/suspend.py", "services/api/warm.py"),
     ("services/nodeagent/migrate.py", "services/nodeagent/sandboxes.py"),
 }
 

@@ -27,7 +27,7 @@ from podbay.outbox import new_id
 from ..auth import Principal
 from ..context import ApiContext
 from ..deps import ctx_dep, principal_dep
-from ..sandboxes import audit, load_sandbox
+from ..sandbox_lookup import audit, load_sandbox
 from .cron import first_fire
 
 __all__ = ["router", "run_info", "copy_schedules"]

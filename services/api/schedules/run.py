@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from fastapi import Response
 
 from podbay.contracts.api import ExecRequest, ExecResult
 from podbay.contracts.schedules import OUTPUT_KEEP_BYTES, ScheduleRunState
@@ -35,8 +34,7 @@ from podbay.telemetry import SCHEDULE_LATENESS_SECONDS, SCHEDULE_RUNS, SCHEDULE_
 from ..auth import Principal
 from ..context import ApiContext
 from ..dataplane import exec_body, lookup
-from ..sandboxes import pause_sandbox, resume_sandbox
-from ..suspend import suspend_sandbox
+from .. import sandbox_service
 
 __all__ = ["Run", "execute", "recover", "put_back", "split_output", "finish_event"]
 
@@ -103,9 +101,8 @@ async def _wake(ctx: ApiContext, run: Run, prior: str) -> None:
     """Bring the sandbox to ``running``; raises ``PodbayError`` when it does not get there."""
     if prior == SandboxState.RUNNING:
         return
-    response = Response()
-    info = await resume_sandbox(run.sandbox_id, ctx, run.who, response, wait=True, fallback=False)
-    if response.status_code == 202 or info.state != SandboxState.RUNNING:
+    info, finished = await sandbox_service.resume(ctx, run.who, run.sandbox_id, wait=True)
+    if not finished or info.state != SandboxState.RUNNING:
         raise PodbayError(f"sandbox {run.sandbox_id} did not wake (state {info.state})",
                           details={"state": str(info.state)})
 
@@ -117,9 +114,9 @@ async def put_back(ctx: ApiContext, who: Principal, sandbox_id: str, prior: str)
     if state != SandboxState.RUNNING or prior == SandboxState.RUNNING:
         return
     if prior == SandboxState.PAUSED:
-        await pause_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+        await sandbox_service.pause(ctx, who, sandbox_id, wait=True)
     elif prior == SandboxState.SUSPENDED:
-        await suspend_sandbox(sandbox_id, ctx, who, Response(), wait=True)
+        await sandbox_service.suspend(ctx, who, sandbox_id, wait=True)
 
 
 async def _exec(ctx: ApiContext, run: Run) -> ExecResult:

@@ -1,0 +1,344 @@
+"""The sandbox service layer: create, delete, pause, resume, suspend and the auto-resume of a data-plane call.
+
+Each state change commits in one transaction with its outbox event (docs/DESIGN.md §4) and then puts a command
+on JetStream (or, for a warm create, one NATS request: services/api/warm.py). With ``wait`` a call waits for
+the outcome, bounded by ``create_timeout_s`` (suspend and a wake from object storage: ``suspend_timeout_s``).
+Every function returns ``(SandboxInfo, finished)``: ``finished`` False means the bound ran out or ``wait`` was
+False, and the caller answers 202 with ``operation_id``.
+
+No FastAPI types: the native routes (services/api/sandboxes.py, suspend.py), E2B's (services/api/e2b*.py),
+schedules and the port edge all call these functions, and no route calls another route.
+
+Suspend and resume from object storage (docs/ARCHITECTURE.md "Suspend and resume"):
+
+- :func:`suspend` (running or paused): in one transaction insert the full snapshot row (``creating``), set
+  the sandbox ``suspending`` with that snapshot, record the operation and emit ``suspending``; then send
+  ``podbay.cmd.node.<node>.suspend``. The node snapshots, has the snapshotter promote, and frees the VM; a
+  failed promotion leaves the sandbox ``paused`` with the error on the operation (``SuspendFailed``).
+- :func:`resume_suspended`: set ``resuming`` and ask the scheduler to place it (``PlaceSandbox`` with
+  ``wake``); the chosen node fetches, verifies and restores it. A corrupt snapshot raises ``SnapshotCorrupt``
+  and the sandbox stays ``suspended``; ``fallback`` restores the newest older intact promoted full snapshot.
+- :func:`auto_resume`: exec and file calls with ``?auto_resume=true`` on a suspended (or paused) sandbox
+  resume it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from podbay.contracts import subjects
+from podbay.contracts.api import SandboxCreate, SandboxInfo
+from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
+from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
+from podbay.errors import (
+    InvalidRequest,
+    InvalidState,
+    NoCapacity,
+    NotFound,
+    PodbayError,
+    SandboxFailed,
+    SnapshotCorrupt,
+    SuspendFailed,
+    Unavailable,
+)
+from podbay.faults import fault_point
+from podbay.logs import bind_log_context
+from podbay.naming import sandbox_hostname
+from podbay.outbox import emit_sandbox_event, new_id
+from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
+
+from .auth import Principal
+from .context import ApiContext
+from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, finish, load_sandbox, sandbox_info
+from .volumes import attach_volumes
+from .warm import warm_create
+
+__all__ = ["create", "delete", "pause", "resume", "resume_suspended", "suspend", "auto_resume"]
+
+
+async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: bool) -> tuple[SandboxInfo, bool]:
+    """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
+    and a resume), else by restoring the template's snapshot on a node with room.
+
+    Raises ``NotFound`` (unknown template or volume), ``InvalidRequest`` (resources the template's snapshot
+    cannot restore with), the volume errors of services/api/volumes.py, ``NoCapacity`` (no node had room
+    within the scheduler's retry window; the sandbox is ``failed``), ``SandboxFailed`` (with the reason),
+    ``Unavailable``. Without ``wait`` the same outcomes show on the operation (``error.code``) and the
+    sandbox (``failed``, ``failure_reason``).
+    """
+    t0 = time.perf_counter()
+    # A warm claim looks the template up in its own statement; the checks below answer when it cannot. A warm
+    # slot was restored without volumes and its node may not hold them: a create with volumes restores.
+    if wait and not body.volumes and (warm := await warm_create(ctx, who, body, t0)) is not None:
+        return warm, True
+    tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates"
+                                  " WHERE name = $1 AND deleted_at IS NULL", body.template)
+    if tpl is None:
+        raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
+    if body.memory_mib is not None and body.memory_mib != tpl["memory_mib"]:
+        raise InvalidRequest(
+            f"template {body.template!r} is snapshotted with {tpl['memory_mib']} MiB; memory_mib must match",
+            details={"template_memory_mib": tpl["memory_mib"]},
+        )
+    if body.vcpus is not None and body.vcpus != tpl["vcpus"]:
+        raise InvalidRequest(
+            f"template {body.template!r} is snapshotted with {tpl['vcpus']} vCPUs; vcpus must match",
+            details={"template_vcpus": tpl["vcpus"]},
+        )
+    sandbox_id = new_id("sbx")
+    bind_log_context(sandbox_id=sandbox_id)
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    hostname = sandbox_hostname(sandbox_id)
+    t_db = time.perf_counter()
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib, vcpus,"
+            " hostname, metadata, lease_s, lease_action, lease_expires_at, egress_policy, guest_env)"
+            " VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8,$9,$10, now() + $9::integer * interval '1 second',"
+            f" $11, {GUEST_ENV_SQL.format(tenant='$2', sandbox='$1', template='$3')})",
+            sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], tpl["memory_mib"], tpl["vcpus"], hostname,
+            body.metadata, body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action,
+            body.network.model_dump(mode="json") if body.network is not None else None,
+        )
+        await conn.execute(
+            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','pending')",
+            op_id, who.tenant_id, sandbox_id,
+        )
+        await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
+                                 data={"template": tpl["name"], "operation_id": op_id})
+        await attach_volumes(conn, who.tenant_id, sandbox_id, body.volumes or [])
+        await audit(conn, who, "sandbox.create", sandbox_id,
+                    detail={"template": tpl["name"], "network": body.network is not None,
+                            **({"volumes": [v.model_dump() for v in body.volumes]} if body.volumes else {})})
+    HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
+    ctx.relay.kick()
+    fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
+    t_bus = time.perf_counter()
+    await ctx.bus.publish_command(
+        subjects.SCHEDULER_PLACE,
+        PlaceSandbox(operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl["name"],
+                     resources=Resources(memory_mib=tpl["memory_mib"], vcpus=tpl["vcpus"])),
+        msg_id=op_id,
+    )
+    HOP_SECONDS.labels("api", "bus").observe(time.perf_counter() - t_bus)
+    info, finished = await finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
+    if info.state == SandboxState.FAILED:
+        details: dict[str, Any] = {"sandbox_id": sandbox_id, "operation_id": op_id}
+        code = await ctx.pool.fetchval("SELECT error_code FROM operations WHERE id=$1", op_id)
+        if code == NoCapacity.code:
+            raise NoCapacity(f"no node has room for sandbox {sandbox_id}: {info.failure_reason}",
+                             details={**details, "retry_after_s": NoCapacity.DEFAULT_RETRY_AFTER_S})
+        raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}", details=details)
+    return info, finished
+
+
+async def delete(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool) -> tuple[SandboxInfo, bool]:
+    """Stop the sandbox's VM and remove its files; the row stays with state ``deleted``. A sandbox that was
+    never placed is deleted here at once (finished). Raises ``NotFound``, ``InvalidState`` (already deleted)."""
+    t0 = time.perf_counter()
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    node_cmd: DeleteSandboxCmd | None = None
+    node_id: str | None = None
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.DELETE, row["state"])
+        node_id = row["node_id"]
+        if node_id is None:
+            # Never placed: nothing runs anywhere, so the delete completes here.
+            await conn.execute(
+                "UPDATE sandboxes SET state='deleted', desired_state='deleted', deleted_at=now(), updated_at=now()"
+                " WHERE id=$1", sandbox_id)
+            await conn.execute(
+                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
+                " VALUES ($1,$2,$3,'delete','succeeded',now())", op_id, who.tenant_id, sandbox_id)
+            await emit_sandbox_event(conn, sandbox_id, "deleted", state="deleted", tenant_id=who.tenant_id)
+            # A suspended sandbox's promoted snapshots go too (their chunks at the next collection), except
+            # pinned ones, which outlive it.
+            await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
+                               " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)
+        else:
+            await conn.execute(
+                "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1",
+                sandbox_id)
+            await conn.execute(
+                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'delete','pending')",
+                op_id, who.tenant_id, sandbox_id)
+            node_cmd = DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"])
+        await audit(conn, who, "sandbox.delete", sandbox_id)
+    ctx.relay.kick()
+    fut = None
+    if node_cmd is not None and node_id is not None:
+        fut = ctx.waiter.expect(sandbox_id, {"deleted"}) if wait else None
+        await ctx.bus.publish_command(subjects.node_cmd(node_id, "delete"), node_cmd, msg_id=op_id)
+    info, finished = await finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "delete", t0)
+    return info, finished or node_cmd is None
+
+
+async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, command: SandboxCommand, *,
+                          wait: bool) -> tuple[SandboxInfo, bool]:
+    """Record an operation for ``command``, send it to the sandbox's node, and (bounded) wait for it."""
+    t0 = time.perf_counter()
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(command, row["state"])
+        await conn.execute(
+            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,$4,'pending')",
+            op_id, who.tenant_id, sandbox_id, command.value)
+        await conn.execute("UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
+                           " WHERE id=$1", sandbox_id)
+        await audit(conn, who, f"sandbox.{command.value}", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(
+        subjects.node_cmd(row["node_id"], command.value),
+        SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]), msg_id=op_id)
+    finished, outcome = await await_operation(ctx, fut)
+    LIFECYCLE_OPERATION_SECONDS.labels("api", command.value, "ok" if finished else "pending").observe(
+        time.perf_counter() - t0)
+    if finished and outcome.get("state") == "failed":
+        raise InvalidState(f"could not {command.value} sandbox {sandbox_id}: {outcome.get('error')}",
+                           details={"operation_id": op_id})
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id), finished
+
+
+async def pause(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool) -> tuple[SandboxInfo, bool]:
+    """Pause a running sandbox in memory (QMP ``stop``). Raises ``InvalidState`` unless it is running."""
+    return await _node_operation(ctx, who, sandbox_id, SandboxCommand.PAUSE, wait=wait)
+
+
+async def resume(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool,
+                 fallback: bool = False) -> tuple[SandboxInfo, bool]:
+    """Resume a paused sandbox (QMP ``cont``, clock corrected) or wake a suspended one on a node with room
+    (:func:`resume_suspended`, which ``fallback`` is for). Raises ``InvalidState`` unless paused or
+    suspended, and what :func:`resume_suspended` raises."""
+    state = await ctx.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1 AND tenant_id=$2", sandbox_id,
+                                    who.tenant_id)
+    if state == SandboxState.SUSPENDED:
+        return await resume_suspended(ctx, who, sandbox_id, wait=wait, fallback=fallback)
+    return await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, wait=wait)
+
+
+async def _wait(fut: asyncio.Future[dict[str, object]] | None, timeout_s: float) -> bool:
+    if fut is None:
+        return False
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout=timeout_s)
+        return True
+    except TimeoutError:
+        fut.cancel()
+        return False
+
+
+async def _op_error(ctx: ApiContext, op_id: str) -> tuple[str | None, str | None]:
+    row = await ctx.pool.fetchrow("SELECT state, error_code, error_message FROM operations WHERE id=$1", op_id)
+    if row is None or row["state"] != "failed":
+        return None, None
+    return row["error_code"], row["error_message"]
+
+
+async def suspend(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool) -> tuple[SandboxInfo, bool]:
+    """Suspend a running or paused sandbox to object storage (see the module docstring); bounded by
+    ``suspend_timeout_s``. Raises ``InvalidState`` unless running or paused, ``SuspendFailed`` (the promotion
+    failed: the sandbox is ``paused`` and intact; ``details.operation_id``)."""
+    t0 = time.perf_counter()
+    op_id, snap_id = new_id("op"), new_id("snap")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.SUSPEND, row["state"])
+        parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
+                                     " ORDER BY created_at DESC LIMIT 1", sandbox_id)
+        await conn.execute(
+            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+            " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
+            parent, row["generation"])
+        await conn.execute("UPDATE sandboxes SET state='suspending', suspended_snapshot_id=$2, updated_at=now()"
+                           " WHERE id=$1", sandbox_id, snap_id)
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'suspend','pending')", op_id, who.tenant_id, sandbox_id)
+        await emit_sandbox_event(conn, sandbox_id, "suspending", state="suspending", tenant_id=who.tenant_id,
+                                 node_id=row["node_id"], generation=row["generation"],
+                                 data={"operation_id": op_id, "snapshot_id": snap_id})
+        await audit(conn, who, "sandbox.suspend", sandbox_id)
+    ctx.relay.kick()
+    fault_point("suspend.recorded")
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "suspend"),
+                                  SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
+                                               generation=row["generation"]), msg_id=op_id)
+    finished = await _wait(fut, ctx.settings.suspend_timeout_s)
+    LIFECYCLE_OPERATION_SECONDS.labels("api", "suspend", "ok" if finished else "pending").observe(
+        time.perf_counter() - t0)
+    if finished:
+        code, message = await _op_error(ctx, op_id)
+        if code is not None:
+            LIFECYCLE_OPERATIONS.labels("api", "suspend", "failed").inc()
+            raise SuspendFailed(f"could not suspend sandbox {sandbox_id}: {message}",
+                                 details={"operation_id": op_id, "snapshot_id": snap_id})
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id), finished
+
+
+async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool, fallback: bool,
+                           ) -> tuple[SandboxInfo, bool]:
+    """Wake a suspended sandbox on a node with room; returns (info, finished within the bound).
+
+    Raises ``InvalidState`` (not suspended), ``SnapshotCorrupt`` (502; it stays suspended),
+    ``NoCapacity`` (no node has room; it stays suspended), ``SandboxFailed`` (the restore failed)."""
+    t0 = time.perf_counter()
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        if row["state"] != SandboxState.SUSPENDED:
+            raise InvalidState(f"sandbox {sandbox_id} is {row['state']}, not suspended",
+                               details={"state": row["state"]})
+        tpl = await conn.fetchval("SELECT template FROM sandboxes WHERE id=$1", sandbox_id)
+        await conn.execute("UPDATE sandboxes SET state='resuming', updated_at=now(),"
+                           " lease_expires_at = now() + make_interval(secs => lease_s) WHERE id=$1", sandbox_id)
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'resume','pending')", op_id, who.tenant_id, sandbox_id)
+        await emit_sandbox_event(conn, sandbox_id, "resuming", state="resuming", tenant_id=who.tenant_id,
+                                 data={"operation_id": op_id, "fallback": fallback})
+        await audit(conn, who, "sandbox.resume", sandbox_id)
+    ctx.relay.kick()
+    fault_point("resume.recorded")
+    fut = ctx.waiter.expect(sandbox_id, {"resumed", "suspended", "failed"}) if wait else None
+    await ctx.bus.publish_command(subjects.SCHEDULER_PLACE, PlaceSandbox(
+        operation_id=op_id, sandbox_id=sandbox_id, tenant_id=who.tenant_id, template=tpl,
+        resources=Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]), wake=True, fallback=fallback),
+        msg_id=op_id)
+    finished = await _wait(fut, ctx.settings.suspend_timeout_s)
+    LIFECYCLE_OPERATION_SECONDS.labels("api", "resume_from_s3", "ok" if finished else "pending").observe(
+        time.perf_counter() - t0)
+    info = sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
+    if finished:
+        code, message = await _op_error(ctx, op_id)
+        details = {"operation_id": op_id}
+        if code == "snapshot_corrupt":
+            raise SnapshotCorrupt(f"cannot resume sandbox {sandbox_id}: {message}", details=details)
+        if code == NoCapacity.code:
+            raise NoCapacity(f"cannot resume sandbox {sandbox_id}: {message}",
+                             details={**details, "retry_after_s": NoCapacity.DEFAULT_RETRY_AFTER_S})
+        if info.state == SandboxState.FAILED:
+            raise SandboxFailed(f"sandbox {sandbox_id} failed to resume: {info.failure_reason}", details=details)
+        if code is not None:
+            raise PodbayError(f"cannot resume sandbox {sandbox_id}: {message}", details={**details, "code": code})
+    return info, finished
+
+
+async def auto_resume(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
+    """Resume a suspended or paused sandbox before a data-plane call that asked for it (``auto_resume``)."""
+    row = await ctx.pool.fetchrow("SELECT state, node_id, generation FROM sandboxes WHERE id=$1 AND tenant_id=$2",
+                                  sandbox_id, who.tenant_id)
+    if row is None:
+        raise NotFound(f"sandbox {sandbox_id} does not exist", details={"sandbox_id": sandbox_id})
+    if row["state"] == SandboxState.SUSPENDED:
+        _, finished = await resume_suspended(ctx, who, sandbox_id, wait=True, fallback=False)
+        if not finished:
+            raise Unavailable(f"sandbox {sandbox_id} is still resuming; retry shortly", details={"retryable": True})
+    elif row["state"] == SandboxState.PAUSED:
+        await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, wait=True)

@@ -25,7 +25,9 @@ Metrics:
   so that what lies between the hops (HTTP handling, the proxy's transport, the client) shows;
 - ``exec_true`` (phase ``exec``): ``POST /v1/sandboxes/{id}/exec`` of ``true`` on one running sandbox,
   one client (the same call as ``create_exec.py``, here on the benchmark's own stack, so that one run with
-  ``PODBAY_TCG_TB_SIZE_MIB`` set and one without compare the memory bound's cost on a quiet machine);
+  ``PODBAY_TCG_TB_SIZE_MIB`` set and one without compare the memory bound's cost on a quiet machine), and
+  ``guest_spawn_true``: the guest's own ``posix_spawn`` and wait of ``true``, timed inside the guest (as guestd
+  starts an exec), so that the guest hop splits into the process start and the channel and guestd;
 - ``first_command_warm`` (phase ``first``): what a user waits for from a create to its first command, through
   the SDK as a user runs it (``podbay.sdk.Client``: ``create_sandbox`` then ``exec(id, ["true"])``, one
   client), a ready slot waiting before each (the wait is not timed); ``first_command_cold`` (phase
@@ -371,6 +373,7 @@ def main() -> None:
                     c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}).raise_for_status()
                     samples.append(_ms(t0))
                 results.update(_hop_means("_exec", before, _scrape(metrics)))
+                results["guest_spawn_true"] = summarise(_guest_spawns(c, sid, args.runs))
                 _delete(c, [sid])
                 results["exec_true"] = summarise(samples)
             if phases & {"first", "firstcold"}:
@@ -386,6 +389,24 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report(results, args.json_path)
+
+
+#: Run in the guest: ``posix_spawn`` of ``true`` and its wait, as guestd starts an exec (guestd/spawn.py), timed
+#: in the guest; one time in ms per line.
+_SPAWN_PROBE = ("import os, sys, time\n"
+                "for _ in range(int(sys.argv[1])):\n"
+                "    t = time.perf_counter()\n"
+                "    pid = os.posix_spawn('/bin/true', ['true'], os.environ)\n"
+                "    os.waitpid(pid, 0)\n"
+                "    print((time.perf_counter() - t) * 1000)\n")
+
+
+def _guest_spawns(c: httpx.Client, sandbox_id: str, runs: int) -> list[float]:
+    """``guest_spawn_true``: the guest's own start and wait of ``true`` (ms), ``runs`` times in one exec, so that
+    ``exec_true``'s guest hop splits into the process start and the rest (channel, guestd)."""
+    r = c.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"argv": ["python3", "-c", _SPAWN_PROBE, str(runs)]})
+    r.raise_for_status()
+    return [float(x) for x in r.json()["stdout"].split()]
 
 
 def _warm_phases(c: httpx.Client, args: argparse.Namespace, phases: set[str], metrics: list[str],

@@ -44,7 +44,7 @@ from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
 from .schedules.routes import copy_schedules
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
-from .volumes import refuse_with_volumes
+from .volumes import fork_volumes, refuse_with_volumes
 
 __all__ = ["router"]
 
@@ -154,7 +154,6 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.FORK, row["state"])
-        await refuse_with_volumes(conn, sandbox_id, "fork", writable_only=False)
         take = body.snapshot_id is None
         if body.snapshot_id is not None:
             snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
@@ -182,6 +181,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
                 sandbox_hostname(cid), row["metadata"] or {}, sandbox_id, snap_id)
             await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
                                      data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
+        await fork_volumes(conn, who.tenant_id, sandbox_id, children, snap_id, body.volumes)
         if body.schedules:  # asked for: each child gets its own copies (own ids, own run history)
             await copy_schedules(conn, sandbox_id, children)
         await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"

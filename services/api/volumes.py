@@ -39,7 +39,8 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "attach_volumes", "check_volume_size", "refuse_with_volumes", "refuse_drain_with_volumes"]
+__all__ = ["router", "attach_volumes", "check_volume_size", "refuse_with_volumes", "refuse_drain_with_volumes",
+           "fork_volumes"]
 
 router = APIRouter(prefix="/v1")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -183,16 +184,53 @@ async def attach_volumes(conn: Any, tenant_id: str, sandbox_id: str, mounts: lis
 async def refuse_with_volumes(conn: Any, sandbox_id: str, what: str, *, writable_only: bool) -> None:
     """Raise :class:`~podbay.errors.Conflict` when the sandbox has volumes (only read-write ones with
     ``writable_only``) and so cannot do ``what``. Why: a guest's memory holds its mounted filesystems' state.
-    A fork child would mount the parent's volume in memory without the volume (children get none yet), and
-    a rollback to an older full snapshot would bring back a mount whose cached state predates the volume's
+    A rollback to an older full snapshot would bring back a mount whose cached state predates the volume's
     later writes (volumes are not rolled back with their sandbox). A wake from the sandbox's own latest
-    snapshot is safe and allowed: nothing wrote the volume since."""
+    snapshot is safe and allowed: nothing wrote the volume since. A fork gives children their own views
+    (:func:`fork_volumes`)."""
     rows = await conn.fetch("SELECT v.name, sv.readonly FROM sandbox_volumes sv JOIN volumes v"
                             " ON v.id = sv.volume_id WHERE sv.sandbox_id = $1", sandbox_id)
     names = sorted(r["name"] for r in rows if not (writable_only and r["readonly"]))
     if names:
         raise Conflict(f"sandbox {sandbox_id} has volume(s) {', '.join(names)}{' read-write' if writable_only else ''}"
                        f": {what} is not supported with volumes", details={"volumes": names})
+
+
+async def fork_volumes(conn: Any, tenant_id: str, parent_id: str, children: list[str], snapshot_id: str,
+                       mode: str) -> None:
+    """Give each fork child the parent's volumes at the same slots and paths, inside the fork's transaction
+    (after the children's rows). A read-write volume becomes, per child, a volume of its own whose file the
+    node reflinks from the copy the fork's full snapshot took while the parent was stopped
+    (``snapshots/<parent>/<snapshot>/vol<slot>.img``, ``volumes.origin``), so it matches the memory the child
+    starts from: with ``mode`` ``readonly`` a view (state ``view``, not listed, removed with the child) attached
+    read-only; with ``copy`` a named volume (``<name>-<12 hex of the child id>``) attached read-write that
+    outlives the child. A read-only volume is attached to the children read-only as it is (it cannot change)."""
+    rows = await conn.fetch(
+        "SELECT sv.slot, sv.path, sv.readonly, v.id, v.name, v.size_bytes, v.node_id FROM sandbox_volumes sv"
+        " JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1 ORDER BY sv.slot", parent_id)
+    attach: list[tuple[str, str, int, str, bool]] = []
+    for child in children:
+        for r in rows:
+            if r["readonly"]:
+                attach.append((child, r["id"], r["slot"], r["path"], True))
+                continue
+            vol_id = new_id("vol")
+            origin = f"snapshots/{parent_id}/{snapshot_id}/vol{r['slot']}.img"
+            if mode == "copy":
+                name = f"{r['name'][:50]}-{child.removeprefix('sbx_')[:12]}"
+                await conn.execute(
+                    "INSERT INTO volumes (id, tenant_id, name, size_bytes, node_id, origin) VALUES ($1,$2,$3,$4,$5,$6)",
+                    vol_id, tenant_id, name, r["size_bytes"], r["node_id"], origin)
+            else:
+                await conn.execute(
+                    "INSERT INTO volumes (id, tenant_id, name, size_bytes, node_id, origin, owner_sandbox_id, state)"
+                    " VALUES ($1,$2,$3,$4,$5,$6,$7,'view')", vol_id, tenant_id, r["name"], r["size_bytes"],
+                    r["node_id"], origin, child)
+            attach.append((child, vol_id, r["slot"], r["path"], mode != "copy"))
+    if attach:
+        await conn.executemany(
+            "INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly) VALUES ($1,$2,$3,$4,$5)",
+            attach)
 
 
 async def refuse_drain_with_volumes(conn: Any, node_id: str) -> None:

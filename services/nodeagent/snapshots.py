@@ -14,8 +14,9 @@ never lists a half snapshot; ``reconcile`` marks this node's ``creating`` rows f
   (a paused sandbox stays paused).
 - rollback: stop the current VM, then restore the full snapshot (or boot fresh on the disk snapshot) at
   the new generation; event ``restored``.
-- fork: (take a full snapshot, then) start each child from it with its own hostname, RNG seed and clock;
-  one child failing does not stop the others; event ``forked`` on the parent, ``started`` on each child.
+- fork: (take a full snapshot, then) start each child from it with its own hostname, RNG seed and clock,
+  and its views of the parent's read-write volumes remounted read-only; one child failing does not stop the
+  others; event ``forked`` on the parent, ``started`` on each child.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import ForkCmd, Resources, RestoreCmd, SnapshotCmd
 from podbay.errors import PodbayError
 from podbay.outbox import emit_sandbox_event
@@ -259,10 +261,13 @@ class SnapshotOps:
                 state: str | None = await m.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", child_id)
                 if state != "starting":
                     return state == "running"
-                return await m.bring_up(child_id, 1, res, hostname, parent["tenant_id"], template=parent["template"],
-                                        template_digest=parent["template_digest"], snapshot_dir=sdir,
-                                        operation_id=cmd.operation_id, event="started", kind="fork",
-                                        data={"parent": cmd.sandbox_id, "snapshot_id": cmd.snapshot_id})
+                ok = await m.bring_up(child_id, 1, res, hostname, parent["tenant_id"], template=parent["template"],
+                                      template_digest=parent["template_digest"], snapshot_dir=sdir,
+                                      operation_id=cmd.operation_id, event="started", kind="fork",
+                                      data={"parent": cmd.sandbox_id, "snapshot_id": cmd.snapshot_id})
+                if ok:
+                    await self._views_readonly(child_id)
+                return ok
 
         results = await asyncio.gather(*(one(c.sandbox_id, c.hostname) for c in cmd.children))
         async with m.pool.acquire() as conn, conn.transaction():
@@ -272,6 +277,21 @@ class SnapshotOps:
                                            "started": sum(results)})
         m.relay.kick()
         await m.finish_op(cmd.operation_id, None if any(results) else "no child started")
+
+    async def _views_readonly(self, child_id: str) -> None:
+        """Remount a fork child's views of its parent's read-write volumes read-only (its memory has them
+        mounted read-write). A failure is logged: the view is the child's own file, so whatever the child
+        writes there never reaches the parent's volume."""
+        vm = self.m.vms.get(child_id)
+        for path in await self.m.volumes.view_paths(child_id):
+            try:
+                if vm is None or vm.channel is None:
+                    raise PodbayError("its VM is not running")
+                _, err, ex = await vm.channel.run(ExecSpec(argv=["mount", "-o", "remount,ro", path], timeout_s=30))
+                if ex.exit_code != 0:
+                    raise PodbayError(err.decode(errors="replace").strip()[:300])
+            except Exception as exc:
+                log.warning("fork child %s: remounting its view at %s read-only failed: %s", child_id, path, exc)
 
     async def reconcile(self) -> None:
         """Fail this node's snapshots left ``creating`` by a crash and remove their partial files."""

@@ -173,6 +173,14 @@ class VolumeStore:
             out.append(GuestVolume(slot=r["slot"], path=r["path"], readonly=r["readonly"]))
         return out
 
+    async def view_paths(self, sandbox_id: str) -> list[str]:
+        """Guest paths of the sandbox's read-only views (a fork child's view of its parent's read-write
+        volume): its memory, the parent's, has them mounted read-write, so the fork remounts them read-only."""
+        rows = await self.pool.fetch(
+            "SELECT sv.path FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
+            " WHERE sv.sandbox_id = $1 AND v.state = 'view' ORDER BY sv.slot", sandbox_id)
+        return [r["path"] for r in rows]
+
     async def sweep(self) -> int:
         """Remove the files of this node's volumes marked ``deleting`` (none attached any more), then their
         rows; returns how many. A file already gone is fine (a crash between the two steps)."""

@@ -5,7 +5,8 @@
 - a second suspend of an idle sandbox uploads a small fraction of the first snapshot;
 - a corrupt chunk in the bucket makes the resume refuse with ``snapshot_corrupt`` and leaves the sandbox
   suspended; once the object is whole again the resume works;
-- the resume lands on a second node agent (own data directory and node id) while the first is stopped;
+- the resume lands on a second node agent (own data directory and node id) while the first is stopped,
+  with the sandbox's volume fetched there from its promoted snapshot (the volume's home moves);
 - SIGKILL of the snapshotter, the node agent or the API at named steps (``PODBAY_FAULT_STEP``) ends with
   the operation completed after a restart.
 """
@@ -29,7 +30,7 @@ from podbay.devstack.netns import purge_networks
 from podbay.devstack.procs import free_port, stop_process
 from podbay.devstack.vms import kill_strays, unmount_node_stores
 from podbay.objstore import open_store
-from e2e_http import api_client, sh_output as _sh, new_sandbox
+from e2e_http import api_client, sh_output as _sh, new_sandbox, until
 
 pytestmark = pytest.mark.e2e
 
@@ -249,7 +250,11 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
     node2_dir = Path(stack.data_dir) / "node2"
     port = free_port()
     with _client(stack) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        vol = c.post("/v1/volumes", json={"name": "e2e-travel", "size_bytes": 64 << 20})
+        assert vol.status_code == 201, vol.text
+        r = c.post("/v1/sandboxes", json={"template": "base", "volumes": [{"name": "e2e-travel", "path": "/data"}]})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
         node2: subprocess.Popen[bytes] | None = None
         try:
             # The second node gets the build cache's copy of this sandbox's template (the cache may hold newer
@@ -264,7 +269,10 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
                    "PODBAY_DATA_DIR": str(node2_dir), "PODBAY_CACHE_DIR": str(cache),
                    "PODBAY_SNAPSHOT_DISK_INTERVAL_S": "0"}
             first_node = c.get(f"/v1/sandboxes/{sid}").json()["node_id"]
-            _sh(c, sid, "echo travelled > /root/t; " + COUNTER)
+            # The last line stays in the guest's page cache: the memory snapshot carries it, the volume's copy
+            # has what was synced.
+            _sh(c, sid, "echo travelled > /root/t; echo on-volume > /data/v; sync; echo unsynced >> /data/v; "
+                + COUNTER)
             pid = _sh(c, sid, "cat /tmp/counter.pid").strip()
             assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
             stack.kill("nodeagent", signal.SIGTERM)
@@ -285,7 +293,12 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
             assert r.status_code == 200, r.text + (tmp_path / "node2.log").read_text()[-3000:]
             assert r.json()["node_id"] == "node-2" != first_node
             assert _sh(c, sid, f"cat /root/t; kill -0 {pid} && echo alive").split() == ["travelled", "alive"]
+            assert _sh(c, sid, "cat /data/v; echo more >> /data/v; sync; cat /data/v").split() == [
+                "on-volume", "unsynced", "on-volume", "unsynced", "more"]
+            assert c.get("/v1/volumes/e2e-travel").json()["node_id"] == "node-2"
             c.delete(f"/v1/sandboxes/{sid}")
+            until("the sandbox is deleted", lambda: c.get(f"/v1/sandboxes/{sid}").json()["state"] == "deleted", 60)
+            assert c.delete("/v1/volumes/e2e-travel").status_code == 204
         finally:
             if node2 is not None:
                 stop_process(node2, grace_s=10)
@@ -296,6 +309,7 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
             purge_networks(node2_dir)
             stack.restart("nodeagent")
             c.delete(f"/v1/sandboxes/{sid}")
+            c.delete("/v1/volumes/e2e-travel")  # when an assertion failed above; refused while still attached
 
 
 def _with_fault(stack: Any, service: str, step: str) -> None:

@@ -1,8 +1,9 @@
 """Volumes with real microVMs (docs/ARCHITECTURE.md "Volumes"): data written by one sandbox is read by the
 next after the first is deleted; one read-write attach at a time, read-only by many; a volume in use cannot
-be deleted; suspend and wake (same node) and a rollback to a disk snapshot have the volume back at its path,
-as it is now; a full-snapshot rollback and a fork of a sandbox with a volume are refused; a deleted volume's
-file leaves the node."""
+be deleted; suspend (which promotes the volume to the object store) and wake (fetched back) and a rollback
+to a disk snapshot have the volume back at its path, as it is now; a full-snapshot rollback is refused; a fork
+child sees the volume read-only as of the fork, or gets its own read-write copy when asked; a deleted
+volume's file leaves the node. tests/e2e/test_suspend.py wakes a sandbox with a volume on another node."""
 
 from __future__ import annotations
 
@@ -65,8 +66,7 @@ def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> No
         assert sh(c, a, "echo after-wake >> /mnt/data/note; sync; cat /mnt/data/note") == "written-by-a\nafter-wake\n"
 
         # Volumes are not rolled back with their sandbox: a rollback to a disk snapshot boots the guest and
-        # mounts the volume as it is now; one to a full snapshot (memory with a stale mount) and a fork (a
-        # child would have the mount without the volume) are refused.
+        # mounts the volume as it is now; one to a full snapshot (memory with a stale mount) is refused.
         disk = c.post(f"/v1/sandboxes/{a}/snapshots", json={"kind": "disk"})
         assert disk.status_code in (200, 201), disk.text
         full = c.post(f"/v1/sandboxes/{a}/snapshots", json={"kind": "full"})
@@ -74,11 +74,35 @@ def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> No
         sh(c, a, "echo after-snapshot > /mnt/data/later && sync")
         refused = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": full.json()["id"]})
         assert refused.status_code == 409 and refused.json()["error"]["details"]["volumes"] == ["e2e-data"]
+        # A fork child sees the volume read-only, as it was at the fork; the parent's later writes are not in it.
         fork = c.post(f"/v1/sandboxes/{a}/fork", json={"count": 1})
-        assert fork.status_code == 409, fork.text
+        assert fork.status_code == 200, fork.text
+        child = fork.json()["children"][0]
+        assert child["state"] == "running", child
+        sh(c, a, "echo after-fork > /mnt/data/parent-only && sync")
+        out = sh_output(c, child["sandbox_id"], "cat /mnt/data/later; grep ' /mnt/data ' /proc/mounts;"
+                        " (echo x > /mnt/data/child) 2>&1; echo rc=$?; ls /mnt/data")
+        assert out.startswith("after-snapshot\n") and " ro," in out, out
+        assert "Read-only file system" in out and "rc=0" not in out and "parent-only" not in out, out
+        # Asked for: a copy of its own, read-write, that the parent never sees and that outlives the child.
+        fork = c.post(f"/v1/sandboxes/{a}/fork", json={"count": 1, "volumes": "copy"})
+        assert fork.status_code == 200 and fork.json()["children"][0]["state"] == "running", fork.text
+        copier = fork.json()["children"][0]["sandbox_id"]
+        assert sh(c, copier, "cat /mnt/data/parent-only; echo mine > /mnt/data/child && sync && cat /mnt/data/child"
+                  ) == "after-fork\nmine\n"
+        copy_name = f"e2e-data-{copier.removeprefix('sbx_')[:12]}"
+        copies = [v for v in c.get("/v1/volumes").json()["volumes"] if v["name"] == copy_name]
+        assert copies and copies[0]["attachments"] == [{"sandbox_id": copier, "path": "/mnt/data", "readonly": False}]
+        assert "child" not in sh(c, a, "ls /mnt/data")
+        for sid in (child["sandbox_id"], copier):
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code in (200, 202)
+        assert c.get(f"/v1/volumes/{copy_name}").status_code == 200
+        assert c.delete(f"/v1/volumes/{copy_name}").status_code == 204
         back = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": disk.json()["id"]})
         assert back.status_code == 200, back.text
         assert sh(c, a, "cat /mnt/data/later /mnt/data/note") == "after-snapshot\nwritten-by-a\nafter-wake\n"
+        names = [v["name"] for v in c.get("/v1/volumes").json()["volumes"]]
+        assert names.count("e2e-data") == 1, names  # a fork child's view is not listed
 
         assert c.delete(f"/v1/sandboxes/{a}").status_code in (200, 202)
         # The next sandbox reads what the first wrote (the volume survived its deletion).

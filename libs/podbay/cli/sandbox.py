@@ -146,10 +146,13 @@ def fork(
     count: int = typer.Option(1, "--count", "-n", min=1, max=100, help="Children to start (1..100)."),
     snapshot_id: str | None = typer.Option(None, "--snapshot", help="Fork from this full snapshot."),
     schedules: bool = typer.Option(False, "--schedules", help="Copy the sandbox's schedules to each child."),
+    copy_volumes: bool = typer.Option(False, "--copy-volumes", help="Give each child its own read-write copy "
+                                      "of the sandbox's read-write volumes (default: a read-only view)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Start children of a sandbox; prints each child's id (failed ones on stderr, exit 1 if any failed)."""
-    result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id, schedules=schedules)
+    result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id, schedules=schedules,
+                                      volumes="copy" if copy_volumes else None)
     if as_json:
         print_json(result)
     failed = 0

@@ -296,6 +296,11 @@ class ForkRequest(_In):
     snapshot_id: str | None = Field(None, min_length=1, max_length=64)
     schedules: bool = Field(False, description="Give each child a copy of the parent's schedules that have a "
                             "fire time left; by default a child has none.")
+    volumes: Literal["readonly", "copy"] = Field(
+        "readonly", description="What each child gets of the parent's read-write volumes, at the same paths: "
+        "'readonly', a read-only view of the volume as it was at the fork's snapshot (removed with the child); "
+        "'copy', its own read-write volume, a reflink copy named '<volume>-<12 hex of the child id>' that "
+        "outlives the child. Read-only volumes stay attached read-only either way.")
 
 
 class ForkChildResult(BaseModel):

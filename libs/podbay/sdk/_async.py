@@ -216,10 +216,12 @@ class AsyncClient:
         return await self._call(calls.restore_call(sandbox_id, snapshot_id))
 
     async def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
-                     schedules: bool = False) -> ForkResult:
+                     schedules: bool = False, volumes: str | None = None) -> ForkResult:
         """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child. With
-        ``schedules`` each child gets a copy of the parent's schedules (by default none)."""
-        return await self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules))
+        ``schedules`` each child gets a copy of the parent's schedules (by default none). ``volumes``: what a
+        child gets of the parent's read-write volumes: ``readonly`` (default) a read-only view as of the fork,
+        ``copy`` its own read-write reflink copy (a new volume)."""
+        return await self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules, volumes))
 
     async def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """See ``Client.pause_sandbox``."""
@@ -563,10 +565,12 @@ class AsyncSandbox:
         self.info = await self._client.restore_sandbox(self.id, snapshot_id)
         return self.info
 
-    async def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False) -> ForkResult:
+    async def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,
+                   volumes: str | None = None) -> ForkResult:
         """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``.
-        ``schedules``: copy this sandbox's schedules to each child."""
-        return await self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules)
+        ``schedules``: copy this sandbox's schedules to each child; ``volumes``: ``readonly`` or ``copy``
+        (``fork_sandbox``)."""
+        return await self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules, volumes=volumes)
 
     async def pause(self, wait: bool = True) -> SandboxInfo:
         """See ``Sandbox.pause``."""

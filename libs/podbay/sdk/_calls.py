@@ -325,18 +325,23 @@ def restore_call(sandbox_id: str, snapshot_id: str) -> Call[SandboxInfo]:
                 long_running=True, read_timeout_s=None)
 
 
-def fork_call(sandbox_id: str, count: int, snapshot_id: str | None, schedules: bool = False) -> Call[ForkResult]:
-    """``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?, "schedules"?} -> ``ForkResult`` (one outcome
-    per child)."""
+def fork_call(sandbox_id: str, count: int, snapshot_id: str | None, schedules: bool = False,
+              volumes: str | None = None) -> Call[ForkResult]:
+    """``POST /v1/sandboxes/{id}/fork`` {"count", "snapshot_id"?, "schedules"?, "volumes"?} -> ``ForkResult``
+    (one outcome per child). ``volumes``: ``readonly`` (the server's default) or ``copy``."""
     fields: dict[str, Any] = {"count": count}
     if schedules:
         fields["schedules"] = True
+    if volumes is not None:
+        fields["volumes"] = volumes
     if snapshot_id is not None:
         fields["snapshot_id"] = check_id(snapshot_id)
     body = _validate(ForkRequest, fields, "fork request")
-    # `schedules` is sent only when asked for, so a plain fork's body stays what older servers accept.
+    # `schedules` and `volumes` are sent only when asked for, so a plain fork's body stays what older servers
+    # accept.
+    unasked = ({"schedules"} if not schedules else set()) | ({"volumes"} if volumes is None else set())
     return Call("POST", _sandbox_path(sandbox_id, "/fork"), _model(ForkResult),
-                json=body.model_dump(exclude_none=True, exclude={"schedules"} if not schedules else None),
+                json=body.model_dump(exclude_none=True, exclude=unasked or None),
                 long_running=True, read_timeout_s=None)
 
 

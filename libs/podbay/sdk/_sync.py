@@ -224,10 +224,12 @@ class Client:
         return self._call(calls.restore_call(sandbox_id, snapshot_id))
 
     def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
-                     schedules: bool = False) -> ForkResult:
+                     schedules: bool = False, volumes: str | None = None) -> ForkResult:
         """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child. With
-        ``schedules`` each child gets a copy of the parent's schedules (by default none)."""
-        return self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules))
+        ``schedules`` each child gets a copy of the parent's schedules (by default none). ``volumes``: what a
+        child gets of the parent's read-write volumes: ``readonly`` (default) a read-only view as of the fork,
+        ``copy`` its own read-write reflink copy (a new volume)."""
+        return self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules, volumes))
 
     def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
         """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
@@ -602,10 +604,12 @@ class Sandbox:
         self.info = self._client.restore_sandbox(self.id, snapshot_id)
         return self.info
 
-    def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False) -> ForkResult:
+    def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,
+             volumes: str | None = None) -> ForkResult:
         """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``.
-        ``schedules``: copy this sandbox's schedules to each child."""
-        return self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules)
+        ``schedules``: copy this sandbox's schedules to each child; ``volumes``: ``readonly`` or ``copy``
+        (``fork_sandbox``)."""
+        return self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules, volumes=volumes)
 
     def pause(self, wait: bool = True) -> SandboxInfo:
         """Pause the sandbox in memory: its processes stop and carry on after ``resume()``."""

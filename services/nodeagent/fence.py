@@ -54,7 +54,7 @@ async def fence_sweep(mgr: SandboxManager) -> list[str]:
             log.warning("sandbox %s moved on (now node %s, generation %s; ours %s): stopping our copy", sid,
                         r["node_id"] if r else None, r["generation"] if r else None, vm.generation)
             await mgr.stop_vm(sid)
-            await mgr._discard_vm_dir(mgr.store.sandbox_dir(sid))
+            await mgr.discard_vm_dir(mgr.store.sandbox_dir(sid))
             await mgr.release_net(sid)
             stopped.append(sid)
     return stopped

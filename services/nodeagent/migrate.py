@@ -50,8 +50,8 @@ from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import LIFECYCLE_OPERATIONS
 
 from . import vmmigrate
-from .sandboxes import RunningVm, SandboxManager
 from .vmdriver import VmHandle
+from .vmhost import RunningVm, VmHost
 
 __all__ = ["MigrationOps"]
 
@@ -81,8 +81,8 @@ class _Incoming:
 class MigrationOps:
     """Both ends of a live migration on this node; ``start`` subscribes to the destination subjects."""
 
-    def __init__(self, manager: SandboxManager) -> None:
-        self.m = manager
+    def __init__(self, host: VmHost) -> None:
+        self.m = host
         self._incoming: dict[str, _Incoming] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -141,7 +141,7 @@ class MigrationOps:
         server: socket.socket | None = None
         try:
             tpl = await m.template(req.template, req.template_digest)
-            await m._discard_vm_dir(vm_dir)  # noqa: SLF001
+            await m.discard_vm_dir(vm_dir)
             binding, tap_fd = await asyncio.to_thread(m.net.prepare, req.sandbox_id, req.generation + 1)
             try:
                 config = tpl.snapshot.vm_config(m.settings, memory_mib=req.resources.memory_mib,
@@ -163,9 +163,9 @@ class MigrationOps:
             if server is not None:
                 server.close()
             if handle is not None:
-                await m._teardown(handle, None, vm_dir)  # noqa: SLF001
+                await m.teardown(handle, None, vm_dir)
             else:
-                await m._discard_vm_dir(vm_dir)  # noqa: SLF001
+                await m.discard_vm_dir(vm_dir)
             await m.release_net(req.sandbox_id)
             return MigratePrepareReply(ok=False, error=_reason(exc))
 
@@ -224,7 +224,7 @@ class MigrationOps:
             with contextlib.suppress(BaseException):
                 inc.arrived.exception()
         inc.server.close()
-        await self.m._teardown(inc.handle, None, self.m.store.sandbox_dir(sandbox_id))  # noqa: SLF001
+        await self.m.teardown(inc.handle, None, self.m.store.sandbox_dir(sandbox_id))
         await self.m.release_net(sandbox_id)
 
     async def finish(self, req: MigrateFinish) -> MigrateFinishReply:
@@ -281,13 +281,10 @@ class MigrationOps:
                 {"sandbox_id": req.sandbox_id, "generation": gen, "memory_mib": c.resources.memory_mib,
                  "vcpus": c.resources.vcpus}))
             if state == "running":
-                m.adopt(req.sandbox_id, gen, c.resources, inc.handle, channel)  # type: ignore[arg-type]
+                m.adopt(req.sandbox_id, gen, c.resources, inc.handle, channel)
             else:
-                vm = RunningVm(req.sandbox_id, gen, Resources(memory_mib=c.resources.memory_mib,
-                                                              vcpus=c.resources.vcpus),
-                               inc.handle, None, paused_at=time.monotonic(), net_pending=hygiene_net)
-                m.vms[req.sandbox_id] = vm
-                vm.monitor = asyncio.create_task(m._monitor(vm), name=f"monitor-{req.sandbox_id}")  # noqa: SLF001
+                m.adopt(req.sandbox_id, gen, c.resources, inc.handle, None, paused_at=time.monotonic(),
+                        net_pending=hygiene_net)
             LIFECYCLE_OPERATIONS.labels("nodeagent", "migrate_in", "ok").inc()
             log.info("sandbox %s arrived from %s (%s, downtime %.1f ms)", req.sandbox_id, c.source_node, state,
                      req.downtime_ms)
@@ -313,7 +310,7 @@ class MigrationOps:
                 return
             try:
                 if cmd.sandbox_id in m.hibernated:
-                    await m._wake(cmd.sandbox_id)  # noqa: SLF001  # RAM released: restore it (paused) first
+                    await m.wake_hibernated(cmd.sandbox_id)  # RAM released: restore it (paused) first
                 vm = m.vms.get(cmd.sandbox_id)
                 if vm is None or vm.stopping:
                     raise RuntimeError("its VM is not running on this node")
@@ -376,7 +373,7 @@ class MigrationOps:
                                    + (f": {reply.error}" if reply is not None and reply.error else ""))
             # The destination committed; its answer was lost.
         await m.stop_vm(cmd.sandbox_id)
-        await m._discard_vm_dir(vm_dir)  # noqa: SLF001
+        await m.discard_vm_dir(vm_dir)
         await m.release_net(cmd.sandbox_id)
         data = {"source": m.node_id, "destination": cmd.dest_node, "downtime_ms": stats.downtime_ms,
                 "total_ms": stats.total_ms, "was_running": stats.was_running}

@@ -18,7 +18,7 @@ from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Resour
 from podbay.errors import GuestError, PodbayError
 from podbay.outbox import emit_sandbox_event
 
-from .sandboxes import HibernatedVm, RunningVm
+from .vmhost import HibernatedVm
 
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
@@ -51,7 +51,7 @@ async def reconcile(mgr: SandboxManager) -> None:
         log.info("released the network of %d sandbox(es) no longer on this node", len(released))
     for orphan in set(mgr.store.sandbox_ids_on_disk()) - claimed:
         log.info("removing orphaned VM directory %s", orphan)
-        await mgr._discard_vm_dir(mgr.store.sandbox_dir(orphan))
+        await mgr.discard_vm_dir(mgr.store.sandbox_dir(orphan))
     for r in rows:
         sid = r["id"]
         res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
@@ -121,14 +121,12 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
             return
         reason = f"the VM is gone after a node agent restart ({exc})"
         log.warning("sandbox %s: %s", sandbox_id, reason)
-        await mgr._discard_vm_dir(vm_dir)
+        await mgr.discard_vm_dir(vm_dir)
         await mgr.release_net(sandbox_id)
         await mgr.mark_failed(sandbox_id, generation, reason, from_states=("running", "paused", "suspending"))
         return
-    vm = RunningVm(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None,
-                   net_pending=pending)
-    mgr.vms[sandbox_id] = vm
-    vm.monitor = asyncio.create_task(mgr._monitor(vm), name=f"monitor-{sandbox_id}")
+    mgr.adopt(sandbox_id, generation, res, handle, channel, paused_at=time.monotonic() if paused else None,
+              net_pending=pending)
     async with mgr.pool.acquire() as conn, conn.transaction():
         await emit_sandbox_event(conn, sandbox_id, "reattached", state="paused" if paused else "running",
                                  node_id=mgr.node_id,
@@ -143,7 +141,7 @@ async def _wake_saved(mgr: SandboxManager, sandbox_id: str, generation: int, res
     try:
         async with mgr.lock(sandbox_id):
             mgr.hibernated[sandbox_id] = HibernatedVm(sandbox_id, generation, res)
-            await mgr._wake(sandbox_id)
+            await mgr.wake_hibernated(sandbox_id)
             await mgr.continue_vm(mgr.vms[sandbox_id])
     except Exception as exc:
         log.warning("sandbox %s: its saved VM did not come back (%s)", sandbox_id, exc)

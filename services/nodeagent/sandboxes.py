@@ -18,7 +18,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,41 +37,20 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 from podbay.vmprocs import vm_processes
 
 from .network import SandboxNetwork
+from .snapshots import SnapshotOps
 from .store import NodeStore
 from .vmdriver import TemplateImage, VmDriver, VmHandle
+from .vmhost import HibernatedVm, RunningVm
 from .volumes import VolumeStore
 
 if TYPE_CHECKING:
     from .build.builder import TemplateBuilder
+    from .migrate import MigrationOps
+    from .suspend import SuspendOps
 
-__all__ = ["SandboxManager", "RunningVm"]
+__all__ = ["SandboxManager"]
 
 log = logging.getLogger("podbay.nodeagent.sandboxes")
-
-
-@dataclass
-class RunningVm:
-    """A sandbox VM this agent runs or re-attached to."""
-
-    sandbox_id: str
-    generation: int
-    resources: Resources
-    handle: VmHandle
-    channel: GuestChannel | None
-    stopping: bool = False
-    paused_at: float | None = None
-    monitor: asyncio.Task[None] | None = field(default=None, repr=False)
-    #: network settings (a new sandbox CA) the guest has not been given yet; sent with the next resume
-    net_pending: GuestNet | None = None
-
-
-@dataclass
-class HibernatedVm:
-    """A paused sandbox whose QEMU exited after writing its state to ``vm_dir/hib`` (RAM released)."""
-
-    sandbox_id: str
-    generation: int
-    resources: Resources
 
 
 class SandboxManager:
@@ -99,14 +77,8 @@ class SandboxManager:
         # Guests restored all at once share the cores and may all miss their HELLO timeout under TCG; a
         # bounded number at a time finish in order (creates, rollbacks, fork children, warm slots).
         self.restore_slots = asyncio.Semaphore(settings.restore_concurrency or os.cpu_count() or 1)
-        from .snapshots import SnapshotOps
-
         self.snapshots = SnapshotOps(self)
-        from .suspend import SuspendOps
-
         self.suspend_ops: SuspendOps  # set by main once the node's object store is open
-        from .migrate import MigrationOps
-
         self.migrations: MigrationOps  # set by main (answers live migrations into this node)
         self.builder: TemplateBuilder  # set by main (template builds on this node)
         # The operator's extra CAs (GUEST_CA_FILE), read once: every guest gets them with its network.
@@ -175,10 +147,14 @@ class SandboxManager:
         return vm.channel
 
     def adopt(self, sandbox_id: str, generation: int, resources: Resources, handle: VmHandle,
-              channel: GuestChannel) -> RunningVm:
-        """Take a VM started elsewhere on this node (a claimed warm slot, services/nodeagent/warm.py) into
-        ``vms`` and watch it; its row is already ``running``."""
-        vm = RunningVm(sandbox_id, generation, resources, handle, channel)
+              channel: GuestChannel | None, *, paused_at: float | None = None,
+              net_pending: GuestNet | None = None) -> RunningVm:
+        """Register a VM that runs on this node in ``vms`` and watch it (a QEMU that dies on its own marks the
+        sandbox failed): the one way a VM enters the registry, whether this agent restored it, re-attached to
+        it, received it by migration or took it from the warm pool. ``paused_at`` (``time.monotonic()``) when
+        it is stopped; ``net_pending``: network settings its guest gets at the next resume."""
+        vm = RunningVm(sandbox_id, generation, resources, handle, channel, paused_at=paused_at,
+                       net_pending=net_pending)
         self.vms[sandbox_id] = vm
         vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
         return vm
@@ -220,7 +196,7 @@ class SandboxManager:
         tap_fd: int | None = None
         try:
             tpl = await self.template(template, template_digest)
-            await self._discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
+            await self.discard_vm_dir(vm_dir)  # leftovers of an earlier, interrupted attempt
             volumes = await self.volumes.attach(sandbox_id, vm_dir)  # into the slots before QEMU starts
             # Its address, tap and binding (a new CA for a new generation) exist before the guest runs.
             binding, fd = await asyncio.to_thread(self.net.prepare, sandbox_id, generation)
@@ -269,22 +245,20 @@ class SandboxManager:
                                          data={**(data or {}), "ms": round((time.perf_counter() - t0) * 1000, 1)})
             HOP_SECONDS.labels("nodeagent", "db").observe(time.perf_counter() - t)
             self.relay.kick()
-            vm = RunningVm(sandbox_id, generation, resources, handle, channel)
-            self.vms[sandbox_id] = vm
-            vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+            self.adopt(sandbox_id, generation, resources, handle, channel)
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", kind, "ok").observe(time.perf_counter() - t0)
             LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "ok").inc()
             log.info("sandbox %s running after %s (%.0f ms)", sandbox_id, kind, (time.perf_counter() - t0) * 1000)
             return True
         except _Superseded:
             log.info("%s %s: superseded while starting; discarding the VM", kind, sandbox_id)
-            await self._teardown(handle, channel, vm_dir)
+            await self.teardown(handle, channel, vm_dir)
             await self.release_net(sandbox_id)
             return False
         except Exception as exc:
             reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
             log.warning("%s %s failed: %s", kind, sandbox_id, reason)
-            await self._teardown(handle, channel, vm_dir)
+            await self.teardown(handle, channel, vm_dir)
             await self.release_net(sandbox_id)
             LIFECYCLE_OPERATIONS.labels("nodeagent", kind, "failed").inc()
             await self.mark_failed(sandbox_id, generation, reason,
@@ -306,7 +280,7 @@ class SandboxManager:
                 return
             await self._sync_volumes(cmd.sandbox_id)
             await self.stop_vm(cmd.sandbox_id)
-            await self._discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
+            await self.discard_vm_dir(self.store.sandbox_dir(cmd.sandbox_id))
             await self.release_net(cmd.sandbox_id)
             await self.snapshots.discard(cmd.sandbox_id)
             async with self.pool.acquire() as conn, conn.transaction():
@@ -384,7 +358,7 @@ class SandboxManager:
         os.replace(part, hib)
         self.vms.pop(vm.sandbox_id, None)
         vm.stopping = True
-        await self._teardown(vm.handle, vm.channel, None)
+        await self.teardown(vm.handle, vm.channel, None)
         for name in ("ram", "disk.img"):
             (vm_dir / name).unlink(missing_ok=True)  # the page cache of the live RAM file goes with it
         self.hibernated[vm.sandbox_id] = HibernatedVm(vm.sandbox_id, vm.generation, vm.resources)
@@ -406,7 +380,7 @@ class SandboxManager:
             t = time.perf_counter()
             try:
                 await self._release_ram(vm)
-                await self._wake(sandbox_id)
+                await self.wake_hibernated(sandbox_id)
                 fresh = self.vms[sandbox_id]
                 if was_running:
                     await self.continue_vm(fresh)
@@ -418,7 +392,7 @@ class SandboxManager:
                 log.error("sandbox %s: %s", sandbox_id, reason)
                 LIFECYCLE_OPERATIONS.labels("nodeagent", "renew_vm", "failed").inc()
                 vm.stopping = True
-                await self._teardown(vm.handle, vm.channel, None)
+                await self.teardown(vm.handle, vm.channel, None)
                 await self.stop_vm(sandbox_id)  # the new VM, if it came up
                 await self.release_net(sandbox_id)
                 await self.mark_failed(sandbox_id, vm.generation, reason)
@@ -429,7 +403,7 @@ class SandboxManager:
                         (time.perf_counter() - t) * 1000)
             return True
 
-    async def _wake(self, sandbox_id: str) -> None:
+    async def wake_hibernated(self, sandbox_id: str) -> None:
         """Restore a hibernated sandbox, still paused, into ``self.vms`` (caller holds the lock)."""
         hv = self.hibernated[sandbox_id]
         row = await self.pool.fetchrow("SELECT template, template_digest FROM sandboxes WHERE id=$1", sandbox_id)
@@ -445,10 +419,8 @@ class SandboxManager:
             os.close(tap_fd)
         await asyncio.to_thread(shutil.rmtree, vm_dir / "hib", True)
         del self.hibernated[sandbox_id]
-        vm = RunningVm(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic(),
-                       net_pending=None if before == binding else self.guest_net(binding))
-        self.vms[sandbox_id] = vm
-        vm.monitor = asyncio.create_task(self._monitor(vm), name=f"monitor-{sandbox_id}")
+        self.adopt(sandbox_id, hv.generation, hv.resources, handle, None, paused_at=time.monotonic(),
+                   net_pending=None if before == binding else self.guest_net(binding))
 
     async def lease_expired(self, sandbox_id: str, action: str, *, reason: str = "lease expired") -> None:
         """Apply a lease's action to an idle sandbox: pause it, or delete it (an operation of its own); a pause's
@@ -486,7 +458,7 @@ class SandboxManager:
                 return
             if not pause and cmd.sandbox_id in self.hibernated:
                 try:
-                    await self._wake(cmd.sandbox_id)
+                    await self.wake_hibernated(cmd.sandbox_id)
                 except Exception as exc:
                     reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
                     await self.finish_op(cmd.operation_id, f"could not wake the sandbox: {reason}")
@@ -559,9 +531,9 @@ class SandboxManager:
         vm.stopping = True
         if vm.monitor:
             vm.monitor.cancel()
-        await self._teardown(vm.handle, vm.channel, None)
+        await self.teardown(vm.handle, vm.channel, None)
 
-    async def _teardown(self, handle: VmHandle | None, channel: GuestChannel | None, vm_dir: Path | None) -> None:
+    async def teardown(self, handle: VmHandle | None, channel: GuestChannel | None, vm_dir: Path | None) -> None:
         if channel is not None:
             try:
                 await channel.close()
@@ -573,9 +545,9 @@ class SandboxManager:
             except Exception as exc:
                 log.warning("killing VM failed: %s", exc)
         if vm_dir is not None:
-            await self._discard_vm_dir(vm_dir)
+            await self.discard_vm_dir(vm_dir)
 
-    async def _discard_vm_dir(self, vm_dir: Path) -> None:
+    async def discard_vm_dir(self, vm_dir: Path) -> None:
         """Kill what still runs for ``vm_dir`` (the QEMU in ``qemu.pid``, and any QEMU or bubblewrap naming the
         directory: a start cut short by a crash leaves QEMU running before its pidfile is written), wait until
         they are gone (so the sandbox's tap is free again), then remove the directory."""

@@ -120,7 +120,7 @@ class SuspendOps:
         m = self.m
         if snap_state == "creating":
             if cmd.sandbox_id in m.hibernated:
-                await m._wake(cmd.sandbox_id)
+                await m.wake_hibernated(cmd.sandbox_id)
             vm = m.vms.get(cmd.sandbox_id)
             if vm is None:
                 return "the sandbox's VM is not running on this node"
@@ -155,7 +155,7 @@ class SuspendOps:
         """Kill the VM, remove its files and the local snapshots, record ``suspended`` (idempotent)."""
         m = self.m
         await m.stop_vm(cmd.sandbox_id)
-        await m._discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
+        await m.discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
         await m.volumes.release_after_suspend(cmd.sandbox_id)
         await m.release_net(cmd.sandbox_id)
         await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)

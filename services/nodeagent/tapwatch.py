@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from podbay.telemetry import LIFECYCLE_OPERATIONS
 
 if TYPE_CHECKING:
-    from .sandboxes import RunningVm, SandboxManager
+    from .sandboxes import SandboxManager
+    from .vmhost import RunningVm
 
 __all__ = ["tap_watch_loop", "check_taps"]
 

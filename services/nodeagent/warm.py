@@ -383,7 +383,7 @@ class WarmPool:
             log.warning("warm slot %s of %s not prepared: %s", slot_id, tpl.name, _reason(exc))
             self.slots.pop(slot_id, None)
             self.preparing.pop(slot_id, None)
-            await self.m._teardown(handle, channel, vm_dir)  # noqa: SLF001  # the manager's own teardown
+            await self.m.teardown(handle, channel, vm_dir)
             if tap_fd is not None:
                 os.close(tap_fd)
             await self.m.release_net(slot_id)
@@ -434,7 +434,7 @@ class WarmPool:
         log.info("warm slot %s discarded: %s", slot.id, reason)
         # A restore of the same sandbox (the API's fallback after a late answer) may own the directory now.
         vm_dir = None if slot.id in self.m.vms else self.m.store.sandbox_dir(slot.id)
-        await self.m._teardown(slot.handle, slot.channel, vm_dir)  # noqa: SLF001
+        await self.m.teardown(slot.handle, slot.channel, vm_dir)
         if vm_dir is not None:
             await self.m.release_net(slot.id)
         await self._mark_failed(slot.id, reason, state="retired" if event in RETIRED_EVENTS else "failed")

@@ -1,8 +1,8 @@
 """No import cycles among podbay's own modules (libs/, services/, guestd/), counting imports inside functions.
 
 Modules are the packages of pyproject.toml's ``[tool.setuptools] package-dir``; imports under
-``if TYPE_CHECKING:`` do not count (they never run). ``KNOWN`` lists the cycles that remain; remove an entry
-when its cycle is broken, and never add one.
+``if TYPE_CHECKING:`` do not count (they never run). There are none left: keep it so (docs/ARCHITECTURE.md,
+"Module layout").
 """
 
 from __future__ import annotations
@@ -14,12 +14,6 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-#: Cycles not yet broken, each as the sorted files of its strongly connected component.
-KNOWN: set[tuple[str, ...]] = {
-    ("services/nodeagent/migrate.py", "services/nodeagent/sandboxes.py"),
-}
-
 
 def _modules() -> dict[str, Path]:
     dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -116,13 +110,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_cycle_beyond_the_known_ones() -> None:
+def test_no_import_cycle() -> None:
     modules = _modules()
     found = {
         tuple(sorted(modules[m].relative_to(ROOT).as_posix() for m in component))
         for component in _cycles(_graph(modules))
     }
-    assert found <= KNOWN, f"new import cycles: {sorted(found - KNOWN)}"
+    assert not found, f"import cycles: {sorted(found)}"
 
 
 def test_the_finder_counts_function_local_imports_and_not_type_checking_ones(tmp_path: Path) -> None:

@@ -1,0 +1,122 @@
+"""The VMs a node agent runs, and what its operation modules may ask of their owner.
+
+:class:`RunningVm` and :class:`HibernatedVm` are the registry's entries. :class:`VmHost` is the interface the
+operation modules (services/nodeagent/migrate.py, ...) are written against: the node's shared parts and the
+registry's public methods. :class:`services.nodeagent.sandboxes.SandboxManager` is the one implementation;
+a module that takes a ``VmHost`` imports this module, not the manager, so the manager can build it without
+an import cycle, and a unit test can hand it a fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import asyncpg
+
+    from podbay.bus import Bus
+    from podbay.channel.client import GuestChannel
+    from podbay.config import Settings
+    from podbay.contracts.channel import GuestNet
+    from podbay.contracts.egress import NetBinding
+    from podbay.contracts.messages import Resources
+    from podbay.outbox import Relay
+
+    from .network import SandboxNetwork
+    from .store import NodeStore
+    from .vmdriver import TemplateImage, VmDriver, VmHandle
+
+__all__ = ["RunningVm", "HibernatedVm", "VmHost"]
+
+
+@dataclass
+class RunningVm:
+    """A sandbox VM this agent runs or re-attached to."""
+
+    sandbox_id: str
+    generation: int
+    resources: Resources
+    handle: VmHandle
+    channel: GuestChannel | None
+    stopping: bool = False
+    paused_at: float | None = None
+    monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+    #: network settings (a new sandbox CA) the guest has not been given yet; sent with the next resume
+    net_pending: GuestNet | None = None
+
+
+@dataclass
+class HibernatedVm:
+    """A paused sandbox whose QEMU exited after writing its state to ``vm_dir/hib`` (RAM released)."""
+
+    sandbox_id: str
+    generation: int
+    resources: Resources
+
+
+class VmHost(Protocol):
+    """The node's VMs and shared parts, as an operation module sees them (``SandboxManager`` implements it)."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    bus: Bus
+    relay: Relay
+    store: NodeStore
+    driver: VmDriver
+    net: SandboxNetwork
+    #: running (or stopped in memory) VMs by sandbox id
+    vms: dict[str, RunningVm]
+    #: paused sandboxes whose RAM was released, by sandbox id
+    hibernated: dict[str, HibernatedVm]
+
+    @property
+    def node_id(self) -> str: ...
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        """The sandbox's lock: every operation on one sandbox holds it."""
+        ...
+
+    async def template(self, name: str, digest: str) -> TemplateImage:
+        """The build ``digest`` of template ``name`` (``NotFound`` when no store holds it)."""
+        ...
+
+    def guest_net(self, binding: NetBinding) -> GuestNet:
+        """What ``after_restore.net`` tells a guest about its network and CAs."""
+        ...
+
+    def adopt(self, sandbox_id: str, generation: int, resources: Resources, handle: VmHandle,
+              channel: GuestChannel | None, *, paused_at: float | None = None,
+              net_pending: GuestNet | None = None) -> RunningVm:
+        """Register a VM that runs on this node and watch it (the one way into ``vms``)."""
+        ...
+
+    async def wake_hibernated(self, sandbox_id: str) -> None:
+        """Restore a hibernated sandbox, still paused, into ``vms`` (caller holds the lock)."""
+        ...
+
+    async def stop_vm(self, sandbox_id: str) -> None:
+        """Take the sandbox's VM out of the registry and kill it."""
+        ...
+
+    async def teardown(self, handle: VmHandle | None, channel: GuestChannel | None, vm_dir: Path | None) -> None:
+        """Close a channel, kill a QEMU and discard a VM directory, each when given (best effort)."""
+        ...
+
+    async def discard_vm_dir(self, vm_dir: Path) -> None:
+        """Kill what still runs for ``vm_dir`` and remove the directory."""
+        ...
+
+    async def release_net(self, sandbox_id: str) -> None:
+        """Release the sandbox's address, tap, binding and CA files."""
+        ...
+
+    async def finish_op(self, operation_id: str, error: str | None) -> None:
+        """Record an operation's outcome (``error`` None: succeeded) and send its notice."""
+        ...
+
+    async def notify_op(self, operation_id: str, error: str | None) -> None:
+        """Send an operation's notice (the row is already written)."""
+        ...

@@ -11,7 +11,7 @@ request passes to the app untouched:
    traffic token, the cookie, or an API key of the sandbox's tenant (401 without a credential, 403 with a
    wrong one). Credentials are removed before the request goes on: the guest never sees them.
 4. State: a paused or suspended sandbox is resumed through the same path as ``?auto_resume=true`` data-plane
-   calls (services/api/suspend.py), bounded by its timeouts, when ``ports_wake`` is on (through E2B's hosts:
+   calls (services/api/sandbox_service.py), bounded by its timeouts, when ``ports_wake`` is on (through E2B's hosts:
    when the sandbox was created with E2B's ``autoResume``, as E2B does); otherwise, and for
    states that cannot serve, 409 ``invalid_state``. The lease is renewed as by any data-plane call (at most
    every :data:`LEASE_RENEW_EVERY_S` per sandbox and process).

@@ -36,7 +36,7 @@ from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
 from podbay.contracts.states import SandboxCommand
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 
-from . import dataplane, sandbox_service, snapshots
+from . import dataplane, sandbox_service, snapshot_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
@@ -274,8 +274,7 @@ async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: PauseBody | Non
         raise InvalidState(f"sandbox {sandbox_id} is already paused", details={"state": row["state"]})
     cold: str | None = None
     if body is not None and body.memory is False:
-        snap = await snapshots.create_snapshot(sandbox_id, SnapshotCreate(kind="disk"), ctx, who, Response(),
-                                               wait=True)
+        snap, _ = await snapshot_service.take(ctx, who, sandbox_id, SnapshotCreate(kind="disk"), wait=True)
         if snap.state != "ready":
             raise Unavailable(f"the filesystem snapshot of {sandbox_id} is {snap.state}: {snap.error or 'not ready'}")
         cold = snap.id
@@ -296,8 +295,7 @@ async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
         await ctx.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot = NULL WHERE sandbox_id=$1",
                                sandbox_id)
         try:
-            await snapshots.restore_sandbox(sandbox_id, RestoreRequest(snapshot_id=cold), ctx, who, Response(),
-                                            wait=True)
+            await snapshot_service.restore(ctx, who, sandbox_id, RestoreRequest(snapshot_id=cold), wait=True)
             return
         except (NotFound, InvalidState, Conflict):
             pass  # reclaimed by retention, or a state restore refuses: resume its memory instead

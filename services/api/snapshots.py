@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import asyncpg
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from podbay.contracts import subjects
@@ -31,20 +30,22 @@ from podbay.contracts.api import (
     SnapshotInfo,
     SnapshotList,
 )
-from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
+from podbay.contracts.messages import ForkChild, ForkCmd
 from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
-from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
+from podbay.errors import Conflict, InvalidRequest, InvalidState, Unavailable
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 
+from . import snapshot_service
 from .auth import Principal
 from .context import ApiContext
 from .dataplane import _node_url, _proxy
 from .deps import ctx_dep, principal_dep
 from .schedules.routes import copy_schedules
-from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
-from .volumes import fork_volumes, refuse_with_volumes
+from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox
+from .snapshot_service import SNAPSHOT_COLS, latest_ready, ready_snapshot, snapshot_info
+from .volumes import fork_volumes
 
 __all__ = ["router"]
 
@@ -52,45 +53,14 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
-_COLS = ("id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at, promotion,"
-         " promoted_at, promotion_error, uploaded_bytes, stored_bytes")
-
-
-def _info(row: asyncpg.Record, operation_id: str | None = None) -> SnapshotInfo:
-    return SnapshotInfo(**dict(row), operation_id=operation_id)
-
-
-async def _latest_ready(conn: asyncpg.Connection, sandbox_id: str) -> str | None:
-    return await conn.fetchval(  # type: ignore[no-any-return]
-        "SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC LIMIT 1", sandbox_id)
-
-
 @router.post("/snapshots", status_code=201, response_model=SnapshotInfo, responses={202: {"model": SnapshotInfo}})
 async def create_snapshot(sandbox_id: str, body: SnapshotCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
                           wait: bool = Query(True)) -> SnapshotInfo:
     """Take a disk or full snapshot now. 409 ``invalid_state`` unless running or paused."""
-    op_id, snap_id = new_id("op"), new_id("snap")
-    async with ctx.pool.acquire() as conn, conn.transaction():
-        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
-        check_allowed(SandboxCommand.SNAPSHOT, row["state"])
-        await conn.execute(
-            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
-            " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
-            body.kind, await _latest_ready(conn, sandbox_id), row["generation"])
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'snapshot','pending')", op_id, who.tenant_id, sandbox_id)
-        await audit(conn, who, "sandbox.snapshot", sandbox_id)
-    fut = ctx.waiter.expect_operation(op_id) if wait else None
-    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "snapshot"), SnapshotCmd(
-        operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
-        kind=body.kind), msg_id=op_id)
-    finished, outcome = await await_operation(ctx, fut)
-    snap = await ctx.pool.fetchrow(f"SELECT {_COLS} FROM snapshots WHERE id=$1", snap_id)
-    if finished and outcome.get("state") == "failed":
-        raise Conflict(f"snapshot of {sandbox_id} failed: {outcome.get('error')}", details={"operation_id": op_id})
+    info, finished = await snapshot_service.take(ctx, who, sandbox_id, body, wait=wait)
     if not finished:
         response.status_code = 202
-    return _info(snap, op_id)
+    return info
 
 
 @router.get("/snapshots", response_model=SnapshotList)
@@ -98,18 +68,9 @@ async def list_snapshots(sandbox_id: str, ctx: CtxDep, who: PrincipalDep) -> Sna
     """The sandbox's complete snapshots, newest first (kind, time, size, parent)."""
     await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
     rows = await ctx.pool.fetch(
-        f"SELECT {_COLS} FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC", sandbox_id)
-    return SnapshotList(snapshots=[_info(r) for r in rows])
-
-
-async def _ready_snapshot(conn: asyncpg.Connection, sandbox_id: str, snapshot_id: str) -> asyncpg.Record:
-    snap = await conn.fetchrow("SELECT id, kind, state FROM snapshots WHERE id=$1 AND sandbox_id=$2",
-                               snapshot_id, sandbox_id)
-    if snap is None:
-        raise NotFound(f"snapshot {snapshot_id} of sandbox {sandbox_id} does not exist")
-    if snap["state"] != "ready":
-        raise Conflict(f"snapshot {snapshot_id} is {snap['state']}", details={"state": snap["state"]})
-    return snap
+        f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC",
+        sandbox_id)
+    return SnapshotList(snapshots=[snapshot_info(r) for r in rows])
 
 
 @router.post("/restore", response_model=SandboxInfo, responses={202: {"model": SandboxInfo}})
@@ -120,28 +81,10 @@ async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, wh
     Allowed from ``running``, ``paused`` and ``failed`` (a dead VM comes back from a ready snapshot on its
     node). Errors: 404 ``not_found`` (sandbox or snapshot), 409 ``invalid_state``, 409 ``conflict`` (snapshot
     not ready; or a full snapshot of a sandbox with a read-write volume: services/api/volumes.py)."""
-    op_id = new_id("op")
-    bind_log_context(operation_id=op_id)  # every log line of this request names it
-    async with ctx.pool.acquire() as conn, conn.transaction():
-        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
-        check_allowed(SandboxCommand.RESTORE, row["state"])
-        snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
-        if snap["kind"] == "full":
-            await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot (use a disk snapshot: "
-                                      "the guest boots and mounts the volume as it is now)", writable_only=True)
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
-            " RETURNING generation", sandbox_id)
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'restore','pending')", op_id, who.tenant_id, sandbox_id)
-        await audit(conn, who, "sandbox.restore", sandbox_id)
-    fut = ctx.waiter.expect_operation(op_id) if wait else None
-    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "restore"), RestoreCmd(
-        operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id), msg_id=op_id)
-    finished, _ = await await_operation(ctx, fut)
+    info, finished = await snapshot_service.restore(ctx, who, sandbox_id, body, wait=wait)
     if not finished:
         response.status_code = 202
-    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)
+    return info
 
 
 @router.post("/fork", response_model=ForkResult, responses={202: {"model": ForkResult}})
@@ -156,7 +99,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
         check_allowed(SandboxCommand.FORK, row["state"])
         take = body.snapshot_id is None
         if body.snapshot_id is not None:
-            snap = await _ready_snapshot(conn, sandbox_id, body.snapshot_id)
+            snap = await ready_snapshot(conn, sandbox_id, body.snapshot_id)
             if snap["kind"] != "full":
                 raise InvalidRequest("fork needs a full snapshot (memory and disk)", details={"kind": snap["kind"]})
             snap_id = body.snapshot_id
@@ -165,7 +108,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, ctx: CtxDep, who: Pri
             await conn.execute(
                 "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
                 " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
-                await _latest_ready(conn, sandbox_id), row["generation"])
+                await latest_ready(conn, sandbox_id), row["generation"])
         tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
         for cid in children:
             await conn.execute(
@@ -217,7 +160,7 @@ async def diff_snapshots(sandbox_id: str, snapshot_a: str, snapshot_b: str, requ
         if row["state"] == SandboxState.DELETED:
             raise InvalidState(f"sandbox {sandbox_id} is deleted", details={"state": row["state"]})
         for snap_id in (snapshot_a, snapshot_b):
-            await _ready_snapshot(conn, sandbox_id, snap_id)
+            await ready_snapshot(conn, sandbox_id, snap_id)
         # Snapshot files stay on the node that took them: ask that node, not the sandbox's current one.
         nodes = await conn.fetch(
             "SELECT DISTINCT s.node_id, n.dataplane_url FROM snapshots s LEFT JOIN nodes n ON n.id = s.node_id"

@@ -1,0 +1,107 @@
+"""The snapshot service layer: take a snapshot, roll a sandbox back to one, and the lookups of snapshot rows.
+
+No FastAPI types: podbay's routes (services/api/snapshots.py) and E2B's (services/api/e2b.py) call it. Each
+call records an operation and waits (bounded by ``create_timeout_s``) for the node's ``podbay.ops.<id>``
+notice, and returns ``(info, finished)``: ``finished`` False means the bound ran out or ``wait`` was False,
+and the caller answers 202 with ``operation_id``.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from podbay.contracts import subjects
+from podbay.contracts.api import RestoreRequest, SandboxInfo, SnapshotCreate, SnapshotInfo
+from podbay.contracts.messages import RestoreCmd, SnapshotCmd
+from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay.errors import Conflict, NotFound
+from podbay.logs import bind_log_context
+from podbay.outbox import new_id
+
+from .auth import Principal
+from .context import ApiContext
+from .sandbox_lookup import audit, await_operation, load_sandbox, sandbox_info
+from .volumes import refuse_with_volumes
+
+__all__ = ["SNAPSHOT_COLS", "snapshot_info", "latest_ready", "ready_snapshot", "take", "restore"]
+
+#: The columns :func:`snapshot_info` reads.
+SNAPSHOT_COLS = ("id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at,"
+                 " promotion, promoted_at, promotion_error, uploaded_bytes, stored_bytes")
+
+
+def snapshot_info(row: asyncpg.Record, operation_id: str | None = None) -> SnapshotInfo:
+    """The API shape of a ``snapshots`` row (:data:`SNAPSHOT_COLS`)."""
+    return SnapshotInfo(**dict(row), operation_id=operation_id)
+
+
+async def latest_ready(conn: asyncpg.Connection, sandbox_id: str) -> str | None:
+    """The sandbox's newest ready snapshot's id (the parent of the next one), or None."""
+    return await conn.fetchval(  # type: ignore[no-any-return]
+        "SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC LIMIT 1", sandbox_id)
+
+
+async def ready_snapshot(conn: asyncpg.Connection, sandbox_id: str, snapshot_id: str) -> asyncpg.Record:
+    """The sandbox's snapshot ``snapshot_id`` (id, kind, state); ``NotFound``, or ``Conflict`` unless ready."""
+    snap = await conn.fetchrow("SELECT id, kind, state FROM snapshots WHERE id=$1 AND sandbox_id=$2",
+                               snapshot_id, sandbox_id)
+    if snap is None:
+        raise NotFound(f"snapshot {snapshot_id} of sandbox {sandbox_id} does not exist")
+    if snap["state"] != "ready":
+        raise Conflict(f"snapshot {snapshot_id} is {snap['state']}", details={"state": snap["state"]})
+    return snap
+
+
+async def take(ctx: ApiContext, who: Principal, sandbox_id: str, body: SnapshotCreate, *,
+               wait: bool) -> tuple[SnapshotInfo, bool]:
+    """Take a disk or full snapshot now. Raises ``NotFound``, ``InvalidState`` unless running or paused,
+    ``Conflict`` (the node failed it; ``details.operation_id``)."""
+    op_id, snap_id = new_id("op"), new_id("snap")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.SNAPSHOT, row["state"])
+        await conn.execute(
+            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+            " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
+            body.kind, await latest_ready(conn, sandbox_id), row["generation"])
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'snapshot','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.snapshot", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "snapshot"), SnapshotCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
+        kind=body.kind), msg_id=op_id)
+    finished, outcome = await await_operation(ctx, fut)
+    snap = await ctx.pool.fetchrow(f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id=$1", snap_id)
+    if finished and outcome.get("state") == "failed":
+        raise Conflict(f"snapshot of {sandbox_id} failed: {outcome.get('error')}", details={"operation_id": op_id})
+    return snapshot_info(snap, op_id), finished
+
+
+async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: RestoreRequest, *,
+                  wait: bool) -> tuple[SandboxInfo, bool]:
+    """Roll back to a snapshot, keeping the id; the generation goes up by one (older calls are fenced off).
+
+    Allowed from ``running``, ``paused`` and ``failed``. Raises ``NotFound`` (sandbox or snapshot),
+    ``InvalidState``, ``Conflict`` (snapshot not ready; or a full snapshot of a sandbox with a read-write
+    volume: services/api/volumes.py)."""
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.RESTORE, row["state"])
+        snap = await ready_snapshot(conn, sandbox_id, body.snapshot_id)
+        if snap["kind"] == "full":
+            await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot (use a disk snapshot: "
+                                      "the guest boots and mounts the volume as it is now)", writable_only=True)
+        gen = await conn.fetchval(
+            "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
+            " RETURNING generation", sandbox_id)
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'restore','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.restore", sandbox_id)
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "restore"), RestoreCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id), msg_id=op_id)
+    finished, _ = await await_operation(ctx, fut)
+    return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id), finished

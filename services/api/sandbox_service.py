@@ -341,4 +341,4 @@ async def auto_resume(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
         if not finished:
             raise Unavailable(f"sandbox {sandbox_id} is still resuming; retry shortly", details={"retryable": True})
     elif row["state"] == SandboxState.PAUSED:
-        await _node_operation(ctx, who, sandbox_id, SandboxCommand.RESUME, wait=True)
+        await resume(ctx, who, sandbox_id, wait=True)

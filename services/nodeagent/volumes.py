@@ -95,12 +95,18 @@ class VolumeStore:
         object storage, or empty) and is bound to this node. Raises :class:`VolumeError`, ``SnapshotCorrupt``,
         ``StorageError``."""
         rows = await self.pool.fetch(
-            "SELECT v.id, v.name, v.size_bytes, v.node_id, v.snapshot_id, v.origin FROM sandbox_volumes sv"
+            "SELECT v.id, v.name, v.size_bytes, v.node_id, v.snapshot_id, v.origin, v.released_at FROM sandbox_volumes sv"
             " JOIN volumes v ON v.id = sv.volume_id WHERE sv.sandbox_id = $1 ORDER BY sv.slot", sandbox_id)
         for r in rows:
             if r["node_id"] not in (None, self.node_id):
                 raise VolumeError(f"volume {r['name']} lives on node {r['node_id']}, not here ({self.node_id})")
             src = self.path(r["id"])
+            if r["released_at"] is not None and r["snapshot_id"] is not None and src.exists() and \
+                    src.stat().st_mtime < r["released_at"].timestamp():
+                # Left here before the volume was released (this node was lost and came back): its truth
+                # is the promoted snapshot now, which another node may have written since.
+                log.warning("volume %s (%s): the file here predates its release; fetching it", r["name"], r["id"])
+                src.unlink()
             if not src.exists():
                 self.root.mkdir(parents=True, exist_ok=True)
                 if r["origin"] is not None and (self.root.parent / r["origin"]).exists():
@@ -147,8 +153,8 @@ class VolumeStore:
             " AND NOT sv.readonly AND v.node_id = $2 AND v.snapshot_id IS NOT NULL", sandbox_id, self.node_id)
         for r in rows:
             await asyncio.to_thread(self.path(r["id"]).unlink, True)
-            await self.pool.execute("UPDATE volumes SET node_id=NULL WHERE id=$1 AND node_id=$2", r["id"],
-                                    self.node_id)
+            await self.pool.execute("UPDATE volumes SET node_id=NULL, released_at=now() WHERE id=$1 AND node_id=$2",
+                                    r["id"], self.node_id)
 
     async def attach(self, sandbox_id: str, vm_dir: Path) -> list[GuestVolume]:
         """Put the sandbox's attached volumes into ``vm_dir``'s slots (module docstring); returns what guestd

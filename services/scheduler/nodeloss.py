@@ -115,7 +115,8 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     report.acted = True
     for r in await conn.fetch(_SANDBOXES, node_id):
         await _move(conn, node_id, r, report)
-    await conn.execute("UPDATE volumes SET node_id=NULL WHERE node_id=$1 AND snapshot_id IS NOT NULL", node_id)
+    await conn.execute("UPDATE volumes SET node_id=NULL, released_at=now() WHERE node_id=$1"
+                       " AND snapshot_id IS NOT NULL", node_id)
     await conn.execute(
         "UPDATE warm_slots SET state='failed', reason=$2, failed_at=now() WHERE node_id=$1"
         " AND state IN ('preparing', 'ready')", node_id, f"node {node_id} was lost")

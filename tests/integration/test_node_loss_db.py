@@ -134,6 +134,8 @@ async def test_a_lost_node_unbinds_its_promoted_volumes_and_fails_sandboxes_writ
     # Its memory holds the volume's mount, which the volume's promoted copy does not match: not woken.
     assert report.failed == [writer] and report.rescheduled == []
     assert await pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", writer) == "failed"
-    nodes = {r["id"]: r["node_id"] for r in await pool.fetch(
-        "SELECT id, node_id FROM volumes WHERE id = ANY($1::text[])", [promoted, never])}
-    assert nodes == {promoted: None, never: node}
+    rows = {r["id"]: r for r in await pool.fetch(
+        "SELECT id, node_id, released_at FROM volumes WHERE id = ANY($1::text[])", [promoted, never])}
+    assert {v: r["node_id"] for v, r in rows.items()} == {promoted: None, never: node}
+    # A file of it left on the node, should the node come back, is older than this: it is fetched anew.
+    assert rows[promoted]["released_at"] is not None and rows[never]["released_at"] is None

@@ -390,8 +390,11 @@ class QemuVmm(Vmm):
             TIMEOUTS.labels(op).inc()
             raise VmTimeout(f"{op} did not finish within {timeout_s} s", details={"op": op}) from exc
 
-    async def _qmp(self, vm: VmHandle, cmd: str, args: dict[str, Any] | None = None, *,
-                   timeout_s: float | None = None) -> Any:
+    async def execute(self, vm: VmHandle, cmd: str, args: dict[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> Any:
+        """Run QMP command ``cmd`` on ``vm`` and return its answer, bounded by ``timeout_s`` (default: the VM's
+        ``op_timeout_s``). Raises ``VmTimeout``, ``VmOperationError`` (QEMU refused it: ``details.qmp_class``)
+        or ``VmGone`` (QEMU exited)."""
         try:
             return await self._bounded(
                 f"qmp:{cmd}", vm.qmp.execute(cmd, args),
@@ -545,10 +548,24 @@ class QemuVmm(Vmm):
                 os.kill(p, signal.SIGKILL)
         await asyncio.to_thread(popen.wait)
 
+    async def start_incoming(self, config: VmConfig, paths: VmPaths, *, tap_fd: int | None = None) -> VmHandle:
+        """Start a QEMU on ``paths`` (its disk and RAM files made by the caller) that waits for a live migration
+        (``-incoming defer``) and runs the guest on arrival; the caller feeds it the stream
+        (services/nodeagent/vmmigrate.py). Raises ``VmStartError``; nothing is left running."""
+        popen, pid = await self._spawn(config, paths, incoming=True, tap_fd=tap_fd, autostart=True)
+        vm: VmHandle | None = None
+        try:
+            vm = await self._connect(paths, pid, popen, config, 5.0)
+            self._lock(paths)
+            return vm
+        except BaseException:
+            await self._abort_start(vm, popen, pid)
+            raise
+
     async def _migration_done(self, vm: VmHandle, what: str) -> None:
         """Poll ``query-migrate`` until completed; raise on failure."""
         while True:
-            info = await self._qmp(vm, "query-migrate")
+            info = await self.execute(vm, "query-migrate")
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":
                 return
@@ -561,7 +578,7 @@ class QemuVmm(Vmm):
         fd = os.open(path, flags, 0o600)
         try:
             _send_scm_rights(vm.qmp, fd)
-            await self._qmp(vm, "getfd", {"fdname": name})
+            await self.execute(vm, "getfd", {"fdname": name})
         finally:
             os.close(fd)
 
@@ -589,7 +606,7 @@ class QemuVmm(Vmm):
 
     async def _set_caps(self, vm: VmHandle) -> None:
         # RAM lives in a shared file that snapshots reflink, so migration streams only device state.
-        await self._qmp(vm, "migrate-set-capabilities",
+        await self.execute(vm, "migrate-set-capabilities",
                         {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
 
     async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False,
@@ -637,11 +654,11 @@ class QemuVmm(Vmm):
             self._lock(paths)
             await self._set_caps(vm)
             await self._send_fd(vm, snap / "state", os.O_RDONLY | os.O_CLOEXEC, "migin")
-            await self._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})
+            await self.execute(vm, "migrate-incoming", {"uri": "fd:migin"})
             await self._migration_done(vm, "incoming")
             await self._announce_volumes(vm, paths)
             if not paused:
-                await self._qmp(vm, "cont")
+                await self.execute(vm, "cont")
             return vm
         except BaseException:
             await self._abort_start(vm, popen, pid)
@@ -653,7 +670,7 @@ class QemuVmm(Vmm):
         for slot in range(VOLUME_SLOTS):
             size = (paths.dir / volume_slot_name(slot)).stat().st_size
             if size:
-                await self._qmp(vm, "block_resize", {"device": f"vol{slot}", "size": size})
+                await self.execute(vm, "block_resize", {"device": f"vol{slot}", "size": size})
 
     async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
         """Stop, migrate device state to ``dest_dir/state``, reflink (or copy) RAM and disk, then ``cont``.
@@ -677,8 +694,8 @@ class QemuVmm(Vmm):
             # in ``postmigrate``, from which QEMU refuses another migration ("Can't migrate the vm that was
             # paused due to previous migration") and which ``stop`` does not leave: only ``cont`` does. So
             # the guest runs for the two QMP round trips (about a millisecond) before it is stopped again.
-            await self._qmp(vm, "cont")
-            await self._qmp(vm, "stop")
+            await self.execute(vm, "cont")
+            await self.execute(vm, "stop")
         # The state file is handed to QEMU before ``stop``: one QMP round trip fewer while the guest is held.
         tmp_state = dest / "state.part"
         await self._send_fd(vm, tmp_state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, "migout")
@@ -687,7 +704,7 @@ class QemuVmm(Vmm):
         volumes = [vm.paths.dir / volume_slot_name(slot) for slot in range(VOLUME_SLOTS)]
         volumes = [src for src in volumes if src.exists() and src.stat().st_size > 0]
         t0 = time.monotonic()
-        await self._qmp(vm, "stop")
+        await self.execute(vm, "stop")
         resumed = False
         try:
             # RAM, disk and volumes are reflinked at once, each on a worker thread, while QEMU writes the
@@ -698,7 +715,7 @@ class QemuVmm(Vmm):
                 *(asyncio.to_thread(reflink_or_copy, src, dest / src.name) for src in volumes),
                 return_exceptions=True)
             try:
-                await self._qmp(vm, "migrate", {"uri": "fd:migout"})
+                await self.execute(vm, "migrate", {"uri": "fd:migout"})
                 await self._migration_done(vm, "outgoing")
             finally:
                 done = await copies  # every copy has ended before the guest runs again or an error leaves
@@ -708,12 +725,12 @@ class QemuVmm(Vmm):
             ram_mode, disk_mode = done[0], done[1]
             os.replace(tmp_state, dest / "state")
             if was_running and not leave_stopped:
-                await self._qmp(vm, "cont")
+                await self.execute(vm, "cont")
                 resumed = True
         finally:
             if was_running and not leave_stopped and not resumed and self.is_alive(vm):
                 with contextlib.suppress(VmmError):
-                    await self._qmp(vm, "cont")
+                    await self.execute(vm, "cont")
         paused_ms = (time.monotonic() - t0) * 1000
         mode: Literal["reflink", "copy"] = "reflink" if ram_mode == disk_mode == "reflink" else "copy"
         SNAPSHOTS.labels("ok", mode).inc()
@@ -734,10 +751,10 @@ class QemuVmm(Vmm):
         return await self._connect(paths, pid, None, config, _QMP_CONNECT_TIMEOUT_S)
 
     async def pause(self, vm: VmHandle) -> None:
-        await self._qmp(vm, "stop")
+        await self.execute(vm, "stop")
 
     async def resume(self, vm: VmHandle) -> None:
-        await self._qmp(vm, "cont")
+        await self.execute(vm, "cont")
 
     async def set_nice(self, vm: VmHandle, nice: int) -> None:
         """Give every thread of ``vm``'s QEMU the nice value ``nice`` (:func:`set_nice`)."""
@@ -746,7 +763,7 @@ class QemuVmm(Vmm):
     async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None:
         if self.is_alive(vm):
             with contextlib.suppress(VmmError):
-                await self._qmp(vm, "quit", timeout_s=timeout_s)
+                await self.execute(vm, "quit", timeout_s=timeout_s)
             try:
                 await self.wait_exit(vm, timeout_s)
             except VmTimeout:
@@ -780,6 +797,6 @@ class QemuVmm(Vmm):
         return vm.exit_code
 
     async def query_status(self, vm: VmHandle) -> str:
-        info = await self._qmp(vm, "query-status")
+        info = await self.execute(vm, "query-status")
         return str(info["status"])
 

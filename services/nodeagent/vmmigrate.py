@@ -102,20 +102,20 @@ async def precopy_safe(vmm: QemuVmm, vm: VmHandle) -> bool:
     (QMP ``query-version``; see the module docstring)."""
     if vm.config is not None and vm.config.accel == "kvm":
         return True
-    ver = await vmm._qmp(vm, "query-version")  # noqa: SLF001
+    ver = await vmm.execute(vm, "query-version")
     q = ver.get("qemu", {}) if isinstance(ver, dict) else {}
     return (int(q.get("major", 0)), int(q.get("minor", 0))) >= _TCG_PRECOPY_FIXED
 
 
 async def _caps(vmm: QemuVmm, vm: VmHandle, caps: dict[str, bool]) -> None:
-    await vmm._qmp(vm, "migrate-set-capabilities",  # noqa: SLF001
-                   {"capabilities": [{"capability": k, "state": v} for k, v in caps.items()]})
+    await vmm.execute(vm, "migrate-set-capabilities",
+                      {"capabilities": [{"capability": k, "state": v} for k, v in caps.items()]})
 
 
 async def _give_socket(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, name: str) -> None:
     """Hand ``sock`` to QEMU as monitor fd ``name``; the caller may close its copy afterwards."""
     _send_scm_rights(vm.qmp, sock.fileno())
-    await vmm._qmp(vm, "getfd", {"fdname": name})  # noqa: SLF001
+    await vmm.execute(vm, "getfd", {"fdname": name})
 
 
 async def start_incoming(vmm: QemuVmm, config: VmConfig, vm_dir: Path, *, disk_size: int,
@@ -128,22 +128,19 @@ async def start_incoming(vmm: QemuVmm, config: VmConfig, vm_dir: Path, *, disk_s
     paths.ram.unlink(missing_ok=True)
     with open(paths.disk, "wb") as f:
         f.truncate(disk_size)
-    popen, pid = await vmm._spawn(config, paths, incoming=True, tap_fd=tap_fd, autostart=True)  # noqa: SLF001
-    vm: VmHandle | None = None
+    vm = await vmm.start_incoming(config, paths, tap_fd=tap_fd)
     try:
-        vm = await vmm._connect(paths, pid, popen, config, 5.0)  # noqa: SLF001
-        vmm._lock(paths)  # noqa: SLF001
         await _caps(vmm, vm, {"x-ignore-shared": False, "events": True})
         return vm
     except BaseException:
-        await vmm._abort_start(vm, popen, pid)  # noqa: SLF001
+        await vmm.kill(vm)
         raise
 
 
 async def accept_incoming(vmm: QemuVmm, vm: VmHandle, sock: socket.socket) -> None:
     """Give the accepted connection to the waiting QEMU and start reading the stream (returns at once)."""
     await _give_socket(vmm, vm, sock, "migin")
-    await vmm._qmp(vm, "migrate-incoming", {"uri": "fd:migin"})  # noqa: SLF001
+    await vmm.execute(vm, "migrate-incoming", {"uri": "fd:migin"})
 
 
 async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float, what: str) -> dict[str, Any]:
@@ -154,7 +151,7 @@ async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float,
                 return
 
     waiter = asyncio.ensure_future(events())
-    exited = asyncio.ensure_future(vm._exited.wait())  # noqa: SLF001
+    exited = asyncio.ensure_future(vmm.wait_exit(vm))
     try:
         # The listener was registered before the migrate command, so the terminal event cannot be missed. No
         # query-migrate before it: on a QEMU that itself arrived by migration it can still report that
@@ -164,7 +161,7 @@ async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float,
             raise VmTimeout(f"{what} migration did not finish within {timeout_s} s", details={"op": what})
         if exited in done:
             raise VmOperationError(f"QEMU exited during the {what} migration")
-        info = await vmm._qmp(vm, "query-migrate")  # noqa: SLF001
+        info = await vmm.execute(vm, "query-migrate")
         return info if isinstance(info, dict) else {}
     finally:
         waiter.cancel()
@@ -204,7 +201,7 @@ async def _stop_before_ram(vmm: QemuVmm, vm: VmHandle) -> float | None:
     stop, or None when the migration ended first (the caller's wait reports how)."""
     last: tuple[float, int] | None = None
     while True:
-        info = await vmm._qmp(vm, "query-migrate")  # noqa: SLF001
+        info = await vmm.execute(vm, "query-migrate")
         if not isinstance(info, dict) or info.get("status") in _END_STATES:
             return None
         ram, disk = info.get("ram") or {}, info.get("disk") or {}
@@ -240,7 +237,7 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
     was_running = (await vmm.query_status(vm)) == "running"
     precopy = not was_running or await precopy_safe(vmm, vm)
     await _caps(vmm, vm, _LIVE_CAPS)
-    await vmm._qmp(vm, "migrate-set-parameters",  # noqa: SLF001
+    await vmm.execute(vm, "migrate-set-parameters",
                    {"downtime-limit": max_downtime_ms, "max-bandwidth": bandwidth_mib_s * 2**20})
     t0 = time.monotonic()
     stopped_at: float | None = None
@@ -248,7 +245,7 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
     try:
         with vm.qmp.listener("MIGRATION") as listener:
             await _give_socket(vmm, vm, sock, "migout")
-            await vmm._qmp(vm, "migrate", {"uri": "fd:migout"})  # noqa: SLF001
+            await vmm.execute(vm, "migrate", {"uri": "fd:migout"})
             if not precopy:
                 watch = asyncio.ensure_future(_stop_before_ram(vmm, vm))
             info = await _wait_end(vmm, vm, listener, timeout_s, "outgoing")
@@ -285,13 +282,13 @@ async def resume_source(vmm: QemuVmm, vm: VmHandle, was_running: bool) -> None:
     """Undo an outgoing migration on the source: cancel it, restore the snapshot capabilities, ``cont`` a
     guest that was running. Best effort (a dead QEMU is the caller's ``VmGone`` later)."""
     with contextlib.suppress(VmmError):
-        await vmm._qmp(vm, "migrate_cancel")  # noqa: SLF001
+        await vmm.execute(vm, "migrate_cancel")
     with contextlib.suppress(VmmError):
         await _caps(vmm, vm, {"x-ignore-shared": True, "block": False})
     if was_running and vmm.is_alive(vm):
         with contextlib.suppress(VmmError):
             if (await vmm.query_status(vm)) != "running":
-                await vmm._qmp(vm, "cont")  # noqa: SLF001
+                await vmm.execute(vm, "cont")
 
 
 def disk_size(vm_dir: Path) -> int:

@@ -172,7 +172,7 @@ async def test_a_qmp_command_failure_carries_qemus_description() -> None:
 
     vm = VmHandle(paths=VmPaths(Path("/nonexistent")), pid=0, config=None, qmp=RefusingQmp())  # type: ignore[arg-type]
     with pytest.raises(VmOperationError) as info:
-        await QemuVmm()._qmp(vm, "migrate")
+        await QemuVmm().execute(vm, "migrate")
     assert "migration is already running" in str(info.value)
     assert info.value.details == {"cmd": "migrate", "qmp_class": "GenericError"}
 

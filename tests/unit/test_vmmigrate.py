@@ -24,7 +24,7 @@ class FakeQmp:
         self.calls: list[str] = []
         self.queries = 0
 
-    async def _qmp(self, vm: Any, cmd: str, args: dict[str, Any] | None = None) -> Any:
+    async def execute(self, vm: Any, cmd: str, args: dict[str, Any] | None = None) -> Any:
         self.calls.append(cmd)
         if cmd == "query-version":
             return {"qemu": {"major": self.version[0], "minor": self.version[1], "micro": 0}}

@@ -10,33 +10,49 @@ fork"). No second snapshot system: an E2B snapshot *is* a podbay snapshot of the
 
 ``create_snapshot(name=...)`` also names the snapshot (table ``e2b_snapshot_names``; a later snapshot with
 the same name takes the name over): its ``snapshotID`` is then the name, which create and delete accept.
-A snapshot lives as long as its source sandbox (podbay keeps snapshots per sandbox): once the source is
-killed, creating from its snapshots answers 404. A filesystem-only snapshot (``memory: false``) is a podbay
-disk snapshot; sandboxes start from full snapshots only (400 for a disk one).
+A snapshot outlives its source sandbox, as E2B's do: it is pinned (``snapshots.pinned``: no retention, no
+removal with its sandbox) and promoted to object storage before the call answers. A create from it is a
+podbay fork while the source runs or is paused, and otherwise a wake of a new sandbox from the promoted
+snapshot (the machinery of a resume from object storage, ``sandbox_service.resume_suspended``), on any node with room.
+A filesystem-only snapshot (``memory: false``) is a podbay disk snapshot; sandboxes start from full
+snapshots only (400 for a disk one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from podbay.contracts import subjects
 from podbay.contracts.api import ForkRequest, SnapshotCreate
-from podbay.errors import Conflict, InvalidRequest, NotFound
+from podbay.contracts.messages import PromoteCmd
+from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
+from podbay.naming import sandbox_hostname
+from podbay.outbox import emit_sandbox_event, new_id
 
+from . import sandbox_service
 from . import snapshots as podbay_snapshots
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, decode_cursor, encode_cursor, error_body
+from .sandbox_lookup import GUEST_ENV_SQL
 
 __all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
 
 # E2B's default lifetime of a fork child (SandboxForkRequest.timeout).
 FORK_DEFAULT_TIMEOUT_S = 15
 MAX_FORK_COUNT = 20  # E2B's SDK refuses more
+PROMOTION_POLL_S = 0.25
+# A snapshot E2B can use: ready, and its source still there (local files) or it pinned and in object storage.
+_USABLE = ("n.state='ready' AND (s.state IN ('running', 'paused')"
+           " OR (s.state NOT IN ('deleting', 'deleted') AND n.promotion='promoted')"
+           " OR (n.pinned AND n.promotion='promoted'))")
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -117,8 +133,8 @@ async def fork(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ForkBody | None 
 async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> Any:
     resolved = await resolve_snapshot(ctx, who, snapshot_id)
     row = await ctx.pool.fetchrow(
-        "SELECT n.id, n.sandbox_id, n.kind FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
-        " WHERE n.id=$1 AND n.tenant_id=$2 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')",
+        "SELECT n.id, n.sandbox_id, n.kind, n.promotion, s.state AS source_state FROM snapshots n"
+        f" JOIN sandboxes s ON s.id = n.sandbox_id WHERE n.id=$1 AND n.tenant_id=$2 AND {_USABLE}",
         resolved, who.tenant_id) if resolved else None
     if row is None:
         raise NotFound(f"snapshot {snapshot_id} was not found")
@@ -133,11 +149,74 @@ async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiCo
     if snap["kind"] != "full":
         raise InvalidRequest(f"snapshot {snap['id']} is filesystem-only: podbay starts sandboxes from full "
                              "snapshots (memory and disk)")
+    lease = timeout if timeout is not None else ctx.settings.lease_s
+    if snap["source_state"] not in ("running", "paused"):
+        return await _wake_from_stored(ctx, who, snap, lease)
     row = await _row(ctx, who, snap["sandbox_id"])
-    [result] = await _fork(ctx, who, row, 1, timeout if timeout is not None else ctx.settings.lease_s, snap["id"])
+    [result] = await _fork(ctx, who, row, 1, lease, snap["id"])
     if "error" in result:
         return error_body(500, result["error"]["message"])
     return JSONResponse(result["sandbox"], status_code=201)
+
+
+async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: int) -> JSONResponse:
+    """A new sandbox from a promoted full snapshot whose source is not running (killed, or suspended): its
+    row is inserted ``suspended`` at that snapshot (the source's template, size, metadata and egress policy;
+    its own hostname and credential placeholders) and resumed from object storage like any suspended
+    sandbox, so the node's after-restore hygiene gives it its own identity -> 201 ``Sandbox``; 500 (and the
+    row deleted) when the wake fails or does not finish within the resume bound."""
+    src = snap["sandbox_id"]
+    cid = new_id("sbx")
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        template = await conn.fetchval("SELECT template FROM sandboxes WHERE id=$1", src)
+        await conn.execute(
+            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, generation,"
+            " memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id, suspended_snapshot_id,"
+            " egress_policy, guest_env)"
+            " SELECT $1, $2, p.template, p.template_digest, 'suspended', 'running', 1, p.memory_mib, p.vcpus, $3,"
+            " p.metadata, p.id, $4, $4, p.egress_policy, "
+            + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="p.template")
+            + " FROM sandboxes p WHERE p.id = $5", cid, who.tenant_id, sandbox_hostname(cid), snap["id"], src)
+        await emit_sandbox_event(conn, cid, "created", state="suspended", tenant_id=who.tenant_id,
+                                 data={"parent": src, "snapshot_id": snap["id"]})
+    ctx.relay.kick()
+    await _copy_e2b_row(ctx, src, [cid])
+    try:
+        info, finished = await sandbox_service.resume_suspended(ctx, who, cid, wait=True, fallback=False)
+        error = None if finished and info.state == "running" else f"the sandbox is still {info.state}"
+    except PodbayError as exc:
+        error = exc.message
+    if error is not None:
+        try:
+            await sandbox_service.delete(ctx, who, cid, wait=False)
+        except PodbayError:  # in a state a delete is refused in (still resuming): its lease, ending now, does it
+            await ctx.pool.execute("UPDATE sandboxes SET lease_action='delete', lease_expires_at=now() WHERE id=$1",
+                                   cid)
+        return error_body(500, f"cannot start a sandbox from snapshot {snap['id']}: {error}")
+    await _exact_lease(ctx, who, cid, lease)
+    return JSONResponse(_sandbox(ctx, cid, template), status_code=201)
+
+
+async def _pin_and_promote(ctx: ApiContext, snapshot_id: str, sandbox_id: str) -> str | None:
+    """Pin ``snapshot_id`` and have the snapshotter of its node promote it to object storage, waiting until
+    it is (bounded by ``suspend_timeout_s``) -> None, or why not (the pin is then taken back: the snapshot
+    serves while its source lives, as podbay's own snapshots do)."""
+    node_id = await ctx.pool.fetchval("UPDATE snapshots SET pinned=true WHERE id=$1 RETURNING node_id", snapshot_id)
+    await ctx.bus.publish_command(subjects.snapshotter_promote(node_id),
+                                  PromoteCmd(snapshot_id=snapshot_id, sandbox_id=sandbox_id, reason="request"),
+                                  msg_id=f"promote.{snapshot_id}")
+    deadline = time.monotonic() + ctx.settings.suspend_timeout_s
+    error = f"it was not stored in object storage within {ctx.settings.suspend_timeout_s:.0f} s"
+    while time.monotonic() < deadline:
+        r = await ctx.pool.fetchrow("SELECT promotion, promotion_error FROM snapshots WHERE id=$1", snapshot_id)
+        if r["promotion"] == "promoted":
+            return None
+        if r["promotion"] == "failed":
+            error = f"storing it in object storage failed: {r['promotion_error']}"
+            break
+        await asyncio.sleep(PROMOTION_POLL_S)
+    await ctx.pool.execute("UPDATE snapshots SET pinned=false WHERE id=$1", snapshot_id)
+    return error
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots")
@@ -152,6 +231,9 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
                                                   wait=True)
     if info.state != "ready":
         return error_body(500, f"snapshot {info.id} of {sandbox_id} is {info.state}: {info.error or 'not ready'}")
+    error = await _pin_and_promote(ctx, info.id, sandbox_id)
+    if error is not None:
+        return error_body(500, f"snapshot {info.id} of {sandbox_id} would not outlive the sandbox: {error}")
     name = body.name.split(":", 1)[0] if body is not None and body.name else None
     if name:
         if is_snapshot_id(name):
@@ -167,13 +249,12 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
 async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Query(None, alias="sandboxID"),
                          limit: int = Query(100, ge=1, le=1000),
                          next_token: str | None = Query(None, alias="nextToken")) -> JSONResponse:
-    """The caller's ready snapshots (of sandboxes not killed), newest first, ``limit`` per page (next page's
-    token in ``x-next-token``)."""
+    """The caller's usable snapshots (pinned ones, also of killed sandboxes; others of sandboxes that run or
+    are paused), newest first, ``limit`` per page (next page's token in ``x-next-token``)."""
     cursor = decode_cursor(next_token)
     sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
            " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
-           " WHERE n.tenant_id=$1 AND n.state='ready' AND s.state NOT IN ('deleting', 'deleted')"
-           " AND ($2::text IS NULL OR n.sandbox_id = $2)")
+           f" WHERE n.tenant_id=$1 AND {_USABLE} AND ($2::text IS NULL OR n.sandbox_id = $2)")
     args: list[Any] = [who.tenant_id, sandbox_id, limit + 1]
     if cursor is not None:
         sql += " AND (n.created_at, n.id) < ($4, $5)"
@@ -189,11 +270,12 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_snapshot(template_id: str, ctx: CtxDep, who: WhoDep) -> Response:
-    """Delete a snapshot -> 204: it is no longer listed nor usable (its files go with its source sandbox's
-    retention or deletion); 404 when the caller has no such snapshot. podbay templates are not deleted here."""
+    """Delete a snapshot -> 204: it is no longer listed nor usable (its local files go with its source
+    sandbox's retention or deletion, its chunks in object storage at the snapshotter's next collection);
+    404 when the caller has no such snapshot. podbay templates are not deleted here."""
     snap = await _snapshot_row(ctx, who, template_id)  # NotFound for a template: only snapshots go here
     in_use = await ctx.pool.fetchval(
-        "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting')", snap["id"])
+        "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting', 'resuming')", snap["id"])
     if in_use:
         raise Conflict(f"snapshot {snap['id']} is being used to start a sandbox; retry shortly")
     async with ctx.pool.acquire() as conn, conn.transaction():

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import html
+import json
 import re
 import time
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["host_label", "sandbox_from_label", "parse_host", "parse_path", "traffic_token", "e2b_traffic_token",
+__all__ = ["e2b_closed_port", "host_label", "sandbox_from_label", "parse_host", "parse_path", "traffic_token", "e2b_traffic_token",
            "token_ok", "RateLimiter", "COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PATH_PREFIX", "E2B_TOKEN_HEADER",
            "PORT_REQUESTS", "PORT_BYTES", "PORT_OPEN", "port_url"]
 
@@ -135,3 +137,22 @@ class RateLimiter:
             return False
         self._buckets[key] = (tokens - 1, now)
         return True
+
+
+#: E2B's proxy tells a browser from a program by these words in its User-Agent.
+_BROWSER_WORDS = ("mozilla", "chrome", "safari", "firefox", "edge", "opera", "msie")
+
+
+def e2b_closed_port(sandbox_id: str, port: int, user_agent: str) -> tuple[bytes, bytes]:
+    """E2B's answer (status 502) for a port of a running sandbox that nothing listens on, as its proxy gives
+    it -> (content type, body): for a browser, an HTML page titled "Closed Port Error"; for anything else,
+    JSON ``{"message": "The sandbox is running but port is not open", "sandboxId", "port", "code": 502}``."""
+    if any(w in user_agent.lower() for w in _BROWSER_WORDS):
+        sid = html.escape(sandbox_id)
+        page = ("<!doctype html><html><head><meta charset=utf-8><title>Closed Port Error</title></head><body>"
+                f"<h1>Closed Port Error</h1><p>The sandbox {sid} is running but there's no service running on "
+                f"port {port}.</p></body></html>")
+        return b"text/html; charset=utf-8", page.encode()
+    body = {"message": "The sandbox is running but port is not open", "sandboxId": sandbox_id, "port": port,
+            "code": 502}
+    return b"application/json; charset=utf-8", json.dumps(body).encode()

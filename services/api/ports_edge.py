@@ -183,7 +183,12 @@ class PortsEdge:
                 PortsGauge.dec(labels)
         except _Stop as stop:
             status = stop.status
-            await self._answer(scope, receive, send, headers, stop)
+            if route.mode == "e2b" and stop.code == "port_not_open":  # E2B's own answer for a closed port
+                ctype, page = pa.e2b_closed_port(route.sandbox_id, route.port, headers.get("user-agent", ""))
+                await deny(scope, receive, send, 502, [(b"content-type", ctype),
+                                                       (b"content-length", str(len(page)).encode())], page)
+            else:
+                await self._answer(scope, receive, send, headers, stop)
         except PodbayError as exc:
             status = exc.http_status
             await self._answer(scope, receive, send, headers, _Stop(exc.http_status, exc.code, exc.message))

@@ -289,7 +289,16 @@ def test_envd_routing_by_host_name(sbx: Any, stack: Any) -> None:
     assert r.status_code == 200 and r.json()["entry"]["path"] == "/home/user"
     r = httpx.get(f"{stack.api_url}/health", headers={"Host": host, **token})
     assert r.status_code == 204
-    # Hosts for other ports belong to the ports edge (tests/e2e/test_ports.py).
+    # Hosts for other ports belong to the ports edge (tests/e2e/test_ports.py); a port nothing listens on
+    # gets E2B's own answer: JSON for a program, the "Closed Port Error" page for a browser.
+    closed = {"Host": f"3999-{sbx.sandbox_id}.e2b.podbay.test"}
+    r = httpx.get(f"{stack.api_url}/", headers=closed, timeout=60)
+    assert r.status_code == 502 and r.headers["content-type"] == "application/json; charset=utf-8", r.text
+    assert r.json() == {"message": "The sandbox is running but port is not open", "sandboxId": sbx.sandbox_id,
+                        "port": 3999, "code": 502}
+    browser = "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0 Safari/537.36"
+    r = httpx.get(f"{stack.api_url}/", headers={**closed, "User-Agent": browser}, timeout=60)
+    assert r.status_code == 502 and "<title>Closed Port Error</title>" in r.text, r.text
     # The API itself still answers on its own host names.
     assert httpx.get(f"{stack.api_url}/healthz").status_code == 200
 
@@ -374,9 +383,15 @@ def test_short_timeout_listing_filters_metrics_history_and_network(e2b_env: dict
         podbay = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {stack.api_key}"})
         policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
         assert policy["source"] == "sandbox" and policy["policy"] == {"allow": [], "deny": []}, policy
-        a.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]})
+        a.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"],
+                          "rules": {"example.com": [{"transform": {"headers": {"X-Team": "blue"}}}]}})
         policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
-        assert [r["domain"] for r in policy["policy"]["allow"]] == ["example.com"], policy
+        # A domain in allow_out opens E2B's default DNS server too; rules are the gateway's header transforms.
+        assert [(r["domain"], r["cidr"]) for r in policy["policy"]["allow"]] == [
+            ("example.com", None), (None, "8.8.8.8/32")], policy
+        assert policy["policy"]["transforms"] == [{"domain": "example.com", "headers": {"X-Team": "blue"}}]
+        with pytest.raises(e2b.SandboxException, match="egressProxy"):
+            a.update_network({"egress_proxy": {"address": "proxy.example.com:1080"}})
         a.set_timeout(3)  # E2B honours timeouts under 10 s
         assert a.get_info().end_at < datetime.now(UTC) + timedelta(seconds=9)
         a.set_timeout(600)
@@ -440,9 +455,20 @@ def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
         assert not isinstance(again, Exception), again
         made.append(again)
         assert again.files.read("/home/user/snap.txt") == "after"
+        kept = paused.create_snapshot()
         paused.kill()
         with pytest.raises(e2b.SandboxNotFoundException):
             paused.fork()
+        # E2B's snapshots outlive their sandbox: listed, and a sandbox starts from it (out of object storage).
+        assert kept.snapshot_id in [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
+        revived = e2b.Sandbox.create(kept.snapshot_id, timeout=300)
+        made.append(revived)
+        assert revived.sandbox_id != paused.sandbox_id
+        assert revived.files.read("/home/user/snap.txt") == "after"
+        assert revived.commands.run("echo revived").stdout == "revived\n"
+        assert e2b.Sandbox.delete_snapshot(kept.snapshot_id) is True
+        with pytest.raises(e2b.SandboxException, match="404"):
+            e2b.Sandbox.create(kept.snapshot_id)
     finally:
         for s in made:
             e2b.Sandbox.kill(s.sandbox_id)

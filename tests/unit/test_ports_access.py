@@ -85,3 +85,15 @@ def test_only_the_port_proxy_opens_connections_into_a_tap() -> None:
     text = render_ruleset(8094, 8053, table="podbay_x", tap_prefix="pbxt")
     assert "ct direction reply accept" in text
     assert 'oifname "pbxt*" meta l4proto tcp ct state new meta mark != 0x70620001 reject with tcp reset' in text
+
+
+def test_e2b_closed_port_answer_is_e2bs_json_or_its_browser_page() -> None:
+    import json
+
+    ctype, body = pa.e2b_closed_port("sbx_1", 3000, "python-httpx/0.28")
+    assert ctype == b"application/json; charset=utf-8"
+    assert json.loads(body) == {"message": "The sandbox is running but port is not open", "sandboxId": "sbx_1",
+                                "port": 3000, "code": 502}
+    ctype, body = pa.e2b_closed_port("sbx_<1>", 3000, "Mozilla/5.0 (X11; Linux x86_64) Chrome/131.0")
+    assert ctype == b"text/html; charset=utf-8" and b"<title>Closed Port Error</title>" in body
+    assert b"sbx_&lt;1&gt;" in body and b"port 3000" in body

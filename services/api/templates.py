@@ -35,6 +35,7 @@ from podbay.contracts.templates import (
     TEMPLATE_NAME_RE,
     BuildInfo,
     BuildList,
+    BuildSpec,
     ImageConfig,
     NodeBuildRequest,
     TemplateDetail,
@@ -49,7 +50,7 @@ from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 from .sandbox_lookup import audit
 
-__all__ = ["router", "BUILTIN"]
+__all__ = ["router", "BUILTIN", "start_build"]
 
 log = logging.getLogger("podbay.api.templates")
 
@@ -141,6 +142,33 @@ async def build_template(
         raise Unprocessable(f"FROM {spec.base.ref}: OCI images are not supported yet; build FROM podbay/base "
                             "or another podbay template", details={"from": spec.base.ref})
     parent = spec.base.ref
+    build_id, resp = await start_build(ctx, who, name, spec, data, dockerfile, parent=parent, egress=egress)
+    if resp.status_code >= 400:
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type="application/x-ndjson", headers={"x-podbay-build-id": build_id})
+
+
+async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpec, data: bytes, recipe: str, *,
+                      parent: str, egress: str | None) -> tuple[str, httpx.Response]:
+    """Start building template ``name`` from a checked ``spec`` and its context tarball ``data`` (already
+    through :func:`~podbay.buildcontext.check_context`) on a ready node that holds template ``parent``, and
+    return the build id and the node's open NDJSON stream of :class:`~podbay.contracts.templates.BuildEvent`
+    (the caller reads and closes it). ``recipe``: the text kept in ``template_builds.dockerfile``;
+    ``egress``: JSON EgressPolicy of the RUN steps (None: the parent's). When the node refuses the build,
+    the returned response is its error (status >= 400, body read) and the build row is failed.
+
+    Raises ``NotFound`` (no template ``parent``), ``Unavailable`` (no ready node holds it, or the node did not
+    answer), ``Unprocessable`` (``egress`` is not a policy), ``Conflict`` (a build of ``name`` runs). Used by
+    ``POST /v1/templates`` and E2B's template build (services/api/e2b_templates.py).
+    """
     node = await ctx.pool.fetchrow(
         "SELECT n.id, n.dataplane_url FROM templates t JOIN node_templates nt ON nt.template = t.name"
         " AND nt.digest = t.digest JOIN nodes n ON n.id = nt.node_id"
@@ -164,8 +192,8 @@ async def build_template(
             async with ctx.pool.acquire() as conn, conn.transaction():
                 await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
                                    " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name,
-                                   who.tenant_id, node["id"], dockerfile, parent, policy)
-                await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": parent})
+                                   who.tenant_id, node["id"], recipe, spec.base.ref, policy)
+                await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": spec.base.ref})
             break
         except asyncpg.UniqueViolationError as exc:
             if attempt == 0 and await fail_stale_build(ctx.pool, ctx.nodes_http, ctx.settings.internal_token, name):
@@ -191,16 +219,8 @@ async def build_template(
         except ValueError:
             err = {"code": "build_failed", "message": body[:500].decode(errors="replace")}
         await _finish(ctx, build_id, err)
-        return Response(body, status_code=resp.status_code, media_type="application/json")
-
-    async def relay() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        finally:
-            await resp.aclose()
-
-    return StreamingResponse(relay(), media_type="application/x-ndjson", headers={"x-podbay-build-id": build_id})
+        return build_id, httpx.Response(resp.status_code, content=body, headers={"content-type": "application/json"})
+    return build_id, resp
 
 
 STALE_BUILD_GRACE_S = 30.0

@@ -14,7 +14,7 @@ from podbay.contracts import subjects
 from podbay.contracts.api import RestoreRequest, SandboxInfo, SnapshotCreate, SnapshotInfo
 from podbay.contracts.messages import RestoreCmd, SnapshotCmd
 from podbay.contracts.states import SandboxCommand, check_allowed
-from podbay.errors import Conflict, NotFound
+from podbay.errors import Conflict, InvalidRequest, NotFound
 from podbay.logs import bind_log_context
 from podbay.outbox import new_id
 
@@ -84,16 +84,21 @@ async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: Restor
 
     Allowed from ``running``, ``paused`` and ``failed``. Raises ``NotFound`` (sandbox or snapshot),
     ``InvalidState``, ``Conflict`` (snapshot not ready; or a full snapshot of a sandbox with a read-write
-    volume: services/api/volumes.py)."""
+    volume without ``body.volumes``: services/api/volumes.py), ``InvalidRequest`` (``volumes`` with a disk
+    snapshot, which holds no volume copy)."""
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.RESTORE, row["state"])
         snap = await ready_snapshot(conn, sandbox_id, body.snapshot_id)
-        if snap["kind"] == "full":
-            await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot (use a disk snapshot: "
-                                      "the guest boots and mounts the volume as it is now)", writable_only=True)
+        if body.volumes and snap["kind"] != "full":
+            raise InvalidRequest("only a full snapshot holds copies of the sandbox's volumes to roll back",
+                                 details={"kind": snap["kind"]})
+        if snap["kind"] == "full" and not body.volumes:
+            await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot without its volumes (ask "
+                                      "for volumes: true to roll them back with it, or use a disk snapshot: the "
+                                      "guest boots and mounts the volume as it is now)", writable_only=True)
         gen = await conn.fetchval(
             "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
             " RETURNING generation", sandbox_id)
@@ -102,6 +107,7 @@ async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: Restor
         await audit(conn, who, "sandbox.restore", sandbox_id)
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "restore"), RestoreCmd(
-        operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id), msg_id=op_id)
+        operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id,
+        volumes=body.volumes), msg_id=op_id)
     finished, _ = await await_operation(ctx, fut)
     return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id), finished

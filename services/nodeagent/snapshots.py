@@ -224,9 +224,17 @@ class SnapshotOps:
             await m.stop_vm(cmd.sandbox_id)
             sdir = snapshot_dir(m, cmd.sandbox_id, cmd.snapshot_id)
             ok = False
+            volumes_error: str | None = None
+            if cmd.volumes and snap is not None and snap["kind"] == "full" and snap["state"] == "ready" and sdir.exists():
+                try:  # asked for: the read-write volumes go back with it, to the snapshot's copies
+                    await m.volumes.roll_back(cmd.sandbox_id, sdir)
+                except PodbayError as exc:
+                    volumes_error = exc.message
             if snap is None or snap["state"] != "ready" or not sdir.exists():
                 await m.mark_failed(cmd.sandbox_id, cmd.generation, f"snapshot {cmd.snapshot_id} is not on this node",
                                     from_states=("starting",))
+            elif volumes_error is not None:
+                await m.mark_failed(cmd.sandbox_id, cmd.generation, volumes_error, from_states=("starting",))
             else:
                 ok = await m.bring_up(
                     cmd.sandbox_id, cmd.generation, Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]),

@@ -179,6 +179,26 @@ class VolumeStore:
             out.append(GuestVolume(slot=r["slot"], path=r["path"], readonly=r["readonly"]))
         return out
 
+    async def roll_back(self, sandbox_id: str, snapshot_dir: Path) -> None:
+        """Put the sandbox's read-write volumes back to their copies in its full snapshot ``snapshot_dir``
+        (``vol<slot>.img``, taken while the guest was stopped), asked for with the rollback. The sandbox's VM
+        is stopped; each file is replaced whole (reflink to a temporary name, then rename). Raises
+        :class:`VolumeError` when the snapshot holds no copy of a volume."""
+        rows = await self.pool.fetch(
+            "SELECT sv.slot, v.id, v.name FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
+            " WHERE sv.sandbox_id = $1 AND NOT sv.readonly ORDER BY sv.slot", sandbox_id)
+        for r in rows:
+            copy = snapshot_dir / volume_slot_name(r["slot"])
+            if not copy.exists():
+                raise VolumeError(f"the snapshot holds no copy of volume {r['name']} (taken before volumes were "
+                                  "copied, or the volume was attached later)")
+        for r in rows:
+            dst = self.path(r["id"])
+            tmp = dst.with_name(f".{dst.name}.rollback")
+            await asyncio.to_thread(reflink_or_copy, snapshot_dir / volume_slot_name(r["slot"]), tmp)
+            os.replace(tmp, dst)
+            log.info("volume %s (%s) rolled back with sandbox %s", r["name"], r["id"], sandbox_id)
+
     async def view_paths(self, sandbox_id: str) -> list[str]:
         """Guest paths of the sandbox's read-only views (a fork child's view of its parent's read-write
         volume): its memory, the parent's, has them mounted read-write, so the fork remounts them read-only."""

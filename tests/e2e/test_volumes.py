@@ -1,7 +1,8 @@
 """Volumes with real microVMs (docs/ARCHITECTURE.md "Volumes"): data written by one sandbox is read by the
 next after the first is deleted; one read-write attach at a time, read-only by many; a volume in use cannot
 be deleted; suspend (which promotes the volume to the object store) and wake (fetched back) and a rollback
-to a disk snapshot have the volume back at its path, as it is now; a full-snapshot rollback is refused; a fork
+to a disk snapshot have the volume back at its path, as it is now; a full-snapshot rollback is refused unless
+the volume is asked to roll back with it (then it goes back to its copy in the snapshot); a fork
 child sees the volume read-only as of the fork, or gets its own read-write copy when asked; a deleted
 volume's file leaves the node. tests/e2e/test_suspend.py wakes a sandbox with a volume on another node."""
 
@@ -101,6 +102,17 @@ def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> No
         back = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": disk.json()["id"]})
         assert back.status_code == 200, back.text
         assert sh(c, a, "cat /mnt/data/later /mnt/data/note") == "after-snapshot\nwritten-by-a\nafter-wake\n"
+        # Asked for, a rollback to a full snapshot takes the read-write volume back with it, to its copy in the
+        # snapshot (a disk snapshot holds none).
+        r = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": disk.json()["id"], "volumes": True})
+        assert r.status_code == 400, r.text
+        sh(c, a, "echo in-snapshot > /mnt/data/mark && sync")
+        full = c.post(f"/v1/sandboxes/{a}/snapshots", json={"kind": "full"})
+        assert full.status_code in (200, 201), full.text
+        sh(c, a, "echo after > /mnt/data/mark2 && rm /mnt/data/mark && sync")
+        back = c.post(f"/v1/sandboxes/{a}/restore", json={"snapshot_id": full.json()["id"], "volumes": True})
+        assert back.status_code == 200 and back.json()["state"] == "running", back.text
+        assert sh(c, a, "cat /mnt/data/mark; test -e /mnt/data/mark2 && echo kept || echo gone") == "in-snapshot\ngone\n"
         names = [v["name"] for v in c.get("/v1/volumes").json()["volumes"]]
         assert names.count("e2e-data") == 1, names  # a fork child's view is not listed
 

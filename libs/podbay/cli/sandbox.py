@@ -133,9 +133,11 @@ def restore(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT"),
+    volumes: bool = typer.Option(False, "--volumes", help="Roll the read-write volumes back too, to their "
+                                 "copies in the full snapshot (they are not rolled back otherwise)."),
 ) -> None:
     """Roll a sandbox back to one of its snapshots (same id, next generation); prints its id."""
-    print(client(ctx).restore_sandbox(sandbox_id, snapshot_id).id)
+    print(client(ctx).restore_sandbox(sandbox_id, snapshot_id, volumes=volumes).id)
 
 
 @app.command("fork")

@@ -287,6 +287,11 @@ class RestoreRequest(_In):
     """``POST /v1/sandboxes/{id}/restore``: roll back to one of this sandbox's ready snapshots."""
 
     snapshot_id: str = Field(min_length=1, max_length=64)
+    volumes: bool = Field(False, description="Roll the sandbox's read-write volumes back too, to their copies "
+                          "in the full snapshot (taken while the guest was stopped). Volumes are not rolled back "
+                          "with their sandbox unless asked, and a full snapshot of a sandbox with a read-write "
+                          "volume is refused without it (its memory's mount would not match the volume); a disk "
+                          "snapshot holds no volume copy.")
 
 
 class ForkRequest(_In):

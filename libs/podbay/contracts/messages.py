@@ -100,12 +100,14 @@ class SnapshotCmd(_Msg):
 
 
 class RestoreCmd(_Msg):
-    """``podbay.cmd.node.<node>.restore``: roll the sandbox back to ``snapshot_id`` at the new ``generation``."""
+    """``podbay.cmd.node.<node>.restore``: roll the sandbox back to ``snapshot_id`` at the new ``generation``;
+    with ``volumes`` its read-write volumes too, to their copies in that full snapshot."""
 
     operation_id: str
     sandbox_id: str
     generation: int = Field(ge=1)
     snapshot_id: str
+    volumes: bool = False
 
 
 class ForkChild(_Msg):

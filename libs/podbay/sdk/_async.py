@@ -211,9 +211,10 @@ class AsyncClient:
         """Files added, changed and removed between two of the sandbox's snapshots."""
         return await self._call(calls.diff_call(sandbox_id, from_snapshot_id, to_snapshot_id))
 
-    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
-        """Roll back to one of the sandbox's snapshots (same id, next generation)."""
-        return await self._call(calls.restore_call(sandbox_id, snapshot_id))
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str, *, volumes: bool = False) -> SandboxInfo:
+        """Roll back to one of the sandbox's snapshots (same id, next generation); with ``volumes`` its
+        read-write volumes too, to their copies in that full snapshot (they are not rolled back otherwise)."""
+        return await self._call(calls.restore_call(sandbox_id, snapshot_id, volumes))
 
     async def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
                      schedules: bool = False, volumes: str | None = None) -> ForkResult:
@@ -560,9 +561,10 @@ class AsyncSandbox:
         """What changed between two snapshots of this sandbox (path, change, kind, size)."""
         return await self._client.diff_snapshots(self.id, from_snapshot_id, to_snapshot_id)
 
-    async def restore(self, snapshot_id: str) -> SandboxInfo:
-        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot)."""
-        self.info = await self._client.restore_sandbox(self.id, snapshot_id)
+    async def restore(self, snapshot_id: str, *, volumes: bool = False) -> SandboxInfo:
+        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot); ``volumes``: its
+        read-write volumes too."""
+        self.info = await self._client.restore_sandbox(self.id, snapshot_id, volumes=volumes)
         return self.info
 
     async def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,

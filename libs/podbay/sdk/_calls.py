@@ -318,10 +318,12 @@ def diff_call(sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> Ca
                 long_running=True, read_timeout_s=None)
 
 
-def restore_call(sandbox_id: str, snapshot_id: str) -> Call[SandboxInfo]:
-    """``POST /v1/sandboxes/{id}/restore`` {"snapshot_id"} -> ``SandboxInfo`` (a new generation)."""
-    body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id)}, "restore request")
-    return Call("POST", _sandbox_path(sandbox_id, "/restore"), _settled(True), json=body.model_dump(),
+def restore_call(sandbox_id: str, snapshot_id: str, volumes: bool = False) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/restore`` {"snapshot_id", "volumes"?} -> ``SandboxInfo`` (a new generation).
+    ``volumes``: roll the read-write volumes back too (sent only when asked for)."""
+    body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id), "volumes": volumes}, "restore request")
+    return Call("POST", _sandbox_path(sandbox_id, "/restore"), _settled(True),
+                json=body.model_dump(exclude=None if volumes else {"volumes"}),
                 long_running=True, read_timeout_s=None)
 
 

@@ -219,9 +219,10 @@ class Client:
         """Files added, changed and removed between two of the sandbox's snapshots."""
         return self._call(calls.diff_call(sandbox_id, from_snapshot_id, to_snapshot_id))
 
-    def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
-        """Roll back to one of the sandbox's snapshots (same id, next generation)."""
-        return self._call(calls.restore_call(sandbox_id, snapshot_id))
+    def restore_sandbox(self, sandbox_id: str, snapshot_id: str, *, volumes: bool = False) -> SandboxInfo:
+        """Roll back to one of the sandbox's snapshots (same id, next generation); with ``volumes`` its
+        read-write volumes too, to their copies in that full snapshot (they are not rolled back otherwise)."""
+        return self._call(calls.restore_call(sandbox_id, snapshot_id, volumes))
 
     def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
                      schedules: bool = False, volumes: str | None = None) -> ForkResult:
@@ -599,9 +600,10 @@ class Sandbox:
         """What changed between two snapshots of this sandbox (path, change, kind, size)."""
         return self._client.diff_snapshots(self.id, from_snapshot_id, to_snapshot_id)
 
-    def restore(self, snapshot_id: str) -> SandboxInfo:
-        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot)."""
-        self.info = self._client.restore_sandbox(self.id, snapshot_id)
+    def restore(self, snapshot_id: str, *, volumes: bool = False) -> SandboxInfo:
+        """Roll this sandbox back to ``snapshot_id`` (memory and disk for a full snapshot); ``volumes``: its
+        read-write volumes too."""
+        self.info = self._client.restore_sandbox(self.id, snapshot_id, volumes=volumes)
         return self.info
 
     def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,

@@ -198,7 +198,7 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         return _file_info(path, res if res else await ch.stat(path))
 
     # E2B's in-sandbox API (envd), behind the same token check and generation fencing.
-    app.state.envd = EnvdApp(manager)
+    app.state.envd = EnvdApp(manager, defaults)
     app.mount(ENVD_PREFIX, app.state.envd)
 
     @app.get(base + "/ports")

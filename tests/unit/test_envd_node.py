@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from podbay.channel.client import GuestChannel
+from podbay.contracts.templates import ImageConfig
 from podbay.errors import NotFound
 from podbay_nodeagent.envd import EnvdApp
 from test_guestd import ch, guestd_socket  # noqa: F401 - fixtures
@@ -59,12 +60,13 @@ async def _unary(c: httpx.AsyncClient, method: str, body: dict[str, Any], user_r
 
 
 async def _stream(c: httpx.AsyncClient, method: str, body: dict[str, Any], stop: Any,
-                  headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                  headers: dict[str, str] | None = None, auth: bool = True) -> list[dict[str, Any]]:
     """Messages of a server-streaming call until ``stop(msg)`` is true (or the stream ends)."""
     payload = json.dumps(body).encode()
     out: list[dict[str, Any]] = []
     async with c.stream("POST", f"/internal/e2b/{SBX}/{method}", content=struct.pack(">BI", 0, len(payload)) + payload,
-                        headers={"content-type": "application/connect+json", **_root_auth(), **(headers or {})}) as r:
+                        headers={"content-type": "application/connect+json", **(_root_auth() if auth else {}),
+                                 **(headers or {})}) as r:
         assert r.status_code == 200
         buf = b""
         async for chunk in r.aiter_bytes():
@@ -147,6 +149,31 @@ async def test_start_uses_the_sandbox_default_env_under_the_requests_own(client:
                          lambda m: "end" in m.get("event", {}), headers=default)
     out = b"".join(base64.b64decode(m["event"]["data"].get("stdout", "")) for m in msgs if "data" in m["event"])
     assert out == b"sandbox call\n"
+
+
+class _Defaults:
+    """A sandbox manager's template configs (``ExecDefaults``), here one fixed config."""
+
+    def __init__(self, cfg: ImageConfig) -> None:
+        self.cfg = cfg
+
+    async def get(self, sandbox_id: str) -> ImageConfig | None:
+        return self.cfg if sandbox_id == SBX else None
+
+
+async def test_start_takes_the_templates_workdir_user_and_env(ch: GuestChannel, tmp_path: Path) -> None:  # noqa: F811
+    app = EnvdApp(_Manager(ch), _Defaults(ImageConfig(workdir=str(tmp_path), user="root",  # type: ignore[arg-type]
+                                                      env={"T": "template", "A": "template"})))
+    default = {"x-podbay-e2b-env": base64.b64encode(json.dumps({"A": "sandbox"}).encode()).decode()}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as c:
+            body = {"process": {"cmd": "/bin/sh", "args": ["-c", "pwd; id -un; echo $T $A"]}}
+            msgs = await _stream(c, "process.Process/Start", body, lambda m: "end" in m.get("event", {}),
+                                 headers=default, auth=False)
+    finally:
+        app.close()
+    out = b"".join(base64.b64decode(m["event"]["data"].get("stdout", "")) for m in msgs if "data" in m["event"])
+    assert out.decode().splitlines() == [str(tmp_path), "root", "template sandbox"]
 
 
 async def test_polling_watchers_buffer_events_and_expire_when_nobody_fetches(

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from podbay.channel.client import GuestChannel
+from podbay.contracts.templates import ImageConfig
 from podbay.errors import NotFound
 
 from .files import download, error_response, health, upload
@@ -33,6 +34,7 @@ from .proto.process.process_connect import ProcessASGIApplication
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from ..build.defaults import ExecDefaults
     from ..sandboxes import SandboxManager
 
 __all__ = ["EnvdApp", "SANDBOX_HEADER", "PREFIX"]
@@ -47,11 +49,13 @@ class EnvdApp:
     """ASGI app for ``/internal/e2b/{sandbox_id}/<envd path>``: routes to the process and filesystem
     Connect services or the plain HTTP routes, with the sandbox id passed as ``SANDBOX_HEADER``."""
 
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: SandboxManager, defaults: ExecDefaults | None = None) -> None:
         self.manager = manager
+        self.defaults = defaults
         self.tables: dict[str, ProcessTable] = {}
         self.filesystem = FilesystemService(self._fs_channel)
-        self._process_app = ProcessASGIApplication(ProcessService(self._proc_channel))
+        self._process_app = ProcessASGIApplication(ProcessService(
+            self._proc_channel, self._template_config if defaults is not None else None))
         self._fs_app = FilesystemASGIApplication(self.filesystem)
         self._http_app = Starlette(routes=[
             Route("/health", health, methods=["GET"]),
@@ -73,6 +77,11 @@ class EnvdApp:
         for gone in [s for s in self.tables if s not in self.manager.vms]:
             close_tables({gone: self.tables.pop(gone)})  # deleted sandboxes leave nothing behind
         return ch, self.tables.setdefault(sandbox_id, ProcessTable())
+
+    async def _template_config(self, ctx: RequestContext[Any, Any]) -> ImageConfig | None:
+        """The sandbox's template config (a built template's WORKDIR, USER, ENV), None for built-in ones."""
+        assert self.defaults is not None
+        return await self.defaults.get(ctx.request_headers.get(SANDBOX_HEADER, ""))
 
     def _fs_channel(self, ctx: RequestContext[Any, Any]) -> tuple[str, GuestChannel]:
         headers = ctx.request_headers

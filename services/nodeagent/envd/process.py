@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +27,7 @@ from protobuf import Oneof
 
 from podbay.channel.client import ExecProcess, GuestChannel
 from podbay.contracts.channel import ExecSpec, KeptProcess, PtySize
+from podbay.contracts.templates import ImageConfig
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .filesystem import resolve_path
@@ -196,10 +197,15 @@ def _keepalive_s(ctx: RequestContext[Any, Any]) -> float:
 
 class ProcessService(Process):
     """The ``process.Process`` RPCs for every sandbox of a node. ``channel_for(ctx)`` returns the sandbox's
-    guest channel and its table (raising ``PodbayError`` for an unknown, paused or fenced sandbox)."""
+    guest channel and its table (raising ``PodbayError`` for an unknown, paused or fenced sandbox);
+    ``defaults_for(ctx)``, when given, the sandbox's template config (a built template's WORKDIR, USER and
+    ENV, as E2B's envd takes a template's default user and workdir)."""
 
-    def __init__(self, channel_for: Callable[[RequestContext[Any, Any]], tuple[GuestChannel, ProcessTable]]) -> None:
+    def __init__(self, channel_for: Callable[[RequestContext[Any, Any]], tuple[GuestChannel, ProcessTable]],
+                 defaults_for: Callable[[RequestContext[Any, Any]], Awaitable[ImageConfig | None]] | None = None
+                 ) -> None:
         self._channel_for = channel_for
+        self._defaults_for = defaults_for
 
     async def _table(self, ctx: RequestContext[Any, Any]) -> tuple[GuestChannel, ProcessTable]:
         try:
@@ -221,18 +227,22 @@ class ProcessService(Process):
         return pb.ListResponse(processes=out)
 
     async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.StartResponse]:
-        """Start a process (as ``user`` by default, in its home; the sandbox's default environment from the
-        ``x-podbay-e2b-env`` header under the request's ``envs``) and stream start, data and end events."""
+        """Start a process (as the template's user, else ``user``, in the template's workdir, else the
+        user's home; the template's ENV under the sandbox's default environment from the ``x-podbay-e2b-env``
+        header under the request's ``envs``) and stream start, data and end events."""
         ch, table = await self._table(ctx)
         cfg = request.process or pb.ProcessConfig()
         try:
             if not cfg.cmd:
                 raise InvalidRequest("process.cmd is empty")
-            user = user_from_authorization(ctx.request_headers.get("authorization")) or DEFAULT_USER
+            tpl = await self._defaults_for(ctx) if self._defaults_for is not None else None
+            user = (user_from_authorization(ctx.request_headers.get("authorization"))
+                    or (tpl.user if tpl is not None and tpl.user else DEFAULT_USER))
             pty = request.pty.size if request.pty is not None else None
-            env = {**default_env(ctx.request_headers.get(ENV_HEADER)), **dict(cfg.envs)}
+            env = {**(tpl.env if tpl is not None else {}), **default_env(ctx.request_headers.get(ENV_HEADER)),
+                   **dict(cfg.envs)}
             # A relative cwd is taken from the user's home, as envd does.
-            cwd = resolve_path(cfg.cwd, user) if cfg.cwd else None
+            cwd = resolve_path(cfg.cwd, user) if cfg.cwd else (tpl.workdir if tpl is not None else None)
             spec = ExecSpec(argv=[cfg.cmd, *cfg.args], env=env, cwd=cwd, user=user,
                             stdin=bool(request.stdin), keep=True, tag=request.tag,
                             pty=PtySize(cols=pty.cols or 80, rows=pty.rows or 24) if pty is not None else None)

@@ -1,0 +1,66 @@
+"""E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
+(services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
+copy, followed through the SDK's status polling, and one sandbox of it that sees each effect. A registry
+image is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+e2b = pytest.importorskip("e2b")
+
+
+@pytest.fixture(scope="module")
+def e2b_env(stack: Any) -> Iterator[dict[str, str]]:
+    """The E2B_* variables that point the SDK at the stack (what ``podbay env --e2b`` prints)."""
+    env = {"E2B_API_URL": f"{stack.api_url}/e2b", "E2B_SANDBOX_URL": stack.api_url, "E2B_API_KEY": stack.api_key}
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    yield env
+    mp.undo()
+
+
+def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp_path: Path) -> None:
+    ctx = tmp_path / "ctx"
+    (ctx / "data").mkdir(parents=True)
+    (ctx / "data" / "hello.txt").write_text("hello from copy\n")
+    template = (
+        e2b.Template(file_context_path=str(ctx))
+        .from_template("base")
+        .set_envs({"GREETING": "hi-e2b"})
+        .set_workdir("/srv/app")
+        .run_cmd("echo $GREETING > greeting.txt && whoami > who.txt")
+        .copy("data/hello.txt", "/srv/app/copied.txt")
+    )
+    logs: list[Any] = []
+    info = e2b.Template.build(template, "e2b-built", on_build_logs=logs.append)
+    assert info.template_id == "e2b-built" and info.name == "e2b-built"
+    messages = [str(entry.message) for entry in logs]
+    assert any("Uploaded 'data/hello.txt'" in m for m in messages)
+    assert any("Template ready" in m for m in messages)
+    status = e2b.Template.get_build_status(info)
+    assert status.status.value == "ready"
+    assert e2b.Template.exists("e2b-built") and not e2b.Template.exists("no-such-template")
+
+    sb = e2b.Sandbox.create(template=info.template_id, timeout=300)
+    try:
+        assert sb.files.read("/srv/app/greeting.txt") == "hi-e2b\n"  # set_envs and set_workdir, at build time
+        assert sb.files.read("/srv/app/who.txt") == "user\n"  # steps run as E2B's default user
+        assert sb.files.read("/srv/app/copied.txt") == "hello from copy\n"
+        owners = sb.commands.run("stat -c %U /srv/app /srv/app/copied.txt")
+        assert owners.stdout.split() == ["user", "user"]
+        # Commands start in the template's workdir, as its user, with its ENV.
+        assert sb.commands.run("pwd; whoami; echo $GREETING").stdout.splitlines() == ["/srv/app", "user", "hi-e2b"]
+    finally:
+        sb.kill()
+
+    with pytest.raises(e2b.BuildException, match="no image registry"):
+        e2b.Template.build(e2b.Template().from_image("ubuntu:22.04").run_cmd("true"), "e2b-refused")

@@ -357,6 +357,8 @@ async def _follow(ctx: ApiContext, build_id: str, template: str, origins: list[i
                 ended = True
     except (httpx.HTTPError, OSError) as exc:
         log.warning("lost the stream of build %s of template %s: %r", build_id, template, exc)
+    except Exception:  # a background task: say why it stopped (the status falls back on the node's row)
+        log.exception("reading the stream of build %s of template %s failed", build_id, template)
     finally:
         await resp.aclose()
         if not ended:

@@ -30,6 +30,8 @@ from podbay.contracts.volumes import (
     VolumeInfo,
     VolumeList,
     VolumeMount,
+    VolumeSnapshotInfo,
+    VolumeSnapshotList,
     check_mount_path,
 )
 from podbay.errors import Conflict, InvalidRequest, InvalidVolumePath, NotFound, VolumeInUse, VolumeTooLarge
@@ -73,12 +75,15 @@ async def _attachments(conn: Any, volume_ids: list[str]) -> dict[str, list[Volum
 
 def _info(row: asyncpg.Record, attachments: list[VolumeAttachment]) -> VolumeInfo:
     return VolumeInfo(id=row["id"], name=row["name"], size_bytes=row["size_bytes"], node_id=row["node_id"],
-                      created_at=row["created_at"], attachments=attachments)
+                      created_at=row["created_at"], attachments=attachments, snapshot_at=row["snapshot_at"])
+
+
+_COLUMNS = "id, name, size_bytes, node_id, created_at, snapshot_at, snapshot_id"
 
 
 async def _load(conn: Any, tenant_id: str, name: str, *, for_update: bool = False) -> asyncpg.Record:
     row = await conn.fetchrow(
-        "SELECT id, name, size_bytes, node_id, created_at FROM volumes WHERE tenant_id=$1 AND name=$2"
+        f"SELECT {_COLUMNS} FROM volumes WHERE tenant_id=$1 AND name=$2"
         " AND state='available'" + (" FOR UPDATE" if for_update else ""), tenant_id, name)
     if row is None:
         raise NotFound(f"volume {name!r} does not exist", details={"volume": name})
@@ -95,7 +100,7 @@ async def create_volume(body: VolumeCreate, ctx: CtxDep, who: PrincipalDep) -> V
         try:
             row = await conn.fetchrow(
                 "INSERT INTO volumes (id, tenant_id, name, size_bytes) VALUES ($1,$2,$3,$4)"
-                " RETURNING id, name, size_bytes, node_id, created_at", vol_id, who.tenant_id, body.name,
+                f" RETURNING {_COLUMNS}", vol_id, who.tenant_id, body.name,
                 body.size_bytes)
         except asyncpg.UniqueViolationError as exc:
             raise Conflict(f"volume {body.name!r} exists", details={"volume": body.name}) from exc
@@ -108,7 +113,7 @@ async def create_volume(body: VolumeCreate, ctx: CtxDep, who: PrincipalDep) -> V
 async def list_volumes(ctx: CtxDep, who: PrincipalDep) -> VolumeList:
     """The tenant's volumes, by name, with their attachments."""
     async with ctx.pool.acquire() as conn:
-        rows = await conn.fetch("SELECT id, name, size_bytes, node_id, created_at FROM volumes"
+        rows = await conn.fetch(f"SELECT {_COLUMNS} FROM volumes"
                                 " WHERE tenant_id=$1 AND state='available' ORDER BY name", who.tenant_id)
         att = await _attachments(conn, [r["id"] for r in rows])
     return VolumeList(volumes=[_info(r, att[r["id"]]) for r in rows])
@@ -121,6 +126,20 @@ async def get_volume(name: str, ctx: CtxDep, who: PrincipalDep) -> VolumeInfo:
         row = await _load(conn, who.tenant_id, name)
         att = await _attachments(conn, [row["id"]])
     return _info(row, att[row["id"]])
+
+
+@router.get("/volumes/{name}/snapshots", response_model=VolumeSnapshotList)
+async def list_volume_snapshots(name: str, ctx: CtxDep, who: PrincipalDep) -> VolumeSnapshotList:
+    """The volume's own snapshots, newest first (services/nodeagent/volumes.py, libs/podbay/volume_promotion.py:
+    taken on the promotion period and by suspends; the newest ``PODBAY_RETAIN_VOLUME_SNAPSHOTS`` promoted ones
+    are kept). Errors: 404 ``not_found`` (also another tenant's)."""
+    async with ctx.pool.acquire() as conn:
+        vol = await _load(conn, who.tenant_id, name)
+        rows = await conn.fetch(
+            "SELECT id, reason, state, taken_at, promoted_at, total_bytes, uploaded_bytes, error"
+            " FROM volume_snapshots WHERE volume_id=$1 ORDER BY taken_at DESC", vol["id"])
+    return VolumeSnapshotList(snapshots=[VolumeSnapshotInfo(**dict(r), current=r["id"] == vol["snapshot_id"])
+                                         for r in rows])
 
 
 @router.delete("/volumes/{name}", status_code=204)

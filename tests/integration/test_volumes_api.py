@@ -135,3 +135,23 @@ def test_a_node_with_volume_sandboxes_is_not_drained(stack: Stack, acme: Tenant)
     assert r.status_code == 409 and _code(r) == "volume_in_use" and r.json()["error"]["details"]["sandbox_ids"] == [sid]
     assert sql(stack, "SELECT state FROM nodes WHERE id=$1", node)[0]["state"] == "ready"
     sql(stack, "UPDATE sandboxes SET state='deleted' WHERE id=$1", sid)
+
+
+def test_a_volumes_own_snapshots_are_listed_newest_first(stack: Stack, acme: Tenant, other: Tenant) -> None:
+    with acme.http() as http:
+        vol = http.post("/v1/volumes", json={"name": "snaps", "size_bytes": GIB}).json()
+        assert vol["snapshot_at"] is None
+        assert http.get("/v1/volumes/snaps/snapshots").json() == {"snapshots": []}
+        old, new = f"vsnap_{secrets.token_hex(10)}", f"vsnap_{secrets.token_hex(10)}"
+        for snap, reason, age in ((old, "cadence", 300), (new, "suspend", 1)):
+            sql(stack, "INSERT INTO volume_snapshots (id, volume_id, node_id, reason, state, taken_at, promoted_at,"
+                " total_bytes, uploaded_bytes) VALUES ($1,$2,'n',$3,'promoted', now() - make_interval(secs => $4),"
+                " now(), $5, 4096)", snap, vol["id"], reason, float(age), GIB)
+        sql(stack, "UPDATE volumes SET snapshot_id=$2, snapshot_at=now() WHERE id=$1", vol["id"], new)
+        listed = http.get("/v1/volumes/snaps/snapshots").json()["snapshots"]
+        assert [(s["id"], s["reason"], s["current"]) for s in listed] == [(new, "suspend", True),
+                                                                           (old, "cadence", False)]
+        assert listed[0]["total_bytes"] == GIB and listed[0]["uploaded_bytes"] == 4096
+        assert http.get("/v1/volumes/snaps").json()["snapshot_at"] is not None
+    with other.http() as http:
+        assert http.get("/v1/volumes/snaps/snapshots").status_code == 404

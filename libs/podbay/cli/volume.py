@@ -1,4 +1,4 @@
-"""``podbay volume create|list|get|rm``: the tenant's named volumes (mounted with ``sandbox create --volume``)."""
+"""``podbay volume create|list|get|snapshots|rm``: the tenant's named volumes (mounted with ``sandbox create --volume``)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,26 @@ def get(
         print_json(info)
     else:
         print_record(info)
+
+
+@app.command("snapshots")
+@handle_errors
+def snapshots(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., metavar="NAME"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the volume's own snapshots promoted to object storage, newest first (* marks the one a node
+    without the volume's file fetches)."""
+    snaps = client(ctx).volumes.snapshots(name)
+    if as_json:
+        print_json(snaps)
+        return
+    print_table(
+        ["id", "reason", "state", "taken", "uploaded_mib", "current"],
+        ((s.id, s.reason, s.state, s.taken_at.isoformat(timespec="seconds"),
+          f"{(s.uploaded_bytes or 0) / (1 << 20):.1f}", "*" if s.current else "") for s in snaps),
+    )
 
 
 @app.command("rm")

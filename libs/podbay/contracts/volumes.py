@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import posixpath
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["VolumeCreate", "VolumeInfo", "VolumeList", "VolumeMount", "VolumeAttachment", "check_mount_path",
+__all__ = ["VolumeCreate", "VolumeInfo", "VolumeList", "VolumeMount", "VolumeAttachment", "VolumeSnapshotInfo",
+           "VolumeSnapshotList", "check_mount_path",
            "parse_size", "parse_mount", "SYSTEM_DIRS", "VOLUME_NAME_PATTERN", "MIN_VOLUME_BYTES",
            "MAX_VOLUMES_PER_SANDBOX"]
 
@@ -111,7 +113,29 @@ class VolumeInfo(BaseModel):
     created_at: datetime
     attachments: list[VolumeAttachment] = Field(default_factory=list,
                                                 description="Sandboxes (not deleted) that have it attached.")
+    snapshot_at: datetime | None = Field(
+        None, description="When the copy in its newest promoted snapshot was taken: what a lost node falls back "
+        "to, and what a node without its file fetches. Null until first promoted.")
 
 
 class VolumeList(BaseModel):
     volumes: list[VolumeInfo]
+
+
+class VolumeSnapshotInfo(BaseModel):
+    """One of a volume's own snapshots, promoted to object storage (docs/ARCHITECTURE.md "Volumes")."""
+
+    id: str
+    reason: Literal["cadence", "suspend"] = Field(description="Taken on the promotion period, or by a suspend.")
+    state: Literal["promoting", "promoted", "failed"]
+    taken_at: datetime
+    promoted_at: datetime | None = None
+    total_bytes: int | None = Field(None, description="The volume's size as recorded in the snapshot.")
+    uploaded_bytes: int | None = Field(None, description="Bytes of chunks sent, uncompressed (chunks the "
+                                       "object store already held are not sent again).")
+    error: str | None = None
+    current: bool = Field(description="The newest promoted copy, the one a fetch uses.")
+
+
+class VolumeSnapshotList(BaseModel):
+    snapshots: list[VolumeSnapshotInfo]

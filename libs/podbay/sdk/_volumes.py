@@ -14,12 +14,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
-from podbay.contracts.volumes import VolumeCreate, VolumeInfo, VolumeList, parse_size
+from podbay.contracts.volumes import (
+    VolumeCreate,
+    VolumeInfo,
+    VolumeList,
+    VolumeSnapshotInfo,
+    VolumeSnapshotList,
+    parse_size,
+)
 from podbay.errors import InvalidRequest
 from podbay.sdk._calls import Call, _model, _none, _validate
 
-__all__ = ["create_volume_call", "list_volumes_call", "get_volume_call", "delete_volume_call", "Volumes",
-           "AsyncVolumes"]
+__all__ = ["create_volume_call", "list_volumes_call", "get_volume_call", "delete_volume_call",
+           "volume_snapshots_call", "Volumes", "AsyncVolumes"]
 
 def _path(name: str) -> str:
     return f"/v1/volumes/{quote(name, safe='')}"
@@ -45,6 +52,11 @@ def get_volume_call(name: str) -> Call[VolumeInfo]:
     return Call("GET", _path(name), _model(VolumeInfo))
 
 
+def volume_snapshots_call(name: str) -> Call[builtins.list[VolumeSnapshotInfo]]:
+    """``GET /v1/volumes/{name}/snapshots`` -> the volume's own snapshots, newest first."""
+    return Call("GET", _path(name) + "/snapshots", lambda r: _model(VolumeSnapshotList)(r).snapshots)
+
+
 def delete_volume_call(name: str) -> Call[None]:
     """``DELETE /v1/volumes/{name}`` -> 204; ``VolumeInUse`` while attached."""
     return Call("DELETE", _path(name), _none)
@@ -66,6 +78,10 @@ class Volumes:
     def get(self, name: str) -> VolumeInfo:
         return self._call(get_volume_call(name))  # type: ignore[no-any-return]
 
+    def snapshots(self, name: str) -> builtins.list[VolumeSnapshotInfo]:
+        """The volume's own snapshots promoted to object storage, newest first."""
+        return self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
+
     def delete(self, name: str) -> None:
         """Delete the volume and its data (refused while a sandbox has it attached)."""
         self._call(delete_volume_call(name))
@@ -85,6 +101,9 @@ class AsyncVolumes:
 
     async def get(self, name: str) -> VolumeInfo:
         return await self._call(get_volume_call(name))  # type: ignore[no-any-return]
+
+    async def snapshots(self, name: str) -> builtins.list[VolumeSnapshotInfo]:
+        return await self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
 
     async def delete(self, name: str) -> None:
         await self._call(delete_volume_call(name))

@@ -64,6 +64,9 @@ def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> No
         r = c.post(f"/v1/sandboxes/{a}/resume")
         assert r.status_code == 200 and r.json()["state"] == "running", r.text
         assert sh(c, a, "cat /mnt/data/note") == "written-by-a\n"
+        # The suspend promoted the volume's own snapshot (the wake fetched it back).
+        snaps = c.get("/v1/volumes/e2e-data/snapshots").json()["snapshots"]
+        assert (snaps[0]["reason"], snaps[0]["state"], snaps[0]["current"]) == ("suspend", "promoted", True), snaps
         assert sh(c, a, "echo after-wake >> /mnt/data/note; sync; cat /mnt/data/note") == "written-by-a\nafter-wake\n"
 
         # Volumes are not rolled back with their sandbox: a rollback to a disk snapshot boots the guest and

@@ -36,7 +36,7 @@ from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 
 from . import sandbox_service
-from . import snapshots as podbay_snapshots
+from . import snapshot_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
@@ -104,8 +104,8 @@ async def _fork(ctx: ApiContext, who: Principal, row: Any, count: int, timeout: 
                 snapshot_id: str | None = None) -> list[dict[str, Any]]:
     """Start ``count`` children of ``row``'s sandbox (from a new full snapshot, or ``snapshot_id``) -> E2B's
     per-child results: ``{"sandbox": Sandbox}`` or ``{"error": {"code", "message"}}``."""
-    res = await podbay_snapshots.fork_sandbox(row["id"], ForkRequest(count=count, snapshot_id=snapshot_id), ctx,
-                                              who, Response(), wait=True)
+    res, _ = await snapshot_service.fork(ctx, who, row["id"], ForkRequest(count=count, snapshot_id=snapshot_id),
+                                         wait=True)
     ids = [c.sandbox_id for c in res.children]
     await _copy_e2b_row(ctx, row["id"], ids)
     out: list[dict[str, Any]] = []
@@ -227,8 +227,7 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
     (from an earlier snapshot that had it) and its ``snapshotID`` is the name."""
     await _row(ctx, who, sandbox_id)
     kind = "disk" if body is not None and body.memory is False else "full"
-    info = await podbay_snapshots.create_snapshot(sandbox_id, SnapshotCreate(kind=kind), ctx, who, Response(),
-                                                  wait=True)
+    info, _ = await snapshot_service.take(ctx, who, sandbox_id, SnapshotCreate(kind=kind), wait=True)
     if info.state != "ready":
         return error_body(500, f"snapshot {info.id} of {sandbox_id} is {info.state}: {info.error or 'not ready'}")
     error = await _pin_and_promote(ctx, info.id, sandbox_id)

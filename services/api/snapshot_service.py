@@ -1,4 +1,5 @@
-"""The snapshot service layer: take a snapshot, roll a sandbox back to one, and the lookups of snapshot rows.
+"""The snapshot service layer: take a snapshot, roll a sandbox back to one, fork it, and the lookups of
+snapshot rows.
 
 No FastAPI types: podbay's routes (services/api/snapshots.py) and E2B's (services/api/e2b.py) call it. Each
 call records an operation and waits (bounded by ``create_timeout_s``) for the node's ``podbay.ops.<id>``
@@ -11,19 +12,29 @@ from __future__ import annotations
 import asyncpg
 
 from podbay.contracts import subjects
-from podbay.contracts.api import RestoreRequest, SandboxInfo, SnapshotCreate, SnapshotInfo
-from podbay.contracts.messages import RestoreCmd, SnapshotCmd
+from podbay.contracts.api import (
+    ForkChildResult,
+    ForkRequest,
+    ForkResult,
+    RestoreRequest,
+    SandboxInfo,
+    SnapshotCreate,
+    SnapshotInfo,
+)
+from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
 from podbay.contracts.states import SandboxCommand, check_allowed
 from podbay.errors import Conflict, InvalidRequest, NotFound
 from podbay.logs import bind_log_context
-from podbay.outbox import new_id
+from podbay.naming import sandbox_hostname
+from podbay.outbox import emit_sandbox_event, new_id
 
 from .auth import Principal
 from .context import ApiContext
-from .sandbox_lookup import audit, await_operation, load_sandbox, sandbox_info
-from .volumes import refuse_with_volumes
+from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
+from .schedules.routes import copy_schedules
+from .volumes import fork_volumes, refuse_with_volumes
 
-__all__ = ["SNAPSHOT_COLS", "snapshot_info", "latest_ready", "ready_snapshot", "take", "restore"]
+__all__ = ["SNAPSHOT_COLS", "snapshot_info", "latest_ready", "ready_snapshot", "take", "restore", "fork"]
 
 #: The columns :func:`snapshot_info` reads.
 SNAPSHOT_COLS = ("id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at,"
@@ -111,3 +122,62 @@ async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: Restor
         volumes=body.volumes), msg_id=op_id)
     finished, _ = await await_operation(ctx, fut)
     return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id), finished
+
+
+async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkRequest, *,
+               wait: bool) -> tuple[ForkResult, bool]:
+    """Start ``body.count`` children (1..100) from a new full snapshot or ``body.snapshot_id`` (a full one);
+    each child's outcome is in the result, and a child that fails does not fail the others. Raises
+    ``NotFound``, ``InvalidState`` unless running or paused, ``InvalidRequest`` (not a full snapshot),
+    ``Conflict`` (snapshot not ready), the volume errors of services/api/volumes.py."""
+    op_id = new_id("op")
+    bind_log_context(operation_id=op_id)  # every log line of this request names it
+    children = [new_id("sbx") for _ in range(body.count)]
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
+        check_allowed(SandboxCommand.FORK, row["state"])
+        take = body.snapshot_id is None
+        if body.snapshot_id is not None:
+            snap = await ready_snapshot(conn, sandbox_id, body.snapshot_id)
+            if snap["kind"] != "full":
+                raise InvalidRequest("fork needs a full snapshot (memory and disk)", details={"kind": snap["kind"]})
+            snap_id = body.snapshot_id
+        else:
+            snap_id = new_id("snap")
+            await conn.execute(
+                "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+                " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
+                await latest_ready(conn, sandbox_id), row["generation"])
+        tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
+        for cid in children:
+            await conn.execute(
+                # A child inherits the parent's own egress policy; its credential placeholders are those in
+                # scope for it now (scoped by its own id and template), never copied from the parent.
+                "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
+                " generation, memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id,"
+                " egress_policy, guest_env)"
+                " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11,"
+                " (SELECT egress_policy FROM sandboxes WHERE id=$10), "
+                + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="$3") + ")",
+                cid, who.tenant_id, row["template"], tpl, row["node_id"], row["memory_mib"], row["vcpus"],
+                sandbox_hostname(cid), row["metadata"] or {}, sandbox_id, snap_id)
+            await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
+                                     data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
+        await fork_volumes(conn, who.tenant_id, sandbox_id, children, snap_id, body.volumes)
+        if body.schedules:  # asked for: each child gets its own copies (own ids, own run history)
+            await copy_schedules(conn, sandbox_id, children)
+        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                           " ($1,$2,$3,'fork','pending')", op_id, who.tenant_id, sandbox_id)
+        await audit(conn, who, "sandbox.fork", sandbox_id, detail={"children": children, "snapshot_id": snap_id})
+    ctx.relay.kick()
+    fut = ctx.waiter.expect_operation(op_id) if wait else None
+    await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "fork"), ForkCmd(
+        operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"], snapshot_id=snap_id,
+        take_snapshot=take, children=[ForkChild(sandbox_id=c, hostname=sandbox_hostname(c)) for c in children]),
+        msg_id=op_id)
+    finished, _ = await await_operation(ctx, fut)
+    rows = {r["id"]: r for r in await ctx.pool.fetch(
+        "SELECT id, state, failure_reason FROM sandboxes WHERE id = ANY($1::text[])", children)}
+    return ForkResult(snapshot_id=snap_id, operation_id=op_id, children=[
+        ForkChildResult(sandbox_id=c, state=rows[c]["state"], failure_reason=rows[c]["failure_reason"])
+        for c in children]), finished

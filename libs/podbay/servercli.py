@@ -200,13 +200,15 @@ def build(
     build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG (repeatable)."),
     ready_cmd: str | None = typer.Option(None, "--ready-cmd", help="Start command ready when this exits 0."),
     ready_port: int | None = typer.Option(None, "--ready-port", help="Start command ready when this port answers."),
+    egress_allow: list[str] = typer.Option([], "--egress-allow", help="HOST:PORT the RUN steps may reach "
+                                           "(repeatable; API builds)."),
     as_json: bool = typer.Option(False, "--json", help="Print the template as JSON (API builds)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cached build is current."),
 ) -> None:
     """Build a template: from a Dockerfile through the API (-f/CONTEXT), else a built-in one on this host
     (runs `podbay-nodeagent template build`; needs root)."""
     if dockerfile is not None or context is not None:
-        build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port)
+        build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow)
         return
     if not re.fullmatch(NAME_PATTERN, name):
         raise typer.BadParameter(

@@ -50,7 +50,7 @@ def _show(ev: BuildEvent) -> None:
 
 def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, context: Path | None,
                   build_args: list[str], as_json: bool, ready_cmd: str | None = None,
-                  ready_port: int | None = None) -> None:
+                  ready_port: int | None = None, egress_allow: list[str] | None = None) -> None:
     """Build ``name`` through the API from ``dockerfile`` (default ``CONTEXT/Dockerfile``) and ``context``,
     streaming steps to stderr; prints the template (a record, or JSON) on stdout."""
     ctx_dir = context if context is not None else Path(".")
@@ -65,8 +65,17 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
         if not eq or not key:
             fail(f"--build-arg {a!r} is not KEY=VALUE", "invalid_request", 2)
         args[key] = value
+    egress = None
+    if egress_allow:
+        rules = []
+        for item in egress_allow:
+            host, sep, port = item.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                fail(f"--egress-allow {item!r} is not HOST:PORT", "invalid_request", 2)
+            rules.append({"domain": host, "ports": [int(port)]})
+        egress = {"allow": rules}
     tpl = client(ctx).build_template(name, file, ctx_dir, build_args=args, ready_cmd=ready_cmd,
-                                     ready_port=ready_port, on_event=_show)
+                                     ready_port=ready_port, egress=egress, on_event=_show)
     if as_json:
         print_json(tpl)
     else:
@@ -83,12 +92,14 @@ def build(
     build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG (repeatable)."),
     ready_cmd: str | None = typer.Option(None, "--ready-cmd", help="Start command ready when this exits 0."),
     ready_port: int | None = typer.Option(None, "--ready-port", help="Start command ready when this port answers."),
+    egress_allow: list[str] = typer.Option([], "--egress-allow", help="HOST:PORT the RUN steps may reach "
+                                           "(repeatable; default: the FROM template's policy)."),
     as_json: bool = typer.Option(False, "--json", help="Print the template as JSON."),
 ) -> None:
     """Build a template from a Dockerfile through the API, streaming each step (CACHED when reused)."""
     if dockerfile is None and context is None:  # the host build of a built-in template
         fail("`podbay template build` comes with the server package: pip install podbay-server", "unavailable", 1)
-    build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port)
+    build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow)
 
 
 @template_app.command("rm")

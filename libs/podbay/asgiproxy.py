@@ -106,11 +106,14 @@ async def deny(scope: Scope, receive: Receive, send: Send, status: int, headers:
 
 async def relay_websocket(scope: Scope, receive: Receive, send: Send, uri: str, extra: dict[str, str], *,
                           sock: socket.socket | None = None, drop: frozenset[str] = HOP_BY_HOP,
-                          on_open: Callable[[], None] | None = None) -> dict[str, int]:
+                          on_open: Callable[[], None] | None = None,
+                          to_client: Callable[[str | bytes], str | bytes] | None = None) -> dict[str, int]:
     """Open ``uri`` with the client's subprotocols, origin and end-to-end headers (plus ``extra``), accept the
     ASGI client with the subprotocol the upstream chose, and relay messages both ways until one side closes.
     An upstream that refuses the handshake is answered as :func:`deny` does (502 ``port_not_open`` when
-    its HTTP status says so, the status otherwise). Returns ``{"in": bytes, "out": bytes}`` relayed."""
+    its HTTP status says so, the status otherwise). ``to_client``: applied to every message on its way to the
+    client (the node's redaction of filled credentials in CDP). Returns ``{"in": bytes, "out": bytes}``
+    relayed."""
     headers = {**{k: v for k, v in forwarded_headers(scope, drop=drop | _WS_OWN)}, **extra}
     origin = dict(scope.get("headers", [])).get(b"origin")
     counts = {"in": 0, "out": 0}
@@ -139,11 +142,12 @@ async def relay_websocket(scope: Scope, receive: Receive, send: Send, uri: str, 
     await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
     if on_open is not None:
         on_open()
-    await _pump(upstream, receive, send, counts)
+    await _pump(upstream, receive, send, counts, to_client)
     return counts
 
 
-async def _pump(upstream: ClientConnection, receive: Receive, send: Send, counts: dict[str, int]) -> None:
+async def _pump(upstream: ClientConnection, receive: Receive, send: Send, counts: dict[str, int],
+                to_client: Callable[[str | bytes], str | bytes] | None = None) -> None:
     async def client_to_upstream() -> None:
         while True:
             msg: Message = await receive()
@@ -161,6 +165,8 @@ async def _pump(upstream: ClientConnection, receive: Receive, send: Send, counts
     async def upstream_to_client() -> None:
         try:
             async for data in upstream:
+                if to_client is not None:
+                    data = to_client(data)
                 counts["out"] += len(data)
                 if isinstance(data, bytes):
                     await send({"type": "websocket.send", "bytes": data})

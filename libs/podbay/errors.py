@@ -13,7 +13,8 @@
     │   ├── InvalidState      409  invalid_state (carries the current state)
     │   ├── SuspendFailed     409  suspend_failed (the promotion failed; the sandbox stays paused)
     │   ├── LimitExceeded     409  limit_exceeded (a per-sandbox or per-tenant limit; ``details.limit``)
-    │   └── VolumeInUse       409  volume_in_use (attached read-write elsewhere, or attached at all for rm)
+    │   ├── VolumeInUse       409  volume_in_use (attached read-write elsewhere, or attached at all for rm)
+    │   └── NoBrowser         409  no_browser (a /computer call on a sandbox whose template runs no browser)
     ├── Unprocessable         422  validation_error
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
@@ -44,6 +45,7 @@ __all__ = [
     "InvalidVolumePath",
     "VolumeTooLarge",
     "VolumeInUse",
+    "NoBrowser",
     "LimitExceeded",
     "Unauthorized",
     "Forbidden",
@@ -167,6 +169,13 @@ class VolumeInUse(Conflict):
     code = "volume_in_use"
 
 
+class NoBrowser(Conflict):
+    """A computer-use call (``/computer/...``) on a sandbox whose template declares no browser (the
+    ``podbay.cdp-port`` label: ``details.sandbox_id``), or whose browser does not answer on it (``details.port``)."""
+
+    code = "no_browser"
+
+
 class Unprocessable(PodbayError):
     code = "validation_error"
     http_status = 422
@@ -246,6 +255,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         InvalidVolumePath,
         VolumeTooLarge,
         VolumeInUse,
+        NoBrowser,
         LimitExceeded,
         Unauthorized,
         Forbidden,

@@ -23,7 +23,7 @@ from podbay.webhooks import Deliverer
 
 from podbay.contracts import subjects
 
-from . import (audit_log, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, e2b_volumes,
+from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, e2b_volumes,
                events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
 from .context import ApiContext
 from .errors import install_error_handlers
@@ -129,6 +129,7 @@ def create_app(settings: Settings) -> FastAPI:
     # outside EnvdRouting, so it sees E2B's hosts first and leaves envd's port to it.
     app.add_middleware(ports_edge.PortsEdge, settings=settings)
     app.include_router(ports.router)
+    app.include_router(computer.router)
     app.include_router(suspend.router)
     app.include_router(pools.router)
     app.include_router(nodes.router)

@@ -28,6 +28,8 @@ from podbay.telemetry import HOP_SECONDS
 
 from .build.defaults import ExecDefaults, apply as apply_defaults
 from .build.http import add_build_routes
+from .computer import add_computer_routes
+from .computer_fill import add_fill_route
 from .diff import diff_snapshots
 from .envd import PREFIX as ENVD_PREFIX
 from .envd import EnvdApp
@@ -89,6 +91,7 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
 
     add_build_routes(app, manager)
     defaults = ExecDefaults(manager)
+    filler = add_fill_route(app, manager, add_computer_routes(app, manager, defaults))
     base = "/internal/v1/sandboxes/{sandbox_id}"
 
     @app.post(base + "/exec")
@@ -213,5 +216,5 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         return await diff_snapshots(manager.store.root, sandbox_id, snapshot_a, snapshot_b)
 
     # Guest ports (the API edge's last hop): outermost, so no middleware above buffers or wraps its streams.
-    app.add_middleware(PortsProxy, manager=manager)
+    app.add_middleware(PortsProxy, manager=manager, redactor=filler.redactor)
     return app

@@ -35,6 +35,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpcore
@@ -51,7 +52,8 @@ from .netfilter import PORTS_MARK
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
-__all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports"]
+__all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports",
+           "guest_http_client", "connect_guest"]
 
 log = logging.getLogger("podbay.nodeagent.ports")
 
@@ -119,6 +121,35 @@ def _marked_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def connect_guest(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> socket.socket:
+    """A TCP connection to a guest, marked so that the node's ruleset lets it in (blocking mode, for a library
+    that drives it on the loop itself, as ``websockets`` does). Raises ``OSError`` or ``TimeoutError``."""
+    sock = _marked_socket(host, port)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(True)
+    return sock
+
+
+def guest_http_client() -> httpx.AsyncClient:
+    """An HTTP client for guests' ports: every connection marked (:data:`PORTS_MARK`) before it connects, no
+    proxy settings of the node's environment, no redirects followed, connects bounded by
+    :data:`CONNECT_TIMEOUT_S`."""
+    transport = httpx.AsyncHTTPTransport()
+    # httpx has no seam for a connection's socket, and its socket_options are applied after connect(),
+    # too late for the SYN that nftables judges: its pool is swapped for one on a backend that marks
+    # sockets before connecting (the pool is httpx's documented engine, httpcore).
+    transport._pool = httpcore.AsyncConnectionPool(
+        max_connections=1000, max_keepalive_connections=100, keepalive_expiry=30,
+        network_backend=_MarkedBackend())
+    # trust_env=False: the node's proxy settings must never route guest traffic elsewhere.
+    return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
+                             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+
+
 class _Refused(Exception):
     def __init__(self, answer: Answer) -> None:
         super().__init__(answer[0])
@@ -129,20 +160,14 @@ class PortsProxy:
     """ASGI middleware: ``/internal/ports/{sandbox_id}/{port}`` (HTTP and WebSocket) to the guest;
     every other request goes to ``app``."""
 
-    def __init__(self, app: ASGIApp, manager: SandboxManager) -> None:
+    def __init__(self, app: ASGIApp, manager: SandboxManager,
+                 redactor: Callable[[str], Callable[[str | bytes], str | bytes] | None] | None = None) -> None:
         self.app = app
         self.manager = manager
+        # sandbox id -> a transform of WebSocket messages to the client (credential fill's redaction)
+        self.redactor = redactor
         self.token = manager.settings.internal_token.encode()
-        transport = httpx.AsyncHTTPTransport()
-        # httpx has no seam for a connection's socket, and its socket_options are applied after connect(),
-        # too late for the SYN that nftables judges: its pool is swapped for one on a backend that marks
-        # sockets before connecting (the pool is httpx's documented engine, httpcore).
-        transport._pool = httpcore.AsyncConnectionPool(
-            max_connections=1000, max_keepalive_connections=100, keepalive_expiry=30,
-            network_backend=_MarkedBackend())
-        # trust_env=False: the node's proxy settings must never route guest traffic elsewhere.
-        self.http = httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
-                                      timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+        self.http = guest_http_client()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PREFIX):
@@ -215,17 +240,15 @@ class PortsProxy:
             await resp.aclose()
 
     async def _ws(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
-        loop = asyncio.get_running_loop()
-        sock = _marked_socket(guest, port)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, (guest, port)), CONNECT_TIMEOUT_S)
+            sock = await connect_guest(guest, port)
         except (OSError, TimeoutError):
-            sock.close()
             await deny(scope, receive, send, *json_error(
                 502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
             return
-        sock.setblocking(True)  # websockets hands it to the loop itself
-        await relay_websocket(scope, receive, send, f"ws://{guest}:{port}{path}", {}, sock=sock)
+        sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
+        await relay_websocket(scope, receive, send, f"ws://{guest}:{port}{path}", {}, sock=sock,
+                              to_client=self.redactor(sandbox_id) if self.redactor is not None else None)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 
 import typer
 
-from podbay.cli import access, env, events, files, node, pool, sandbox, schedule, snapshot, template, volume
+from podbay.cli import access, computer, env, events, files, node, pool, sandbox, schedule, snapshot, template, volume
 from podbay.cli._common import CliState, OneLineErrorsGroup, fail
 from podbay.cli.exec_cmd import exec_command
 
@@ -40,6 +40,7 @@ app = typer.Typer(
 )
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(files.app, name="files")
+app.add_typer(computer.app, name="computer")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(schedule.app, name="schedule")
 app.add_typer(volume.app, name="volume")

@@ -42,8 +42,10 @@ from podbay.contracts.events import EventOut
 from podbay.sdk import _events as sdk_events
 from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
+from podbay.sdk import _computer as computer_calls
 from podbay.sdk import _ports as ports_calls
 from podbay.contracts.api import PortAccess, PortList, PortUrl
+from podbay.contracts.computer import CdpEndpoint, ComputerResult, FillResult
 from podbay.sdk import _schedules as sched
 from podbay.sdk import _volumes as vols
 from podbay.sdk import _calls as calls
@@ -181,6 +183,32 @@ class Client:
         return self._call(access.set_network_call(sandbox_id, policy))
 
     # guest ports (podbay.sdk._ports)
+
+    # computer use (podbay.sdk._computer; a sandbox of a template with a browser, e.g. ``browser``)
+
+    def screenshot(self, sandbox_id: str) -> bytes:
+        """PNG bytes of the browser page's viewport. ``NoBrowser`` (409) when its template runs no browser."""
+        return self._call(computer_calls.screenshot_call(sandbox_id))
+
+    def mouse(self, sandbox_id: str, action: str, x: float, y: float, **kw: Any) -> ComputerResult:
+        """``action`` ``move``, ``click`` (``button``, ``clicks``), ``drag`` (``to_x``, ``to_y``) or ``scroll``
+        (``delta_x``, ``delta_y``) at CSS pixel ``(x, y)`` of the page."""
+        return self._call(computer_calls.mouse_call(sandbox_id, action, x, y, **kw))
+
+    def keyboard(self, sandbox_id: str, *, text: str | None = None,
+                 keys: list[str] | None = None) -> ComputerResult:
+        """Type ``text`` at the focus, or press ``keys`` (``["Enter"]``, ``["Control+a", "Backspace"]``)."""
+        return self._call(computer_calls.keyboard_call(sandbox_id, text=text, keys=keys))
+
+    def fill(self, sandbox_id: str, credential: str, selector: str) -> FillResult:
+        """Type stored credential ``credential`` into the element ``selector`` matches, if the page's origin is
+        one of its hosts (checked on the node, outside the guest); the answer never holds the value."""
+        return self._call(computer_calls.fill_call(sandbox_id, credential, selector))
+
+    def cdp(self, sandbox_id: str) -> CdpEndpoint:
+        """The browser's CDP WebSocket: ``url`` (with the token) is what
+        ``playwright.chromium.connect_over_cdp(url)`` takes."""
+        return self._call(computer_calls.cdp_call(sandbox_id))
 
     def list_ports(self, sandbox_id: str) -> PortList:
         """The guest's listening TCP ports (and ports with a setting), each with ``public`` and ``reachable``."""
@@ -565,6 +593,26 @@ class Sandbox:
         """This sandbox's lifecycle events: see ``Client.events``."""
         return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
 
+
+    def screenshot(self) -> bytes:
+        """PNG of this sandbox's browser page: see ``Client.screenshot``."""
+        return self._client.screenshot(self.id)
+
+    def mouse(self, action: str, x: float, y: float, **kw: Any) -> ComputerResult:
+        """Mouse input to this sandbox's browser: see ``Client.mouse``."""
+        return self._client.mouse(self.id, action, x, y, **kw)
+
+    def keyboard(self, *, text: str | None = None, keys: Sequence[str] | None = None) -> ComputerResult:
+        """Keyboard input to this sandbox's browser: see ``Client.keyboard``."""
+        return self._client.keyboard(self.id, text=text, keys=None if keys is None else [*keys])
+
+    def fill(self, credential: str, selector: str) -> FillResult:
+        """Fill a stored credential into this sandbox's browser page: see ``Client.fill``."""
+        return self._client.fill(self.id, credential, selector)
+
+    def cdp(self) -> CdpEndpoint:
+        """This sandbox's browser CDP URL: see ``Client.cdp``."""
+        return self._client.cdp(self.id)
 
     def ports(self) -> PortList:
         """This sandbox's listening ports: see ``Client.list_ports``."""

@@ -1,0 +1,169 @@
+"""Benchmark: the ``browser`` template (templates/browser/Dockerfile) and the computer-use API.
+
+    .venv/bin/python tests/bench/computer.py --runs 20 --json computer.json
+
+Starts a stack of its own (like template.py), builds ``browser`` (its slow layers come from the host's build
+cache, cache_dir/layers, when an earlier build on this machine left them; otherwise the first build downloads
+Chromium through the gateway and takes many minutes under TCG), then measures:
+
+- ``build_browser_ms``: that build (one value: cached or not, as printed);
+- ``create_cold_browser`` and ``create_warm_browser`` (a pool of 2): the HTTP create of a sandbox with a
+  running Chromium, to 201, then its delete (not timed); ``create_cold_base`` beside it for scale;
+- ``screenshot``: ``POST .../computer/screenshot`` through the SDK, to the whole PNG (1280x720 of
+  ``about:blank``; the node opens a CDP connection per call);
+- ``cdp_evaluate_roundtrip``: ``Runtime.evaluate`` of ``1+1`` on the page, sent on one CDP WebSocket held
+  open through the API's port edge (``GET .../computer/cdp``'s URL), to its answer;
+- ``guest_used_MiB``: the guest's ``MemTotal - MemAvailable`` with Chromium idle (one reading).
+
+Guests run under TCG here: Chromium itself runs slowly, which dominates the screenshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect as ws_connect
+
+from podbay.config import Settings
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.sdk import Client
+
+try:
+    from tests.bench._stats import report, stop_on_sigterm, summarise
+except ImportError:  # run as a script from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _stats import report, stop_on_sigterm, summarise  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE_DIR = ROOT / "templates" / "browser"
+EGRESS = {"allow": [{"domain": "deb.debian.org", "ports": [80]}]}
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _ready(c: httpx.Client, template: str) -> int:
+    return sum(int(p["ready"]) for p in c.get("/v1/pools").json()["pools"] if p["template"] == template)
+
+
+def _wait(what: str, check: Any, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def _create_ms(c: httpx.Client, template: str) -> float:
+    t0 = time.perf_counter()
+    r = c.post("/v1/sandboxes", json={"template": template})
+    ms = _ms(t0)
+    if r.status_code != 201:
+        raise SystemExit(f"create answered {r.status_code}: {r.text}")
+    c.delete(f"/v1/sandboxes/{r.json()['id']}").raise_for_status()
+    return ms
+
+
+def _evaluate_ms(url: str, runs: int) -> list[float]:
+    """``runs`` round trips of ``Runtime.evaluate(1+1)`` on the first page, over one CDP WebSocket."""
+    out: list[float] = []
+    with ws_connect(url, max_size=None, open_timeout=30) as ws:
+        def call(msg_id: int, method: str, params: dict[str, Any], session: str | None = None) -> dict[str, Any]:
+            msg: dict[str, Any] = {"id": msg_id, "method": method, "params": params}
+            if session:
+                msg["sessionId"] = session
+            ws.send(json.dumps(msg))
+            while True:
+                ans = json.loads(ws.recv(timeout=60))
+                if ans.get("id") == msg_id:
+                    if "error" in ans:
+                        raise SystemExit(f"{method}: {ans['error']}")
+                    return dict(ans.get("result", {}))
+
+        pages = [t for t in call(1, "Target.getTargets", {})["targetInfos"] if t["type"] == "page"]
+        session = call(2, "Target.attachToTarget", {"targetId": pages[0]["targetId"], "flatten": True})["sessionId"]
+        for i in range(runs):
+            t0 = time.perf_counter()
+            res = call(10 + i, "Runtime.evaluate", {"expression": "1+1", "returnByValue": True}, session)
+            out.append(_ms(t0))
+            if res["result"]["value"] != 2:
+                raise SystemExit(f"1+1 answered {res}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=20, help="samples per metric (default 20)")
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
+    os.chmod(root, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
+    stack = Stack(data_dir=root / "stack", log_dir=root / "stack" / "logs", cache_dir=Settings().cache_dir,
+                  ports=StackPorts.free(), external=External.from_env(), durable=False, base_env={**os.environ})
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        stop_on_sigterm()
+        stack.start()
+        stack.create_api_key("bench", "bench")
+        print(f"load average at start: {os.getloadavg()}")
+        headers = {"authorization": f"Bearer {stack.api_key}"}
+        with Client(stack.api_url, stack.api_key, timeout_s=3600) as sdk, \
+                httpx.Client(base_url=stack.api_url, headers=headers, timeout=120) as c:
+            t0 = time.perf_counter()
+            events: list[Any] = []
+            sdk.build_template("browser", TEMPLATE_DIR / "Dockerfile", TEMPLATE_DIR, ready_port=9222, egress=EGRESS,
+                               on_event=events.append)
+            results["build_browser_ms"] = {"value": round(_ms(t0))}
+            cached = all(e.cached for e in events if e.type == "step")
+            print(f"  build: {results['build_browser_ms']['value']} ms ({'all cached' if cached else 'ran steps'})")
+            for tpl in ("base", "browser"):
+                results[f"create_cold_{tpl}"] = summarise([_create_ms(c, tpl) for _ in range(args.runs)])
+            c.put("/v1/pools/browser", json={"size": 2}).raise_for_status()
+            warm: list[float] = []
+            for _ in range(args.runs):
+                _wait("a ready slot", lambda: _ready(c, "browser") >= 1)
+                warm.append(_create_ms(c, "browser"))
+            results["create_warm_browser"] = summarise(warm)
+            c.put("/v1/pools/browser", json={"size": 0}).raise_for_status()
+            _wait("the pool to drain", lambda: _ready(c, "browser") == 0)
+
+            r = c.post("/v1/sandboxes", json={"template": "browser"})
+            r.raise_for_status()
+            sid = r.json()["id"]
+            try:
+                shots: list[float] = []
+                for _ in range(args.runs):
+                    t0 = time.perf_counter()
+                    png = sdk.screenshot(sid)
+                    shots.append(_ms(t0))
+                    if not png.startswith(b"\x89PNG"):
+                        raise SystemExit("the screenshot is not a PNG")
+                results["screenshot"] = summarise(shots)
+                results["cdp_evaluate_roundtrip"] = summarise(_evaluate_ms(sdk.cdp(sid).url, args.runs))
+                mem = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": "cat /proc/meminfo"}).json()["stdout"]
+                kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in mem.splitlines() if ln.split()[1:2]}
+                results["guest_used_MiB"] = {"value": round((kib["MemTotal"] - kib["MemAvailable"]) / 1024, 1)}
+                results["guest_swap_used_MiB"] = {"value": round((kib["SwapTotal"] - kib["SwapFree"]) / 1024, 1)}
+            finally:
+                c.delete(f"/v1/sandboxes/{sid}")
+        print(f"load average at end: {os.getloadavg()}")
+    finally:
+        stack.stop(purge=True)
+        kill_strays(root / "stack")
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+    report(results, args.json_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Computer use with the ``browser`` template, with real VMs (docs/computer-use.md).
+
+The template is built once per module from ``templates/browser/Dockerfile`` (its slow layers come from the
+host's build cache, cache_dir/layers, after the first build on a machine), and one sandbox of it serves the
+tests: its snapshot already holds a running Chromium with CDP on guest port 9222. A page is served in the
+sandbox by another process (``python3 -m http.server``). Checked: a screenshot is a PNG of the browser's
+window size; Playwright (the Python package, no browser of its own) connects over CDP through the API's
+port edge and reads the page's title; mouse and keyboard input through the API reach the page; a sandbox
+of a template without a browser answers 409 ``no_browser``. Credential fill: the node types a stored
+credential into a password field of a login page served in the sandbox (the page sees its length and
+character sum), while the agent's CDP stream shows it redacted and a scan of the guest's process
+environments, command lines and files (outside the swap file) finds none of it; a page of another origin,
+an unknown or out-of-scope credential and a missing selector are refused and type nothing, each audited.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_http import api_client, new_sandbox, sh, until
+
+from podbay.sdk import Client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+PAGE = """<!doctype html><html><head><title>podbay computer e2e</title></head>
+<body style="margin:0"><input id="q" style="position:absolute;left:0;top:0;width:400px;height:40px">
+<div id="keys" style="position:absolute;top:60px"></div>
+<script>document.addEventListener("keydown", e => { document.getElementById("keys").textContent += e.key + ","; });
+</script></body></html>
+"""
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "browser"
+#: What the RUN step needs: Debian's mirror (the guest's apt sources), over HTTP.
+EGRESS = {"allow": [{"domain": "deb.debian.org", "ports": [80]}]}
+
+
+@pytest.fixture(scope="module")
+def browser_template(stack: Any) -> str:
+    with Client(stack.api_url, stack.api_key, timeout_s=1800) as c:
+        tpl = c.build_template("browser", TEMPLATE_DIR / "Dockerfile", TEMPLATE_DIR, ready_port=9222, egress=EGRESS,
+                               on_event=lambda e: print(e.model_dump_json(exclude_none=True), flush=True))
+    return str(tpl.name)
+
+
+@pytest.fixture(scope="module")
+def sandbox(stack: Any, browser_template: str) -> Iterator[str]:
+    with api_client(stack) as h:
+        r = h.post("/v1/sandboxes", json={"template": browser_template})
+        assert r.status_code == 201, r.text
+        sid = str(r.json()["id"])
+        try:
+            yield sid
+        finally:
+            h.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.fixture(scope="module")
+def site(stack: Any, sandbox: str) -> str:
+    """``http://127.0.0.1:8000/`` in the sandbox: :data:`PAGE` served by ``python3 -m http.server``."""
+    with api_client(stack) as h:
+        r = h.put(f"/v1/sandboxes/{sandbox}/files", params={"path": "/srv/site/index.html"}, content=PAGE.encode())
+        assert r.status_code == 200, r.text
+        sh(h, sandbox, "cd /srv/site && setsid python3 -m http.server 8000 >/dev/null 2>&1 < /dev/null &")
+        until("the page server", lambda: "podbay computer e2e" in sh(
+            h, sandbox, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read()"
+                        ".decode())\" 2>/dev/null || true"), 30)
+    return "http://127.0.0.1:8000/"
+
+
+LOGIN = """<!doctype html><html><head><title>login</title></head><body>
+<input id="user"><input id="pw" type="password"><div id="seen"></div>
+<script>document.getElementById("pw").addEventListener("input", e => { const v = e.target.value;
+  document.getElementById("seen").textContent = v.length + ":" + [...v].reduce((a, c) => a + c.charCodeAt(0), 0); });
+</script></body></html>
+"""
+SECRET = "pb-fill-Secret-7c1e9a42d0"
+# Run in the guest with the secret in two halves (so this scan's own command line does not hold it):
+# prints the places outside the swap file where the whole value is found.
+SCAN = r"""
+import os, sys
+needle = (sys.argv[1] + sys.argv[2]).encode()
+hits = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        for part in ("environ", "cmdline"):
+            try:
+                if needle in open(f"/proc/{pid}/{part}", "rb").read():
+                    hits.append(f"/proc/{pid}/{part}")
+            except OSError:
+                pass
+for top in ("/etc", "/home", "/root", "/tmp", "/srv", "/var", "/opt", "/run"):
+    for d, _, files in os.walk(top):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.path.isfile(p) and not os.path.islink(p) and os.path.getsize(p) < 64 << 20 and needle in open(p, "rb").read():
+                    hits.append(p)
+            except OSError:
+                pass
+print("\n".join(hits))
+"""
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    """``(width, height)`` from a PNG's IHDR chunk; asserts the signature and chunk order."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:16]
+    assert data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    return int(w), int(h)
+
+
+def test_screenshot_is_a_png_of_the_window_size(stack: Any, sandbox: str) -> None:
+    with Client(stack.api_url, stack.api_key) as c:
+        png = c.screenshot(sandbox)
+    assert _png_size(png) == (1280, 720)
+    assert png.endswith(b"IEND\xaeB`\x82")  # whole: the last chunk is there
+
+
+def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: str, site: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with Client(stack.api_url, stack.api_key) as c:
+        ep = c.cdp(sandbox)
+    assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
+    with sync_playwright() as p:
+        browser = p.chromium.connect_over_cdp(ep.url)
+        try:
+            page = browser.contexts[0].pages[0] if browser.contexts[0].pages else browser.contexts[0].new_page()
+            page.goto(site)
+            assert page.title() == "podbay computer e2e"
+        finally:
+            browser.close()  # over CDP: disconnects, the sandbox's browser keeps running
+
+
+def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with Client(stack.api_url, stack.api_key) as c:
+        with sync_playwright() as p:
+            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url)
+            try:
+                page = browser.contexts[0].pages[0]
+                page.goto(site)
+                assert c.mouse(sandbox, "click", 100, 20).events == 3  # move, press, release: focus the input
+                assert c.keyboard(sandbox, text="hello").events == 1
+                c.keyboard(sandbox, keys=["Shift+a", "Enter"])
+                assert c.mouse(sandbox, "scroll", 100, 100, delta_y=50).events == 1
+                assert c.mouse(sandbox, "drag", 10, 10, to_x=200, to_y=30, steps=4).events == 7
+                assert page.input_value("#q") == "helloA"
+                assert page.text_content("#keys") == "Shift,A,Enter,"
+            finally:
+                browser.close()
+
+
+def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:
+    with api_client(stack) as h, new_sandbox(h, "base") as sid:
+        for method, path in (("POST", "screenshot"), ("GET", "cdp")):
+            r = h.request(method, f"/v1/sandboxes/{sid}/computer/{path}")
+            assert r.status_code == 409 and r.json()["error"]["code"] == "no_browser", r.text
+        r = h.post(f"/v1/sandboxes/{sid}/computer/keyboard", json={"action": "keys", "keys": []})
+        assert r.status_code == 422, r.text
+
+
+def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str, site: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with api_client(stack) as h:
+        r = h.put(f"/v1/sandboxes/{sandbox}/files", params={"path": "/srv/site/login.html"}, content=LOGIN.encode())
+        assert r.status_code == 200, r.text
+        for name, extra in (("site-pw", {}), ("other-pw", {"sandboxes": ["sbx_someoneelse"]})):
+            r = h.post("/v1/credentials", json={"name": name, "value": SECRET, "hosts": ["127.0.0.1"], **extra})
+            assert r.status_code == 201, r.text
+        with Client(stack.api_url, stack.api_key) as c, sync_playwright() as p:
+            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url)
+            try:
+                page = browser.contexts[0].pages[0]
+                page.goto(site.replace("127.0.0.1", "localhost") + "login.html")  # same server, another origin
+
+                def fill(credential: str, selector: str) -> Any:
+                    return h.post(f"/v1/sandboxes/{sandbox}/computer/fill",
+                                  json={"credential": credential, "selector": selector})
+
+                r = fill("site-pw", "#pw")
+                assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+                page.goto(site + "login.html")
+                for cred, sel, status, code in (("nope", "#pw", 404, "credential_not_found"),
+                                                ("other-pw", "#pw", 403, "credential_out_of_scope"),
+                                                ("site-pw", "#missing", 422, "selector_not_found")):
+                    r = fill(cred, sel)
+                    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+                assert page.text_content("#seen") == ""  # nothing was typed by any refusal
+                r = fill("site-pw", "#pw")
+                assert r.status_code == 200, r.text
+                assert r.json()["origin"] == "http://127.0.0.1:8000" and SECRET not in r.text
+                expected = f"{len(SECRET)}:{sum(map(ord, SECRET))}"
+                assert page.text_content("#seen") == expected  # the page received the value
+                assert page.input_value("#pw") == "[redacted by podbay]"  # the agent's CDP stream does not
+            finally:
+                browser.close()
+        half = len(SECRET) // 2
+        r = h.post(f"/v1/sandboxes/{sandbox}/exec", json={"argv": ["python3", "-c", SCAN, SECRET[:half],
+                                                                     SECRET[half:]]})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        assert r.json()["stdout"].strip() == "", r.json()["stdout"]
+        rows = h.get("/v1/audit", params={"action": "credential.fill", "sandbox_id": sandbox}).json()["entries"]
+        reasons = sorted(str(e["detail"].get("reason", e["decision"])) for e in rows)
+        assert reasons == ["allow", "credential_not_found", "credential_out_of_scope", "origin_not_allowed",
+                           "selector_not_found"], rows
+        assert SECRET not in json.dumps(rows)

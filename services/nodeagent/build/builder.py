@@ -72,7 +72,7 @@ STEP_TIMEOUT_S = 3600.0
 #: Bytes of a failed step's output its error keeps.
 OUTPUT_TAIL_BYTES = 4096
 #: How long a start command may take to get ready, seconds.
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0  # headless Chromium under TCG opens its DevTools port after ~90 s (the browser template)
 #: Built-in templates, which no build may replace.
 BUILTIN = ("base",)
 #: Layers kept on a node (least recently used go first).

@@ -119,6 +119,8 @@ def key_events(combo: str) -> list[dict[str, Any]]:
         code, vk = _SPECIAL[key]
         text = _TEXT.get(key, "")
     elif len(key) == 1:
+        if flags & _MODIFIERS["Shift"] and key.isalpha():
+            key = key.upper()  # Shift+a is "A", as a keyboard types it
         up = key.upper()
         code = f"Key{up}" if up.isalpha() and up.isascii() else (f"Digit{key}" if key.isdigit() else "")
         vk = ord(up) if (up.isascii() and up.isalnum()) else (32 if key == " " else 0)

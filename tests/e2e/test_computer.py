@@ -129,9 +129,10 @@ def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: s
         ep = c.cdp(sandbox)
     assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
     with sync_playwright() as p:
-        browser = p.chromium.connect_over_cdp(ep.url)
+        browser = p.chromium.connect_over_cdp(ep.url, timeout=120_000)
         try:
             page = browser.contexts[0].pages[0] if browser.contexts[0].pages else browser.contexts[0].new_page()
+            page.set_default_timeout(120_000)  # a bound, not a timing assertion: Chromium runs under TCG
             page.goto(site)
             assert page.title() == "podbay computer e2e"
         finally:
@@ -143,9 +144,10 @@ def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) 
 
     with Client(stack.api_url, stack.api_key) as c:
         with sync_playwright() as p:
-            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url)
+            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
             try:
                 page = browser.contexts[0].pages[0]
+                page.set_default_timeout(120_000)
                 page.goto(site)
                 assert c.mouse(sandbox, "click", 100, 20).events == 3  # move, press, release: focus the input
                 assert c.keyboard(sandbox, text="hello").events == 1
@@ -177,9 +179,10 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
             r = h.post("/v1/credentials", json={"name": name, "value": SECRET, "hosts": ["127.0.0.1"], **extra})
             assert r.status_code == 201, r.text
         with Client(stack.api_url, stack.api_key) as c, sync_playwright() as p:
-            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url)
+            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
             try:
                 page = browser.contexts[0].pages[0]
+                page.set_default_timeout(120_000)
                 page.goto(site.replace("127.0.0.1", "localhost") + "login.html")  # same server, another origin
 
                 def fill(credential: str, selector: str) -> Any:

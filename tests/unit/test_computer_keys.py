@@ -26,11 +26,12 @@ def test_enter_types_a_carriage_return_and_arrows_type_nothing() -> None:
 def test_modifiers_are_pressed_around_the_key_and_a_shortcut_types_nothing() -> None:
     ev = key_events("Control+Shift+a")
     assert [(e["type"], e["key"]) for e in ev] == [("rawKeyDown", "Control"), ("rawKeyDown", "Shift"),
-                                                    ("rawKeyDown", "a"), ("keyUp", "a"), ("keyUp", "Shift"),
+                                                    ("rawKeyDown", "A"), ("keyUp", "A"), ("keyUp", "Shift"),
                                                     ("keyUp", "Control")]
     assert ev[2]["modifiers"] == 2 | 8 and "text" not in ev[2]
-    shifted = key_events("Shift+A")
-    assert shifted[1]["text"] == "A" and shifted[1]["modifiers"] == 8
+    for combo in ("Shift+A", "Shift+a"):
+        shifted = key_events(combo)
+        assert shifted[1]["key"] == shifted[1]["text"] == "A" and shifted[1]["modifiers"] == 8
 
 
 @pytest.mark.parametrize("bad", ["Hyper+a", "NoSuchKey", "Control+", ""])

@@ -3,6 +3,8 @@ podbay.contracts.computer)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -71,3 +73,18 @@ def test_fill_origin_matching() -> None:
     assert origin_host_allowed(["127.0.0.1"], "http://localhost:8000/")[1] is False
     assert origin_host_allowed(["example.com"], "file:///etc/passwd") == ("file:", False)
     assert origin_host_allowed(["example.com"], "about:blank")[1] is False
+
+
+def test_the_redactor_hides_filled_values_from_then_on() -> None:
+    from podbay_nodeagent.computer_fill import REDACTED, Filler
+
+    filler = Filler.__new__(Filler)  # only its memory of filled values is used here
+    filler._filled = {}
+    redact = filler.redactor("sbx_a")
+    secret = 'p"w\\1'
+    msg = json.dumps({"id": 3, "result": {"value": secret}})
+    assert redact(msg) == msg  # nothing filled yet
+    filler._filled.setdefault("sbx_a", set()).add(secret)
+    assert secret not in redact(msg) and json.dumps(secret)[1:-1] not in redact(msg) and REDACTED in redact(msg)
+    assert redact(b"binary " + secret.encode()) == b"binary " + secret.encode()  # CDP is text; bytes pass
+    assert filler.redactor("sbx_b")(msg) == msg  # another sandbox's stream is untouched

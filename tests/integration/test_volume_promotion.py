@@ -144,3 +144,37 @@ async def test_nothing_promoted_or_no_file_is_refused(
     snap = await snapshot_volume(pool, store, settings, vol, node_id=node, source=src,
                                  work_dir=volume_snapshots_dir(settings.data_dir, node), reason="cadence")
     assert await pool.fetchval("SELECT snapshot_id FROM volumes WHERE id=$1", vol) == snap.snapshot_id
+
+
+class _NoRelay:
+    def kick(self) -> None:
+        pass
+
+
+async def test_the_snapshotter_promotes_changed_volumes_of_its_node_once_per_period(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
+    from podbay_snapshotter.main import Snapshotter
+
+    node = new_id("node")
+    s = settings.model_copy(update={"node_id": node, "volume_promote_interval_s": 300.0})
+    vol = await _volume(pool, node, 8 * MIB)
+    elsewhere = await _volume(pool, new_id("node"), 8 * MIB)  # another node's: not this snapshotter's
+    for v, n in ((vol, node), (elsewhere, node)):
+        path = volume_path(settings.data_dir, n, v)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(8 * MIB)
+        _write(path, 0, v.encode(), MIB)
+    snapshotter = Snapshotter(s, pool, None, store, _NoRelay())  # type: ignore[arg-type]
+    assert await snapshotter.volume_cadence_once() == 1
+    assert await pool.fetchval("SELECT reason FROM volume_snapshots WHERE volume_id=$1", vol) == "cadence"
+    assert await pool.fetchval("SELECT count(*) FROM volume_snapshots WHERE volume_id=$1", elsewhere) == 0
+    assert await snapshotter.volume_cadence_once() == 0  # promoted within the period
+    # A period later: promoted again only when the file changed since its newest copy.
+    await pool.execute("UPDATE volumes SET snapshot_at = now() - interval '1 hour' WHERE id=$1", vol)
+    os.utime(volume_path(settings.data_dir, node, vol), (1, 1))
+    assert await snapshotter.volume_cadence_once() == 0
+    _write(volume_path(settings.data_dir, node, vol), MIB, b"more", MIB)
+    assert await snapshotter.volume_cadence_once() == 1
+    assert await pool.fetchval("SELECT count(*) FROM volume_snapshots WHERE volume_id=$1 AND state='promoted'",
+                               vol) == 2

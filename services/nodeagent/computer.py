@@ -165,7 +165,7 @@ class Computer:
 
     async def _json(self, addr: str, port: int, path: str, method: str = "GET") -> Any:
         try:
-            r = await self.http.request(method, f"http://{addr}:{port}{path}", timeout=10.0)
+            r = await self.http.request(method, f"http://{addr}:{port}{path}", timeout=CALL_TIMEOUT_S)
         except httpx.HTTPError as exc:
             raise NoBrowser(f"the browser does not answer on guest port {port} ({type(exc).__name__})",
                             details={"port": port}) from exc
@@ -203,7 +203,7 @@ class Computer:
             raise NoBrowser(f"the browser does not answer on guest port {port}", details={"port": port}) from exc
         try:
             async with connect(f"ws://{addr}:{port}/devtools/page/{target_id}", sock=sock, max_size=MAX_MESSAGE_BYTES,
-                               compression=None, ping_interval=None, open_timeout=10,
+                               compression=None, ping_interval=None, open_timeout=CALL_TIMEOUT_S,
                                user_agent_header=None) as ws:
                 yield CdpSession(ws)
         except (WebSocketException, OSError, TimeoutError) as exc:

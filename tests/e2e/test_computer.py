@@ -115,17 +115,25 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int(w), int(h)
 
 
-def test_screenshot_is_a_png_of_the_window_size(stack: Any, sandbox: str) -> None:
-    with Client(stack.api_url, stack.api_key) as c:
+def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
         png = c.screenshot(sandbox)
-    assert _png_size(png) == (1280, 720)
+        with sync_playwright() as p:  # the page's own idea of its viewport (the window less its frame)
+            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
+            try:
+                size = browser.contexts[0].pages[0].evaluate("[innerWidth, innerHeight]")
+            finally:
+                browser.close()
+    assert _png_size(png) == tuple(size) and size[0] == 1280  # --window-size=1280,720
     assert png.endswith(b"IEND\xaeB`\x82")  # whole: the last chunk is there
 
 
 def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: str, site: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    with Client(stack.api_url, stack.api_key) as c:
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
         ep = c.cdp(sandbox)
     assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
     with sync_playwright() as p:
@@ -142,7 +150,7 @@ def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: s
 def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    with Client(stack.api_url, stack.api_key) as c:
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
         with sync_playwright() as p:
             browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
             try:
@@ -178,7 +186,7 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
         for name, extra in (("site-pw", {}), ("other-pw", {"sandboxes": ["sbx_someoneelse"]})):
             r = h.post("/v1/credentials", json={"name": name, "value": SECRET, "hosts": ["127.0.0.1"], **extra})
             assert r.status_code == 201, r.text
-        with Client(stack.api_url, stack.api_key) as c, sync_playwright() as p:
+        with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
             browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
             try:
                 page = browser.contexts[0].pages[0]

@@ -45,7 +45,7 @@ def _node(base: str, sandbox_id: str, suffix: str) -> str:
 
 @router.post("/screenshot", responses={200: {"content": {"image/png": {}}}})
 async def screenshot(sandbox_id: str, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
-    """The browser page's viewport as PNG (its size is the browser's window, 1280x720 in ``browser``)."""
+    """The browser page's viewport as PNG (the viewport: 1280x577 in ``browser``, its 1280x720 window less the frame)."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
     return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/screenshot"), gen, method="POST")
 

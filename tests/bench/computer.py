@@ -9,7 +9,7 @@ Chromium through the gateway and takes many minutes under TCG), then measures:
 - ``build_browser_ms``: that build (one value: cached or not, as printed);
 - ``create_cold_browser`` and ``create_warm_browser`` (a pool of 2): the HTTP create of a sandbox with a
   running Chromium, to 201, then its delete (not timed); ``create_cold_base`` beside it for scale;
-- ``screenshot``: ``POST .../computer/screenshot`` through the SDK, to the whole PNG (1280x720 of
+- ``screenshot``: ``POST .../computer/screenshot`` through the SDK, to the whole PNG (1280x577 of
   ``about:blank``; the node opens a CDP connection per call);
 - ``cdp_evaluate_roundtrip``: ``Runtime.evaluate`` of ``1+1`` on the page, sent on one CDP WebSocket held
   open through the API's port edge (``GET .../computer/cdp``'s URL), to its answer;

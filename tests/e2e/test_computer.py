@@ -60,6 +60,13 @@ def sandbox(stack: Any, browser_template: str) -> Iterator[str]:
             h.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_a_new_sandbox_has_a_running_browser(stack: Any, sandbox: str) -> None:
+    with api_client(stack) as h:
+        out = sh(h, sandbox, "python3 -c \"import urllib.request; "
+                             "print(urllib.request.urlopen('http://127.0.0.1:9222/json/version').read().decode())\"")
+        assert '"webSocketDebuggerUrl"' in out, out
+
+
 @pytest.fixture(scope="module")
 def site(stack: Any, sandbox: str) -> str:
     """``http://127.0.0.1:8000/`` in the sandbox: :data:`PAGE` served by ``python3 -m http.server``."""

@@ -138,10 +138,9 @@ async def build_template(
             update={"ready_cmd": ready_cmd, "ready_port": ready_port})})
     data = await _read_limited(context, MAX_CONTEXT_BYTES)
     check_context(spec, data)
-    if spec.base.kind == "oci":
-        raise Unprocessable(f"FROM {spec.base.ref}: OCI images are not supported yet; build FROM podbay/base "
-                            "or another podbay template", details={"from": spec.base.ref})
-    parent = spec.base.ref
+    # An OCI image travels in the context and becomes a template on the building node, which needs only
+    # base (every node has it) to build it.
+    parent = spec.base.ref if spec.base.kind == "template" else "base"
     build_id, resp = await start_build(ctx, who, name, spec, data, dockerfile, parent=parent, egress=egress)
     if resp.status_code >= 400:
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")

@@ -49,6 +49,8 @@ __all__ = [
     "ImageSpec",
     "BaseImage",
     "build_base_image",
+    "debootstrap_tarball",
+    "guestd_sources",
     "resolve_module_order",
     "parse_modules_dep",
     "apt_mirror",
@@ -447,7 +449,7 @@ async def _debootstrap_step(cache: Path, spec: ImageSpec, log: _Log, progress: P
     return final
 
 
-def _guestd_sources() -> tuple[Path, Path]:
+def guestd_sources() -> tuple[Path, Path]:
     """guestd's package folder and ``podbay/channel/frames.py``, as installed (editable or not)."""
     guestd = REPO_ROOT / "guestd"
     spec = importlib.util.find_spec("podbay_guestd")
@@ -465,7 +467,7 @@ async def _rootfs_step(
 ) -> None:
     step = "rootfs"
     progress(step, 0.0)
-    guestd, frames = _guestd_sources()
+    guestd, frames = guestd_sources()
     if not (guestd / "__main__.py").exists() or not frames.exists():
         raise ImageBuildError(
             step, f"guestd sources missing ({guestd}/__main__.py or {frames})", log_path=log.path
@@ -520,7 +522,7 @@ async def _rootfs_step(
 
 
 def _image_digest(spec: ImageSpec, kernel_pkg: str, kernel_dir: Path) -> str:
-    guestd, frames = _guestd_sources()
+    guestd, frames = guestd_sources()
     parts: list[str | bytes] = [
         "image", _IMAGE_RECIPE, spec.model_dump_json(), kernel_pkg, kernel_dir.name, _debootstrap_key(spec),
         _INIT_SCRIPT.read_bytes(), _PODBAY_INIT.read_bytes(),
@@ -531,6 +533,18 @@ def _image_digest(spec: ImageSpec, kernel_pkg: str, kernel_dir: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- entry
+
+
+async def debootstrap_tarball(settings: Settings, spec: ImageSpec | None = None) -> Path:
+    """The base image's Debian userland as a cached ``.tar.zst`` (built by debootstrap when missing, minutes;
+    otherwise milliseconds). Templates built FROM an OCI image take guestd's runtime from it (build/oci.py).
+    Raises :class:`ImageBuildError`."""
+    cache = settings.cache_dir
+    log = _Log(cache / "logs" / f"debootstrap-{os.getpid()}.log")
+    try:
+        return await _debootstrap_step(cache, spec or ImageSpec(), log, lambda _s, _f: None)
+    finally:
+        log.close()
 
 
 async def build_base_image(

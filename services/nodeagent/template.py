@@ -200,13 +200,14 @@ async def prime_guest(vm: VmHandle, name: str, timeout_s: float) -> None:
 MACHINE = "net2-vol4"
 
 
-def _key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:
+def snapshot_key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:
+    """The key (sha256 hex) of ``image``'s booted snapshot: every input its device state depends on."""
     src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz, MACHINE, PRIME])
     return hashlib.sha256(src.encode()).hexdigest()
 
 
 @contextlib.asynccontextmanager
-async def _locked(path: Path) -> AsyncIterator[None]:
+async def locked(path: Path) -> AsyncIterator[None]:
     """An exclusive flock on ``path``, so two processes never prepare the same cache at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -235,7 +236,7 @@ async def prepare_template(
         raise TemplateError("template", f"unknown template {name!r} (known: {', '.join(TEMPLATES)})")
     report: ProgressFn = progress or (lambda _s, _f: None)
     root = settings.cache_dir / "templates"
-    async with _locked(root / f".{name}.lock"):
+    async with locked(root / f".{name}.lock"):
         image = await build_base_image(settings, report, force=force, name=name)
         report("accel", 0.0)
         try:
@@ -246,7 +247,7 @@ async def prepare_template(
             raise TemplateError("accel", str(exc)) from exc
         report("accel", 1.0)
         mem, cpus = settings.sandbox_memory_mib, settings.sandbox_vcpus
-        key = _key(image, qver, accel, mem, cpus, tsc)
+        key = snapshot_key(image, qver, accel, mem, cpus, tsc)
         final = root / f"{name}-{key[:16]}"
         meta = final / "template.json"
         if meta.exists() and not force:
@@ -258,13 +259,16 @@ async def prepare_template(
                 vmm = QemuVmm(confinement=confine.from_settings(settings))
             except confine.ConfinementError as exc:
                 raise TemplateError("boot", exc.message) from exc
-        return await _boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm)
+        return await boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm)
 
 
-async def _boot_and_snapshot(
+async def boot_and_snapshot(
     name: str, settings: Settings, image: BaseImage, accel: Accel, qver: str, tsc: int, key: str,
     final: Path, report: ProgressFn, vmm: Vmm,
 ) -> TemplateSnapshot:
+    """Boot ``image`` once, wait for guestd, prime the guest (:func:`prime_guest`) and take its full snapshot
+    into ``final`` (created whole by rename). Raises :class:`TemplateError` naming the step that failed, with
+    the console's tail in its log."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
     log_path = settings.cache_dir / "logs" / f"template-{name}-{stamp}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path
     (guestd / "__main__.py").write_text("print('v1')\n")
     frames = tmp_path / "frames.py"
     frames.write_text("FRAMES = 1\n")
-    monkeypatch.setattr(image, "_guestd_sources", lambda: (guestd, frames))
+    monkeypatch.setattr(image, "guestd_sources", lambda: (guestd, frames))
     return guestd, frames
 
 

@@ -52,13 +52,14 @@ from podbay.contracts.templates import (
     TemplateDetail,
     WorkdirStep,
 )
-from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unprocessable
+from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
 from podbay.promotion import promote_template, template_root
 
 from ..template import TemplateSnapshot
 from ..vmdriver import TemplateImage, VmHandle
 from ..vmm import reflink_or_copy
 from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest
+from .oci import image_ref, prepare_oci_template
 
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
@@ -79,6 +80,22 @@ BUILTIN = ("base",)
 MAX_LAYERS = 200
 
 Emit = Callable[[BuildEvent], Awaitable[None]]
+
+
+def inherit(parent: ImageConfig | None, req: BuildRequest, steps: list[BuildStep]) -> tuple[BuildRequest,
+                                                                                           list[BuildStep]]:
+    """What a build inherits from its ``FROM``, as Docker's does: the parent's ENV under the Dockerfile's (in
+    every RUN step and in the result), and its WORKDIR and USER where the Dockerfile sets none. The start
+    command is not inherited. A parent without a config (``base``) changes nothing."""
+    if parent is None or not (parent.env or parent.workdir or parent.user):
+        return req, steps
+    cfg = req.spec.config
+    merged = cfg.model_copy(update={"env": {**parent.env, **cfg.env}, "workdir": cfg.workdir or parent.workdir,
+                                    "user": cfg.user or parent.user})
+    out: list[BuildStep] = [s.model_copy(update={"env": {**parent.env, **s.env}}) if isinstance(s, RunStep) else s
+                            for s in steps]
+    spec = req.spec.model_copy(update={"config": merged, "steps": out})
+    return BuildRequest(build_id=req.build_id, name=req.name, spec=spec, context=req.context), out
 
 
 class StepFailed(PodbayError):
@@ -351,22 +368,49 @@ class TemplateBuilder:
                      ", ".join(g[:12] for g in gone))
         return gone
 
-    def parent_of(self, spec: BuildSpec) -> TemplateImage:
-        """The ``FROM`` template's current build on this node. Raises ``Unprocessable`` (OCI images: not
-        built yet) or ``NotFound`` (unknown template)."""
-        if spec.base.kind == "oci":
-            raise Unprocessable(f"FROM {spec.base.ref}: OCI images are not supported by this builder yet; "
-                                "build FROM podbay/base or another podbay template",
-                                details={"from": spec.base.ref})
-        parent = self.m.templates.get(spec.base.ref)
-        if parent is None:
+    def check_parent(self, spec: BuildSpec) -> None:
+        """Refuse a build whose ``FROM`` template this node lacks (``NotFound``) before its stream starts. An
+        OCI image is read during the build (:meth:`parent`)."""
+        if spec.base.kind == "template" and spec.base.ref not in self.m.templates:
             raise NotFound(f"FROM: unknown template {spec.base.ref!r} on node {self.m.node_id}",
                            details={"from": spec.base.ref})
-        return parent
+
+    async def parent(self, req: BuildRequest, emit: Emit) -> TemplateImage:
+        """The ``FROM`` template's current build on this node; for an OCI image, the image's root template
+        (build/oci.py), made on first use and registered like ``base``. Raises ``NotFound`` (unknown
+        template), :class:`~.oci.OciError` (422) or ``TemplateError``."""
+        self.check_parent(req.spec)
+        if req.spec.base.kind == "template":
+            return self.m.templates[req.spec.base.ref]
+        ref = req.spec.base.ref
+        await emit(BuildEvent(type="log", step=0, text=f"reading image {ref}\n"))
+        t = time.monotonic()
+        tpl, img = await prepare_oci_template(ref, req.context, self.m.settings, self.m.driver.vmm)
+        found = await asyncio.to_thread(self.m.driver.find_template, tpl.name, tpl.key)
+        if found is None:
+            raise PodbayError(f"FROM {ref}: its template {tpl.name} ({tpl.key[:12]}) was made but not found")
+        snap = found.snapshot
+        cfg = snap.config.model_dump(mode="json") if snap.config is not None else None
+        async with self.m.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "INSERT INTO templates (name, digest, memory_mib, vcpus, config, size_bytes) VALUES ($1,$2,$3,$4,"
+                "$5::jsonb,$6) ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, config=$5::jsonb,"
+                " size_bytes=$6, deleted_at=NULL, updated_at=now()",
+                found.name, found.digest, snap.memory_mib, snap.vcpus, cfg, (snap.dir / "disk.img").stat().st_size)
+            await conn.execute(
+                "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
+                " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, found.name, found.digest)
+        self.m.templates[found.name] = found
+        await emit(BuildEvent(type="log", step=0, text=f"image {img.digest[:19]} is template {found.name} "
+                              f"({(time.monotonic() - t) * 1000:.0f} ms)\n"))
+        return found
 
     def resolve(self, req: BuildRequest) -> list[BuildStep]:
         """The steps with each COPY's source digest filled in (blocking: hashes files). Raises
-        :class:`~podbay.buildcontext.MissingSource`."""
+        :class:`~podbay.buildcontext.MissingSource`, or :class:`~.oci.OciError` for an image reference that
+        leaves the context or names nothing in it."""
+        if req.spec.base.kind == "oci":
+            image_ref(req.spec.base.ref, req.context)  # a bad reference is refused before the build starts
         out: list[BuildStep] = []
         for step in req.spec.steps:
             if isinstance(step, CopyStep):
@@ -399,7 +443,8 @@ class TemplateBuilder:
     async def build(self, req: BuildRequest, steps: list[BuildStep], emit: Emit) -> TemplateDetail:
         """Run the build (see the module docstring) and register the template; returns it. Raises
         :class:`StepFailed`, or a VMM/channel error; either way nothing is registered."""
-        parent = self.parent_of(req.spec)
+        parent = await self.parent(req, emit)
+        req, steps = inherit(parent.snapshot.config, req, steps)
         cfg = req.spec.config
         keys: list[str] = []
         prev = parent.digest
@@ -478,7 +523,15 @@ class TemplateBuilder:
         chain) are not uploaded. A failure leaves a template usable on this node only: it is logged and said in
         the build's log, and the build still succeeds."""
         try:
-            if parent.snapshot.parent is None:
+            if parent.snapshot.parent is None and parent.name not in BUILTIN:
+                # An OCI image's root template: no other node has it, so it is promoted itself, against
+                # base (whose chunks every node has), and becomes the build's root through base.
+                base = self.m.templates[BUILTIN[0]]
+                await promote_template(self.m.pool, self.m.suspend_ops.store, self.m.settings, parent.name,
+                                       parent.digest, parent.snapshot.dir, root=base.name, root_digest=base.digest,
+                                       root_dir=base.snapshot.dir)
+                root = (base.name, base.digest)
+            elif parent.snapshot.parent is None:
                 root = (parent.name, parent.digest)
             else:
                 found = await template_root(self.m.pool, parent.name, parent.digest)

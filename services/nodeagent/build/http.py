@@ -83,7 +83,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
         except ValidationError as exc:
             raise InvalidRequest(f"bad build params: {exc.errors()[:3]}") from exc
         builder = manager.builder
-        builder.parent_of(p.spec)
+        builder.check_parent(p.spec)
         claim = builder.claim(p.name)
         claim.__enter__()
         ctx_dir = manager.store.root / "builds" / f"{p.build_id}.ctx"
@@ -113,7 +113,9 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
                 except PodbayError as exc:
                     error = exc.to_wire()["error"]
                     d = exc.details
-                    await queue.put(BuildEvent(type="failed", step=d.get("step"), exit_code=d.get("exit_code"),
+                    step = d.get("step")  # a template's own steps are names ("prime"), a Dockerfile's numbers
+                    await queue.put(BuildEvent(type="failed", step=step if isinstance(step, int) else None,
+                                               exit_code=d.get("exit_code"),
                                                code=exc.code, message=exc.message,
                                                output_tail=d.get("output_tail")))
                     if not isinstance(exc, StepFailed):

@@ -259,3 +259,24 @@ def test_cleaning_a_stale_stack_keeps_its_vms(vm_calls: dict[str, list[Path]], t
     assert state is not None
     supervisor._clean_stale(settings, state, supervisor._console(True))
     assert vm_calls == {"kill": [], "unmount": []}
+
+
+def test_free_ports_are_distinct_below_the_ephemeral_range_and_skip_a_taken_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from podbay.devstack import procs
+
+    lo, _hi = procs._ephemeral_range()
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    if lo <= 11000:
+        pytest.skip("the ephemeral range leaves no room below it: the kernel's pick is used")
+    assert all(p < lo for p in ports)  # no port the kernel may give an outgoing connection
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("0.0.0.0", ports[0]))  # noqa: S104
+        holder.listen()
+        # The taken port is the first candidate drawn: it is skipped, not returned.
+        monkeypatch.setattr(procs.random, "sample", lambda _pop, _k: [ports[0], *ports[1:4]])
+        assert free_ports(3) == ports[1:4]
+    finally:
+        holder.close()

@@ -12,6 +12,7 @@ import concurrent.futures
 import os
 import shutil
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -52,18 +53,50 @@ def find_binary(name: str) -> Path:
     raise FileNotFoundError(f"{name} not found next to {sys.executable} nor on PATH")
 
 
+#: Where test stacks' ports are drawn from when the kernel's ephemeral range leaves room below it.
+_PICK_FLOOR = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (``net.ipv4.ip_local_port_range``; Linux's default)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the kernel picks it; another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on ``host`` that was free a moment ago (another process may take it; see :func:`free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports; all sockets stay bound until every port is chosen, so none repeats."""
+    """``count`` distinct TCP ports free on every address, chosen below the kernel's ephemeral range.
+
+    Why not the kernel's pick (``bind(0)``): that draws from the ephemeral range, where every outgoing
+    connection also takes its local port, so on a busy host a port chosen that way was seen taken by a
+    connection before the server bound it (a gateway on ``0.0.0.0`` failed with EADDRINUSE). The kernel never
+    hands out ports below the range on its own, so those collide only with explicit binds. Each candidate is
+    bound on ``0.0.0.0`` (so no address holds it) with SO_REUSEADDR (as servers bind), and all stay bound until
+    every port is chosen, so none repeats. Falls back to the kernel's pick when the range leaves no room.
+    ``host`` is kept for callers; the check covers every address."""
+    lo, _hi = _ephemeral_range()
     socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        if lo - _PICK_FLOOR >= 1000:
+            for port in random.sample(range(_PICK_FLOOR, lo), min(lo - _PICK_FLOOR, 64 * count + 64)):
+                if len(socks) == count:
+                    break
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(("0.0.0.0", port))  # noqa: S104 - a probe, closed before use
+                except OSError:
+                    sock.close()
+                    continue
+                socks.append(sock)
+        while len(socks) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(sock)
             sock.bind((host, 0))

@@ -389,18 +389,7 @@ class TemplateBuilder:
         found = await asyncio.to_thread(self.m.driver.find_template, tpl.name, tpl.key)
         if found is None:
             raise PodbayError(f"FROM {ref}: its template {tpl.name} ({tpl.key[:12]}) was made but not found")
-        snap = found.snapshot
-        cfg = snap.config.model_dump(mode="json") if snap.config is not None else None
-        async with self.m.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                "INSERT INTO templates (name, digest, memory_mib, vcpus, config, size_bytes) VALUES ($1,$2,$3,$4,"
-                "$5::jsonb,$6) ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, config=$5::jsonb,"
-                " size_bytes=$6, deleted_at=NULL, updated_at=now()",
-                found.name, found.digest, snap.memory_mib, snap.vcpus, cfg, (snap.dir / "disk.img").stat().st_size)
-            await conn.execute(
-                "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
-                " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, found.name, found.digest)
-        self.m.templates[found.name] = found
+        await self._register(found, None)  # a root template, like base: no parent
         await emit(BuildEvent(type="log", step=0, text=f"image {img.digest[:19]} is template {found.name} "
                               f"({(time.monotonic() - t) * 1000:.0f} ms)\n"))
         return found
@@ -509,7 +498,7 @@ class TemplateBuilder:
         src = (await asyncio.to_thread(self.layers.local, last_layer)) if last_layer else parent.snapshot.dir
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest)
-        detail = await self._register(img, parent)
+        detail = await self._register(img, parent.name)
         await self._promote(img, parent, emit)
         await self.reclaim(req.name)
         await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
@@ -573,8 +562,9 @@ class TemplateBuilder:
             os.replace(tmp, dest)
         return TemplateImage(name=req.name, digest=digest, snapshot=TemplateSnapshot.load(dest))
 
-    async def _register(self, img: TemplateImage, parent: TemplateImage) -> TemplateDetail:
-        """The template's row (new creates use this build), this node's holding of it, and the agent's map."""
+    async def _register(self, img: TemplateImage, parent: str | None) -> TemplateDetail:
+        """The template's row (new creates use this build), this node's holding of it, and the agent's map.
+        ``parent``: the FROM template's name; None for a root template (an OCI image's)."""
         snap = img.snapshot
         size = (snap.dir / "disk.img").stat().st_size
         cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
@@ -584,11 +574,11 @@ class TemplateBuilder:
                 " VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7) ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
                 " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now()"
                 " RETURNING created_at, updated_at",
-                img.name, img.digest, snap.memory_mib, snap.vcpus, parent.name, cfg, size)
+                img.name, img.digest, snap.memory_mib, snap.vcpus, parent, cfg, size)
             await conn.execute(
                 "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
                 " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, img.name, img.digest)
         self.m.templates[img.name] = img
         return TemplateDetail(name=img.name, digest=img.digest, memory_mib=snap.memory_mib, vcpus=snap.vcpus,
-                              created_at=row["updated_at"], parent=parent.name, config=snap.config,
+                              created_at=row["updated_at"], parent=parent, config=snap.config,
                               size_bytes=size)

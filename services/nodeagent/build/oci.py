@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -180,8 +181,7 @@ def _inside(root: Path, path: str) -> Path:
 
 
 def _ldd(root: Path, targets: list[str]) -> set[str]:
-    import subprocess  # blocking helper run in a thread
-
+    """The shared libraries ``targets`` load, as paths inside ``root`` (``ldd`` run in a chroot; blocking)."""
     libs: set[str] = set()
     for t in targets:
         out = subprocess.run(["chroot", str(root), "/usr/bin/ldd", t], capture_output=True, text=True, check=False)
@@ -193,9 +193,8 @@ def _ldd(root: Path, targets: list[str]) -> set[str]:
 
 
 def _build_runtime(tarball: Path, dest: Path) -> None:
-    """Unpack the Debian userland ``tarball`` and keep Python 3.11, its libraries, tini-static and the loader."""
-    import subprocess
-
+    """Unpack the Debian userland ``tarball`` and keep Python 3.11, its libraries, tini-static and the loader
+    (blocking). Raises ``OSError`` or ``CalledProcessError``; nothing is left behind but a whole runtime."""
     with tempfile.TemporaryDirectory(prefix=".tmp-rt-", dir=dest.parent) as t:
         src = Path(t) / "root"
         src.mkdir()
@@ -212,6 +211,8 @@ def _build_runtime(tarball: Path, dest: Path) -> None:
             shutil.rmtree(out / "lib" / "python3.11" / sub, ignore_errors=True)
         dynload = sorted(p.relative_to(src) for p in (stdlib / "lib-dynload").glob("*.so"))
         libs = _ldd(src, ["/usr/bin/python3.11", *("/" + str(p) for p in dynload)])
+        if not any(Path(lib).name == "libc.so.6" for lib in libs):
+            raise OSError(f"ldd in {tarball.name} found no libc for python3.11: the runtime would not start")
         for lib in sorted(libs):
             real = src / Path(lib).relative_to("/")
             shutil.copy2(real.resolve() if real.is_symlink() else real, out / "lib" / Path(lib).name)
@@ -231,7 +232,10 @@ async def runtime_dir(settings: Settings) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     async with locked(dest.parent / f".{key}.lock"):
         if not (dest / "bin" / "python3.11").exists():
-            await asyncio.to_thread(_build_runtime, tarball, dest)
+            try:
+                await asyncio.to_thread(_build_runtime, tarball, dest)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                raise PodbayError(f"cannot make guestd's runtime for OCI images from {tarball.name}: {exc}") from exc
     return dest
 
 

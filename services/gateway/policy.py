@@ -17,7 +17,7 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from podbay.contracts.egress import EgressPolicy, EgressRule
+from podbay.contracts.egress import EgressPolicy, EgressRule, name_matches
 
 __all__ = [
     "Decision",
@@ -86,16 +86,6 @@ def normalise_name(name: str | None) -> str | None:
         return None
     except ValueError:
         return name
-
-
-def name_matches(pattern: str, name: str) -> bool:
-    """Whether ``name`` matches ``pattern``: exact, or ``*.suffix`` for names strictly below ``suffix`` (any
-    depth). Both are compared lower-case without a final dot."""
-    pattern = pattern.lower().rstrip(".")
-    name = name.lower().rstrip(".")
-    if pattern.startswith("*."):
-        return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
-    return name == pattern
 
 
 def transform_headers(policy: EgressPolicy | None, name: str | None) -> dict[str, str]:

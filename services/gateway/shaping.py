@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .policy import name_matches
+from podbay.contracts.egress import name_matches
+
 
 __all__ = [
     "DENIED_HEADER",

@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 
 from podbay import audit
 from podbay.contracts.computer import FillRequest, FillResult
+from podbay.contracts.egress import name_matches
 from podbay.credentials import Sealed, open_store
 from podbay.errors import Forbidden, GuestError, NotFound, PodbayError, Unavailable, Unprocessable
 
@@ -77,17 +78,14 @@ class InvalidSelector(Unprocessable):
 
 def origin_host_allowed(hosts: list[str], url: str) -> tuple[str, bool]:
     """``(origin, allowed)`` of a page URL against a credential's hosts (exact, or ``*.suffix`` for names
-    strictly below ``suffix``, case-insensitive, as the gateway matches them). Only http(s) pages qualify."""
+    strictly below ``suffix``, case-insensitive: :func:`~podbay.contracts.egress.name_matches`, the gateway's
+    rule). Only http(s) pages qualify."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return parts.scheme + ":" if parts.scheme else "", False
     host = parts.hostname.lower().rstrip(".")
     origin = f"{parts.scheme}://{parts.netloc.rpartition('@')[2].lower()}"
-    for pattern in hosts:
-        p = pattern.lower().rstrip(".")
-        if (p.startswith("*.") and host.endswith(p[1:]) and len(host) > len(p) - 1) or host == p:
-            return origin, True
-    return origin, False
+    return origin, any(name_matches(pattern, host) for pattern in hosts)
 
 
 class Filler:

@@ -32,6 +32,7 @@ from typing import Annotated, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "name_matches",
     "EgressRule",
     "HeaderTransform",
     "EgressPolicy",
@@ -149,3 +150,15 @@ def bindings_dir(data_dir: Path, node_id: str) -> Path:
 def binding_path(data_dir: Path, node_id: str, guest_addr: str) -> Path:
     """The binding file of ``guest_addr`` on ``node_id``."""
     return bindings_dir(data_dir, node_id) / f"{ipaddress.ip_address(guest_addr)}.json"
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether host ``name`` matches a rule's ``domain`` ``pattern``: exact, or ``*.suffix`` for names strictly
+    below ``suffix`` (any depth). Both are compared lower-case without a final dot. The one rule for every
+    place that matches a host against these patterns: the gateway's egress decisions and header transforms,
+    and the credential fill's page-origin check on the node."""
+    pattern = pattern.lower().rstrip(".")
+    name = name.lower().rstrip(".")
+    if pattern.startswith("*."):
+        return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
+    return name == pattern

@@ -14,8 +14,9 @@ A snapshot outlives its source sandbox, as E2B's do: it is pinned (``snapshots.p
 removal with its sandbox) and promoted to object storage before the call answers. A create from it is a
 podbay fork while the source runs or is paused, and otherwise a wake of a new sandbox from the promoted
 snapshot (the machinery of a resume from object storage, ``sandbox_service.resume_suspended``), on any node with room.
-A filesystem-only snapshot (``memory: false``) is a podbay disk snapshot; sandboxes start from full
-snapshots only (400 for a disk one).
+A filesystem-only snapshot (``memory: false``) is a podbay disk snapshot; a create from it is always such
+a wake, whose node boots the new sandbox afresh on the snapshot's disk (E2B's cold boot: files kept, no
+processes or memory), whether its source still runs or not.
 """
 
 from __future__ import annotations
@@ -144,13 +145,17 @@ async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> An
 async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiContext, who: Principal,
                                ) -> JSONResponse:
     """``Sandbox.create(snapshot_id or name)``: one child of the snapshot's source sandbox, from that snapshot
-    -> 201 ``Sandbox``; 404 unknown (or its source is gone), 400 a disk (filesystem-only) snapshot."""
+    -> 201 ``Sandbox``; 404 unknown (or its source is gone). A full snapshot of a running or paused source
+    is forked; otherwise, and for every disk (filesystem-only) snapshot, a new sandbox is woken from the
+    snapshot in object storage (a disk snapshot not stored there yet is pinned and stored first; 500 when
+    that fails)."""
     snap = await _snapshot_row(ctx, who, template_id)
-    if snap["kind"] != "full":
-        raise InvalidRequest(f"snapshot {snap['id']} is filesystem-only: podbay starts sandboxes from full "
-                             "snapshots (memory and disk)")
     lease = timeout if timeout is not None else ctx.settings.lease_s
-    if snap["source_state"] not in ("running", "paused"):
+    if snap["kind"] == "disk" and snap["promotion"] != "promoted":
+        error = await _pin_and_promote(ctx, snap["id"], snap["sandbox_id"])
+        if error is not None:
+            return error_body(500, f"cannot start a sandbox from snapshot {snap['id']}: {error}")
+    if snap["kind"] == "disk" or snap["source_state"] not in ("running", "paused"):
         return await _wake_from_stored(ctx, who, snap, lease)
     row = await _row(ctx, who, snap["sandbox_id"])
     [result] = await _fork(ctx, who, row, 1, lease, snap["id"])
@@ -160,11 +165,12 @@ async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiCo
 
 
 async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: int) -> JSONResponse:
-    """A new sandbox from a promoted full snapshot whose source is not running (killed, or suspended): its
-    row is inserted ``suspended`` at that snapshot (the source's template, size, metadata and egress policy;
-    its own hostname and credential placeholders) and resumed from object storage like any suspended
-    sandbox, so the node's after-restore hygiene gives it its own identity -> 201 ``Sandbox``; 500 (and the
-    row deleted) when the wake fails or does not finish within the resume bound."""
+    """A new sandbox from a promoted snapshot: a full one whose source is not running (killed, or
+    suspended), or a disk one (the node then boots the sandbox afresh on its disk). Its row is inserted
+    ``suspended`` at that snapshot (the source's template, size, metadata and egress policy; its own
+    hostname and credential placeholders) and resumed from object storage like any suspended sandbox, so
+    the node's after-restore hygiene gives it its own identity -> 201 ``Sandbox``; 500 (and the row
+    deleted) when the wake fails or does not finish within the resume bound."""
     src = snap["sandbox_id"]
     cid = new_id("sbx")
     async with ctx.pool.acquire() as conn, conn.transaction():

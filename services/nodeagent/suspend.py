@@ -22,7 +22,9 @@ downloaded chunk is checked against its SHA-256), restore it, run the after-rest
 ``running`` with the event ``resumed``. A corrupt or missing object puts the sandbox back to ``suspended``
 with the error (``snapshot_corrupt``) on the operation; only with ``fallback`` is the newest older intact
 promoted full snapshot restored instead. The sandbox's volumes are made present first (fetched from
-object storage when this node lacks them); a failure there also puts it back to ``suspended``.
+object storage when this node lacks them); a failure there also puts it back to ``suspended``. A disk
+snapshot (no memory; a new sandbox started from an E2B filesystem-only snapshot) is booted afresh on its
+fetched disk instead of restored, as a rollback to a disk snapshot is.
 """
 
 from __future__ import annotations
@@ -247,13 +249,16 @@ class SuspendOps:
                 await self._back_to_suspended(cmd, row["tenant_id"], code, f"volumes: {why}")
                 return
             fault_point("resume.fetched")
-            await m.pool.execute("UPDATE snapshots SET node_id=$2 WHERE id=$1", chosen, m.node_id)
+            kind = await m.pool.fetchval(
+                "UPDATE snapshots SET node_id=$2 WHERE id=$1 RETURNING kind", chosen, m.node_id)
+            sdir = snapshot_dir(m, cmd.sandbox_id, chosen)
             ok = await m.bring_up(
                 cmd.sandbox_id, cmd.generation, Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]),
                 row["hostname"], row["tenant_id"], template=row["template"], template_digest=row["template_digest"],
-                snapshot_dir=snapshot_dir(m, cmd.sandbox_id, chosen), operation_id=cmd.operation_id,
+                snapshot_dir=sdir if kind == "full" else None,
+                boot_disk=sdir / "disk.img" if kind == "disk" else None, operation_id=cmd.operation_id,
                 event="resumed", kind="resume", from_state="resuming",
-                data={"snapshot_id": chosen, "fallback": chosen != cmd.snapshot_id,
+                data={"snapshot_id": chosen, "fallback": chosen != cmd.snapshot_id, "snapshot_kind": kind,
                       "operation_id": cmd.operation_id})
             if ok:
                 await m.pool.execute("UPDATE sandboxes SET suspended_snapshot_id=NULL WHERE id=$1", cmd.sandbox_id)

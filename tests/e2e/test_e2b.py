@@ -516,6 +516,26 @@ def test_filesystem_only_pause_boots_afresh_on_connect(e2b_env: dict[str, str]) 
         sb.kill()
 
 
+def test_sandbox_from_a_filesystem_only_snapshot_boots_afresh_with_its_files(sbx: Any) -> None:
+    sbx.files.write("/home/user/fs-snap.txt", "in the snapshot")
+    bg = sbx.commands.run("sleep 600", background=True)
+    snap = sbx.create_snapshot(mode="filesystem")
+    sbx.files.write("/home/user/fs-snap.txt", "after the snapshot")
+    assert snap.snapshot_id in [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    child = e2b.Sandbox.create(snap.snapshot_id, timeout=300)
+    try:
+        assert child.sandbox_id != sbx.sandbox_id
+        assert child.files.read("/home/user/fs-snap.txt") == "in the snapshot"
+        assert not [p for p in child.commands.list() if "sleep 600" in p.args]  # no memory, no processes
+        assert child.commands.run("echo cold").stdout == "cold\n"
+        assert sbx.files.read("/home/user/fs-snap.txt") == "after the snapshot"  # the source ran on
+        assert bg.pid in [p.pid for p in sbx.commands.list()]
+    finally:
+        child.kill()
+        sbx.commands.kill(bg.pid)
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+
+
 def test_volumes_create_mount_write_remount_read_list_and_delete(e2b_env: dict[str, str]) -> None:
     name = f"e2b-vol-{int(time.time())}"
     vol = e2b.Volume.create(name)

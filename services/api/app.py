@@ -28,7 +28,7 @@ from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
-from . import e2b_templates
+from . import e2b_template_admin, e2b_templates
 from . import templates as template_routes
 from . import volumes as volume_routes
 from .schedules.firer import ScheduleFirer
@@ -123,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_network.router)
     app.include_router(e2b_volumes.router)
     app.include_router(e2b_templates.router)
+    app.include_router(e2b_template_admin.router)
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):

@@ -5,6 +5,7 @@ fork"). No second snapshot system: an E2B snapshot *is* a podbay snapshot of the
     POST   /e2b/sandboxes/{id}/snapshots   201 SnapshotInfo      {"name"?, "memory"?}: full (default) or disk
     GET    /e2b/snapshots                  200 [SnapshotInfo]    ?sandboxID, limit, nextToken (x-next-token)
     DELETE /e2b/templates/{snapshot_id}    204                   404 when no such snapshot of the caller
+                                                                 (a template's id: e2b_template_admin)
     POST   /e2b/sandboxes/{id}/fork        201 [ForkResult]      {"timeout"?, "count"?}: one entry per child
     POST   /e2b/v2/sandboxes {"templateID": "snap_..."}          a sandbox started from that full snapshot
 
@@ -36,8 +37,7 @@ from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 
-from . import sandbox_service
-from . import snapshot_service
+from . import e2b_template_admin, sandbox_service, snapshot_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
@@ -277,8 +277,12 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
 async def delete_snapshot(template_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     """Delete a snapshot -> 204: it is no longer listed nor usable (its local files go with its source
     sandbox's retention or deletion, its chunks in object storage at the snapshotter's next collection);
-    404 when the caller has no such snapshot. podbay templates are not deleted here."""
-    snap = await _snapshot_row(ctx, who, template_id)  # NotFound for a template: only snapshots go here
+    404 when the caller has no such snapshot. An id that names no snapshot (neither ``snap_...`` nor a
+    snapshot name of the caller's) is a template: ``e2b_template_admin.delete_template`` removes it."""
+    if await resolve_snapshot(ctx, who, template_id) is None:
+        await e2b_template_admin.delete_template(ctx, who, template_id)
+        return Response(status_code=204)
+    snap = await _snapshot_row(ctx, who, template_id)
     in_use = await ctx.pool.fetchval(
         "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting', 'resuming')", snap["id"])
     if in_use:

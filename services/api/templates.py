@@ -50,7 +50,7 @@ from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 from .sandbox_lookup import audit
 
-__all__ = ["router", "BUILTIN", "start_build"]
+__all__ = ["router", "BUILTIN", "start_build", "remove_template"]
 
 log = logging.getLogger("podbay.api.templates")
 
@@ -275,6 +275,14 @@ async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
 async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
     """Remove a built template. 404 ``not_found``; 409 ``conflict`` when it is built in, or sandboxes (not
     deleted) or a warm pool use it, or another template's current build is FROM it."""
+    await remove_template(ctx, who, name)
+    return Response(status_code=204)
+
+
+async def remove_template(ctx: ApiContext, who: Principal, name: str) -> None:
+    """Soft-delete template ``name`` (``deleted_at``; audited): the one removal behind ``DELETE
+    /v1/templates/{name}`` and E2B's ``DELETE /templates/{id}``. Raises ``NotFound``, ``Conflict`` (built
+    in, or in use by sandboxes not deleted, a warm pool, or templates built FROM it)."""
     if name in BUILTIN:
         raise Conflict(f"template {name!r} is built in and cannot be removed", details={"template": name})
     async with ctx.pool.acquire() as conn, conn.transaction():
@@ -295,5 +303,4 @@ async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response
         await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
         await audit(conn, who, "template.delete", name)
-    return Response(status_code=204)
 

@@ -1,7 +1,8 @@
 """E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
 (services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
 copy, followed through the SDK's status polling, and one sandbox of it that sees each effect. A registry
-image is refused before anything runs.
+image is refused before anything runs. The template is then listed, read and deleted through the API client
+the SDK ships (services/api/e2b_template_admin.py).
 """
 
 from __future__ import annotations
@@ -64,3 +65,31 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
 
     with pytest.raises(e2b.BuildException, match="no image registry"):
         e2b.Template.build(e2b.Template().from_image("ubuntu:22.04").run_cmd("true"), "e2b-refused")
+
+    # Template management through the API client the SDK ships (what E2B's CLI calls): list, get, delete.
+    from e2b.api.client.api.templates import (
+        delete_templates_template_id,
+        get_templates,
+        get_templates_template_id,
+        get_v2_templates,
+    )
+    from e2b.connection_config import ConnectionConfig
+    from e2b.api.client_sync import get_api_client
+
+    client = get_api_client(ConnectionConfig())
+    listed = {t.template_id: t for t in get_templates.sync(client=client)}
+    assert {"base", "e2b-built"} <= set(listed), listed
+    built = listed["e2b-built"]
+    assert built.build_status.value == "ready" and built.names == ["e2b-built"] and not built.is_default
+    assert built.spawn_count >= 1 and built.last_spawned_at is not None and listed["base"].is_default
+    assert len(get_v2_templates.sync(client=client, limit=1)) == 1
+    got = get_templates_template_id.sync("e2b-built", client=client)
+    assert got.template_id == "e2b-built" and got.build_id == built.build_id
+    assert str(got.builds[0].build_id) == got.build_id and got.builds[0].status.value == "ready"
+    refused = delete_templates_template_id.sync_detailed("base", client=client)
+    assert refused.status_code == 409 and b'"code":409' in refused.content
+    assert delete_templates_template_id.sync_detailed("e2b-built", client=client).status_code == 204
+    assert not e2b.Template.exists("e2b-built")
+    assert "e2b-built" not in [t.template_id for t in get_templates.sync(client=client)]
+    assert delete_templates_template_id.sync_detailed("e2b-built", client=client).status_code == 404
+    assert get_templates_template_id.sync_detailed("e2b-built", client=client).status_code == 404

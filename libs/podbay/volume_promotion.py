@@ -150,10 +150,12 @@ async def _promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, v
         await conn.execute(
             "UPDATE volume_snapshots SET state='promoted', promoted_at=now(), uploaded_bytes=$2, stored_bytes=$3"
             " WHERE id=$1", snap_id, res.uploaded_bytes, res.stored_bytes)
-        # A later copy (a suspend racing the cadence) may have got there first: the newest copy wins.
+        # A later copy (a suspend racing the cadence) may have got there first: the newest copy wins. A copy
+        # taken before the volume was released or restored (released_at) is of data that is no longer its.
         await conn.execute(
             "UPDATE volumes SET snapshot_id=$2, snapshot_at=$3 WHERE id=$1"
-            " AND (snapshot_at IS NULL OR snapshot_at < $3)", volume_id, snap_id, taken_at)
+            " AND (snapshot_at IS NULL OR snapshot_at < $3) AND (released_at IS NULL OR released_at < $3)",
+            volume_id, snap_id, taken_at)
         await conn.execute(
             "DELETE FROM volume_snapshots WHERE volume_id=$1 AND id NOT IN (SELECT id FROM volume_snapshots"
             " WHERE volume_id=$1 AND state='promoted' ORDER BY taken_at DESC LIMIT $2)"
@@ -162,9 +164,12 @@ async def _promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, v
 
 
 async def fetch_volume(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, volume_id: str,
-                       dest: Path) -> FetchResult:
-    """Rebuild the volume's newest promoted snapshot as its file ``dest`` (it appears only when complete).
-    Raises ``NotFound`` (nothing promoted), ``SnapshotCorrupt``, ``StorageError``."""
+                       dest: Path, *, base: Path | None = None) -> FetchResult:
+    """Rebuild the volume's current promoted snapshot (``volumes.snapshot_id``: the newest, or the one a
+    restore chose) as its file ``dest`` (it appears only when complete). ``base``: an older file of the volume
+    on this node; the rebuild starts from a reflink of it and downloads only the chunks that differ (a restore
+    on the node that holds the volume). Raises ``NotFound`` (nothing promoted), ``SnapshotCorrupt``,
+    ``StorageError``."""
     row = await pool.fetchrow(
         "SELECT s.id, s.manifest FROM volumes v JOIN volume_snapshots s ON s.id = v.snapshot_id"
         " WHERE v.id=$1 AND s.state='promoted'", volume_id)
@@ -172,19 +177,31 @@ async def fetch_volume(pool: asyncpg.Pool, store: ObjectStore, settings: Setting
         raise NotFound(f"volume {volume_id} has no promoted snapshot")
     manifest = Manifest.model_validate(row["manifest"])
     tmp = dest.with_name(f".fetch-{dest.name}")
-    res = await _fetch_manifest(store, settings, manifest, row["id"], f"volume {volume_id}", tmp, base_dir=None,
-                                names=(VOLUME_FILE,), local=None, progress=None)
-    os.replace(tmp / VOLUME_FILE, dest)
-    await asyncio.to_thread(shutil.rmtree, tmp, True)
+    base_dir = None
+    if base is not None and base.exists():
+        # _fetch_manifest reads a base under the snapshot's file name: a hard link gives it one, no copy.
+        base_dir = dest.with_name(f".base-{dest.name}")
+        await asyncio.to_thread(shutil.rmtree, base_dir, True)
+        base_dir.mkdir(parents=True)
+        os.link(base, base_dir / VOLUME_FILE)
+    try:
+        res = await _fetch_manifest(store, settings, manifest, row["id"], f"volume {volume_id}", tmp,
+                                    base_dir=base_dir, names=(VOLUME_FILE,), local=None, progress=None)
+        os.replace(tmp / VOLUME_FILE, dest)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        if base_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, base_dir, True)
     return res
 
 
 async def due_volumes(pool: asyncpg.Pool, data_dir: Path, node_id: str, interval_s: float) -> list[str]:
     """Volumes of ``node_id`` due for a cadence snapshot: the file is here, no snapshot of it is being
     promoted, and it changed (mtime) since the newest promoted copy, which is older than ``interval_s``
-    (or there is none). Views of fork children are never promoted (they are dropped with their sandbox)."""
+    (or there is none). Views of fork children are never promoted (they are dropped with their sandbox), nor
+    is a file older than the volume's release or restore (``released_at``: stale, rebuilt at its next attach)."""
     rows = await pool.fetch(
-        "SELECT v.id, v.snapshot_at FROM volumes v WHERE v.node_id=$1 AND v.state='available'"
+        "SELECT v.id, v.snapshot_at, v.released_at FROM volumes v WHERE v.node_id=$1 AND v.state='available'"
         " AND (v.snapshot_at IS NULL OR v.snapshot_at < now() - make_interval(secs => $2))"
         " AND NOT EXISTS (SELECT 1 FROM volume_snapshots s WHERE s.volume_id = v.id AND s.state = 'promoting')"
         " ORDER BY v.snapshot_at NULLS FIRST", node_id, float(interval_s))
@@ -193,6 +210,8 @@ async def due_volumes(pool: asyncpg.Pool, data_dir: Path, node_id: str, interval
         try:
             mtime = volume_path(data_dir, node_id, r["id"]).stat().st_mtime
         except FileNotFoundError:
+            continue
+        if r["released_at"] is not None and mtime < r["released_at"].timestamp():
             continue
         if r["snapshot_at"] is None or mtime > r["snapshot_at"].timestamp():
             out.append(r["id"])

@@ -11,8 +11,17 @@ attach (the volume exists and is the tenant's, the path is allowed, one read-wri
 while read-only ones exist, all volumes on one node) and writes ``sandbox_volumes``; any refusal raises before
 the transaction commits, so nothing changes.
 
+``POST /v1/volumes/{name}/restore`` puts a volume that no sandbox holds back to one of its own promoted
+snapshots. It only records the choice, in one transaction: ``volumes.snapshot_id`` (and ``snapshot_at``) name
+that snapshot and ``released_at`` becomes now, which makes any file of the volume on a node stale. The data is
+rebuilt at the volume's next attach (services/nodeagent/volumes.py ``prepare``): on the node that still holds
+its file, from that file plus the chunks that differ; on a node without it, wholly from object storage. Until
+then the snapshotter never promotes the stale file (libs/podbay/volume_promotion.py ``due_volumes``), and a
+promotion that was under way when the restore committed does not become current.
+
 Errors: 400 ``invalid_request`` / ``invalid_volume_path`` / ``volume_too_large``, 404 ``not_found`` (also
-another tenant's volume), 409 ``conflict`` (the name is taken), 409 ``volume_in_use``.
+another tenant's volume, or a snapshot that is not this volume's), 409 ``conflict`` (the name is taken), 409
+``volume_in_use``, 409 ``invalid_state`` (a snapshot that is not promoted).
 """
 
 from __future__ import annotations
@@ -30,11 +39,20 @@ from podbay.contracts.volumes import (
     VolumeInfo,
     VolumeList,
     VolumeMount,
+    VolumeRestore,
     VolumeSnapshotInfo,
     VolumeSnapshotList,
     check_mount_path,
 )
-from podbay.errors import Conflict, InvalidRequest, InvalidVolumePath, NotFound, VolumeInUse, VolumeTooLarge
+from podbay.errors import (
+    Conflict,
+    InvalidRequest,
+    InvalidState,
+    InvalidVolumePath,
+    NotFound,
+    VolumeInUse,
+    VolumeTooLarge,
+)
 from podbay.outbox import new_id
 
 from .auth import Principal
@@ -140,6 +158,36 @@ async def list_volume_snapshots(name: str, ctx: CtxDep, who: PrincipalDep) -> Vo
             " FROM volume_snapshots WHERE volume_id=$1 ORDER BY taken_at DESC", vol["id"])
     return VolumeSnapshotList(snapshots=[VolumeSnapshotInfo(**dict(r), current=r["id"] == vol["snapshot_id"])
                                          for r in rows])
+
+
+@router.post("/volumes/{name}/restore", response_model=VolumeInfo)
+async def restore_volume(name: str, body: VolumeRestore, ctx: CtxDep, who: PrincipalDep) -> VolumeInfo:
+    """Put the volume back to its snapshot ``body.snapshot_id`` (module docstring: recorded now, rebuilt at
+    its next attach; its snapshots stay as they are, so a later restore may go forward again).
+    Errors: 404 ``not_found`` (the volume, also another tenant's, or a snapshot that is not this volume's),
+    409 ``volume_in_use`` while a sandbox that is not deleted has it attached (``details.sandbox_ids``),
+    409 ``invalid_state`` when the snapshot is not ``promoted`` (``details.state``)."""
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        row = await _load(conn, who.tenant_id, name, for_update=True)
+        att = (await _attachments(conn, [row["id"]]))[row["id"]]
+        if att:
+            raise VolumeInUse(f"volume {name!r} is attached to {len(att)} sandbox(es); a volume is restored only "
+                              "while no sandbox holds it (delete them first)",
+                              details={"volume": name, "sandbox_ids": [a.sandbox_id for a in att]})
+        snap = await conn.fetchrow("SELECT id, state, taken_at FROM volume_snapshots WHERE id=$1 AND volume_id=$2",
+                                   body.snapshot_id, row["id"])
+        if snap is None:
+            raise NotFound(f"volume {name!r} has no snapshot {body.snapshot_id!r}",
+                           details={"volume": name, "snapshot_id": body.snapshot_id})
+        if snap["state"] != "promoted":
+            raise InvalidState(f"snapshot {body.snapshot_id} of volume {name!r} is {snap['state']}, not promoted",
+                               details={"volume": name, "snapshot_id": body.snapshot_id, "state": snap["state"]})
+        row = await conn.fetchrow(
+            "UPDATE volumes SET snapshot_id=$2, snapshot_at=$3, released_at=now() WHERE id=$1"
+            f" RETURNING {_COLUMNS}", row["id"], snap["id"], snap["taken_at"])
+        await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action="volume.restore", target=row["id"],
+                     detail={"name": name, "snapshot_id": snap["id"]})
+    return _info(row, [])
 
 
 @router.delete("/volumes/{name}", status_code=204)

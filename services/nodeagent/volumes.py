@@ -20,7 +20,9 @@ sandbox is deleted.
 Where a volume's file comes from when this node lacks it (:meth:`VolumeStore.prepare`): a fork child's volume
 is a reflink of the copy its parent's full snapshot took (``volumes.origin``); a volume with a promoted
 snapshot (``volumes.snapshot_id``: it was suspended with its sandbox, or its node was lost) is fetched from
-object storage (:func:`podbay.volume_promotion.fetch_volume`); any other is made empty. A suspend promotes the
+object storage (:func:`podbay.volume_promotion.fetch_volume`); any other is made empty. A file here older than
+the volume's ``released_at`` (a release, or a restore to one of its snapshots through the API) is rebuilt from
+the current promoted snapshot, starting from that file (only the chunks that differ are downloaded). A suspend promotes the
 sandbox's read-write volumes while its guest is stopped (:meth:`VolumeStore.promote_for_suspend`), then
 removes their files here and unbinds them (:meth:`VolumeStore.release_after_suspend`), so the wake may be
 placed on any node, which becomes the volume's home. Errors: :class:`VolumeError` (``mkfs.ext4`` failed, no
@@ -103,10 +105,16 @@ class VolumeStore:
             src = self.path(r["id"])
             if r["released_at"] is not None and r["snapshot_id"] is not None and src.exists() and \
                     src.stat().st_mtime < r["released_at"].timestamp():
-                # Left here before the volume was released (this node was lost and came back): its truth
-                # is the promoted snapshot now, which another node may have written since.
-                log.warning("volume %s (%s): the file here predates its release; fetching it", r["name"], r["id"])
-                src.unlink()
+                # Left here before the volume was released (this node was lost and came back) or restored to
+                # one of its snapshots: its truth is that promoted snapshot now. The old file is the base of
+                # the rebuild, so only the chunks that differ are downloaded.
+                log.info("volume %s (%s): the file here predates its release or restore; rebuilding it from "
+                         "snapshot %s", r["name"], r["id"], r["snapshot_id"])
+                if self.objects is None or self.settings is None:
+                    raise VolumeError(f"volume {r['name']}: the node's object store is not open")
+                res = await fetch_volume(self.pool, self.objects, self.settings, r["id"], src, base=src)
+                log.info("volume %s (%s): rebuilt here (%d of %d chunks downloaded)", r["name"], r["id"],
+                         res.chunks_downloaded, res.chunks)
             if not src.exists():
                 self.root.mkdir(parents=True, exist_ok=True)
                 if r["origin"] is not None and (self.root.parent / r["origin"]).exists():

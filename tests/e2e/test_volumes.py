@@ -4,15 +4,22 @@ be deleted; suspend (which promotes the volume to the object store) and wake (fe
 to a disk snapshot have the volume back at its path, as it is now; a full-snapshot rollback is refused unless
 the volume is asked to roll back with it (then it goes back to its copy in the snapshot); a fork
 child sees the volume read-only as of the fork, or gets its own read-write copy when asked; a deleted
-volume's file leaves the node. tests/e2e/test_suspend.py wakes a sandbox with a volume on another node."""
+volume's file leaves the node. A volume no sandbox holds is restored to an older snapshot of its own (SDK
+and CLI), on the node that holds its file and from object storage once no node does.
+tests/e2e/test_suspend.py wakes a sandbox with a volume on another node."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from podbay.sdk import Client
 
 from e2e_http import api_client, sh, sh_output, until
 
@@ -145,3 +152,60 @@ def test_a_volume_outlives_its_sandbox_one_writer_many_readers(stack: Any) -> No
         vol_file = Path(stack.data_dir) / "nodes" / info["node_id"] / "store" / "volumes" / f"{vol_id}.img"
         until("the deleted volume's file is removed", lambda: not vol_file.exists(), 60)
         assert c.get("/v1/volumes/e2e-data").status_code == 404
+
+
+def _current_snapshot(c: httpx.Client, name: str) -> str:
+    return next(s["id"] for s in c.get(f"/v1/volumes/{name}/snapshots").json()["snapshots"] if s["current"])
+
+
+def _deleted(c: httpx.Client, sid: str) -> None:
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code in (200, 202)
+    until(f"{sid} deleted", lambda: c.get(f"/v1/sandboxes/{sid}").json()["state"] == "deleted", 120)
+
+
+def test_a_volume_is_restored_to_an_older_snapshot_on_its_node_and_from_object_storage(stack: Any) -> None:
+    mount = {"name": "e2e-rewind", "path": "/mnt/r"}
+    with api_client(stack, timeout_s=600) as c, Client(stack.api_url, stack.api_key, timeout_s=600) as sdk:
+        assert c.post("/v1/volumes", json={"name": "e2e-rewind", "size_bytes": 64 * MIB}).status_code == 201
+        r = _create(c, mount)
+        assert r.status_code == 201, r.text
+        a = r.json()["id"]
+        sh(c, a, "echo one > /mnt/r/f && sync")
+        # A suspend promotes the volume's own snapshot (it holds "one"); the wake fetches it back.
+        assert c.post(f"/v1/sandboxes/{a}/suspend").status_code == 200
+        one = _current_snapshot(c, "e2e-rewind")
+        assert c.post(f"/v1/sandboxes/{a}/resume").status_code == 200
+        sh(c, a, "echo two > /mnt/r/f && sync")
+        busy = c.post("/v1/volumes/e2e-rewind/restore", json={"snapshot_id": one})
+        assert busy.status_code == 409 and _code(busy) == "volume_in_use" and a in busy.text
+        _deleted(c, a)
+
+        # On its node: the file there holds "two"; the restore rebuilds it from that file at the next attach.
+        node = c.get("/v1/volumes/e2e-rewind").json()["node_id"]
+        assert node is not None
+        assert sdk.volumes.restore("e2e-rewind", one).name == "e2e-rewind"
+        r = _create(c, mount)
+        assert r.status_code == 201, r.text
+        b = r.json()
+        assert b["node_id"] == node
+        assert sh(c, b["id"], "cat /mnt/r/f") == "one\n"
+        sh(c, b["id"], "echo three > /mnt/r/f && sync")
+        # Suspended, the volume leaves every node (its truth is in object storage) and the sandbox is deleted.
+        assert c.post(f"/v1/sandboxes/{b['id']}/suspend").status_code == 200
+        assert _current_snapshot(c, "e2e-rewind") != one
+        _deleted(c, b["id"])
+        assert c.get("/v1/volumes/e2e-rewind").json()["node_id"] is None
+
+        # From object storage, through the CLI: the next sandbox fetches the chosen snapshot.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PODBAY_")}
+        env.update({"PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": stack.api_key})
+        out = subprocess.run([sys.executable, "-m", "podbay.cli.main", "volume", "restore", "e2e-rewind", one],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0 and out.stdout.strip() == "e2e-rewind", out.stdout + out.stderr
+        assert _current_snapshot(c, "e2e-rewind") == one
+        r = _create(c, mount)
+        assert r.status_code == 201, r.text
+        d = r.json()["id"]
+        assert sh(c, d, "cat /mnt/r/f") == "one\n"
+        _deleted(c, d)
+        assert c.delete("/v1/volumes/e2e-rewind").status_code == 204

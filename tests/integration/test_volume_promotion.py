@@ -182,3 +182,43 @@ async def test_the_snapshotter_promotes_changed_volumes_of_its_node_once_per_per
     assert await snapshotter.volume_cadence_once() == 1
     assert await pool.fetchval("SELECT count(*) FROM volume_snapshots WHERE volume_id=$1 AND state='promoted'",
                                vol) == 2
+
+
+async def test_a_restored_volume_is_rebuilt_from_its_stale_file_and_the_stale_file_is_never_promoted(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
+    # What POST /v1/volumes/{name}/restore records (services/api/volumes.py), then what its node does.
+    node = new_id("node")
+    size = 32 * MIB
+    vol = await _volume(pool, node, size)
+    src = volume_path(settings.data_dir, node, vol)
+    src.parent.mkdir(parents=True)
+    with open(src, "wb") as f:
+        f.truncate(size)
+    work = volume_snapshots_dir(settings.data_dir, node)
+    _write(src, 0, b"restore-one", 2 * MIB)
+    first = await snapshot_volume(pool, store, settings, vol, node_id=node, source=src, work_dir=work,
+                                  reason="cadence")
+    as_first = _digest(src)
+    _write(src, 8 * MIB, b"restore-two", MIB)
+    _write(src, 0, b"restore-three", 256 << 10)
+    second = await snapshot_volume(pool, store, settings, vol, node_id=node, source=src, work_dir=work,
+                                   reason="cadence")
+    os.utime(src)  # written after the second copy, as a guest would
+    await pool.execute("UPDATE volumes SET snapshot_id=$2, snapshot_at=$3, released_at=now() WHERE id=$1",
+                       vol, first.snapshot_id, first.taken_at)
+
+    # The file here is stale now: the cadence never promotes it, whatever the period.
+    assert vol not in await due_volumes(pool, settings.data_dir, node, 0)
+    # A copy taken before the restore committed (here: released_at in its future) does not become current.
+    await pool.execute("UPDATE volumes SET released_at = now() + interval '1 hour' WHERE id=$1", vol)
+    late = await snapshot_volume(pool, store, settings, vol, node_id=node, source=src, work_dir=work,
+                                 reason="cadence")
+    assert late.snapshot_id != second.snapshot_id
+    assert await pool.fetchval("SELECT snapshot_id FROM volumes WHERE id=$1", vol) == first.snapshot_id
+
+    # Rebuilt from the stale file as its base: the first snapshot's bytes, and only the one data chunk that
+    # differs is downloaded (the other changed region is zeros in the first snapshot: no download).
+    res = await fetch_volume(pool, store, settings, vol, src, base=src)
+    assert _digest(src) == as_first
+    assert res.chunks_downloaded == 1
+    assert not any(p.name.startswith((".base-", ".fetch-")) for p in src.parent.iterdir())

@@ -155,3 +155,53 @@ def test_a_volumes_own_snapshots_are_listed_newest_first(stack: Stack, acme: Ten
         assert http.get("/v1/volumes/snaps").json()["snapshot_at"] is not None
     with other.http() as http:
         assert http.get("/v1/volumes/snaps/snapshots").status_code == 404
+
+
+def test_a_volume_is_restored_to_its_own_promoted_snapshot_only_while_unattached(
+        stack: Stack, acme: Tenant, other: Tenant) -> None:
+    # Snapshot rows as the snapshotter writes them (the data path runs in tests/e2e/test_volumes.py).
+    with acme.http() as http:
+        vol = http.post("/v1/volumes", json={"name": "rewind", "size_bytes": GIB}).json()
+        mate = http.post("/v1/volumes", json={"name": "rewind-mate", "size_bytes": GIB}).json()
+        old, new, failed, foreign = (f"vsnap_{secrets.token_hex(10)}" for _ in range(4))
+        for snap, vid, state, age in ((old, vol["id"], "promoted", 300), (new, vol["id"], "promoted", 1),
+                                      (failed, vol["id"], "failed", 100), (foreign, mate["id"], "promoted", 1)):
+            sql(stack, "INSERT INTO volume_snapshots (id, volume_id, node_id, reason, state, taken_at) VALUES"
+                " ($1,$2,'n','cadence',$3, now() - make_interval(secs => $4))", snap, vid, state, float(age))
+        sql(stack, "UPDATE volumes SET snapshot_id=$2, snapshot_at=now() WHERE id=$1", vol["id"], new)
+
+        for snap, status, code in ((f"vsnap_{secrets.token_hex(10)}", 404, "not_found"), (foreign, 404, "not_found"),
+                                   (failed, 409, "invalid_state")):
+            r = http.post("/v1/volumes/rewind/restore", json={"snapshot_id": snap})
+            assert r.status_code == status and _code(r) == code, r.text
+        assert http.post("/v1/volumes/nope/restore", json={"snapshot_id": old}).status_code == 404
+        assert http.post("/v1/volumes/rewind/restore", json={}).status_code == 422
+
+        r = http.post("/v1/volumes/rewind/restore", json={"snapshot_id": old})
+        assert r.status_code == 200, r.text
+        row = sql(stack, "SELECT snapshot_id, released_at FROM volumes WHERE id=$1", vol["id"])[0]
+        assert row["snapshot_id"] == old and row["released_at"] is not None
+        listed = http.get("/v1/volumes/rewind/snapshots").json()["snapshots"]
+        assert [s["id"] for s in listed if s["current"]] == [old]
+        assert sql(stack, "SELECT count(*) AS n FROM audit_log WHERE action='volume.restore' AND target=$1",
+                   vol["id"])[0]["n"] == 1
+
+    # Another tenant's volume is not found, and nothing changes.
+    with other.http() as http:
+        r = http.post("/v1/volumes/rewind/restore", json={"snapshot_id": new})
+        assert r.status_code == 404 and _code(r) == "not_found"
+    assert sql(stack, "SELECT snapshot_id FROM volumes WHERE id=$1", vol["id"])[0]["snapshot_id"] == old
+
+    # Attached to a sandbox that is not deleted (a suspended one too): refused, and nothing changes.
+    sid = f"sbx_{secrets.token_hex(10)}"
+    sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
+               " vcpus, hostname) VALUES ($1, $2, 'base', 'x', 'suspended', 'running', 256, 1, 'h')",
+        sid, acme.tenant_id)
+    sql(stack, "INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly) VALUES"
+               " ($1, $2, 0, '/mnt/data', false)", sid, vol["id"])
+    with acme.http() as http:
+        r = http.post("/v1/volumes/rewind/restore", json={"snapshot_id": new})
+        assert r.status_code == 409 and _code(r) == "volume_in_use", r.text
+        assert r.json()["error"]["details"]["sandbox_ids"] == [sid]
+    assert sql(stack, "SELECT snapshot_id FROM volumes WHERE id=$1", vol["id"])[0]["snapshot_id"] == old
+    sql(stack, "UPDATE sandboxes SET state='deleted' WHERE id=$1", sid)

@@ -1,4 +1,4 @@
-"""``podbay volume create|list|get|snapshots|rm``: the tenant's named volumes (mounted with ``sandbox create --volume``)."""
+"""``podbay volume create|list|get|snapshots|restore|rm``: the tenant's named volumes (mounted with ``sandbox create --volume``)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,19 @@ def snapshots(
         ((s.id, s.reason, s.state, s.taken_at.isoformat(timespec="seconds"),
           f"{(s.uploaded_bytes or 0) / (1 << 20):.1f}", "*" if s.current else "") for s in snaps),
     )
+
+
+@app.command("restore")
+@handle_errors
+def restore(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., metavar="NAME"),
+    snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT_ID", help="From `podbay volume snapshots NAME`."),
+) -> None:
+    """Put a volume back to one of its snapshots (refused while a sandbox has it attached); the next sandbox
+    that mounts it sees that snapshot's data. Prints the name."""
+    client(ctx).volumes.restore(name, snapshot_id)
+    print(name)
 
 
 @app.command("rm")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["VolumeCreate", "VolumeInfo", "VolumeList", "VolumeMount", "VolumeAttachment", "VolumeSnapshotInfo",
+__all__ = ["VolumeCreate", "VolumeRestore", "VolumeInfo", "VolumeList", "VolumeMount", "VolumeAttachment", "VolumeSnapshotInfo",
            "VolumeSnapshotList", "check_mount_path",
            "parse_size", "parse_mount", "SYSTEM_DIRS", "VOLUME_NAME_PATTERN", "MIN_VOLUME_BYTES",
            "MAX_VOLUMES_PER_SANDBOX"]
@@ -88,6 +88,13 @@ class VolumeCreate(_In):
     name: str = Field(pattern=VOLUME_NAME_PATTERN, description="Unique among the tenant's volumes.")
     size_bytes: int = Field(ge=MIN_VOLUME_BYTES, description="Capacity in bytes; at most the node's limit "
                             "(PODBAY_VOLUME_MAX_SIZE_GIB). Sparse: it costs what is written.")
+
+
+class VolumeRestore(_In):
+    """``POST /v1/volumes/{name}/restore``: put the volume back to one of its own promoted snapshots."""
+
+    snapshot_id: str = Field(min_length=1, max_length=64, description="An id from ``GET /v1/volumes/{name}/"
+                             "snapshots`` whose state is ``promoted``.")
 
 
 class VolumeMount(_In):

@@ -93,7 +93,7 @@ class AsyncClient:
         self.webhooks = sdk_events.AsyncWebhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
         self.schedules = sched.AsyncSchedules(self._call)
-        #: ``volumes.create/list/get/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
+        #: ``volumes.create/list/get/snapshots/restore/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
         self.volumes = vols.AsyncVolumes(self._call)
 
     async def aclose(self) -> None:

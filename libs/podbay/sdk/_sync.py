@@ -99,7 +99,7 @@ class Client:
         self.webhooks = sdk_events.Webhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
         self.schedules = sched.Schedules(self._call)
-        #: ``volumes.create/list/get/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
+        #: ``volumes.create/list/get/snapshots/restore/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
         self.volumes = vols.Volumes(self._call)
 
     def close(self) -> None:

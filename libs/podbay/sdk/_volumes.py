@@ -1,10 +1,11 @@
-"""Volumes in the SDK: ``client.volumes.create/list/get/delete`` (sync and async), and the ``volumes`` argument
-of a create (``["data:/mnt/data", "models:/models:ro"]`` or :class:`~podbay.contracts.volumes.VolumeMount`).
+"""Volumes in the SDK: ``client.volumes.create/list/get/snapshots/restore/delete`` (sync and async), and the
+``volumes`` argument of a create (``["data:/mnt/data", "models:/models:ro"]`` or :class:`~podbay.contracts.volumes.VolumeMount`).
 
 A volume is a named ext4 filesystem of the tenant's on one node, mounted into sandboxes at create (read-write
 by one at a time, read-only by many); see docs/ARCHITECTURE.md "Volumes". Builders (``*_call``) are shared by
 the sync and async clients, like ``podbay.sdk._calls``. Errors: ``InvalidRequest`` (refused locally, or
-``volume_too_large``), ``NotFound``, ``Conflict`` (the name is taken), ``VolumeInUse``.
+``volume_too_large``), ``NotFound``, ``Conflict`` (the name is taken), ``VolumeInUse``, ``InvalidState`` (a restore
+to a snapshot that is not promoted).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from podbay.contracts.volumes import (
     VolumeCreate,
     VolumeInfo,
     VolumeList,
+    VolumeRestore,
     VolumeSnapshotInfo,
     VolumeSnapshotList,
     parse_size,
@@ -26,7 +28,7 @@ from podbay.errors import InvalidRequest
 from podbay.sdk._calls import Call, _model, _none, _validate
 
 __all__ = ["create_volume_call", "list_volumes_call", "get_volume_call", "delete_volume_call",
-           "volume_snapshots_call", "Volumes", "AsyncVolumes"]
+           "volume_snapshots_call", "restore_volume_call", "Volumes", "AsyncVolumes"]
 
 def _path(name: str) -> str:
     return f"/v1/volumes/{quote(name, safe='')}"
@@ -57,6 +59,13 @@ def volume_snapshots_call(name: str) -> Call[builtins.list[VolumeSnapshotInfo]]:
     return Call("GET", _path(name) + "/snapshots", lambda r: _model(VolumeSnapshotList)(r).snapshots)
 
 
+def restore_volume_call(name: str, snapshot_id: str) -> Call[VolumeInfo]:
+    """``POST /v1/volumes/{name}/restore`` {"snapshot_id"} -> ``VolumeInfo``; ``VolumeInUse`` while attached,
+    ``NotFound`` for a snapshot that is not the volume's, ``InvalidState`` for one not promoted."""
+    body = _validate(VolumeRestore, {"snapshot_id": snapshot_id}, "volume restore")
+    return Call("POST", _path(name) + "/restore", _model(VolumeInfo), json=body.model_dump(mode="json"))
+
+
 def delete_volume_call(name: str) -> Call[None]:
     """``DELETE /v1/volumes/{name}`` -> 204; ``VolumeInUse`` while attached."""
     return Call("DELETE", _path(name), _none)
@@ -82,6 +91,11 @@ class Volumes:
         """The volume's own snapshots promoted to object storage, newest first."""
         return self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
 
+    def restore(self, name: str, snapshot_id: str) -> VolumeInfo:
+        """Put the volume back to its snapshot ``snapshot_id`` (from :meth:`snapshots`), refused while a
+        sandbox has it attached; the next sandbox that mounts it sees that snapshot's data."""
+        return self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]
+
     def delete(self, name: str) -> None:
         """Delete the volume and its data (refused while a sandbox has it attached)."""
         self._call(delete_volume_call(name))
@@ -104,6 +118,9 @@ class AsyncVolumes:
 
     async def snapshots(self, name: str) -> builtins.list[VolumeSnapshotInfo]:
         return await self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
+
+    async def restore(self, name: str, snapshot_id: str) -> VolumeInfo:
+        return await self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]
 
     async def delete(self, name: str) -> None:
         await self._call(delete_volume_call(name))

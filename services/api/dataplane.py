@@ -24,6 +24,7 @@ from podbay.contracts.api import ExecRequest, ExecResult, FileInfo, FileList
 from podbay.contracts.states import SandboxCommand, check_allowed
 from podbay.contracts.messages import Event
 from podbay.errors import NotFound, Unavailable
+from podbay.lifecycle import renew_lease_sql
 from podbay.outbox import new_id
 from podbay.telemetry import HOP_SECONDS
 
@@ -52,9 +53,8 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", dependencies=[Depends(_a
 _PASS_HEADERS = ("content-type", "content-length", "content-disposition", "x-podbay-file-size")
 
 
-_RENEW = ("WITH s AS (UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
-          "           WHERE id = $1 AND tenant_id = $2 AND state = 'running'"
-          "           RETURNING id, state, generation, node_id, guest_env)")
+_RENEW = ("WITH s AS (" + renew_lease_sql(where="tenant_id = $2 AND state = 'running'",
+                                          returning="id, state, generation, node_id, guest_env") + ")")
 _SELECT = " SELECT s.state, s.generation, s.guest_env, n.dataplane_url FROM s LEFT JOIN nodes n ON n.id = s.node_id"
 _LOOKUP_SQL = _RENEW + _SELECT
 #: As _LOOKUP_SQL, plus what podbay.audit.record writes (the audit row, and its event with the row id).

@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from podbay.asgiproxy import ERROR_HEADER, HOP_BY_HOP, deny, relay_response, relay_websocket, request_body
 from podbay.config import Settings
 from podbay.errors import PodbayError, Unauthorized
+from podbay.lifecycle import renew_lease
 
 from . import ports_access as pa
 from .auth import Principal, authenticate
@@ -267,8 +268,7 @@ class PortsEdge:
             if len(self._renewed) > 10000:
                 self._renewed.clear()
             self._renewed[route.sandbox_id] = now
-            await ctx.pool.execute("UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
-                                   " WHERE id = $1 AND state = 'running'", route.sandbox_id)
+            await renew_lease(ctx.pool, route.sandbox_id, only_running=True)
         return row
 
     def _forward_headers(self, scope: Scope, headers: dict[str, str], route: _Route,

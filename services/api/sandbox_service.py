@@ -31,7 +31,8 @@ from typing import Any
 from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import DeleteSandboxCmd, PlaceSandbox, Resources, SandboxOpCmd
-from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
+from podbay import lifecycle
+from podbay.contracts.states import OperationState, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import (
     InvalidRequest,
     InvalidState,
@@ -44,6 +45,7 @@ from podbay.errors import (
     Unavailable,
 )
 from podbay.faults import fault_point
+from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
@@ -147,28 +149,20 @@ async def delete(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.DELETE, row["state"])
         node_id = row["node_id"]
+        audit_rec = AuditRecord(who.tenant_id, who.key_id, "sandbox.delete")
         if node_id is None:
-            # Never placed: nothing runs anywhere, so the delete completes here.
-            await conn.execute(
-                "UPDATE sandboxes SET state='deleted', desired_state='deleted', deleted_at=now(), updated_at=now()"
-                " WHERE id=$1", sandbox_id)
-            await conn.execute(
-                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
-                " VALUES ($1,$2,$3,'delete','succeeded',now())", op_id, who.tenant_id, sandbox_id)
-            await emit_sandbox_event(conn, sandbox_id, "deleted", state="deleted", tenant_id=who.tenant_id)
-            # A suspended sandbox's promoted snapshots go too (their chunks at the next collection), except
-            # pinned ones, which outlive it.
+            # Never placed: nothing runs anywhere, so the delete completes here. A suspended sandbox's promoted
+            # snapshots go too (their chunks at the next collection), except pinned ones, which outlive it.
             await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
                                " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)
+            await lifecycle.apply(
+                conn, sandbox_id, Verb.DELETED, states=row["state"], values={"desired_state": "deleted"},
+                operation=NewOperation(op_id, who.tenant_id, "delete", OperationState.SUCCEEDED, finished=True),
+                event=SandboxEvent("deleted", tenant_id=who.tenant_id), audit=audit_rec)
         else:
-            await conn.execute(
-                "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1",
-                sandbox_id)
-            await conn.execute(
-                "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'delete','pending')",
-                op_id, who.tenant_id, sandbox_id)
+            await lifecycle.apply(conn, sandbox_id, Verb.DELETE, states=row["state"],
+                                  operation=NewOperation(op_id, who.tenant_id, "delete"), audit=audit_rec)
             node_cmd = DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"])
-        await audit(conn, who, "sandbox.delete", sandbox_id)
     ctx.relay.kick()
     fut = None
     if node_cmd is not None and node_id is not None:
@@ -190,8 +184,7 @@ async def _node_operation(ctx: ApiContext, who: Principal, sandbox_id: str, comm
         await conn.execute(
             "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,$4,'pending')",
             op_id, who.tenant_id, sandbox_id, command.value)
-        await conn.execute("UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s)"
-                           " WHERE id=$1", sandbox_id)
+        await lifecycle.renew_lease(conn, sandbox_id)
         await audit(conn, who, f"sandbox.{command.value}", sandbox_id)
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(
@@ -256,14 +249,12 @@ async def suspend(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: boo
             "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
             " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
             parent, row["generation"])
-        await conn.execute("UPDATE sandboxes SET state='suspending', suspended_snapshot_id=$2, updated_at=now()"
-                           " WHERE id=$1", sandbox_id, snap_id)
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'suspend','pending')", op_id, who.tenant_id, sandbox_id)
-        await emit_sandbox_event(conn, sandbox_id, "suspending", state="suspending", tenant_id=who.tenant_id,
-                                 node_id=row["node_id"], generation=row["generation"],
-                                 data={"operation_id": op_id, "snapshot_id": snap_id})
-        await audit(conn, who, "sandbox.suspend", sandbox_id)
+        await lifecycle.apply(
+            conn, sandbox_id, Verb.SUSPEND, states=row["state"], values={"suspended_snapshot_id": snap_id},
+            operation=NewOperation(op_id, who.tenant_id, "suspend"),
+            event=SandboxEvent("suspending", tenant_id=who.tenant_id, node_id=row["node_id"],
+                               generation=row["generation"], data={"operation_id": op_id, "snapshot_id": snap_id}),
+            audit=AuditRecord(who.tenant_id, who.key_id, "sandbox.suspend"))
     ctx.relay.kick()
     fault_point("suspend.recorded")
     fut = ctx.waiter.expect_operation(op_id) if wait else None
@@ -297,13 +288,11 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
             raise InvalidState(f"sandbox {sandbox_id} is {row['state']}, not suspended",
                                details={"state": row["state"]})
         tpl = await conn.fetchval("SELECT template FROM sandboxes WHERE id=$1", sandbox_id)
-        await conn.execute("UPDATE sandboxes SET state='resuming', updated_at=now(),"
-                           " lease_expires_at = now() + make_interval(secs => lease_s) WHERE id=$1", sandbox_id)
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'resume','pending')", op_id, who.tenant_id, sandbox_id)
-        await emit_sandbox_event(conn, sandbox_id, "resuming", state="resuming", tenant_id=who.tenant_id,
-                                 data={"operation_id": op_id, "fallback": fallback})
-        await audit(conn, who, "sandbox.resume", sandbox_id)
+        await lifecycle.apply(
+            conn, sandbox_id, Verb.RESUME, states=SandboxState.SUSPENDED, renew_lease=True,
+            operation=NewOperation(op_id, who.tenant_id, "resume"),
+            event=SandboxEvent("resuming", tenant_id=who.tenant_id, data={"operation_id": op_id, "fallback": fallback}),
+            audit=AuditRecord(who.tenant_id, who.key_id, "sandbox.resume"))
     ctx.relay.kick()
     fault_point("resume.recorded")
     fut = ctx.waiter.expect(sandbox_id, {"resumed", "suspended", "failed"}) if wait else None

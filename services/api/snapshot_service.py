@@ -23,7 +23,9 @@ from podbay.contracts.api import (
 )
 from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
 from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay import lifecycle
 from podbay.errors import Conflict, InvalidRequest, NotFound
+from podbay.lifecycle import AuditRecord, NewOperation, Verb
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
@@ -110,12 +112,11 @@ async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: Restor
             await refuse_with_volumes(conn, sandbox_id, "a rollback to a full snapshot without its volumes (ask "
                                       "for volumes: true to roll them back with it, or use a disk snapshot: the "
                                       "guest boots and mounts the volume as it is now)", writable_only=True)
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='starting', generation=generation+1, updated_at=now() WHERE id=$1"
-            " RETURNING generation", sandbox_id)
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'restore','pending')", op_id, who.tenant_id, sandbox_id)
-        await audit(conn, who, "sandbox.restore", sandbox_id)
+        moved = await lifecycle.apply(conn, sandbox_id, Verb.RESTORE, states=row["state"], bump_generation=True,
+                                      operation=NewOperation(op_id, who.tenant_id, "restore"),
+                                      audit=AuditRecord(who.tenant_id, who.key_id, "sandbox.restore"))
+        assert moved is not None  # the row is locked and its state checked
+        gen = moved["generation"]
     fut = ctx.waiter.expect_operation(op_id) if wait else None
     await ctx.bus.publish_command(subjects.node_cmd(row["node_id"], "restore"), RestoreCmd(
         operation_id=op_id, sandbox_id=sandbox_id, generation=int(gen), snapshot_id=body.snapshot_id,

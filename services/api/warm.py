@@ -24,7 +24,10 @@ import asyncpg
 from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import Event, PlaceSandbox, Resources, WarmClaim, WarmClaimReply
+from podbay import lifecycle
+from podbay.contracts.states import OperationState, SandboxState
 from podbay.errors import SandboxFailed
+from podbay.lifecycle import OperationOutcome, Verb
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import new_id, sandbox_event
@@ -136,11 +139,9 @@ async def _fall_back(ctx: ApiContext, who: Principal, row: asyncpg.Record, sandb
                      t0: float) -> SandboxInfo:
     """Send the already recorded sandbox (``row``) through the scheduler (restore path) and wait for it."""
     async with ctx.pool.acquire() as conn, conn.transaction():
-        back = await conn.fetchval(
-            "UPDATE sandboxes SET state='pending', node_id=NULL, updated_at=now()"
-            " WHERE id=$1 AND state='starting' AND generation=1 RETURNING id", sandbox_id)
-        if back is not None:
-            await conn.execute("UPDATE operations SET state='pending' WHERE id=$1", op_id)
+        back = await lifecycle.apply(conn, sandbox_id, Verb.REQUEUE, states=SandboxState.STARTING, generation=1,
+                                     set_node=None,
+                                     operation=OperationOutcome(op_id, OperationState.PENDING, finished=None))
     if back is None:
         # The node committed after all (its answer was lost or late): the sandbox runs or moved on.
         return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id), op_id)

@@ -1,0 +1,368 @@
+"""The sandbox lifecycle core: which verb takes a sandbox from which state to which, and the one function that
+applies such a transition in the caller's transaction.
+
+Shapes (docs/ARCHITECTURE.md, "Lifecycle"):
+
+- :data:`TRANSITIONS` maps ``(state, verb)`` to the next state. The verbs that answer a client command
+  (pause, resume, suspend, restore, delete) take their source states from ``podbay.contracts.states.ALLOWED``,
+  so the gate that refuses a command (HTTP 409) and the transition it leads to cannot disagree. The other
+  verbs are the services' own steps (the scheduler places, the node reports a start, a node is lost...).
+- :func:`apply` writes one transition: a conditional ``UPDATE sandboxes`` fenced by state, and when given,
+  generation and node; then, only when the row matched, the operation row (inserted, or its outcome
+  recorded), the sandbox event (through the outbox, in the same transaction) and the audit record, in that
+  order (so the events reach JetStream in the order they always did). It returns the updated row, or None
+  when the fence refused (someone else moved the sandbox first).
+- :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, for the few statements
+  that must stay one round trip (the node's warm start, services/nodeagent/warm.py): they compose it rather
+  than copy it.
+- :func:`renew_lease` (and :func:`renew_lease_sql` to compose) renew a sandbox's lease (``lease_expires_at``), which is not
+  a state change but is written in the same table from several places.
+
+Every ``UPDATE sandboxes`` in services/ and libs/ lives here, or on the short allow-list of
+tests/unit/test_lifecycle.py, which says why for each entry.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+import asyncpg
+
+from podbay.audit import record
+from podbay.contracts.states import ALLOWED, OperationState, SandboxCommand, SandboxState
+from podbay.errors import InvalidState
+from podbay.outbox import emit_sandbox_event
+
+__all__ = [
+    "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "apply", "renew_lease",
+    "renew_lease_sql", "LEASE_RENEWAL",
+    "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
+]
+
+S = SandboxState
+
+
+class Verb(StrEnum):
+    """What moves a sandbox. Client commands share their names with ``SandboxCommand``."""
+
+    PLACE = "place"                    # the scheduler chose a node (a wake stays resuming until it runs)
+    REQUEUE = "requeue"                # back to the scheduler without a node (warm fallback, node lost)
+    STARTED = "started"                # the node has the guest running (create, restore, wake)
+    PAUSE = "pause"
+    RESUME = "resume"                  # paused: continue in memory; suspended: wake from object storage
+    SUSPEND = "suspend"
+    SUSPENDED = "suspended"            # the full snapshot is promoted; the VM is gone
+    SUSPEND_FAILED = "suspend_failed"  # the promotion failed: the sandbox stays, paused
+    WAKE_FAILED = "wake_failed"        # a wake that could not restore: the snapshot is intact
+    RESCHEDULE = "reschedule"          # its node was lost; restore its newest promoted snapshot elsewhere
+    RESTORE = "restore"                # roll back to one of its snapshots (a new generation)
+    MOVE = "move"                      # live migration to another node: same state, new node and generation
+    FENCE = "fence"                    # a new generation, nothing else (a migration given up)
+    DELETE = "delete"
+    DELETED = "deleted"
+    FAIL = "fail"
+
+
+#: States a sandbox is alive in: it can still fail.
+_LIVE: Final = frozenset({S.PENDING, S.STARTING, S.RUNNING, S.PAUSED, S.SUSPENDING, S.RESUMING})
+
+
+def _table() -> dict[tuple[SandboxState, Verb], SandboxState]:
+    def every(states: Iterable[SandboxState], verb: Verb, to: SandboxState | None) -> dict[tuple[S, Verb], S]:
+        """``to`` None: the verb keeps the state."""
+        return {(s, verb): (s if to is None else to) for s in states}
+
+    resume = ALLOWED[SandboxCommand.RESUME]
+    return {
+        **every({S.PENDING}, Verb.PLACE, S.STARTING),
+        **every({S.RESUMING}, Verb.PLACE, None),
+        **every({S.PENDING, S.STARTING}, Verb.REQUEUE, S.PENDING),
+        **every({S.STARTING, S.RESUMING}, Verb.STARTED, S.RUNNING),
+        **every(ALLOWED[SandboxCommand.PAUSE], Verb.PAUSE, S.PAUSED),
+        **every(resume - {S.SUSPENDED}, Verb.RESUME, S.RUNNING),
+        **every(resume & {S.SUSPENDED}, Verb.RESUME, S.RESUMING),
+        **every(ALLOWED[SandboxCommand.SUSPEND], Verb.SUSPEND, S.SUSPENDING),
+        **every({S.SUSPENDING}, Verb.SUSPENDED, S.SUSPENDED),
+        **every({S.SUSPENDING}, Verb.SUSPEND_FAILED, S.PAUSED),
+        **every({S.RESUMING}, Verb.WAKE_FAILED, S.SUSPENDED),
+        **every(_LIVE - {S.SUSPENDING}, Verb.RESCHEDULE, S.RESUMING),
+        **every(ALLOWED[SandboxCommand.RESTORE], Verb.RESTORE, S.STARTING),
+        **every({S.RUNNING, S.PAUSED}, Verb.MOVE, None),
+        **every(set(S) - {S.DELETED}, Verb.FENCE, None),
+        **every(ALLOWED[SandboxCommand.DELETE], Verb.DELETE, S.DELETING),
+        **every(ALLOWED[SandboxCommand.DELETE], Verb.DELETED, S.DELETED),
+        **every(_LIVE, Verb.FAIL, S.FAILED),
+    }
+
+
+#: ``(state, verb)`` -> the next state; a pair that is missing is not a transition.
+TRANSITIONS: Final[Mapping[tuple[SandboxState, Verb], SandboxState]] = _table()
+
+
+def next_state(state: SandboxState | str, verb: Verb) -> SandboxState:
+    """The state ``verb`` takes a sandbox in ``state`` to. Raises ``InvalidState`` (409) when it does not apply."""
+    st = SandboxState(state)
+    try:
+        return TRANSITIONS[(st, verb)]
+    except KeyError:
+        raise InvalidState(f"cannot {verb.value} a sandbox that is {st.value}",
+                           details={"state": st.value, "verb": verb.value}) from None
+
+
+def sources(verb: Verb) -> frozenset[SandboxState]:
+    """The states ``verb`` applies in."""
+    return frozenset(s for (s, v) in TRANSITIONS if v == verb)
+
+
+def targets(verb: Verb, states: Iterable[SandboxState | str] | None = None) -> SandboxState | None:
+    """The one state ``verb`` takes every one of ``states`` (default: all it applies in) to, or None when it
+    keeps each in its own state. Raises ``ValueError`` when the states would go different ways (such an
+    UPDATE could not name one new state), ``InvalidState`` when one of them is not a source of ``verb``."""
+    froms = sources(verb) if states is None else {SandboxState(s) for s in states}
+    if not froms:
+        raise ValueError(f"{verb.value}: no source state")
+    nexts = {next_state(s, verb) for s in froms}
+    if all(next_state(s, verb) == s for s in froms):
+        return None
+    if len(nexts) != 1:
+        raise ValueError(f"{verb.value} takes {sorted(froms)} to different states {sorted(nexts)}")
+    return nexts.pop()
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: ``node`` fence: no condition on the node.
+ANY_NODE: Final = _Sentinel("ANY_NODE")
+#: ``set_node``: the node stays.
+KEEP: Final = _Sentinel("KEEP")
+
+#: The SET clause of a lease renewal: the lease runs its whole length again from now.
+LEASE_RENEWAL: Final = "lease_expires_at = now() + make_interval(secs => lease_s)"
+
+_COLUMN = re.compile(r"^[a-z_]+$")
+#: Columns a transition may set besides state, node and generation (the rest belong to other owners).
+_SETTABLE: Final = frozenset({"failure_reason", "desired_state", "suspended_snapshot_id", "event_seq"})
+
+
+def update_sql(verb: Verb, states: Iterable[SandboxState | str] | None, *, sandbox: str = "$1",
+               generation: str | None = None, node: str | None = None, node_is_null: bool = False,
+               set_node: str | None = None, new_generation: str | None = None,
+               values: Mapping[str, str] | None = None, renew_lease: bool = False,
+               returning: str = "id") -> str:
+    """The fenced UPDATE of one sandbox row for ``verb`` from ``states``, as SQL text.
+
+    Every argument but ``verb``, ``states`` and the flags is a SQL expression, usually a placeholder the caller
+    numbers (``"$2"``): ``sandbox`` the id; fences ``generation``, ``node`` (or ``node_is_null``); ``states``
+    None puts no condition on the state (the caller holds the row locked and checked it). Changes:
+    ``set_node`` (``"NULL"`` to clear it), ``new_generation`` (``"generation+1"`` or a placeholder),
+    ``values`` (column -> expression; only ``failure_reason``, ``desired_state``, ``suspended_snapshot_id``,
+    ``event_seq``), ``renew_lease``. The new state comes from :data:`TRANSITIONS`; entering ``deleting``
+    also sets ``desired_state``, entering ``deleted`` sets ``deleted_at``; ``updated_at`` is always now.
+    Raises ``ValueError`` for a column it does not own, ``InvalidState`` for a state the verb does not leave.
+    """
+    froms = None if states is None else sorted({SandboxState(s) for s in states})
+    target = targets(verb, froms)
+    sets: list[str] = []
+    if target is not None:
+        sets.append(f"state='{target.value}'")
+    if target == S.DELETING:
+        sets.append("desired_state='deleted'")
+    for col, expr in (values or {}).items():
+        if col not in _SETTABLE or not _COLUMN.match(col):
+            raise ValueError(f"a transition does not set sandboxes.{col}")
+        sets.append(f"{col}={expr}")
+    if set_node is not None:
+        sets.append(f"node_id={set_node}")
+    if new_generation is not None:
+        sets.append(f"generation={new_generation}")
+    if target == S.DELETED:
+        sets.append("deleted_at=now()")
+    if renew_lease:
+        sets.append(LEASE_RENEWAL)
+    sets.append("updated_at=now()")
+    where = [f"id={sandbox}"]
+    if froms is not None:
+        where.append(f"state='{froms[0].value}'" if len(froms) == 1
+                     else "state IN (" + ", ".join(f"'{s.value}'" for s in froms) + ")")
+    if generation is not None:
+        where.append(f"generation={generation}")
+    if node_is_null:
+        where.append("node_id IS NULL")
+    elif node is not None:
+        where.append(f"node_id IS NOT DISTINCT FROM {node}")
+    return f"UPDATE sandboxes SET {', '.join(sets)} WHERE {' AND '.join(where)} RETURNING {returning}"
+
+
+@dataclass(frozen=True)
+class NewOperation:
+    """An operation row the transition starts (``finished``: it is done already, ``finished_at`` now)."""
+
+    id: str
+    tenant_id: str
+    kind: str
+    state: OperationState = OperationState.PENDING
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class OperationOutcome:
+    """What the transition records on an existing operation row.
+
+    ``error_code``/``error_message``: KEEP leaves them, None clears them. ``finished``: True sets
+    ``finished_at`` now, False clears it, None leaves it. ``only_from``: only a row in one of these states
+    changes. ``unless_succeeded``: a succeeded row stays. ``always``: record it even when the fence refused.
+    """
+
+    id: str
+    state: OperationState
+    error_code: str | None | _Sentinel = KEEP
+    error_message: str | None | _Sentinel = KEEP
+    finished: bool | None = True
+    only_from: tuple[OperationState, ...] = ()
+    unless_succeeded: bool = False
+    always: bool = False
+
+
+@dataclass(frozen=True)
+class SandboxEvent:
+    """The sandbox event the transition emits (podbay.outbox.emit_sandbox_event); its ``state`` is the new
+    state. ``new_generation``: the event carries the generation the UPDATE wrote (instead of ``generation``)."""
+
+    type: str
+    reason: str | None = None
+    node_id: str | None = None
+    tenant_id: str | None = None
+    generation: int | None = None
+    new_generation: bool = False
+    data: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """The audit record of the call that caused the transition (podbay.audit.record), about this sandbox."""
+
+    tenant_id: str
+    actor: str
+    action: str
+    detail: dict[str, Any] | None = None
+
+
+async def apply(
+    conn: asyncpg.Connection,
+    sandbox_id: str,
+    verb: Verb,
+    *,
+    states: SandboxState | str | Iterable[SandboxState | str] | None,
+    generation: int | None = None,
+    node: str | None | _Sentinel = ANY_NODE,
+    set_node: str | None | _Sentinel = KEEP,
+    bump_generation: bool = False,
+    new_generation: int | None = None,
+    values: Mapping[str, object] | None = None,
+    renew_lease: bool = False,
+    operation: NewOperation | OperationOutcome | None = None,
+    event: SandboxEvent | None = None,
+    audit: AuditRecord | None = None,
+) -> asyncpg.Record | None:
+    """Apply ``verb`` to sandbox ``sandbox_id`` inside the caller's transaction (``conn`` must be in one).
+
+    Fences: ``states`` (one state, several, or None for no condition when the caller holds the row locked
+    after checking it), ``generation``, ``node`` (a node id, or None: it has none; ``ANY_NODE``: no
+    condition). Changes: the state :data:`TRANSITIONS` names, ``set_node`` (None clears it),
+    ``bump_generation`` or ``new_generation``, ``values`` (``failure_reason``, ``desired_state``,
+    ``suspended_snapshot_id``), ``renew_lease``. Then, when the row matched: ``operation``, ``event``,
+    ``audit``, in that order (an ``OperationOutcome`` with ``always`` is recorded even when it did not).
+
+    Returns the updated row (``id, tenant_id, state, node_id, generation, updated_at``, new values), or None
+    when the fence refused. Raises ``InvalidState`` when ``verb`` does not apply to ``states``. Call
+    ``Relay.kick()`` after the commit when an event or audit record was written.
+    """
+    froms: list[SandboxState] | None
+    if states is None:
+        froms = None
+    elif isinstance(states, str):
+        froms = [SandboxState(states)]
+    else:
+        froms = [SandboxState(s) for s in states]
+    args: list[object] = [sandbox_id]
+
+    def param(value: object) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    gen_expr = "generation+1" if bump_generation else (
+        None if new_generation is None else param(new_generation) + "::integer")
+    sql = update_sql(
+        verb, froms, sandbox="$1",
+        generation=None if generation is None else param(generation),
+        node=None if node is ANY_NODE or node is None else param(node), node_is_null=node is None,
+        set_node=None if set_node is KEEP else ("NULL" if set_node is None else param(set_node)),
+        new_generation=gen_expr,
+        values={col: param(v) for col, v in (values or {}).items()},
+        renew_lease=renew_lease,
+        returning="id, tenant_id, state, node_id, generation, updated_at")
+    row: asyncpg.Record | None = await conn.fetchrow(sql, *args)
+    if isinstance(operation, OperationOutcome) and (row is not None or operation.always):
+        await _record_outcome(conn, operation)
+    if row is None:
+        return None
+    if isinstance(operation, NewOperation):
+        await conn.execute(
+            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
+            " VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 THEN now() END)",
+            operation.id, operation.tenant_id, sandbox_id, operation.kind, operation.state.value, operation.finished)
+    if event is not None:
+        await emit_sandbox_event(
+            conn, sandbox_id, event.type, state=row["state"], reason=event.reason, node_id=event.node_id,
+            tenant_id=event.tenant_id, generation=row["generation"] if event.new_generation else event.generation,
+            data=event.data)
+    if audit is not None:
+        await record(conn, tenant_id=audit.tenant_id, actor=audit.actor, action=audit.action, target=sandbox_id,
+                     sandbox_id=sandbox_id, detail=audit.detail)
+    return row
+
+
+async def _record_outcome(conn: asyncpg.Connection, op: OperationOutcome) -> None:
+    args: list[object] = [op.id, op.state.value]
+    sets = ["state=$2"]
+    for col, value in (("error_code", op.error_code), ("error_message", op.error_message)):
+        if value is KEEP:
+            continue
+        if value is None:
+            sets.append(f"{col}=NULL")
+        else:
+            args.append(value)
+            sets.append(f"{col}=${len(args)}")
+    if op.finished is not None:
+        sets.append("finished_at=now()" if op.finished else "finished_at=NULL")
+    where = ["id=$1"]
+    if op.only_from:
+        args.append([s.value for s in op.only_from])
+        where.append(f"state = ANY(${len(args)}::text[])")
+    if op.unless_succeeded:
+        where.append("state <> 'succeeded'")
+    await conn.execute(f"UPDATE operations SET {', '.join(sets)} WHERE {' AND '.join(where)}", *args)
+
+
+def renew_lease_sql(*, where: str = "", returning: str = "") -> str:
+    """The lease renewal of sandbox ``$1`` as SQL, for a statement that does more in the same round trip (the
+    data plane's lookup, services/api/dataplane.py): ``where`` adds conditions (``"state='running'"``),
+    ``returning`` the RETURNING list."""
+    return (f"UPDATE sandboxes SET {LEASE_RENEWAL} WHERE id=$1" + (f" AND {where}" if where else "")
+            + (f" RETURNING {returning}" if returning else ""))
+
+
+async def renew_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, *,
+                      only_running: bool = False) -> None:
+    """Renew a sandbox's lease from now (its whole ``lease_s``); ``only_running``: only while it runs."""
+    await conn.execute(renew_lease_sql(where="state='running'" if only_running else ""), sandbox_id)

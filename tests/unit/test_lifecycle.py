@@ -1,0 +1,119 @@
+"""``podbay.lifecycle``: the transition table agrees with the command gates, the fenced UPDATE it writes, and
+the check that every ``UPDATE sandboxes`` in services/ and libs/ lives in that module or on a short
+allow-list (docs/ARCHITECTURE.md, "Lifecycle")."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState
+from podbay.errors import InvalidState
+from podbay.lifecycle import TRANSITIONS, Verb, next_state, targets, update_sql
+
+ROOT = Path(__file__).resolve().parents[2]
+S = SandboxState
+
+#: Files that may still write ``UPDATE sandboxes`` themselves, with how many statements and why. Keep it short:
+#: a change of a sandbox's state, generation or node belongs in podbay.lifecycle.
+ALLOWED_SITES: dict[str, tuple[int, str]] = {
+    "libs/podbay/outbox.py": (1, "the event sequence number, bumped with every sandbox event; not a state"),
+    "services/api/network.py": (1, "the sandbox's egress policy; not a state"),
+    "services/api/sandboxes.py": (1, "the lease's length and action, set by the client; not a state"),
+    "services/api/e2b_common.py": (1, "E2B's set-timeout (lease length, only extending); not a state"),
+    "services/api/e2b_snapshots.py": (2, "a fork child's lease action, and the lease of a child that failed; "
+                                         "not a state"),
+    "services/nodeagent/warm.py": (1, "the warm start's one round trip (it composes lifecycle.update_sql)"),
+    # Not moved yet (issue 16): the node agent's own transitions.
+    "services/nodeagent/lease.py": (1, "not moved yet"),
+    "services/nodeagent/migrate.py": (2, "not moved yet"),
+    "services/nodeagent/sandboxes.py": (5, "not moved yet"),
+    "services/nodeagent/suspend.py": (4, "not moved yet"),
+    "services/scheduler/main.py": (1, "not moved yet"),
+    "services/scheduler/nodeloss.py": (5, "not moved yet"),
+    "services/scheduler/pending.py": (2, "not moved yet"),
+}
+
+_UPDATE = re.compile(r"\bUPDATE\s+sandboxes\b", re.IGNORECASE)
+
+
+def update_sites(source: str) -> int:
+    """How many string literals of ``source`` (adjacent literals count as one, f-strings included) hold an
+    ``UPDATE sandboxes``."""
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            count += len(_UPDATE.findall(node.value))
+    return count
+
+
+def test_every_update_of_sandboxes_is_in_the_lifecycle_module_or_allowed() -> None:
+    found: dict[str, int] = {}
+    for folder in ("libs", "services"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == "libs/podbay/lifecycle.py" or "/proto/" in rel:
+                continue
+            n = update_sites(path.read_text())
+            if n:
+                found[rel] = n
+    outside = {f: n for f, n in found.items() if f not in ALLOWED_SITES or n > ALLOWED_SITES[f][0]}
+    assert not outside, ("UPDATE sandboxes outside podbay.lifecycle (use lifecycle.apply, or compose "
+                         f"lifecycle.update_sql): {outside}")
+    stale = {f: (n, found.get(f, 0)) for f, (n, _) in ALLOWED_SITES.items() if found.get(f, 0) < n}
+    assert not stale, f"allow-list entries with fewer sites than listed (shrink them): {stale}"
+
+
+def test_the_finder_sees_split_literals_and_f_strings() -> None:
+    assert update_sites('x = ("UPDATE " "sandboxes SET a=1")\ny = f"update  sandboxes SET {z}"\n') == 2
+    assert update_sites('x = "UPDATE sandboxes_v SET a=1"  # UPDATE sandboxes\n') == 0
+
+
+@pytest.mark.parametrize(("verb", "command"), [(Verb.PAUSE, SandboxCommand.PAUSE), (Verb.RESUME, SandboxCommand.RESUME),
+                                              (Verb.SUSPEND, SandboxCommand.SUSPEND),
+                                              (Verb.RESTORE, SandboxCommand.RESTORE),
+                                              (Verb.DELETE, SandboxCommand.DELETE)])
+def test_a_commands_transition_starts_where_its_gate_allows_it(verb: Verb, command: SandboxCommand) -> None:
+    assert {s for (s, v) in TRANSITIONS if v == verb} == set(ALLOWED[command])
+
+
+def test_the_table_names_each_step() -> None:
+    assert next_state(S.RUNNING, Verb.PAUSE) is S.PAUSED
+    assert next_state(S.PAUSED, Verb.RESUME) is S.RUNNING
+    assert next_state(S.SUSPENDED, Verb.RESUME) is S.RESUMING
+    assert next_state(S.PENDING, Verb.PLACE) is S.STARTING
+    assert next_state(S.RESUMING, Verb.PLACE) is S.RESUMING
+    assert next_state(S.SUSPENDING, Verb.SUSPEND_FAILED) is S.PAUSED
+    assert next_state("failed", Verb.RESTORE) is S.STARTING
+    with pytest.raises(InvalidState) as err:
+        next_state(S.DELETED, Verb.DELETE)
+    assert err.value.http_status == 409 and err.value.details == {"state": "deleted", "verb": "delete"}
+    # Nothing leaves deleted, and nothing but the lifecycle's own verbs enter it.
+    assert not [k for k in TRANSITIONS if k[0] is S.DELETED]
+    assert {v for (_, v), to in TRANSITIONS.items() if to is S.DELETED} == {Verb.DELETED}
+
+
+def test_states_that_go_different_ways_cannot_share_one_update() -> None:
+    assert targets(Verb.MOVE) is None  # running stays running, paused stays paused
+    assert targets(Verb.RESUME, [S.PAUSED]) is S.RUNNING
+    with pytest.raises(ValueError):
+        targets(Verb.RESUME)
+
+
+def test_the_update_is_fenced_by_state_generation_and_node() -> None:
+    assert update_sql(Verb.STARTED, [S.STARTING], generation="$2", node="$3",
+                      values={"event_seq": "event_seq+1"}, returning="event_seq") == (
+        "UPDATE sandboxes SET state='running', event_seq=event_seq+1, updated_at=now()"
+        " WHERE id=$1 AND state='starting' AND generation=$2 AND node_id IS NOT DISTINCT FROM $3"
+        " RETURNING event_seq")
+    assert update_sql(Verb.DELETE, None) == (
+        "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1 RETURNING id")
+    assert update_sql(Verb.FAIL, [S.PENDING], node_is_null=True, values={"failure_reason": "$3"},
+                      set_node="NULL", new_generation="generation+1") == (
+        "UPDATE sandboxes SET state='failed', failure_reason=$3, node_id=NULL, generation=generation+1,"
+        " updated_at=now() WHERE id=$1 AND state='pending' AND node_id IS NULL RETURNING id")
+    with pytest.raises(ValueError):
+        update_sql(Verb.FAIL, [S.RUNNING], values={"lease_s": "$2"})

@@ -40,6 +40,9 @@ from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, PlaceSandbox
 from podbay.health import consumer_check, nats_check, pg_check
 from podbay.logs import bind_log_context
+from podbay import lifecycle
+from podbay.contracts.states import OperationState
+from podbay.lifecycle import OperationOutcome, Verb
 from podbay.outbox import Relay
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -132,15 +135,14 @@ class Scheduler:
                 node_id = chosen.node_id
                 # Conditional on the state we read: whichever replica gets here second (a redelivery racing
                 # the first delivery) changes nothing, so a sandbox is placed and its generation bumped once.
-                gen = await conn.fetchval(
-                    "UPDATE sandboxes SET state=$3, node_id=$2, generation=generation+1, updated_at=now()"
-                    " WHERE id=$1 AND state=$4 AND node_id IS NOT DISTINCT FROM $5 AND generation=$6"
-                    " RETURNING generation",
-                    cmd.sandbox_id, node_id, placed, want, row["node_id"], row["generation"])
-                if gen is None:
+                moved = await lifecycle.apply(
+                    conn, cmd.sandbox_id, Verb.PLACE, states=want, generation=row["generation"], node=row["node_id"],
+                    set_node=node_id, bump_generation=True,
+                    operation=OperationOutcome(cmd.operation_id, OperationState.RUNNING, finished=None))
+                if moved is None:
                     log.info("place %s: placed by another scheduler meanwhile", cmd.sandbox_id)
                     return True
-                await conn.execute("UPDATE operations SET state='running' WHERE id=$1", cmd.operation_id)
+                gen = moved["generation"]
                 # Its volumes that have no node yet live where it runs from now on (under the placement lock,
                 # so two sandboxes sharing a new volume agree on the node).
                 await conn.execute(

@@ -43,7 +43,10 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import Event, PlaceSandbox, Resources
-from podbay.outbox import Relay, emit, emit_sandbox_event, new_id
+from podbay import lifecycle
+from podbay.contracts.states import OperationState
+from podbay.lifecycle import NewOperation, OperationOutcome, SandboxEvent, Verb
+from podbay.outbox import Relay, emit, new_id
 
 __all__ = ["WATCHED_STATES", "lost_nodes", "LossReport", "declare_lost", "NodeLossWatcher"]
 
@@ -137,13 +140,12 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         " WHERE sandbox_id=$1 AND state IN ('pending', 'running')", sid, lost)
     res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
     if state == "deleting":
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='deleted', node_id=NULL, generation=generation+1, deleted_at=now(),"
-            " updated_at=now() WHERE id=$1 RETURNING generation", sid)
-        await conn.execute("UPDATE operations SET state='succeeded', error_code=NULL, error_message=NULL"
-                           " WHERE id=$1", r["op_id"])
-        await emit_sandbox_event(conn, sid, "deleted", state="deleted", reason=lost, tenant_id=tenant,
-                                 generation=gen, data={"lost_node": node_id})
+        await lifecycle.apply(
+            conn, sid, Verb.DELETED, states=state, set_node=None, bump_generation=True,
+            operation=OperationOutcome(r["op_id"], OperationState.SUCCEEDED, error_code=None, error_message=None,
+                                       finished=None),
+            event=SandboxEvent("deleted", reason=lost, tenant_id=tenant, new_generation=True,
+                               data={"lost_node": node_id}))
         report.deleted.append(sid)
         return
     snap = await conn.fetchrow(_NEWEST_PROMOTED, sid)
@@ -152,50 +154,46 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         snap = None  # its memory's mount would not match the volume's promoted copy: failed below
     if snap is not None and state == "suspending":
         # It was being suspended: it ends suspended (at its newest promoted snapshot), as asked.
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='suspended', node_id=NULL, generation=generation+1,"
-            " suspended_snapshot_id=$2, updated_at=now() WHERE id=$1 RETURNING generation", sid, snap["id"])
-        await emit_sandbox_event(conn, sid, "suspended", state="suspended", tenant_id=tenant, generation=gen,
-                                 reason=f"{lost} while suspending; suspended at snapshot {snap['id']}",
-                                 data={"lost_node": node_id, "snapshot_id": snap["id"],
-                                       "lost_work_s": round(float(snap["age_s"]), 3)})
+        await lifecycle.apply(
+            conn, sid, Verb.SUSPENDED, states=state, set_node=None, bump_generation=True,
+            values={"suspended_snapshot_id": snap["id"]},
+            event=SandboxEvent("suspended", tenant_id=tenant, new_generation=True,
+                               reason=f"{lost} while suspending; suspended at snapshot {snap['id']}",
+                               data={"lost_node": node_id, "snapshot_id": snap["id"],
+                                     "lost_work_s": round(float(snap["age_s"]), 3)}))
         report.suspended.append(sid)
         return
     if snap is not None:
         op_id = new_id("op")
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='resuming', node_id=NULL, generation=generation+1,"
-            " suspended_snapshot_id=$2, updated_at=now() WHERE id=$1 RETURNING generation", sid, snap["id"])
-        await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                           " ($1,$2,$3,'reschedule','pending')", op_id, tenant, sid)
         lost_work_s = round(float(snap["age_s"]), 3)
-        await emit_sandbox_event(
-            conn, sid, "rescheduled", state="resuming", tenant_id=tenant, generation=gen,
-            reason=f"{lost}; restoring snapshot {snap['id']} taken {lost_work_s:.1f} s before the loss",
-            data={"lost_node": node_id, "previous_state": state, "snapshot_id": snap["id"],
-                  "snapshot_at": snap["created_at"].isoformat(), "lost_work_s": lost_work_s,
-                  "operation_id": op_id})
+        await lifecycle.apply(
+            conn, sid, Verb.RESCHEDULE, states=state, set_node=None, bump_generation=True,
+            values={"suspended_snapshot_id": snap["id"]}, operation=NewOperation(op_id, tenant, "reschedule"),
+            event=SandboxEvent(
+                "rescheduled", tenant_id=tenant, new_generation=True,
+                reason=f"{lost}; restoring snapshot {snap['id']} taken {lost_work_s:.1f} s before the loss",
+                data={"lost_node": node_id, "previous_state": state, "snapshot_id": snap["id"],
+                      "snapshot_at": snap["created_at"].isoformat(), "lost_work_s": lost_work_s,
+                      "operation_id": op_id}))
         report.rescheduled.append(sid)
         report.placements.append(PlaceSandbox(operation_id=op_id, sandbox_id=sid, tenant_id=tenant,
                                               template=r["template"], resources=res, wake=True, fallback=True))
         return
     if state in ("pending", "starting") and r["op_kind"] == "create" and not r["source_snapshot_id"] and r["op_id"]:
         # A create that had not finished: nothing of the guest was there yet; place it again.
-        await conn.execute(
-            "UPDATE sandboxes SET state='pending', node_id=NULL, generation=generation+1, updated_at=now()"
-            " WHERE id=$1", sid)
-        await conn.execute("UPDATE operations SET state='pending', error_code=NULL, error_message=NULL,"
-                           " finished_at=NULL WHERE id=$1", r["op_id"])
+        await lifecycle.apply(
+            conn, sid, Verb.REQUEUE, states=state, set_node=None, bump_generation=True,
+            operation=OperationOutcome(r["op_id"], OperationState.PENDING, error_code=None, error_message=None,
+                                       finished=False))
         report.replaced.append(sid)
         report.placements.append(PlaceSandbox(operation_id=r["op_id"], sandbox_id=sid, tenant_id=tenant,
                                               template=r["template"], resources=res))
         return
     reason = f"{lost} and the sandbox had no promoted full snapshot to restore (or has a read-write volume)"
-    gen = await conn.fetchval(
-        "UPDATE sandboxes SET state='failed', failure_reason=$2, node_id=NULL, generation=generation+1,"
-        " updated_at=now() WHERE id=$1 RETURNING generation", sid, reason)
-    await emit_sandbox_event(conn, sid, "failed", state="failed", reason=reason, tenant_id=tenant, generation=gen,
-                             data={"lost_node": node_id, "previous_state": state})
+    await lifecycle.apply(
+        conn, sid, Verb.FAIL, states=state, set_node=None, bump_generation=True, values={"failure_reason": reason},
+        event=SandboxEvent("failed", reason=reason, tenant_id=tenant, new_generation=True,
+                           data={"lost_node": node_id, "previous_state": state}))
     report.failed.append(sid)
 
 

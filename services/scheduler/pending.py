@@ -25,7 +25,10 @@ import logging
 
 import asyncpg
 
-from podbay.outbox import Relay, emit_sandbox_event
+from podbay import lifecycle
+from podbay.contracts.states import OperationState, SandboxState
+from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
+from podbay.outbox import Relay
 
 __all__ = ["fail_unplaced", "sweep_unplaced", "PendingSweeper", "PLACEMENT_TIMEOUT"]
 
@@ -44,28 +47,22 @@ async def fail_unplaced(conn: asyncpg.Connection, *, sandbox_id: str, operation_
     ``suspended`` saying the resume failed. Either way the operation (when given and unfinished) fails with
     ``code`` and ``reason``. Call ``Relay.kick()`` after the commit.
     """
-    if wake:
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='suspended', updated_at=now() WHERE id=$1 AND state='resuming'"
-            " AND node_id IS NULL AND generation=$2 RETURNING generation", sandbox_id, generation)
-    else:
-        gen = await conn.fetchval(
-            "UPDATE sandboxes SET state='failed', failure_reason=$3, updated_at=now() WHERE id=$1"
-            " AND state='pending' AND node_id IS NULL AND generation=$2 RETURNING generation",
-            sandbox_id, generation, reason)
-    if gen is None:
-        return False
-    if operation_id is not None:
-        await conn.execute(
-            "UPDATE operations SET state='failed', error_code=$2, error_message=$3, finished_at=now()"
-            " WHERE id=$1 AND state IN ('pending', 'running')", operation_id, code, reason)
+    outcome = None if operation_id is None else OperationOutcome(
+        operation_id, OperationState.FAILED, error_code=code, error_message=reason,
+        only_from=(OperationState.PENDING, OperationState.RUNNING))
     data = {"operation_id": operation_id, "code": code}
     if wake:
-        await emit_sandbox_event(conn, sandbox_id, "suspended", state="suspended", reason=f"resume failed: {reason}",
-                                 tenant_id=tenant_id, generation=gen, data=data)
+        moved = await lifecycle.apply(
+            conn, sandbox_id, Verb.WAKE_FAILED, states=SandboxState.RESUMING, node=None, generation=generation,
+            operation=outcome, event=SandboxEvent("suspended", reason=f"resume failed: {reason}", tenant_id=tenant_id,
+                                                  generation=generation, data=data))
     else:
-        await emit_sandbox_event(conn, sandbox_id, "failed", state="failed", reason=reason, tenant_id=tenant_id,
-                                 generation=gen, data=data)
+        moved = await lifecycle.apply(
+            conn, sandbox_id, Verb.FAIL, states=SandboxState.PENDING, node=None, generation=generation,
+            values={"failure_reason": reason}, operation=outcome,
+            event=SandboxEvent("failed", reason=reason, tenant_id=tenant_id, generation=generation, data=data))
+    if moved is None:
+        return False
     return True
 
 

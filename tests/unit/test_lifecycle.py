@@ -32,9 +32,6 @@ ALLOWED_SITES: dict[str, tuple[int, str]] = {
     "services/nodeagent/migrate.py": (2, "not moved yet"),
     "services/nodeagent/sandboxes.py": (5, "not moved yet"),
     "services/nodeagent/suspend.py": (4, "not moved yet"),
-    "services/scheduler/main.py": (1, "not moved yet"),
-    "services/scheduler/nodeloss.py": (5, "not moved yet"),
-    "services/scheduler/pending.py": (2, "not moved yet"),
 }
 
 _UPDATE = re.compile(r"\bUPDATE\s+sandboxes\b", re.IGNORECASE)

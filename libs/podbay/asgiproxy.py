@@ -36,7 +36,7 @@ ERROR_HEADER = "x-podbay-port-error"
 #: Headers of one hop only (RFC 9110 §7.6.1), plus podbay's internal ones and Host; never relayed.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "transfer-encoding", "upgrade", "proxy-connection", "x-podbay-internal-token",
-                        "x-podbay-generation", "x-podbay-port-path", "host"})
+                        "x-podbay-generation", "x-podbay-port-path", "x-podbay-port-host", "host"})
 # Set by the WebSocket client itself.
 _WS_OWN = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                      "sec-websocket-protocol", "sec-websocket-accept", "origin", "user-agent"})

@@ -83,8 +83,9 @@ class NewSandbox(_Body):
     auto_resume: dict[str, Any] | None = Field(None, alias="autoResume", description="{\"enabled\": bool}")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
-    # network.allowPublicTraffic (false: ports need trafficAccessToken); allowOut/denyOut and
-    # allow_internet_access become the egress policy (e2b_network.py); other network keys are ignored.
+    # network.allowPublicTraffic (false: ports need trafficAccessToken) and maskRequestHost go to the port
+    # edge; allowOut/denyOut/rules and allow_internet_access become the egress policy (e2b_network.py, which
+    # refuses what podbay does not do).
     network: dict[str, Any] | None = None
     allow_internet_access: bool | None = None
     # [{"name", "path"}]: podbay volumes mounted read-write (e2b_volumes.py); the sandbox goes to their node.

@@ -18,7 +18,13 @@ E2B. A host is a domain (exact or ``*.``); an address or network there is refuse
 requests by name). ``dnsServers`` (IPv4 addresses, at most 10; E2B's default ``8.8.8.8`` when left out)
 are allowed like ``allowOut`` addresses when ``allowOut`` names a domain, as E2B does; they change nothing
 else (the guest resolves through podbay's gateway). ``egressProxy`` (a SOCKS5 proxy of the user's) is
-refused with 400: podbay does not tunnel egress. ``maskRequestHost`` is accepted and not applied.
+refused with 400: podbay does not tunnel egress.
+
+Ingress options (checked here, applied by the port edge, services/api/ports_edge.py): ``maskRequestHost``
+(``host[:port]`` with ``${PORT}`` for the port) is the ``Host`` header a request through E2B's hosts reaches
+the sandbox's port with, as E2B's proxy sends it; ``httpsPorts`` (ports whose server speaks TLS) is refused
+with 400 unless empty: podbay's edge reaches a sandbox's ports over plain HTTP. A ``network`` key E2B's API
+does not define is refused with 400, so that nothing asked for is silently left undone.
 
     PUT /e2b/sandboxes/{id}/network   204   E2B's SandboxNetworkUpdateConfig; omitted fields are cleared
 """
@@ -26,6 +32,7 @@ refused with 400: podbay does not tunnel egress. ``maskRequestHost`` is accepted
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
@@ -39,7 +46,13 @@ from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import WhoDep, _Body, _E2bRoute, _row
 
-__all__ = ["router", "egress_policy", "NetworkUpdate"]
+__all__ = ["router", "egress_policy", "NetworkUpdate", "mask_request_host", "NETWORK_KEYS"]
+
+#: The keys of E2B's ``SandboxNetworkConfig`` (at create); others are refused.
+NETWORK_KEYS = frozenset({"allowPublicTraffic", "allowOut", "denyOut", "dnsServers", "egressProxy",
+                          "maskRequestHost", "httpsPorts", "rules"})
+# A host name or [IPv6 address], optionally with a port, once ${PORT} is replaced.
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?$")
 
 _EVERYTHING = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
 E2B_DEFAULT_DNS = ["8.8.8.8"]  # what E2B opens for a domain allowOut when dnsServers is left out
@@ -121,12 +134,40 @@ def _dns_servers(network: dict[str, Any]) -> list[str]:
     return [str(e) for e in servers]
 
 
+def mask_request_host(network: dict[str, Any] | None, port: int | None = None) -> str | None:
+    """``network.maskRequestHost``, checked: None when not given; with ``port``, ``${PORT}`` replaced by it.
+    ``InvalidRequest`` unless it is ``host[:port]`` (at most 253 characters) once ``${PORT}`` is replaced."""
+    mask = (network or {}).get("maskRequestHost")
+    if mask is None:
+        return None
+    if not isinstance(mask, str) or len(mask) > 253 or not _HOST.match(mask.replace("${PORT}", "1")):
+        raise InvalidRequest(f"network.maskRequestHost: {str(mask)[:80]!r} is not host[:port] (with ${{PORT}} "
+                             "for the sandbox's port)")
+    return mask if port is None else mask.replace("${PORT}", str(port))
+
+
+def _check_keys(network: dict[str, Any]) -> None:
+    """``InvalidRequest`` for a key of ``network`` E2B does not define, or for ``httpsPorts`` that lists a
+    port (podbay's edge speaks plain HTTP to a sandbox's ports)."""
+    unknown = sorted(set(network) - NETWORK_KEYS)
+    if unknown:
+        raise InvalidRequest(f"network.{unknown[0]}: not an option of E2B's network configuration podbay knows "
+                             f"(it knows {', '.join(sorted(NETWORK_KEYS))})")
+    if network.get("httpsPorts"):
+        raise InvalidRequest("network.httpsPorts: podbay's port edge reaches a sandbox's ports over plain HTTP "
+                             "and cannot speak TLS to them; serve plain HTTP on those ports (the edge or its "
+                             "TLS terminator gives clients HTTPS)")
+
+
 def egress_policy(allow_internet_access: bool | None, network: dict[str, Any] | None, *,
                   at_create: bool = True) -> EgressPolicy | None:
     """The podbay egress policy for E2B's options (see the module docstring); None at create when nothing
     about egress was asked. ``InvalidRequest`` for an entry that is not a network or a domain, a domain in
-    ``denyOut``, bad ``rules`` or ``dnsServers``, or any ``egressProxy``."""
+    ``denyOut``, bad ``rules`` or ``dnsServers``, any ``egressProxy``; and for the ingress options and keys
+    refused (:func:`mask_request_host`, an ``httpsPorts`` port, an unknown key)."""
     network = network or {}
+    _check_keys(network)
+    mask_request_host(network)
     if network.get("egressProxy") is not None:
         raise InvalidRequest("network.egressProxy: podbay does not tunnel a sandbox's egress through a proxy "
                              "(its gateway sends it out directly); leave egressProxy out")

@@ -93,10 +93,14 @@ async def port_url(sandbox_id: str, port: PortPath, request: Request, ctx: CtxDe
 
 
 async def e2b_traffic(ctx: ApiContext, sandbox_id: str, network: dict[str, Any] | None) -> dict[str, str]:
-    """E2B's create option ``network.allowPublicTraffic`` (default true): record it for the edge and answer
-    the fields E2B's ``Sandbox`` adds: ``trafficAccessToken`` when the sandbox's ports need it
+    """E2B's create options ``network.allowPublicTraffic`` (default true) and ``network.maskRequestHost``
+    (checked by ``e2b_network.egress_policy`` before the create): record them for the edge and answer the
+    fields E2B's ``Sandbox`` adds: ``trafficAccessToken`` when the sandbox's ports need it
     (``e2b-traffic-access-token``), nothing otherwise."""
     public = not (isinstance(network, dict) and network.get("allowPublicTraffic") is False)
-    await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, allow_public_traffic) VALUES ($1, $2)"
-                           " ON CONFLICT (sandbox_id) DO UPDATE SET allow_public_traffic = $2", sandbox_id, public)
+    mask = network.get("maskRequestHost") if isinstance(network, dict) else None
+    await ctx.pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, allow_public_traffic, mask_request_host) VALUES ($1, $2, $3)"
+        " ON CONFLICT (sandbox_id) DO UPDATE SET allow_public_traffic = $2, mask_request_host = $3",
+        sandbox_id, public, mask)
     return {} if public else {"trafficAccessToken": pa.e2b_traffic_token(ctx.settings.internal_token, sandbox_id)}

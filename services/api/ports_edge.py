@@ -16,7 +16,9 @@ request passes to the app untouched:
    states that cannot serve, 409 ``invalid_state``. The lease is renewed as by any data-plane call (at most
    every :data:`LEASE_RENEW_EVERY_S` per sandbox and process).
 5. The request goes to the node's ``/internal/ports/{id}/{port}`` (services/nodeagent/ports.py) with the
-   internal token, the generation, and the guest path in ``x-podbay-port-path``, streamed both ways
+   internal token, the generation, and the guest path in ``x-podbay-port-path`` (through E2B's hosts, for a
+   sandbox created with E2B's ``network.maskRequestHost``, the ``Host`` the guest sees in
+   ``x-podbay-port-host``), streamed both ways
    (:mod:`podbay.asgiproxy`); the node's own errors (``port_not_open``: nothing listens) are rendered here as
    JSON or HTML by ``Accept``.
 
@@ -55,7 +57,8 @@ E2B_ENVD_PORT = 49983
 _WAKE_STATES = ("paused", "suspended")
 _ROW_SQL = (
     "SELECT s.tenant_id, s.state, s.generation, n.dataplane_url, COALESCE(p.public, false) AS public,"
-    " COALESCE(e.allow_public_traffic, false) AS e2b_public, COALESCE(e.auto_resume, false) AS e2b_auto_resume"
+    " COALESCE(e.allow_public_traffic, false) AS e2b_public, COALESCE(e.auto_resume, false) AS e2b_auto_resume,"
+    " e.mask_request_host"
     " FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
     " LEFT JOIN sandbox_ports p ON p.sandbox_id = s.id AND p.port = $2"
     " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
@@ -173,6 +176,8 @@ class PortsEdge:
             guest_path = route.path.partition("?")[0] + (f"?{query}" if query else "")
             extra = {"x-podbay-internal-token": ctx.settings.internal_token,
                      "x-podbay-generation": str(row["generation"]), "x-podbay-port-path": guest_path}
+            if route.mode == "e2b" and row["mask_request_host"]:  # E2B's network.maskRequestHost
+                extra["x-podbay-port-host"] = row["mask_request_host"].replace("${PORT}", str(route.port))
             url = f"{row['dataplane_url']}/internal/ports/{route.sandbox_id}/{route.port}"
             PortsGauge.inc(labels)
             try:

@@ -2,7 +2,8 @@
 
 The API's edge (services/api/ports_edge.py) authorises a request for ``{port}-{sandbox}.{domain}`` and sends it
 here as ``/internal/ports/{sandbox_id}/{port}`` with the internal token, the generation it saw and the guest's
-path in ``x-podbay-port-path``. This
+path in ``x-podbay-port-path`` (and, for E2B's ``maskRequestHost``, the ``Host`` the guest is to see in
+``x-podbay-port-host``; otherwise it sees the client's). This
 module (plain ASGI, ahead of the data-plane app's middleware so that nothing buffers) checks both, then relays
 the request to ``http://<guest address>:<port><path>`` on the sandbox's tap (its /30, services/nodeagent/network.py):
 
@@ -52,7 +53,7 @@ from .netfilter import PORTS_MARK
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
-__all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports",
+__all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "HOST_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports",
            "guest_http_client", "connect_guest"]
 
 log = logging.getLogger("podbay.nodeagent.ports")
@@ -61,6 +62,14 @@ PREFIX = "/internal/ports/"
 CONNECT_TIMEOUT_S = 5.0
 #: Request header with the guest's path and query (``/a/b?c=d``), as the client sent them.
 PATH_HEADER = "x-podbay-port-path"
+#: Request header with the ``Host`` the guest sees instead of the client's (E2B's ``maskRequestHost``).
+HOST_HEADER = "x-podbay-port-host"
+
+
+def _guest_host(headers: dict[bytes, bytes]) -> str:
+    """The ``Host`` an HTTP request reaches the guest with: the edge's mask, else the client's host."""
+    raw = headers.get(HOST_HEADER.encode()) or headers.get(b"x-forwarded-host", headers.get(b"host", b""))
+    return raw.decode("latin-1")
 
 
 class Listener(dict[str, Any]):
@@ -215,7 +224,7 @@ class PortsProxy:
     async def _http(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
         headers = forwarded_headers(scope)
         orig = dict(scope.get("headers", []))
-        host = orig.get(b"x-forwarded-host", orig.get(b"host", b"")).decode("latin-1")
+        host = _guest_host(orig)
         if host:
             headers.append(("host", host))
         has_body = b"content-length" in orig or b"transfer-encoding" in orig
@@ -247,7 +256,9 @@ class PortsProxy:
                 502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
             return
         sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
-        await relay_websocket(scope, receive, send, f"ws://{guest}:{port}{path}", {}, sock=sock,
+        # The URI names the Host of the handshake only: the socket is connected to the guest already.
+        masked = dict(scope.get("headers", [])).get(HOST_HEADER.encode(), b"").decode("latin-1")
+        await relay_websocket(scope, receive, send, f"ws://{masked or f'{guest}:{port}'}{path}", {}, sock=sock,
                               to_client=self.redactor(sandbox_id) if self.redactor is not None else None)
 
     async def aclose(self) -> None:

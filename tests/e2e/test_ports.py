@@ -239,6 +239,40 @@ def test_the_sdk_and_cli_list_ports_and_print_the_url_and_token(stack: Any, box:
     assert "8000" in out and "private" in out
 
 
+# Answers /index.txt with "e2b", any other GET with the Host header it got, and a WebSocket handshake with one
+# text message: that Host.
+HOST_ECHO = r'''
+import base64, hashlib, http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        host = self.headers.get("Host", "")
+        key = self.headers.get("Sec-WebSocket-Key")
+        if key:
+            accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+            self.send_response(101)
+            self.send_header("Upgrade", "websocket")
+            self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", accept.decode())
+            self.end_headers()
+            data = host.encode()
+            self.wfile.write(bytes([0x81, len(data)]) + data)
+            self.wfile.flush()
+            while self.rfile.read(1):  # until the client goes
+                pass
+            self.close_connection = True
+            return
+        body = b"e2b\n" if self.path == "/index.txt" else host.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+'''
+
+
 def test_e2b_get_host_and_its_traffic_access_token(stack: Any, box: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import e2b
 
@@ -250,22 +284,31 @@ def test_e2b_get_host_and_its_traffic_access_token(stack: Any, box: Any, monkeyp
     for k, v in {"E2B_API_URL": f"{stack.api_url}/e2b", "E2B_SANDBOX_URL": stack.api_url,
                  "E2B_API_KEY": stack.api_key}.items():
         monkeypatch.setenv(k, v)
-    sb = e2b.Sandbox.create(template="base", timeout=600, network={"allow_public_traffic": False})
+    with pytest.raises(e2b.SandboxException, match="httpsPorts"):  # refused, not ignored
+        e2b.Sandbox.create(template="base", network={"https_ports": [3000]})
+    sb = e2b.Sandbox.create(template="base", timeout=600, network={"allow_public_traffic": False,
+                                                                   "mask_request_host": "localhost:${PORT}"})
     try:
         assert sb.traffic_access_token
-        sb.commands.run("mkdir -p /tmp/e && echo e2b > /tmp/e/index.txt && "
-                        "(setsid python3 -m http.server 8003 --directory /tmp/e >/dev/null 2>&1 </dev/null &)")
+        sb.files.write("/tmp/host_echo.py", HOST_ECHO)
+        sb.commands.run("(setsid python3 /tmp/host_echo.py 8003 >/dev/null 2>&1 </dev/null &)")
         host = sb.get_host(8003)
         assert host == f"8003-{sb.sandbox_id}.{domain}"
+        tok = {"e2b-traffic-access-token": sb.traffic_access_token}
 
-        def get(headers: dict[str, str]) -> httpx.Response:
-            return httpx.get(f"{stack.api_url}/index.txt", headers={"host": host, **headers}, timeout=60)
+        def get(headers: dict[str, str], path: str = "/index.txt") -> httpx.Response:
+            return httpx.get(f"{stack.api_url}{path}", headers={"host": host, **headers}, timeout=60)
 
-        r = until("E2B's host answers", lambda: (x := get({"e2b-traffic-access-token": sb.traffic_access_token}))
-                  .status_code == 200 and x, 60)
+        r = until("E2B's host answers", lambda: (x := get(tok)).status_code == 200 and x, 60)
         assert r.text == "e2b\n"
         assert get({}).status_code == 403
         assert get({"e2b-traffic-access-token": "0" * 64}).status_code == 403
+        # maskRequestHost: the guest's server sees that Host, "${PORT}" replaced, over HTTP and WebSocket.
+        assert get(tok, "/host").text == "localhost:8003"
+        ws_url = stack.api_url.replace("http://", "ws://") + "/ws"
+        with ws_connect(ws_url, additional_headers={"e2b-sandbox-id": sb.sandbox_id, "e2b-sandbox-port": "8003",
+                                                    **tok}, open_timeout=30) as ws:
+            assert ws.recv(timeout=30) == "localhost:8003"
     finally:
         sb.kill()
 

@@ -103,3 +103,18 @@ def test_e2b_network_rules_dns_servers_and_egress_proxy() -> None:
                 {"dnsServers": ["::1"]}, {"dnsServers": ["1.1.1.1"] * 11}):
         with pytest.raises(InvalidRequest):
             egress_policy(None, bad)
+
+
+def test_e2b_ingress_options_mask_host_and_refuse_https_ports_and_unknown_keys() -> None:
+    from podbay_api.e2b_network import egress_policy, mask_request_host
+
+    assert mask_request_host(None) is None and mask_request_host({"allowOut": []}) is None
+    assert mask_request_host({"maskRequestHost": "localhost:${PORT}"}, 3000) == "localhost:3000"
+    assert mask_request_host({"maskRequestHost": "${PORT}-app.example.com"}, 8080) == "8080-app.example.com"
+    assert mask_request_host({"maskRequestHost": "[::1]:${PORT}"}, 80) == "[::1]:80"
+    assert egress_policy(None, {"maskRequestHost": "localhost:${PORT}", "httpsPorts": []}) is None  # not egress
+    for bad in ({"maskRequestHost": "a b"}, {"maskRequestHost": "host/path"}, {"maskRequestHost": 3},
+                {"maskRequestHost": "x" * 254}, {"httpsPorts": [3000]}, {"allowPackageRegistryAccess": True}):
+        with pytest.raises(InvalidRequest) as err:
+            egress_policy(None, bad)
+        assert err.value.message.startswith("network."), err.value.message

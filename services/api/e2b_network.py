@@ -26,7 +26,8 @@ the sandbox's port with, as E2B's proxy sends it; ``httpsPorts`` (ports whose se
 with 400 unless empty: podbay's edge reaches a sandbox's ports over plain HTTP. A ``network`` key E2B's API
 does not define is refused with 400, so that nothing asked for is silently left undone.
 
-    PUT /e2b/sandboxes/{id}/network   204   E2B's SandboxNetworkUpdateConfig; omitted fields are cleared
+    PUT /e2b/sandboxes/{id}/network   204   E2B's SandboxNetworkUpdateConfig; omitted fields are cleared,
+                                            other keys refused (400)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from podbay.contracts.egress import EgressPolicy, EgressRule, HeaderTransform
 from podbay.errors import InvalidRequest
@@ -63,7 +64,10 @@ CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 
 
 class NetworkUpdate(_Body):
-    """E2B's ``SandboxNetworkUpdateConfig`` (the fields podbay applies)."""
+    """E2B's ``SandboxNetworkUpdateConfig``; other keys are kept (``model_extra``) to be refused by
+    :meth:`refuse_unknown`."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     allow_out: list[str] | None = Field(None, alias="allowOut", max_length=256)
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
@@ -71,6 +75,14 @@ class NetworkUpdate(_Body):
     dns_servers: list[str] | None = Field(None, alias="dnsServers")
     egress_proxy: dict[str, Any] | None = Field(None, alias="egressProxy")
     allow_internet_access: bool | None = None
+
+    def refuse_unknown(self) -> None:
+        """``InvalidRequest`` for a key E2B's update does not define (the ingress options, ``maskRequestHost``
+        among them, are set at create only, as in E2B)."""
+        unknown = sorted(self.model_extra or {})
+        if unknown:
+            raise InvalidRequest(f"network.{unknown[0]}: not an option of E2B's network update (allowOut, "
+                                 "denyOut, dnsServers, egressProxy, rules, allow_internet_access)")
 
 
 def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
@@ -221,6 +233,7 @@ def _allow_deny(allow_internet_access: bool | None, allow_out: list[str], deny_o
 async def update_network(sandbox_id: str, body: NetworkUpdate, ctx: CtxDep, who: WhoDep) -> Response:
     """Replace a sandbox's egress configuration (omitted fields are cleared: the internet is open unless
     closed) -> 204; the gateway applies it from the guest's next connection."""
+    body.refuse_unknown()
     await _row(ctx, who, sandbox_id)
     policy = egress_policy(body.allow_internet_access,
                            {"allowOut": body.allow_out or [], "denyOut": body.deny_out or [], "rules": body.rules,

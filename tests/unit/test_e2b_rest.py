@@ -118,3 +118,16 @@ def test_e2b_ingress_options_mask_host_and_refuse_https_ports_and_unknown_keys()
         with pytest.raises(InvalidRequest) as err:
             egress_policy(None, bad)
         assert err.value.message.startswith("network."), err.value.message
+
+
+def test_e2b_network_update_refuses_keys_it_does_not_define() -> None:
+    from podbay_api.e2b_network import NetworkUpdate
+
+    ok = NetworkUpdate.model_validate({"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"],
+                                       "allow_internet_access": False})
+    ok.refuse_unknown()
+    assert ok.allow_out == ["api.example.com"] and ok.allow_internet_access is False
+    for bad in ({"maskRequestHost": "localhost:${PORT}"}, {"allowPublicTraffic": False},
+                {"allowPackageRegistryAccess": True}):
+        with pytest.raises(InvalidRequest, match=f"network.{next(iter(bad))}"):
+            NetworkUpdate.model_validate(bad).refuse_unknown()

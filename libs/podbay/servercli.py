@@ -202,13 +202,20 @@ def build(
     ready_port: int | None = typer.Option(None, "--ready-port", help="Start command ready when this port answers."),
     egress_allow: list[str] = typer.Option([], "--egress-allow", help="HOST:PORT the RUN steps may reach "
                                            "(repeatable; API builds)."),
+    memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB (API builds; default: "
+                                          "the FROM template's)."),
+    vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (API builds; default: the FROM "
+                                     "template's)."),
+    disk_mib: int | None = typer.Option(None, "--disk-mib", help="Root disk size in MiB (API builds; default: "
+                                        "the FROM template's)."),
     as_json: bool = typer.Option(False, "--json", help="Print the template as JSON (API builds)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cached build is current."),
 ) -> None:
     """Build a template: from a Dockerfile through the API (-f/CONTEXT), else a built-in one on this host
     (runs `podbay-nodeagent template build`; needs root)."""
     if dockerfile is not None or context is not None:
-        build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow)
+        build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow,
+                      memory_mib, vcpus, disk_mib)
         return
     if not re.fullmatch(NAME_PATTERN, name):
         raise typer.BadParameter(

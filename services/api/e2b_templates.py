@@ -47,7 +47,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from podbay.buildcontext import MAX_CONTEXT_BYTES, ContextError, ContextTooLarge, check_context
-from podbay.contracts.templates import TEMPLATE_NAME_RE, BuildEvent, ImageConfig
+from podbay.contracts.templates import (
+    MEMORY_MIB_MAX,
+    MEMORY_MIB_MIN,
+    TEMPLATE_NAME_RE,
+    VCPUS_MAX,
+    VCPUS_MIN,
+    BuildEvent,
+    BuildResources,
+    ImageConfig,
+)
 from podbay.e2b_build import E2bBuildError, E2bBuildStart, Translation, files_dir, render, translate
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unauthorized, Unavailable
 from podbay.objstore import StorageError, open_store
@@ -58,7 +67,7 @@ from .deps import ctx_dep
 from .e2b_common import WhoDep, _Body, _E2bRoute, _iso, error_body
 from .templates import BUILTIN, start_build
 
-__all__ = ["router", "FILES_PREFIX"]
+__all__ = ["router", "FILES_PREFIX", "check_resources"]
 
 log = logging.getLogger("podbay.api.e2b_templates")
 
@@ -89,6 +98,24 @@ class BuildRequestV3(_Body):
     min_free_disk_mb: int | None = Field(None, alias="minFreeDiskMb")
 
 
+def check_resources(cpu_count: int | None, memory_mb: int | None) -> None:
+    """Refuse what E2B's API refuses, with its status (400): fewer than 1 vCPU, less than 128 MiB or an odd
+    number of MiB of memory; and what podbay cannot give a template (over ``VCPUS_MAX`` vCPUs or
+    ``MEMORY_MIB_MAX`` MiB, the native API's bounds)."""
+    if cpu_count is not None:
+        if cpu_count < VCPUS_MIN:
+            raise InvalidRequest(f"cpuCount {cpu_count}: CPU count must be at least {VCPUS_MIN}")
+        if cpu_count > VCPUS_MAX:
+            raise InvalidRequest(f"cpuCount {cpu_count}: CPU count must be at most {VCPUS_MAX}")
+    if memory_mb is not None:
+        if memory_mb < MEMORY_MIB_MIN:
+            raise InvalidRequest(f"memoryMB {memory_mb}: memory must be at least {MEMORY_MIB_MIN} MiB")
+        if memory_mb % 2:
+            raise InvalidRequest(f"memoryMB {memory_mb}: memory must be an even number of MiB")
+        if memory_mb > MEMORY_MIB_MAX:
+            raise InvalidRequest(f"memoryMB {memory_mb}: memory must be at most {MEMORY_MIB_MAX} MiB")
+
+
 def _template_name(raw: str | None, tags: list[str] | None) -> str:
     """The podbay template name of E2B's ``name[:tag]``; InvalidRequest for other tags (podbay keeps one
     version per name) or a name outside ``[a-z0-9-]``."""
@@ -116,12 +143,14 @@ async def _log(ctx: ApiContext, build_id: str, entries: list[tuple[str, str, str
 @router.post("/v3/templates")
 async def request_build(body: BuildRequestV3, ctx: CtxDep, who: WhoDep) -> JSONResponse:
     """Request a build of template ``name`` -> 202 ``TemplateRequestResponseV3`` (``templateID`` is the
-    name). ``cpuCount``, ``memoryMB`` and ``minFreeDiskMb`` are accepted and not used: a template has its
-    FROM template's resources."""
+    name). ``cpuCount`` and ``memoryMB`` become the template's vCPUs and memory (absent: the FROM template's);
+    400 for values E2B refuses (:func:`check_resources`). ``minFreeDiskMb`` is accepted and not used."""
     name = _template_name(body.name or body.alias, body.tags)
+    check_resources(body.cpu_count, body.memory_mb)
     build_id = new_id("bld")
-    await ctx.pool.execute("INSERT INTO e2b_template_builds (id, template, tenant_id) VALUES ($1, $2, $3)",
-                           build_id, name, who.tenant_id)
+    await ctx.pool.execute("INSERT INTO e2b_template_builds (id, template, tenant_id, cpu_count, memory_mb)"
+                           " VALUES ($1, $2, $3, $4, $5)", build_id, name, who.tenant_id, body.cpu_count,
+                           body.memory_mb)
     await _log(ctx, build_id, [("info", f"Build of template {name} requested", None)])
     return JSONResponse({"templateID": name, "buildID": build_id, "public": False, "names": [name],
                          "tags": ["default"], "aliases": [name]}, status_code=202)
@@ -276,7 +305,9 @@ async def start(template_id: str, build_id: str, request: Request, ctx: CtxDep, 
         await _log(ctx, build_id, [("info", f"Building template {template_id} from {tr.spec.base.ref}: "
                                     f"{len(body.steps)} steps", None)])
         check_context(tr.spec, data)
-        pb_build, resp = await start_build(ctx, who, template_id, tr.spec, data, render(body),
+        spec = tr.spec.model_copy(update={"resources": BuildResources(memory_mib=row["memory_mb"],
+                                                                      vcpus=row["cpu_count"])})
+        pb_build, resp = await start_build(ctx, who, template_id, spec, data, render(body),
                                            parent=tr.spec.base.ref, egress=None)
     except PodbayError as exc:
         step = exc.details.get("step") if isinstance(exc, E2bBuildError) else None

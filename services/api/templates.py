@@ -32,9 +32,16 @@ from pydantic import ValidationError
 from podbay.buildcontext import MAX_CONTEXT_BYTES, ContextTooLarge, check_context
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import (
+    DISK_MIB_MAX,
+    DISK_MIB_MIN,
+    MEMORY_MIB_MAX,
+    MEMORY_MIB_MIN,
     TEMPLATE_NAME_RE,
+    VCPUS_MAX,
+    VCPUS_MIN,
     BuildInfo,
     BuildList,
+    BuildResources,
     BuildSpec,
     ImageConfig,
     NodeBuildRequest,
@@ -109,12 +116,21 @@ async def build_template(
                                            "the start command is ready.")] = None,
     egress: Annotated[str | None, Form(description="JSON EgressPolicy for the RUN steps' network (default: the "
                                        "FROM template's policy; none: no egress).")] = None,
+    memory_mib: Annotated[int | None, Form(ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX, description="Guest RAM of the "
+                                           "template's sandboxes, MiB (default: the FROM template's).")] = None,
+    vcpus: Annotated[int | None, Form(ge=VCPUS_MIN, le=VCPUS_MAX, description="Guest vCPUs of the template's "
+                                      "sandboxes (default: the FROM template's).")] = None,
+    disk_mib: Annotated[int | None, Form(ge=DISK_MIB_MIN, le=DISK_MIB_MAX, description="Root disk size, MiB: at "
+                                         "least the FROM template's (default: the FROM template's).")] = None,
 ) -> Response:
     """Build template ``name`` and stream its log. Errors before the stream starts: 422 ``validation_error``
     (a name outside ``[a-z0-9-]``, bad build args), 422 ``invalid_dockerfile`` (names the line and
     instruction), 413 ``context_too_large``, 400 ``invalid_context`` / ``missing_copy_source``, 404
     ``not_found`` (FROM names no template), 409 ``conflict`` (a build of the name runs, or the name is built
-    in), 503 (no node holds the FROM template). A failed step, or a start command (CMD/ENTRYPOINT) that exits
+    in), 503 (no node holds the FROM template), 422 ``validation_error`` for ``memory_mib``, ``vcpus`` or
+    ``disk_mib`` out of bounds, or a ``disk_mib`` below the FROM template's disk. Resources other than the
+    FROM template's cost one boot of its disk (seconds under TCG) before the steps, cached like a layer. A
+    failed step, or a start command (CMD/ENTRYPOINT) that exits
     or does not get ready (``ready_cmd`` exits 0, ``ready_port`` answers; within 120 s), ends the stream with
     a ``failed`` event (step, exit code, output tail) and registers nothing. With a start command the
     template is snapshotted with it running, so every sandbox of it starts with the process up.
@@ -136,6 +152,8 @@ async def build_template(
             raise Unprocessable("a readiness check (ready_cmd, ready_port) needs a start command (CMD or ENTRYPOINT)")
         spec = spec.model_copy(update={"config": spec.config.model_copy(
             update={"ready_cmd": ready_cmd, "ready_port": ready_port})})
+    spec = spec.model_copy(update={"resources": BuildResources(memory_mib=memory_mib, vcpus=vcpus,
+                                                               disk_mib=disk_mib)})
     data = await _read_limited(context, MAX_CONTEXT_BYTES)
     check_context(spec, data)
     # An OCI image travels in the context and becomes a template on the building node, which needs only

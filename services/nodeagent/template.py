@@ -264,15 +264,17 @@ async def prepare_template(
 
 async def boot_and_snapshot(
     name: str, settings: Settings, image: BaseImage, accel: Accel, qver: str, tsc: int, key: str,
-    final: Path, report: ProgressFn, vmm: Vmm,
+    final: Path, report: ProgressFn, vmm: Vmm, *, memory_mib: int | None = None, vcpus: int | None = None,
 ) -> TemplateSnapshot:
     """Boot ``image`` once, wait for guestd, prime the guest (:func:`prime_guest`) and take its full snapshot
-    into ``final`` (created whole by rename). Raises :class:`TemplateError` naming the step that failed, with
-    the console's tail in its log."""
+    into ``final`` (created whole by rename). ``memory_mib``/``vcpus``: the guest's (default: the settings'
+    sandbox defaults). Raises :class:`TemplateError` naming the step that failed, with the console's tail in
+    its log."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
     log_path = settings.cache_dir / "logs" / f"template-{name}-{stamp}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
+    # A short prefix: QEMU's unix socket paths below it must stay under 108 bytes (template names reach 63).
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name[:8]}-", dir=final.parent))
     vm_dir = tmp / "vm"
     snap_dir = tmp / "snap"
     vm: VmHandle | None = None
@@ -284,8 +286,8 @@ async def boot_and_snapshot(
         shutil.copy2(image.kernel, tmp / "vmlinuz")
         shutil.copy2(image.initrd, tmp / "initrd.img")
         config = VmConfig(
-            kernel=tmp / "vmlinuz", initrd=tmp / "initrd.img", memory_mib=settings.sandbox_memory_mib,
-            vcpus=settings.sandbox_vcpus, accel=accel, tsc_khz=tsc, qemu_binary=settings.qemu_binary,
+            kernel=tmp / "vmlinuz", initrd=tmp / "initrd.img", memory_mib=memory_mib or settings.sandbox_memory_mib,
+            vcpus=vcpus or settings.sandbox_vcpus, accel=accel, tsc_khz=tsc, qemu_binary=settings.qemu_binary,
             boot_timeout_s=settings.boot_timeout_s, tcg_tb_size_mib=settings.tcg_tb_size_mib,
         )
         t0 = time.monotonic()

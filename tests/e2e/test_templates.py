@@ -6,7 +6,8 @@ sandbox of the first version keeps it; a failed RUN registers nothing and leaves
 is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
 sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
 network under the build's egress policy and nothing without one (skipped where the machine has no way to
-a package index); a node agent SIGKILLed mid-build fails the build and leaves no builder VM behind.
+a package index); a template built with other memory, vCPUs and disk gives sandboxes with them, and bad
+values are refused; a node agent SIGKILLed mid-build fails the build and leaves no builder VM behind.
 """
 
 from __future__ import annotations
@@ -140,6 +141,49 @@ def test_failed_step_registers_nothing_and_bad_input_is_refused(stack: Any, tmp_
         finally:
             first.join(120)
         assert h.delete("/v1/templates/e2e-slow").status_code == 204
+
+
+def test_resources_are_build_parameters_and_bad_ones_are_refused(stack: Any) -> None:
+    """A template built with other memory, vCPUs and a larger disk than base's (one boot of base's disk with
+    them, then its steps on that) gives sandboxes with that memory (guest MemTotal), those vCPUs and that
+    filesystem size, and the steps' files; bad values are refused with 422 before anything starts."""
+    with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
+        base = next(t for t in c.list_templates() if t.name == "base")
+        assert (base.memory_mib, base.vcpus) == (256, 1)
+        # A disk smaller than base's is refused by the node (which knows base's size, and says it).
+        r = h.post("/v1/templates", data={"name": "e2e-bad-size", "dockerfile": "FROM podbay/base\n",
+                                          "disk_mib": "512"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+        base_disk_mib = int(r.json()["error"]["details"]["from_disk_mib"])
+        assert base_disk_mib > 512
+        tpl, events = _build(c, "e2e-sized", "FROM podbay/base\nRUN echo sized > /etc/sized\n", None,
+                             memory_mib=512, vcpus=2, disk_mib=base_disk_mib + 512)
+        assert (tpl.memory_mib, tpl.vcpus, tpl.size_bytes) == (512, 2, (base_disk_mib + 512) << 20)
+        logs = "".join(e.text or "" for e in events if e.type == "log")
+        assert "booting base's disk with 512 MiB and 2 vCPUs" in logs, logs
+        with new_sandbox(h, "e2e-sized") as sid:
+            info = h.get(f"/v1/sandboxes/{sid}").json()
+            assert (info["memory_mib"], info["vcpus"]) == (512, 2)
+            mem_kib = int(sh(h, sid, "awk '/^MemTotal:/ {print $2}' /proc/meminfo"))
+            assert 400 << 10 < mem_kib <= 512 << 10, mem_kib  # the kernel keeps some for itself
+            assert sh(h, sid, "nproc") == "2\n"
+            fs_kib = int(sh(h, sid, "df -k --output=size / | tail -1"))
+            assert fs_kib > (base_disk_mib + 256) << 10, fs_kib  # base's is under base_disk_mib
+            assert sh(h, sid, "cat /etc/sized") == "sized\n"
+
+        def refused(status: int, code: str, **form: Any) -> None:
+            r = h.post("/v1/templates", data={"name": "e2e-bad-size", "dockerfile": "FROM podbay/base\n",
+                                             **{k: str(v) for k, v in form.items()}})
+            assert r.status_code == status and r.json()["error"]["code"] == code, (form, r.text)
+
+        refused(422, "validation_error", memory_mib=64)
+        refused(422, "validation_error", memory_mib=1 << 20)
+        refused(422, "validation_error", vcpus=0)
+        refused(422, "validation_error", vcpus=65)
+        refused(422, "validation_error", memory_mib="lots")
+        refused(422, "validation_error", disk_mib=100)
+        assert "e2e-bad-size" not in {t.name for t in c.list_templates()}
+        assert h.delete("/v1/templates/e2e-sized").status_code == 204
 
 
 def test_start_command_serves_from_the_first_exec_and_one_that_exits_fails(stack: Any, tmp_path: Path) -> None:

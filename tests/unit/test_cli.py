@@ -248,12 +248,14 @@ def test_template_build_streams_steps_and_prints_the_template(fake_api: FakeApi,
     (ctx / "app.txt").write_text("x")
     (tmp_path / "Dockerfile").write_text("FROM podbay/base\nCOPY app.txt /app.txt\n")
     result = run(fake_api, "template", "build", "web", "-f", str(tmp_path / "Dockerfile"), str(ctx),
-                 "--build-arg", "A=1", "--ready-port", "8000")
+                 "--build-arg", "A=1", "--ready-port", "8000", "--memory-mib", "1024", "--vcpus", "2",
+                 "--disk-mib", "4096")
     assert result.exit_code == 0, result.output
     assert "[1/2] CACHED RUN apt-get update" in result.stderr and "[2/2] RUN make" in result.stderr
     assert "compiling" in result.stderr and "cdcdcd" in result.stdout
     body = fake_api.last("/v1/templates").body
-    for field_, value in (("name", b"web"), ("build_args", b'{"A": "1"}'), ("ready_port", b"8000")):
+    for field_, value in (("name", b"web"), ("build_args", b'{"A": "1"}'), ("ready_port", b"8000"),
+                          ("memory_mib", b"1024"), ("vcpus", b"2"), ("disk_mib", b"4096")):
         assert f'name="{field_}"'.encode() + b"\r\n\r\n" + value in body
     assert b"COPY app.txt /app.txt" in body and b'name="context"' in body
 

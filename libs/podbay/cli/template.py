@@ -50,7 +50,8 @@ def _show(ev: BuildEvent) -> None:
 
 def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, context: Path | None,
                   build_args: list[str], as_json: bool, ready_cmd: str | None = None,
-                  ready_port: int | None = None, egress_allow: list[str] | None = None) -> None:
+                  ready_port: int | None = None, egress_allow: list[str] | None = None,
+                  memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None) -> None:
     """Build ``name`` through the API from ``dockerfile`` (default ``CONTEXT/Dockerfile``) and ``context``,
     streaming steps to stderr; prints the template (a record, or JSON) on stdout."""
     ctx_dir = context if context is not None else Path(".")
@@ -75,7 +76,8 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
             rules.append({"domain": host, "ports": [int(port)]})
         egress = {"allow": rules}
     tpl = client(ctx).build_template(name, file, ctx_dir, build_args=args, ready_cmd=ready_cmd,
-                                     ready_port=ready_port, egress=egress, on_event=_show)
+                                     ready_port=ready_port, egress=egress, memory_mib=memory_mib, vcpus=vcpus,
+                                     disk_mib=disk_mib, on_event=_show)
     if as_json:
         print_json(tpl)
     else:
@@ -94,12 +96,18 @@ def build(
     ready_port: int | None = typer.Option(None, "--ready-port", help="Start command ready when this port answers."),
     egress_allow: list[str] = typer.Option([], "--egress-allow", help="HOST:PORT the RUN steps may reach "
                                            "(repeatable; default: the FROM template's policy)."),
+    memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB of the template's "
+                                          "sandboxes (default: the FROM template's)."),
+    vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (default: the FROM template's)."),
+    disk_mib: int | None = typer.Option(None, "--disk-mib", help="Root disk size in MiB, at least the FROM "
+                                        "template's (default: the FROM template's)."),
     as_json: bool = typer.Option(False, "--json", help="Print the template as JSON."),
 ) -> None:
     """Build a template from a Dockerfile through the API, streaming each step (CACHED when reused)."""
     if dockerfile is None and context is None:  # the host build of a built-in template
         fail("`podbay template build` comes with the server package: pip install podbay-server", "unavailable", 1)
-    build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow)
+    build_via_api(ctx, name, dockerfile, context, build_arg, as_json, ready_cmd, ready_port, egress_allow,
+                  memory_mib, vcpus, disk_mib)
 
 
 @template_app.command("rm")

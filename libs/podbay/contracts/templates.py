@@ -29,6 +29,13 @@ __all__ = [
     "WorkdirStep",
     "BuildStep",
     "ImageConfig",
+    "BuildResources",
+    "MEMORY_MIB_MIN",
+    "MEMORY_MIB_MAX",
+    "VCPUS_MIN",
+    "VCPUS_MAX",
+    "DISK_MIB_MIN",
+    "DISK_MIB_MAX",
     "BuildSpec",
     "BuildState",
     "BuildEvent",
@@ -117,12 +124,31 @@ class ImageConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+#: Bounds of a template's resources (a sandbox's are the template's: its memory is in the snapshot).
+MEMORY_MIB_MIN, MEMORY_MIB_MAX = 128, 16384
+VCPUS_MIN, VCPUS_MAX = 1, 16
+DISK_MIB_MIN, DISK_MIB_MAX = 512, 256 << 10
+
+
+class BuildResources(_Strict):
+    """A build's resources; each absent one is the ``FROM`` template's. Memory and vCPUs are in a full
+    snapshot's device state and RAM file, which a restore cannot change: a build that asks for other values
+    than its parent's boots the parent's disk once with them (then snapshots it) instead of restoring the
+    parent. ``disk_mib`` may only grow the parent's disk (its ext4 filesystem is grown to fit)."""
+
+    memory_mib: int | None = Field(None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX, description="Guest RAM, MiB.")
+    vcpus: int | None = Field(None, ge=VCPUS_MIN, le=VCPUS_MAX, description="Guest vCPUs.")
+    disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX,
+                                 description="Root disk size, MiB; at least the FROM template's.")
+
+
 class BuildSpec(_Strict):
-    """A parsed Dockerfile: parent, disk steps in order, and the final config."""
+    """A parsed Dockerfile: parent, disk steps in order, and the final config; and the build's resources."""
 
     base: FromRef
     steps: list[BuildStep] = Field(default_factory=list)
     config: ImageConfig = Field(default_factory=ImageConfig)
+    resources: BuildResources = Field(default_factory=BuildResources)
 
 
 class BuildState(StrEnum):
@@ -162,6 +188,9 @@ class TemplateBuildParams(BaseModel):
     name: TemplateName
     dockerfile: str = Field(min_length=1, max_length=256 << 10, description="The Dockerfile's text.")
     build_args: dict[str, str] = Field(default_factory=dict)
+    memory_mib: int | None = Field(None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)
+    vcpus: int | None = Field(None, ge=VCPUS_MIN, le=VCPUS_MAX)
+    disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX)
 
 
 class TemplateDetail(BaseModel):

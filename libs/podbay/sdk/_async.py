@@ -278,9 +278,11 @@ class AsyncClient:
     async def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
                              build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
                              ready_port: int | None = None, egress: Any = None,
+                             memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
                              on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
         """As the sync ``Client.build_template``."""
-        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress)
+        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress,
+                               memory_mib, vcpus, disk_mib)
         async with self._stream(call) as resp:
             async for line in resp.aiter_lines():
                 ev = _tpl.parse_line(line)

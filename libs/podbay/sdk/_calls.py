@@ -502,9 +502,11 @@ def list_templates() -> Call[builtins.list[TemplateDetail]]:
 
 def build_template_call(name: str, dockerfile: str, context: bytes,
                         build_args: Mapping[str, str] | None = None, *, ready_cmd: str | None = None,
-                        ready_port: int | None = None, egress: Any = None) -> Call[None]:
+                        ready_port: int | None = None, egress: Any = None, memory_mib: int | None = None,
+                        vcpus: int | None = None, disk_mib: int | None = None) -> Call[None]:
     """``POST /v1/templates`` (multipart: ``name``, ``dockerfile``, ``build_args`` JSON, ``ready_cmd``,
-    ``ready_port``, ``egress`` (an ``EgressPolicy`` for the RUN steps), ``context`` tarball) -> NDJSON
+    ``ready_port``, ``egress`` (an ``EgressPolicy`` for the RUN steps), ``memory_mib``, ``vcpus``,
+    ``disk_mib`` (the template's resources; absent: the FROM template's), ``context`` tarball) -> NDJSON
     ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long."""
     form = {"name": name, "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))}
     if ready_cmd is not None:
@@ -514,6 +516,9 @@ def build_template_call(name: str, dockerfile: str, context: bytes,
     if egress is not None:
         policy = egress if isinstance(egress, EgressPolicy) else _validate(EgressPolicy, egress, "egress")
         form["egress"] = policy.model_dump_json()
+    for key, value in (("memory_mib", memory_mib), ("vcpus", vcpus), ("disk_mib", disk_mib)):
+        if value is not None:
+            form[key] = str(value)
     return Call("POST", "/v1/templates", _none,
                 data=form,
                 files={"context": ("context.tar.gz", context, "application/gzip")},

@@ -286,14 +286,17 @@ class Client:
     def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
                        build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
                        ready_port: int | None = None, egress: Any = None,
+                       memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
                        on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
         """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory; calls
         ``on_event`` with each step and log event; returns the template. With a start command (CMD or
         ENTRYPOINT), ``ready_cmd`` (exits 0) or ``ready_port`` (answers) says when it is ready to snapshot.
         ``egress``: the RUN steps' network policy (an ``EgressPolicy`` or its JSON shape; default the FROM
-        template's). Raises ``TemplateBuildFailed`` (a
+        template's). ``memory_mib``, ``vcpus``, ``disk_mib``: the template's resources (default the FROM
+        template's; others cost one boot of its disk before the steps). Raises ``TemplateBuildFailed`` (a
         step failed: ``details`` has step, exit_code, output_tail) or the API's typed 4xx errors."""
-        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress)
+        call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress,
+                               memory_mib, vcpus, disk_mib)
         with self._stream(call) as resp:
             for line in resp.iter_lines():
                 ev = _tpl.parse_line(line)

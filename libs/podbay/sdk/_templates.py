@@ -34,16 +34,17 @@ class TemplateBuildFailed(PodbayError):
 
 def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
                build_args: Mapping[str, str] | None, ready_cmd: str | None = None,
-               ready_port: int | None = None, egress: Any = None) -> calls.Call[None]:
+               ready_port: int | None = None, egress: Any = None, memory_mib: int | None = None,
+               vcpus: int | None = None, disk_mib: int | None = None) -> calls.Call[None]:
     """The request: ``dockerfile`` is its text, or a path to it (a ``Path``, or a ``str`` naming a file);
-    ``context`` a directory (None: an empty context)."""
+    ``context`` a directory (None: an empty context); resources as :func:`calls.build_template_call`."""
     if isinstance(dockerfile, Path) or ("\n" not in dockerfile and Path(dockerfile).is_file()):
         text = Path(dockerfile).read_text()
     else:
         text = str(dockerfile)
     data = pack_context(Path(context)) if context is not None else b""
     return calls.build_template_call(name, text, data, build_args, ready_cmd=ready_cmd, ready_port=ready_port,
-                                     egress=egress)
+                                     egress=egress, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib)
 
 
 def parse_line(line: str | bytes) -> BuildEvent | None:

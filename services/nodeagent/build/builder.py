@@ -1,6 +1,6 @@
 """Build a template from a parsed Dockerfile (:class:`~podbay.contracts.templates.BuildSpec`) on this node.
 
-Design (why it boots nothing): guests here run under TCG, where a cold boot of a Debian guest takes seconds
+Design (why it boots nothing, resources aside): guests here run under TCG, where a cold boot of a Debian guest takes seconds
 and a restore about 200 ms (docs/DESIGN.md §3). So a build never boots. Its builder VM is a *restore* of the
 ``FROM`` template's full snapshot, or of the deepest cached layer, and every layer is itself a full
 snapshot (device state + RAM + disk, all reflinks on btrfs), not a disk image alone: a layer taken from the
@@ -9,6 +9,10 @@ snapshot, restorable by every create path (warm, cold, fork) exactly like ``base
 across steps; each step costs one full snapshot (a pause of tens of ms plus reflinks). A rebuild whose
 prefix is unchanged restores the last cached layer (or, when every step is cached, starts no VM at all)
 and says ``cached`` for each reused step.
+
+Resources: a build that asks for other memory, vCPUs or a larger disk than its FROM template's (which a
+restore cannot change) boots the parent's disk once with them and builds on that snapshot, a layer keyed by
+the parent and the resources (build/resources.py); a build that asks for none restores as above.
 
 The builder VM is confined like a sandbox: the same VMM (bubblewrap-confined QEMU), its own lease, tap and
 binding on the sandbox network, so its traffic can only reach the gateway. The gateway knows no sandbox row
@@ -60,6 +64,7 @@ from ..vmdriver import TemplateImage, VmHandle
 from ..vmm import reflink_or_copy
 from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest
 from .oci import image_ref, prepare_oci_template
+from .resources import Resources, resize_key, resized_root, resolve
 
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
@@ -140,11 +145,14 @@ async def _chunks(path: Path, size: int = 1 << 20) -> AsyncIterator[bytes]:
 class _Builder:
     """The builder VM of one build: restored on demand, one step at a time, then killed."""
 
-    def __init__(self, m: SandboxManager, req: BuildRequest, parent: TemplateImage, emit: Emit) -> None:
+    def __init__(self, m: SandboxManager, req: BuildRequest, parent: TemplateImage, emit: Emit,
+                 memory_mib: int, vcpus: int) -> None:
         self.m = m
         self.req = req
         self.parent = parent
         self.emit = emit
+        self.memory_mib = memory_mib  # the snapshot's it restores: the parent's, or the build's resized root's
+        self.vcpus = vcpus
         self.vm_id = f"build-{req.build_id}"
         self.vm_dir = m.store.root / "builds" / req.build_id
         self.handle: VmHandle | None = None
@@ -154,14 +162,23 @@ class _Builder:
         m = self.m
         binding, tap_fd = await asyncio.to_thread(m.net.prepare, self.vm_id, 1)
         try:
-            snap = self.parent.snapshot
             self.handle = await m.driver.restore_from(snapshot_dir, self.parent, self.vm_dir,
-                                                      memory_mib=snap.memory_mib, vcpus=snap.vcpus, tap_fd=tap_fd)
+                                                      memory_mib=self.memory_mib, vcpus=self.vcpus, tap_fd=tap_fd)
         finally:
             os.close(tap_fd)
         self.ch = await GuestChannel.connect(self.handle.channel_path, timeout_s=m.settings.restore_timeout_s)
         await self.ch.after_restore(hostname=f"build-{self.req.name}"[:63], seed=os.urandom(64),
                                     time_ns=time.time_ns(), net=m.guest_net(binding))
+
+    async def frozen_disk(self, dest: Path) -> None:
+        """A reflink of the guest's disk taken with its filesystems frozen (all written back, the journal
+        clean), so that it boots as it is (build/resources.py)."""
+        assert self.ch is not None and self.handle is not None
+        await self.ch.freeze(["/"], timeout_s=60.0)
+        try:
+            await asyncio.to_thread(reflink_or_copy, self.handle.inner.paths.disk, dest)
+        finally:
+            await self.ch.thaw(["/"])
 
     async def close(self) -> None:
         if self.ch is not None:
@@ -369,11 +386,14 @@ class TemplateBuilder:
         return gone
 
     def check_parent(self, spec: BuildSpec) -> None:
-        """Refuse a build whose ``FROM`` template this node lacks (``NotFound``) before its stream starts. An
-        OCI image is read during the build (:meth:`parent`)."""
-        if spec.base.kind == "template" and spec.base.ref not in self.m.templates:
-            raise NotFound(f"FROM: unknown template {spec.base.ref!r} on node {self.m.node_id}",
-                           details={"from": spec.base.ref})
+        """Refuse a build whose ``FROM`` template this node lacks (``NotFound``), or whose resources it cannot
+        have (``Unprocessable``: a disk smaller than the parent's), before its stream starts. An OCI image is
+        read during the build (:meth:`parent`), and its template's resources checked then."""
+        if spec.base.kind == "template":
+            if spec.base.ref not in self.m.templates:
+                raise NotFound(f"FROM: unknown template {spec.base.ref!r} on node {self.m.node_id}",
+                               details={"from": spec.base.ref})
+            resolve(self.m.templates[spec.base.ref].snapshot, spec.resources)
 
     async def parent(self, req: BuildRequest, emit: Emit) -> TemplateImage:
         """The ``FROM`` template's current build on this node; for an OCI image, the image's root template
@@ -433,19 +453,27 @@ class TemplateBuilder:
         """Run the build (see the module docstring) and register the template; returns it. Raises
         :class:`StepFailed`, or a VMM/channel error; either way nothing is registered."""
         parent = await self.parent(req, emit)
+        res = resolve(parent.snapshot, req.spec.resources)
         req, steps = inherit(parent.snapshot.config, req, steps)
         cfg = req.spec.config
         keys: list[str] = []
-        prev = parent.digest
+        # Other resources than the parent's: the steps build on the resized root (build/resources.py).
+        root_key = resize_key(parent.digest, res) if res.boot else parent.digest
+        prev = root_key
         for step in steps:
             prev = layer_key(prev, step)
             keys.append(prev)
-        last = keys[-1] if keys else parent.digest
+        last = keys[-1] if keys else root_key
         skey = start_key(last, cfg) if cfg.start_cmd else None
         total = len(steps) + (1 if skey else 0)
         t_all = time.monotonic()
         await emit(BuildEvent(type="step", step=0, total=total, cached=True,
                               text=f"FROM {parent.name} ({parent.digest[:12]})"))
+        if res.boot:
+            await emit(BuildEvent(type="log", step=0, text=f"resources: {res.memory_mib} MiB, {res.vcpus} vCPUs, "
+                                  f"disk {res.disk_bytes >> 20} MiB (FROM has {parent.snapshot.memory_mib} MiB, "
+                                  f"{parent.snapshot.vcpus} vCPUs, disk {parent.snapshot.disk.stat().st_size >> 20}"
+                                  " MiB)\n"))
         # The deepest cached layer: keys chain their parents, so it implies every step before it (the shared
         # cache keeps only slow layers, so a cheap step's layer may be missing below a slow one's).
         done = len(steps)
@@ -467,9 +495,13 @@ class TemplateBuilder:
         builder: _Builder | None = None
         try:
             if done < len(steps) or (skey is not None and not start_cached):
-                builder = _Builder(self.m, req, parent, emit)
-                start_dir = (await asyncio.to_thread(self.layers.local, keys[done - 1])) if done else None
-                await builder.start(start_dir or parent.snapshot.dir)
+                if done:
+                    start_dir = await asyncio.to_thread(self.layers.local, keys[done - 1])
+                else:
+                    start_dir = (await self._resized_root(req, parent, res, root_key, emit)) if res.boot \
+                        else parent.snapshot.dir
+                builder = _Builder(self.m, req, parent, emit, res.memory_mib, res.vcpus)
+                await builder.start(start_dir)
             for i in range(done, len(steps)):
                 assert builder is not None
                 step = steps[i]
@@ -495,9 +527,12 @@ class TemplateBuilder:
             if builder is not None:
                 await builder.close()
         last_layer = skey or (keys[-1] if keys else None)
-        src = (await asyncio.to_thread(self.layers.local, last_layer)) if last_layer else parent.snapshot.dir
+        if last_layer:
+            src = await asyncio.to_thread(self.layers.local, last_layer)
+        else:
+            src = (await self._resized_root(req, parent, res, root_key, emit)) if res.boot else parent.snapshot.dir
         digest = template_digest(skey or last, cfg)
-        img = await asyncio.to_thread(self._install, req, parent, src, digest)
+        img = await asyncio.to_thread(self._install, req, parent, src, digest, res)
         detail = await self._register(img, parent.name)
         await self._promote(img, parent, emit)
         await self.reclaim(req.name)
@@ -542,7 +577,27 @@ class TemplateBuilder:
                                   f"{res.total_bytes} bytes uploaded ({res.chunks_uploaded} of {res.chunks} "
                                   f"chunks)\n"))
 
-    def _install(self, req: BuildRequest, parent: TemplateImage, src: Path, digest: str) -> TemplateImage:
+    async def _resized_root(self, req: BuildRequest, parent: TemplateImage, res: Resources, key: str,
+                            emit: Emit) -> Path:
+        """The layer ``key``: the parent's disk booted with ``res`` (:func:`.resources.resized_root`)."""
+        snap = parent.snapshot
+
+        async def frozen_copy(dest: Path) -> None:
+            vm = _Builder(self.m, req, parent, emit, snap.memory_mib, snap.vcpus)
+            try:
+                await vm.start(snap.dir)
+                await vm.frozen_disk(dest)
+            finally:
+                await vm.close()
+
+        async def say(text: str) -> None:
+            await emit(BuildEvent(type="log", step=0, text=text + "\n"))
+
+        return await resized_root(self.layers, self.m.store.root / "builds", self.m.settings, self.m.driver.vmm,
+                                  req.name, snap, res, key, frozen_copy, say)
+
+    def _install(self, req: BuildRequest, parent: TemplateImage, src: Path, digest: str,
+                 res: Resources) -> TemplateImage:
         """Reflink the final snapshot and the parent's kernel into ``store/templates/<name>/<digest>``."""
         dest = self.m.store.template_dir(req.name, digest)
         if not (dest / "template.json").exists():
@@ -557,6 +612,7 @@ class TemplateBuilder:
                 "name": req.name, "key": digest, "dir": dest, "kernel": dest / "vmlinuz",
                 "initrd": dest / "initrd.img", "state": dest / "state", "ram": dest / "ram",
                 "disk": dest / "disk.img", "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
+                "memory_mib": res.memory_mib, "vcpus": res.vcpus,
                 "config": req.spec.config, "parent": parent.name, "boot_s": 0.0, "paused_ms": 0.0})
             (tmp / "template.json").write_text(snap.model_dump_json(indent=2))
             os.replace(tmp, dest)

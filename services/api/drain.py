@@ -7,7 +7,8 @@ is published and the call answers 202 with the operation id. The scheduler moves
 (services/scheduler/drain.py) and ``GET /v1/operations/{id}`` shows ``progress``. A drain of a node that is
 already draining answers the drain in progress; of a ``drained`` node, a new drain (nothing may be left);
 of an unknown node 404; of a ``lost`` node 409 ``invalid_state`` (its sandboxes are rescheduled, not moved);
-of a node with sandboxes that have volumes 409 ``volume_in_use`` (a live migration does not carry a volume).
+of a node with sandboxes that have a volume read-only 409 ``volume_in_use`` (such a volume stays on its node;
+sandboxes with read-write volumes move by suspend and wake, services/scheduler/drain.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ _DRAINABLE = ("ready", "draining", "drained")
 
 @router.post("/nodes/{node_id}/drain", status_code=202, response_model=DrainStarted)
 async def drain_node(node_id: str, ctx: CtxDep, who: PrincipalDep) -> DrainStarted:
-    """Move every sandbox off ``node_id`` (running ones by live migration, paused ones paused) and mark it
-    ``drained``; see the module docstring. 403 ``forbidden`` unless the caller is the operator tenant."""
+    """Move every sandbox off ``node_id`` (running ones by live migration, paused ones paused; ones with
+    read-write volumes by suspend and wake) and mark it ``drained``; see the module docstring. 403 ``forbidden`` unless the caller is the operator tenant."""
     async with ctx.pool.acquire() as conn, conn.transaction():
         # The operator tenant is named by ``PODBAY_OPERATOR_TENANT`` (its name, as for template policies).
         if await conn.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id) != ctx.settings.operator_tenant:

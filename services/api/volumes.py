@@ -301,13 +301,15 @@ async def fork_volumes(conn: Any, tenant_id: str, parent_id: str, children: list
 
 
 async def refuse_drain_with_volumes(conn: Any, node_id: str) -> None:
-    """Raise :class:`VolumeInUse` when sandboxes on ``node_id`` (not deleted) have volumes: a drain moves
-    sandboxes by live migration, which does not carry a volume's file (its target's slots would be empty),
-    and their volumes live on this node. ``details.sandbox_ids`` names them (at most 20)."""
+    """Raise :class:`VolumeInUse` when sandboxes on ``node_id`` (not deleted) have a volume attached read-only:
+    a drain moves a sandbox with read-write volumes by suspend and wake (the volumes are promoted and fetched
+    on the destination, services/scheduler/drain.py), but a read-only volume stays on its node, where other
+    sandboxes may read it. ``details.sandbox_ids`` names them (at most 20)."""
     rows = await conn.fetch(
         "SELECT DISTINCT s.id FROM sandboxes s JOIN sandbox_volumes sv ON sv.sandbox_id = s.id"
-        " WHERE s.node_id = $1 AND s.state <> 'deleted' ORDER BY s.id LIMIT 20", node_id)
+        " WHERE s.node_id = $1 AND s.state <> 'deleted' AND sv.readonly ORDER BY s.id LIMIT 20", node_id)
     if rows:
         ids = [r["id"] for r in rows]
-        raise VolumeInUse(f"node {node_id} has sandboxes with volumes ({', '.join(ids)}); a drain cannot move "
-                          "them: delete them (or their volumes' data elsewhere) first", details={"sandbox_ids": ids})
+        raise VolumeInUse(f"node {node_id} has sandboxes with read-only volumes ({', '.join(ids)}); a drain "
+                          "cannot move them (a read-only volume stays on its node): delete them first",
+                          details={"sandbox_ids": ids})

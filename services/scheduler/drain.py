@@ -7,6 +7,16 @@
   ``ready``, has the template, has room; never the draining node), records a ``migrate`` operation for the
   sandbox and sends ``podbay.cmd.node.<node>.migrate_out``; the node agents live-migrate it
   (services/nodeagent/migrate.py; a paused guest moves paused) and the destination emits ``migrated``.
+- ``running`` or ``paused`` with read-write volumes: a live migration does not carry a volume's file, so the
+  sandbox moves the way a suspend and a wake elsewhere do (:func:`_move_by_suspend`): the scheduler records
+  a suspend (``suspend`` operation, snapshot row, state ``suspending``, through :func:`podbay.lifecycle.apply`)
+  and sends ``podbay.cmd.node.<node>.suspend``; the node promotes the full snapshot and the volumes' own
+  snapshots while the guest is stopped, frees the VM and unbinds the volumes. Then it records the wake
+  (``resume`` operation, ``resuming``) and publishes ``podbay.cmd.scheduler.place`` with ``wake``; placement
+  skips the draining node, and the destination fetches the snapshot and the volumes. A sandbox that was paused
+  is paused again there. Its processes and memory carry on, as after any wake; the downtime is the whole
+  suspend and wake. A sandbox with a read-only volume cannot move (the volume stays on this node, where other
+  sandboxes may read it); the API refuses such a drain up front (409 ``volume_in_use``).
 - ``suspended`` sandboxes have no node; ``pending``/``starting``/other transitional states are waited for
   once (bounded), then counted as not moved.
 
@@ -26,9 +36,12 @@ from typing import Any
 
 import asyncpg
 
+from podbay import lifecycle
 from podbay.bus import Bus
 from podbay.contracts import subjects
-from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat
+from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat, PlaceSandbox, Resources, SandboxOpCmd
+from podbay.contracts.states import SandboxState
+from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.outbox import new_id
 
 from .placement import NodeLoad, NoCapacity, choose_node, ready_nodes
@@ -61,7 +74,8 @@ async def node_loads(conn: asyncpg.Connection, nodes: list[NodeHeartbeat], *,
 
 class DrainProgress:
     """What ``operations.progress`` of a drain holds: ``{"total", "moved", "failed": [{"sandbox_id",
-    "reason"}], "moves": [{"sandbox_id", "destination", "downtime_ms", "total_ms"}]}``."""
+    "reason"}], "moves": [{"sandbox_id", "destination", "downtime_ms", "total_ms", "how"}]}``; ``how`` is
+    ``migrate`` (live migration) or ``suspend`` (suspend and wake, for a sandbox with volumes)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -82,9 +96,12 @@ PLACE_RETRY_S = 10.0
 
 
 async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate_timeout_s: float,
-                     keepalive: Callable[[], Awaitable[None]] | None = None) -> DrainProgress:
+                     keepalive: Callable[[], Awaitable[None]] | None = None,
+                     suspend_timeout_s: float | None = None, kick: Callable[[], None] | None = None) -> DrainProgress:
     """Move every sandbox off ``cmd.node_id`` (see the module docstring); returns the final progress.
-    ``keepalive`` is awaited while waiting (the JetStream message's ``in_progress``)."""
+    ``keepalive`` is awaited while waiting (the JetStream message's ``in_progress``). ``suspend_timeout_s``
+    bounds each step of a move by suspend and wake (default ``migrate_timeout_s``); ``kick`` wakes the outbox
+    relay after a transition this drain recorded (it sweeps on its own otherwise)."""
     op_id = cmd.operation_id
     await pool.execute("UPDATE operations SET state='running' WHERE id=$1 AND state='pending'", op_id)
     ids = [r["id"] for r in await pool.fetch(
@@ -98,6 +115,9 @@ async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate
             prog.total -= 1  # left the node by itself meanwhile
         elif row["state"] not in _MOVABLE:
             prog.failed.append({"sandbox_id": sid, "reason": f"it stayed {row['state']}"})
+        elif await pool.fetchval("SELECT true FROM sandbox_volumes WHERE sandbox_id=$1 LIMIT 1", sid):
+            await _move_by_suspend(pool, bus, cmd, row, prog, suspend_timeout_s or migrate_timeout_s, keepalive,
+                                   kick)
         else:
             await _move_one(pool, bus, cmd, row, prog, migrate_timeout_s, keepalive)
         await _save(pool, op_id, prog)
@@ -129,9 +149,9 @@ async def _settled(pool: asyncpg.Pool, sid: str, keepalive: Callable[[], Awaitab
         await asyncio.sleep(1.0)
 
 
-async def _move_one(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, prog: DrainProgress,
-                    timeout_s: float, keepalive: Callable[[], Awaitable[None]] | None) -> None:
-    sid = row["id"]
+async def _destination(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, prog: DrainProgress,
+                       keepalive: Callable[[], Awaitable[None]] | None) -> str | None:
+    """A node that can take the sandbox, or None (recorded in ``prog`` as not movable)."""
     # A destination is looked for again for PLACE_RETRY_S before the sandbox is reported unmovable: the live
     # nodes are read from a NATS watcher's cache, which a connection blip empties until it reconnects.
     place_deadline = time.monotonic() + PLACE_RETRY_S
@@ -140,41 +160,150 @@ async def _move_one(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, p
         async with pool.acquire() as conn:
             candidates = await node_loads(conn, nodes, exclude=cmd.node_id)
         try:
-            dest = choose_node(candidates, template=row["template"], memory_mib=row["memory_mib"],
+            return choose_node(candidates, template=row["template"], memory_mib=row["memory_mib"],
                                vcpus=row["vcpus"]).node_id
-            break
         except NoCapacity as exc:
             if time.monotonic() > place_deadline:
-                prog.failed.append({"sandbox_id": sid, "reason": str(exc)})
-                return
+                prog.failed.append({"sandbox_id": row["id"], "reason": str(exc)})
+                return None
         if keepalive:
             await keepalive()
         await asyncio.sleep(1.0)
+
+
+async def _await_op(pool: asyncpg.Pool, op_id: str, timeout_s: float,
+                    keepalive: Callable[[], Awaitable[None]] | None) -> Any:
+    """The operation row once ``succeeded`` or ``failed``, or None when ``timeout_s`` ran out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        op = await pool.fetchrow("SELECT state, error_message, data FROM operations WHERE id=$1", op_id)
+        if op["state"] in ("succeeded", "failed"):
+            return op
+        if time.monotonic() > deadline:
+            return None
+        if keepalive:
+            await keepalive()
+        await asyncio.sleep(0.5)
+
+
+async def _move_one(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, prog: DrainProgress,
+                    timeout_s: float, keepalive: Callable[[], Awaitable[None]] | None) -> None:
+    sid = row["id"]
+    dest = await _destination(pool, bus, cmd, row, prog, keepalive)
+    if dest is None:
+        return
     mig_op = new_id("op")
     await pool.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, node_id) VALUES"
                        " ($1,$2,$3,'migrate','running',$4)", mig_op, row["tenant_id"], sid, cmd.node_id)
     out = MigrateOutCmd(operation_id=mig_op, sandbox_id=sid, generation=int(row["generation"]), dest_node=dest)
     await bus.publish_command(subjects.node_cmd(cmd.node_id, "migrate_out"), out,
                               msg_id=f"{mig_op}.g{out.generation}")
-    deadline = time.monotonic() + timeout_s + 120
-    while True:
-        op = await pool.fetchrow("SELECT state, error_message, data FROM operations WHERE id=$1", mig_op)
-        if op["state"] in ("succeeded", "failed"):
-            break
-        if time.monotonic() > deadline:
-            # Not answered in time: the source keeps the sandbox unless it finishes later (fenced either way).
-            prog.failed.append({"sandbox_id": sid, "reason": "the migration did not finish in time"})
-            return
-        if keepalive:
-            await keepalive()
-        await asyncio.sleep(0.5)
+    op = await _await_op(pool, mig_op, timeout_s + 120, keepalive)
+    if op is None:
+        # Not answered in time: the source keeps the sandbox unless it finishes later (fenced either way).
+        prog.failed.append({"sandbox_id": sid, "reason": "the migration did not finish in time"})
+        return
     if op["state"] == "failed":
         prog.failed.append({"sandbox_id": sid, "reason": op["error_message"] or "migration failed"})
         return
     data = op["data"] or {}
     prog.moved += 1
     prog.moves.append({"sandbox_id": sid, "destination": dest, "downtime_ms": data.get("downtime_ms"),
-                       "total_ms": data.get("total_ms")})
+                       "total_ms": data.get("total_ms"), "how": "migrate"})
+
+
+async def _move_by_suspend(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, prog: DrainProgress,
+                           timeout_s: float, keepalive: Callable[[], Awaitable[None]] | None,
+                           kick: Callable[[], None] | None) -> None:
+    """Move a sandbox with read-write volumes by suspend and wake (module docstring). Failures land in
+    ``prog``: a failed suspend leaves the sandbox paused on this node (as any failed suspend), a failed wake
+    leaves it suspended (nothing lost; a later resume wakes it)."""
+    sid, tenant = row["id"], row["tenant_id"]
+    ro = [r["name"] for r in await pool.fetch(
+        "SELECT v.name FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
+        " WHERE sv.sandbox_id=$1 AND sv.readonly ORDER BY v.name", sid)]
+    if ro:
+        prog.failed.append({"sandbox_id": sid, "reason": f"it has volume(s) {', '.join(ro)} read-only, which stay "
+                            "on this node (other sandboxes may read them)"})
+        return
+    if await _destination(pool, bus, cmd, row, prog, keepalive) is None:
+        return  # no node could take it: do not suspend it for nothing
+    t0 = time.perf_counter()
+    op_id, snap_id = new_id("op"), new_id("snap")
+    async with pool.acquire() as conn, conn.transaction():
+        cur = await conn.fetchrow("SELECT state, node_id, generation FROM sandboxes WHERE id=$1 FOR UPDATE", sid)
+        if cur is None or cur["node_id"] != cmd.node_id or cur["state"] not in _MOVABLE:
+            prog.failed.append({"sandbox_id": sid, "reason": "it changed state while the drain moved it"})
+            return
+        parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
+                                     " ORDER BY created_at DESC LIMIT 1", sid)
+        await conn.execute(
+            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+            " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, tenant, sid, cmd.node_id, parent,
+            cur["generation"])
+        await lifecycle.apply(
+            conn, sid, Verb.SUSPEND, states=cur["state"], generation=cur["generation"], node=cmd.node_id,
+            values={"suspended_snapshot_id": snap_id}, operation=NewOperation(op_id, tenant, "suspend"),
+            event=SandboxEvent("suspending", node_id=cmd.node_id, tenant_id=tenant, generation=cur["generation"],
+                               data={"operation_id": op_id, "snapshot_id": snap_id, "drain": cmd.operation_id}),
+            audit=AuditRecord(tenant, "scheduler", "sandbox.suspend", detail={"drain": cmd.operation_id}))
+    was_paused = cur["state"] == SandboxState.PAUSED
+    if kick:
+        kick()
+    await bus.publish_command(subjects.node_cmd(cmd.node_id, "suspend"),
+                              SandboxOpCmd(operation_id=op_id, sandbox_id=sid, generation=int(cur["generation"])),
+                              msg_id=op_id)
+    op = await _await_op(pool, op_id, timeout_s + 120, keepalive)
+    if op is None or op["state"] == "failed":
+        why = "did not finish in time" if op is None else (op["error_message"] or "failed")
+        prog.failed.append({"sandbox_id": sid, "reason": f"its suspend (to move its volumes) {why}"})
+        return
+
+    wake_op = new_id("op")
+    async with pool.acquire() as conn, conn.transaction():
+        woke = await lifecycle.apply(
+            conn, sid, Verb.RESUME, states=SandboxState.SUSPENDED, renew_lease=True,
+            operation=NewOperation(wake_op, tenant, "resume"),
+            event=SandboxEvent("resuming", tenant_id=tenant, data={"operation_id": wake_op, "fallback": False,
+                                                                   "drain": cmd.operation_id}),
+            audit=AuditRecord(tenant, "scheduler", "sandbox.resume", detail={"drain": cmd.operation_id}))
+    if woke is None:
+        prog.failed.append({"sandbox_id": sid, "reason": "it is suspended; it changed state before its wake"})
+        return
+    if kick:
+        kick()
+    await bus.publish_command(subjects.SCHEDULER_PLACE, PlaceSandbox(
+        operation_id=wake_op, sandbox_id=sid, tenant_id=tenant, template=row["template"],
+        resources=Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]), wake=True), msg_id=wake_op)
+    op = await _await_op(pool, wake_op, timeout_s + 120, keepalive)
+    if op is None or op["state"] == "failed":
+        why = "did not finish in time" if op is None else (op["error_message"] or "failed")
+        prog.failed.append({"sandbox_id": sid, "reason": f"it is suspended; its wake elsewhere {why}"})
+        return
+    downtime_ms = round((time.perf_counter() - t0) * 1000)
+    dest = await pool.fetchrow("SELECT node_id, generation FROM sandboxes WHERE id=$1", sid)
+    if was_paused:
+        await _pause_again(pool, bus, sid, tenant, dest, timeout_s, keepalive)
+    prog.moved += 1
+    prog.moves.append({"sandbox_id": sid, "destination": dest["node_id"], "downtime_ms": downtime_ms,
+                       "total_ms": round((time.perf_counter() - t0) * 1000), "how": "suspend"})
+
+
+async def _pause_again(pool: asyncpg.Pool, bus: Bus, sid: str, tenant: str, dest: Any, timeout_s: float,
+                       keepalive: Callable[[], Awaitable[None]] | None) -> None:
+    """Pause a sandbox that was paused before its move by suspend (a wake leaves it running), as the API's
+    pause does: a ``pause`` operation and ``podbay.cmd.node.<node>.pause``; the node applies the transition.
+    A pause that fails leaves it running on its new node: it did move, so only a warning is logged."""
+    op_id = new_id("op")
+    await pool.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
+                       " ($1,$2,$3,'pause','pending')", op_id, tenant, sid)
+    await bus.publish_command(subjects.node_cmd(dest["node_id"], "pause"),
+                              SandboxOpCmd(operation_id=op_id, sandbox_id=sid, generation=int(dest["generation"])),
+                              msg_id=op_id)
+    op = await _await_op(pool, op_id, timeout_s, keepalive)
+    if op is None or op["state"] == "failed":
+        log.warning("drain: %s moved but did not pause again on %s: %s", sid, dest["node_id"],
+                    "no answer in time" if op is None else op["error_message"])
 
 
 async def _save(pool: asyncpg.Pool, op_id: str, prog: DrainProgress) -> None:

@@ -219,7 +219,8 @@ async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
 
         try:
             await drain_node(sched.pool, sched.bus, cmd, migrate_timeout_s=sched.settings.migrate_timeout_s,
-                             keepalive=keepalive)
+                             keepalive=keepalive, suspend_timeout_s=sched.settings.suspend_timeout_s,
+                             kick=sched.relay.kick)
         except Exception:
             log.exception("drain of %s failed; will be redelivered", cmd.node_id)
             await msg.nak(delay=2.0)  # type: ignore[attr-defined]

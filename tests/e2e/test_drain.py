@@ -5,6 +5,9 @@ and a file on disk; a second sandbox on the same node is paused. ``podbay node d
 process runs on the other node with the same pid and its count carries on (not reset), the file is intact,
 exec works, the paused one arrives paused and resumes; the drained node is ``drained`` and a new sandbox
 goes to the other node. The downtime is printed and recorded in the operation and the ``migrated`` event.
+A sandbox with a read-write volume moves by suspend and wake: its volume is promoted and fetched on the
+other node, which becomes the volume's home, its process carries on there, and an HTTP server in it is
+reached through the same port URL and token as before the move.
 """
 
 from __future__ import annotations
@@ -60,11 +63,11 @@ async def _node_state(dsn: str, node: str, state: str) -> None:
         await conn.close()
 
 
-def _create_on(c: httpx.Client, st: Any, node: str, other: str) -> str:
+def _create_on(c: httpx.Client, st: Any, node: str, other: str, **body: Any) -> str:
     """A sandbox on ``node``: ``other`` is held out of placement (``draining``) while it is created."""
     run_sync(_node_state(st.pg_dsn, other, "draining"))
     try:
-        r = c.post("/v1/sandboxes", json={"template": "base"})
+        r = c.post("/v1/sandboxes", json={"template": "base", **body})
         assert r.status_code in (200, 201), r.text
         assert r.json()["node_id"] == node
         return str(r.json()["id"])
@@ -133,3 +136,56 @@ def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) 
         finally:
             for sid in (run, paused):
                 c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_drain_moves_a_sandbox_with_a_volume_by_suspend_and_wake(multinode_stack: Any) -> None:
+    st = multinode_stack
+    src, dst = "node-b", "node-a"
+    with api_client(st, timeout_s=600) as c:
+        _until("both nodes live", lambda: (lambda n: n if len(n) == 2 and all(x["live"] for x in n) else None)(
+            c.get("/v1/nodes").json()["nodes"]), 120)
+        run_sync(_node_state(st.pg_dsn, dst, "ready"))  # the test above drained it
+        r = c.post("/v1/volumes", json={"name": "e2e-drained", "size_bytes": 64 << 20})
+        assert r.status_code == 201, r.text
+        sid = _create_on(c, st, src, dst, volumes=[{"name": "e2e-drained", "path": "/data"}])
+        try:
+            pid = sh(c, sid, "echo kept > /data/v && sync && echo in-memory > /root/m && "
+                             "(setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! > /root/bg.pid); "
+                             "cat /root/bg.pid").strip()
+            assert c.get("/v1/volumes/e2e-drained").json()["node_id"] == src
+            # A port of the guest through the edge (docs/ARCHITECTURE.md "Ports"), before and after the move.
+            sh(c, sid, "mkdir -p /srv && echo hello-port > /srv/index.txt && (setsid python3 -m http.server 8000 "
+                       "--bind 0.0.0.0 --directory /srv >/dev/null 2>&1 </dev/null &)")
+            r = c.get(f"/v1/sandboxes/{sid}/ports/8000/url")
+            assert r.status_code == 200, r.text
+            token = r.json()["token"]
+            port_url = f"{st.api_url}/index.txt"
+            headers = {"host": f"8000-{sid.replace('_', '-')}.localhost", "x-podbay-access-token": token}
+            _until("the guest's server answers through the edge", lambda: httpx.get(
+                port_url, headers=headers, timeout=60).status_code == 200, 60)
+            r = c.post(f"/v1/nodes/{src}/drain")
+            assert r.status_code == 202, r.text
+            op_id = r.json()["operation_id"]
+            op = _until("the drain finished", lambda: (lambda o: o if o["state"] in ("succeeded", "failed") else None)(
+                c.get(f"/v1/operations/{op_id}").json()), 600)
+            assert op["state"] == "succeeded", op
+            assert op["progress"]["moved"] == op["progress"]["total"] == 1, op
+            move = op["progress"]["moves"][0]
+            assert (move["sandbox_id"], move["destination"], move["how"]) == (sid, dst, "suspend"), move
+            print(f"\nmoved {sid} with its volume {src} -> {dst} by suspend and wake: {move['downtime_ms']} ms")
+
+            info = c.get(f"/v1/sandboxes/{sid}").json()
+            assert (info["state"], info["node_id"]) == ("running", dst)
+            assert c.get("/v1/volumes/e2e-drained").json()["node_id"] == dst
+            assert sh(c, sid, f"cat /data/v /root/m; kill -0 {pid} && echo alive").split() == [
+                "kept", "in-memory", "alive"]
+            assert sh(c, sid, "echo more >> /data/v && sync && cat /data/v").split() == ["kept", "more"]
+            # The same URL and token reach the same server on its new node.
+            r = httpx.get(port_url, headers=headers, timeout=60)
+            assert (r.status_code, r.text) == (200, "hello-port\n"), r.text
+            assert {n["id"]: n["state"] for n in c.get("/v1/nodes").json()["nodes"]}[src] == "drained"
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")
+            _until("the sandbox deleted", lambda: c.get(f"/v1/sandboxes/{sid}").json()["state"] == "deleted", 120)
+            c.delete("/v1/volumes/e2e-drained")
+            run_sync(_node_state(st.pg_dsn, src, "ready"))

@@ -118,7 +118,9 @@ def test_missing_doubled_and_too_many_volumes(stack: Stack, acme: Tenant) -> Non
         assert _sandboxes(stack, acme) == before
 
 
-def test_a_node_with_volume_sandboxes_is_not_drained(stack: Stack, acme: Tenant) -> None:
+def test_a_node_with_read_only_volume_sandboxes_is_not_drained(stack: Stack, acme: Tenant) -> None:
+    # A read-only volume stays on its node (others may read it); read-write ones move by suspend and wake
+    # (tests/e2e/test_drain.py).
     # Rows as the API and scheduler write them, on a node of this test's own (no VM is started).
     node, sid = f"vn-{secrets.token_hex(3)}", f"sbx_{secrets.token_hex(10)}"
     sql(stack, "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
@@ -129,7 +131,7 @@ def test_a_node_with_volume_sandboxes_is_not_drained(stack: Stack, acme: Tenant)
                " vcpus, hostname, node_id) VALUES ($1, $2, 'base', 'x', 'running', 'running', 256, 1, 'h', $3)",
         sid, acme.tenant_id, node)
     sql(stack, "INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly) VALUES"
-               " ($1, $2, 0, '/mnt/data', false)", sid, vol["id"])
+               " ($1, $2, 0, '/mnt/data', true)", sid, vol["id"])
     with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}) as op:
         r = op.post(f"/v1/nodes/{node}/drain")
     assert r.status_code == 409 and _code(r) == "volume_in_use" and r.json()["error"]["details"]["sandbox_ids"] == [sid]

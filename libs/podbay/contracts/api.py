@@ -124,7 +124,8 @@ class OperationInfo(BaseModel):
     node_id: str | None = Field(None, description="The node a drain (or a migration) is about.")
     progress: dict[str, Any] | None = Field(None, description="A drain's progress: total, moved, failed "
                                             "[{sandbox_id, reason}], moves [{sandbox_id, destination, "
-                                            "downtime_ms, total_ms}].")
+                                            "downtime_ms, total_ms, how}] (how: migrate, or suspend for a "
+                                            "sandbox with volumes).")
     data: dict[str, Any] | None = Field(None, description="A migration's figures: source, destination, "
                                         "downtime_ms, total_ms.")
 

@@ -119,11 +119,11 @@ def create_app(settings: Settings) -> FastAPI:
     # E2B SDK compatibility (docs/e2b.md): its REST API under /e2b, its envd traffic routed by header or host.
     app.include_router(e2b.router)
     app.include_router(e2b_envd.router)
+    app.include_router(e2b_templates.router)  # GET /templates/aliases/{alias} before .../{id}/tags
+    app.include_router(e2b_template_admin.router)  # DELETE /templates/tags before .../{id} (e2b_snapshots)
     app.include_router(e2b_snapshots.router)
     app.include_router(e2b_network.router)
     app.include_router(e2b_volumes.router)
-    app.include_router(e2b_templates.router)
-    app.include_router(e2b_template_admin.router)
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):

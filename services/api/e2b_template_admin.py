@@ -6,6 +6,17 @@
     GET    /templates/{templateID}    200 TemplateWithBuilds    ?limit, nextToken (over its builds)
     DELETE /templates/{templateID}    204                       served by e2b_snapshots.delete_snapshot,
                                                                 which hands a template to :func:`delete_template`
+    GET    /templates/{templateID}/tags   200 [TemplateTag]     ``Template.get_tags``: its one tag, ``default``
+    POST   /templates/tags            201 AssignedTemplateTags  ``Template.assign_tags``: default/latest only
+    DELETE /templates/tags            204                       ``Template.remove_tags``: 400 default/latest,
+                                                                404 any other (it cannot exist)
+
+Tags: podbay keeps one version per template name (a build replaces it), so a template has exactly E2B's
+``default`` tag (``latest`` names the same version). Assigning ``default`` or ``latest`` to a template's
+version succeeds and changes nothing; any other tag is refused with 400, as a build with one is
+(``e2b_templates``); removing ``default``/``latest`` is 400 (the only version keeps its name). This router is
+included after e2b_templates' (``GET /templates/aliases/tags`` is an alias check) and before e2b_snapshots'
+(``DELETE /templates/tags`` must not be read as a template named ``tags``).
 
 A ``Template`` is the template's current build: ``templateID``, ``names`` and ``aliases`` are its podbay
 name; ``buildID`` names that build (a UUID made from its podbay build id, as E2B's are UUIDs); CPU and
@@ -23,17 +34,21 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
 
 from podbay.errors import InvalidRequest, NotFound
 
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
-from .e2b_common import ENVD_VERSION, WhoDep, _E2bRoute, _iso
+from .e2b_common import ENVD_VERSION, WhoDep, _Body, _E2bRoute, _iso
 from .templates import BUILTIN, remove_template
 
-__all__ = ["router", "delete_template"]
+__all__ = ["router", "delete_template", "DEFAULT_TAGS"]
+
+#: The tags of a podbay template's one version.
+DEFAULT_TAGS = ("default", "latest")
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -126,3 +141,59 @@ async def delete_template(ctx: ApiContext, who: Principal, template_id: str) -> 
     """``DELETE /templates/{id}`` for a template (not a snapshot): podbay's removal. Raises ``NotFound``,
     ``Conflict`` (built in, or in use)."""
     await remove_template(ctx, who, template_id.partition(":")[0])
+
+
+class AssignTags(_Body):
+    """E2B's ``AssignTemplateTagsRequest``."""
+
+    target: str = Field(min_length=1, max_length=256, description="name[:tag] of the version to tag")
+    tags: list[str] = Field(min_length=1, max_length=64)
+
+
+class RemoveTags(_Body):
+    """E2B's ``DeleteTemplateTagsRequest``."""
+
+    name: str = Field(min_length=1, max_length=256)
+    tags: list[str] = Field(min_length=1, max_length=64)
+
+
+async def _one(ctx: ApiContext, who: Principal, ref: str) -> Any:
+    """The template ``ref`` (``name[:tag]``) names -> its row; ``NotFound`` for no such template, or a tag
+    other than the version's own."""
+    name, _, tag = ref.partition(":")
+    rows = await _templates(ctx, who, name, None, 1)
+    if not rows or (tag and tag not in DEFAULT_TAGS):
+        raise NotFound(f"template {ref!r} was not found")
+    return rows[0]
+
+
+@router.post("/templates/tags")
+async def assign_tags(body: AssignTags, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """Tag the version ``target`` names -> 201 ``{tags, buildID}``; 400 for a tag other than default/latest
+    (podbay keeps one version per name), 404 no such template."""
+    row = await _one(ctx, who, body.target)
+    other = [t for t in body.tags if t not in DEFAULT_TAGS]
+    if other:
+        raise InvalidRequest(f"tag {other[0]!r}: podbay keeps one version per template name (tags default and "
+                             "latest only); build under another name instead")
+    return JSONResponse({"tags": body.tags, "buildID": _uuid(row["build_id"] or row["digest"])}, status_code=201)
+
+
+@router.delete("/templates/tags", status_code=204)
+async def remove_tags(body: RemoveTags, ctx: CtxDep, who: WhoDep) -> Response:
+    """Remove tags -> never 204: 400 for default/latest (a template's only version keeps them), 404 for any
+    other tag (it cannot exist) or no such template."""
+    await _one(ctx, who, body.name)
+    kept = [t for t in body.tags if t in DEFAULT_TAGS]
+    if kept:
+        raise InvalidRequest(f"tag {kept[0]!r} names the template's only version in podbay and cannot be "
+                             "removed; delete the template instead")
+    raise NotFound(f"template {body.name!r} has no tag {body.tags[0]!r} (podbay templates have default only)")
+
+
+@router.get("/templates/{template_id}/tags")
+async def get_tags(template_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
+    """A template's tags -> 200 ``[TemplateTag]``: ``default`` on its one version; 404 no such template."""
+    row = await _one(ctx, who, template_id)
+    return JSONResponse([{"tag": "default", "buildID": _uuid(row["build_id"] or row["digest"]),
+                          "createdAt": _iso(row["updated_at"])}])

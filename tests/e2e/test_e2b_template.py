@@ -1,8 +1,8 @@
 """E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
 (services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
 copy, followed through the SDK's status polling, and one sandbox of it that sees each effect. A registry
-image is refused before anything runs. The template is then listed, read and deleted through the API client
-the SDK ships (services/api/e2b_template_admin.py).
+image is refused before anything runs. The template's tags are read, assigned and removed through the SDK,
+and the template listed, read and deleted through the API client it ships (services/api/e2b_template_admin.py).
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
     got = get_templates_template_id.sync("e2b-built", client=client)
     assert got.template_id == "e2b-built" and got.build_id == built.build_id
     assert str(got.builds[0].build_id) == got.build_id and got.builds[0].status.value == "ready"
+    # Tags: one version per name in podbay, so its tag is E2B's default; other tags are refused, not ignored.
+    [tag] = e2b.Template.get_tags("e2b-built")
+    assert tag.tag == "default" and str(tag.build_id) == got.build_id
+    assert e2b.Template.assign_tags("e2b-built:default", "latest").tags == ["latest"]
+    with pytest.raises(e2b.TemplateException, match="one version per template name"):
+        e2b.Template.assign_tags("e2b-built", ["v2"])
+    with pytest.raises(e2b.TemplateException, match="cannot be removed"):
+        e2b.Template.remove_tags("e2b-built", "default")
+    with pytest.raises(e2b.TemplateException, match="^404: .*no tag 'v2'"):
+        e2b.Template.remove_tags("e2b-built", "v2")
     refused = delete_templates_template_id.sync_detailed("base", client=client)
     assert refused.status_code == 409 and b'"code":409' in refused.content
     assert delete_templates_template_id.sync_detailed("e2b-built", client=client).status_code == 204

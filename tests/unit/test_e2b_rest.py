@@ -113,6 +113,11 @@ def test_e2b_ingress_options_mask_host_and_refuse_https_ports_and_unknown_keys()
     assert mask_request_host({"maskRequestHost": "${PORT}-app.example.com"}, 8080) == "8080-app.example.com"
     assert mask_request_host({"maskRequestHost": "[::1]:${PORT}"}, 80) == "[::1]:80"
     assert egress_policy(None, {"maskRequestHost": "localhost:${PORT}", "httpsPorts": []}) is None  # not egress
+    e2b_models = pytest.importorskip("e2b.api.client.models")
+    every = e2b_models.SandboxNetworkConfig(allow_public_traffic=False, allow_out=["a.example.com"],
+                                            deny_out=["0.0.0.0/0"], dns_servers=["1.1.1.1"],
+                                            mask_request_host="localhost:${PORT}", https_ports=[])
+    assert egress_policy(None, every.to_dict()) is not None  # every key the SDK sends is known
     for bad in ({"maskRequestHost": "a b"}, {"maskRequestHost": "host/path"}, {"maskRequestHost": 3},
                 {"maskRequestHost": "x" * 254}, {"httpsPorts": [3000]}, {"allowPackageRegistryAccess": True}):
         with pytest.raises(InvalidRequest) as err:
@@ -127,6 +132,10 @@ def test_e2b_network_update_refuses_keys_it_does_not_define() -> None:
                                        "allow_internet_access": False})
     ok.refuse_unknown()
     assert ok.allow_out == ["api.example.com"] and ok.allow_internet_access is False
+    e2b_models = pytest.importorskip("e2b.api.client.models")
+    every = e2b_models.SandboxNetworkUpdateConfig(allow_out=["a.example.com"], deny_out=["0.0.0.0/0"],
+                                                  dns_servers=["1.1.1.1"], allow_internet_access=False)
+    NetworkUpdate.model_validate(every.to_dict()).refuse_unknown()  # what the SDK sends passes
     for bad in ({"maskRequestHost": "localhost:${PORT}"}, {"allowPublicTraffic": False},
                 {"allowPackageRegistryAccess": True}):
         with pytest.raises(InvalidRequest, match=f"network.{next(iter(bad))}"):

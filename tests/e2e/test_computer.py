@@ -35,22 +35,24 @@ PAGE = """<!doctype html><html><head><title>podbay computer e2e</title></head>
 </script></body></html>
 """
 
-#: Not passing yet, so not run: in a 256 MiB guest under TCG (a built template keeps its root's memory, and
-#: templates cannot yet be built with more) Chromium is swapping, and neither a screenshot nor the page server
-#: answers within a minute. Issue 21 stays open until a larger browser template makes these pass.
-TOO_SMALL = pytest.mark.skip(reason="the browser template's 256 MiB guest is too small for Chromium to answer "
-                                    "(per-template memory is not built yet)")
-
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "browser"
-#: What the RUN step needs: Debian's mirror (the guest's apt sources), over HTTP.
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+#: What chromium's RUN step needs: Debian's mirror (the guest's apt sources), over HTTP.
 EGRESS = {"allow": [{"domain": "deb.debian.org", "ports": [80]}]}
+#: The browser template's memory (templates/browser/Dockerfile says why).
+BROWSER_MEMORY_MIB = 1024
 
 
 @pytest.fixture(scope="module")
 def browser_template(stack: Any) -> str:
+    def show(e: Any) -> None:
+        print(e.model_dump_json(exclude_none=True), flush=True)
+
     with Client(stack.api_url, stack.api_key, timeout_s=1800) as c:
-        tpl = c.build_template("browser", TEMPLATE_DIR / "Dockerfile", TEMPLATE_DIR, ready_port=9222, egress=EGRESS,
-                               on_event=lambda e: print(e.model_dump_json(exclude_none=True), flush=True))
+        c.build_template("chromium", TEMPLATES / "chromium" / "Dockerfile", TEMPLATES / "chromium", egress=EGRESS,
+                         on_event=show)
+        tpl = c.build_template("browser", TEMPLATES / "browser" / "Dockerfile", TEMPLATES / "browser",
+                               ready_port=9222, memory_mib=BROWSER_MEMORY_MIB, on_event=show)
+    assert tpl.memory_mib == BROWSER_MEMORY_MIB
     return str(tpl.name)
 
 
@@ -128,7 +130,6 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int(w), int(h)
 
 
-@TOO_SMALL
 def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -144,7 +145,6 @@ def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> N
     assert png.endswith(b"IEND\xaeB`\x82")  # whole: the last chunk is there
 
 
-@TOO_SMALL
 def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: str, site: str) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -162,7 +162,6 @@ def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: s
             browser.close()  # over CDP: disconnects, the sandbox's browser keeps running
 
 
-@TOO_SMALL
 def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -193,7 +192,6 @@ def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:
         assert r.status_code == 422, r.text
 
 
-@TOO_SMALL
 def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str, site: str) -> None:
     from playwright.sync_api import sync_playwright
 

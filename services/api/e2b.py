@@ -102,6 +102,8 @@ class RefreshBody(_Body):
 
 class ConnectBody(_Body):
     timeout: int | None = Field(None, ge=0, le=30 * 86400)
+    # connect(on_resume="reboot"): false boots a paused sandbox afresh from its disk instead of its memory.
+    memory: bool | None = None
 
 
 def _lease(timeout: int | None, ctx: ApiContext) -> int:
@@ -287,11 +289,23 @@ async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: PauseBody | Non
     return Response(status_code=204)
 
 
-async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
+async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str, *, reboot: bool = False) -> None:
     """Resume a paused sandbox: from memory, or, after a filesystem-only pause, a fresh boot from its disk
-    snapshot (when that snapshot is gone, from memory after all)."""
+    snapshot (when that snapshot is gone, from memory after all). With ``reboot`` (E2B's
+    ``on_resume="reboot"``) a sandbox paused with its memory boots afresh too, from a disk snapshot taken
+    now (a suspended one, whose disk is in object storage only, resumes from memory). That snapshot is taken
+    from the running guest, resumed for it, so that the freeze writes its page cache back: a paused guest's
+    last writes may be in its memory only."""
     cold = await ctx.pool.fetchval("SELECT cold_resume_snapshot FROM e2b_sandboxes WHERE sandbox_id=$1",
                                    sandbox_id)
+    if reboot and cold is None and await ctx.pool.fetchval(
+            "SELECT state = 'paused' FROM sandboxes WHERE id=$1", sandbox_id):
+        await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
+        snap, _ = await snapshot_service.take(ctx, who, sandbox_id, SnapshotCreate(kind="disk"), wait=True)
+        if snap.state != "ready":
+            raise Unavailable(f"the disk snapshot of {sandbox_id} to reboot from is {snap.state}: "
+                              f"{snap.error or 'not ready'}")
+        cold = snap.id
     if cold is not None:
         await ctx.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot = NULL WHERE sandbox_id=$1",
                                sandbox_id)
@@ -300,32 +314,35 @@ async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str) -> None:
             return
         except (NotFound, InvalidState, Conflict):
             pass  # reclaimed by retention, or a state restore refuses: resume its memory instead
-    await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
+    if await ctx.pool.fetchval("SELECT state <> 'running' FROM sandboxes WHERE id=$1", sandbox_id):
+        await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
 
 
-async def _connect(sandbox_id: str, timeout: int | None, ctx: ApiContext, who: Principal) -> JSONResponse:
-    """Resume a paused (or suspended) sandbox; ``timeout`` sets a resumed sandbox's lease and only extends a
-    running one's, as E2B's connect does."""
+async def _connect(sandbox_id: str, body: ConnectBody | None, ctx: ApiContext, who: Principal) -> JSONResponse:
+    """Resume a paused (or suspended) sandbox, from its memory unless ``memory`` is false (a fresh boot from
+    its disk; nothing changes for a running one); ``timeout`` sets a resumed sandbox's lease and only
+    extends a running one's, as E2B's connect does."""
+    body = body or ConnectBody()
     row = await _row(ctx, who, sandbox_id)
     status = 200
     if E2B_STATES[row["state"]] == "paused":
-        await _wake(ctx, who, sandbox_id)
+        await _wake(ctx, who, sandbox_id, reboot=body.memory is False)
         status = 201
-    if timeout is not None:
-        await _exact_lease(ctx, who, sandbox_id, timeout, only_extend=status == 200)
+    if body.timeout is not None:
+        await _exact_lease(ctx, who, sandbox_id, body.timeout, only_extend=status == 200)
     return JSONResponse(_sandbox(ctx, sandbox_id, row["template"]), status_code=status)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
 async def connect_v1(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
     """Connect to a sandbox, resuming it when paused -> 200 (was running) or 201 (resumed) ``Sandbox``."""
-    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+    return await _connect(sandbox_id, body, ctx, who)
 
 
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect_v2(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | None = None) -> JSONResponse:
     """As ``/sandboxes/{id}/connect``."""
-    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+    return await _connect(sandbox_id, body, ctx, who)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume")
@@ -334,7 +351,7 @@ async def resume(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ConnectBody | 
     row = await _row(ctx, who, sandbox_id)
     if E2B_STATES[row["state"]] != "paused":
         raise InvalidState(f"sandbox {sandbox_id} is not paused", details={"state": row["state"]})
-    return await _connect(sandbox_id, body.timeout if body else None, ctx, who)
+    return await _connect(sandbox_id, body, ctx, who)
 
 
 # One sample of the guest's own counters: CPU over 0.2 s from /proc/stat, memory from /proc/meminfo, the root

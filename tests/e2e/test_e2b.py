@@ -501,7 +501,7 @@ def test_file_metadata(sbx: Any) -> None:
     assert listed["meta.txt"] == {"team": "blue", "k": "v"}
 
 
-def test_filesystem_only_pause_boots_afresh_on_connect(e2b_env: dict[str, str]) -> None:
+def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[str, str]) -> None:
     sb = e2b.Sandbox.create(template="base", timeout=600)
     try:
         sb.files.write("/home/user/disk.txt", "on disk")
@@ -512,6 +512,13 @@ def test_filesystem_only_pause_boots_afresh_on_connect(e2b_env: dict[str, str]) 
         assert again.files.read("/home/user/disk.txt") == "on disk"
         assert bg.pid not in [p.pid for p in again.commands.list()]  # memory and processes were dropped
         assert again.commands.run("echo booted").stdout == "booted\n"
+        # A pause that kept memory, then connect(on_resume="reboot"): booted afresh from its disk all the same.
+        again.commands.run("sleep 601", background=True)
+        again.files.write("/home/user/disk.txt", "written before the reboot")
+        again.pause()
+        rebooted = e2b.Sandbox.connect(sb.sandbox_id, on_resume="reboot")
+        assert rebooted.files.read("/home/user/disk.txt") == "written before the reboot"
+        assert not [p for p in rebooted.commands.list() if "sleep 601" in p.args]
     finally:
         sb.kill()
 

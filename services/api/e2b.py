@@ -11,7 +11,7 @@ Paths, JSON fields and status codes follow the endpoints the pinned SDK calls (v
     POST /sandboxes/{id}/refreshes                 204                  {"duration": s}: lease from now
     POST /sandboxes/{id}/pause                     204                  409 when already paused
     POST /sandboxes/{id}/resume                    201 Sandbox          (deprecated by E2B) resume a paused one
-    POST /sandboxes/{id}/connect, /v2/.../connect  200 running, 201 resumed; Sandbox
+    POST /sandboxes/{id}/connect, /v2/.../connect  200 running, 201 resumed; Sandbox  {"memory": false}: reboot
     GET  /sandboxes/{id}/metrics                   200 [SandboxMetric]  one sample taken now
 
 ``envVars`` of a create are kept in ``e2b_sandboxes`` and become the default environment of every command

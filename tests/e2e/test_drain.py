@@ -3,7 +3,8 @@
 A running sandbox holds state in memory (a python3 loop counting in memory, writing the count to a file)
 and a file on disk; a second sandbox on the same node is paused. ``podbay node drain`` moves both: the
 process runs on the other node with the same pid and its count carries on (not reset), the file is intact,
-exec works, the paused one arrives paused and resumes; the drained node is ``drained`` and a new sandbox
+exec works, an HTTP server in it answers at the same port URL and token, the paused one arrives paused and
+resumes; the drained node is ``drained`` and a new sandbox
 goes to the other node. The downtime is printed and recorded in the operation and the ``migrated`` event.
 A sandbox with a read-write volume moves by suspend and wake: its volume is promoted and fetched on the
 other node, which becomes the volume's home, its process carries on there, and an HTTP server in it is
@@ -75,6 +76,20 @@ def _create_on(c: httpx.Client, st: Any, node: str, other: str, **body: Any) -> 
         run_sync(_node_state(st.pg_dsn, other, "ready"))
 
 
+def _serve_port(c: httpx.Client, st: Any, sid: str, text: str) -> tuple[str, dict[str, str]]:
+    """Start an HTTP server on guest port 8000 serving ``text`` at /index.txt; returns the edge URL and the
+    headers (host form, traffic token) that reach it (docs/ARCHITECTURE.md "Ports"), once it answers."""
+    sh(c, sid, f"mkdir -p /srv && echo {text} > /srv/index.txt && (setsid python3 -m http.server 8000 "
+               "--bind 0.0.0.0 --directory /srv >/dev/null 2>&1 </dev/null &)")
+    r = c.get(f"/v1/sandboxes/{sid}/ports/8000/url")
+    assert r.status_code == 200, r.text
+    headers = {"host": f"8000-{sid.replace('_', '-')}.localhost", "x-podbay-access-token": r.json()["token"]}
+    url = f"{st.api_url}/index.txt"
+    _until("the guest's server answers through the edge",
+           lambda: httpx.get(url, headers=headers, timeout=60).status_code == 200, 60)
+    return url, headers
+
+
 def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) -> None:
     st = multinode_stack
     src, dst = "node-a", "node-b"
@@ -91,6 +106,7 @@ def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) 
                        "(setsid python3 /root/counter.py >/dev/null 2>&1 </dev/null &) ; echo started")
             _until("the counter running", lambda: sh(c, run, "cat /root/count 2>/dev/null || true").strip(), 60)
             pid, before = _count(c, run)
+            port_url, port_headers = _serve_port(c, st, run, "live-port")
             sh(c, paused, "echo paused-file > /root/p && sync")
             r = c.post(f"/v1/sandboxes/{paused}/pause")
             assert r.status_code == 200, r.text
@@ -114,6 +130,9 @@ def test_drain_live_migrates_running_and_paused_sandboxes(multinode_stack: Any) 
             time.sleep(1.0)
             assert _count(c, run)[1] > after  # and it keeps counting there
             assert sh(c, run, "cat /root/mark").strip() == "kept"
+            # The same port URL and token reach the same server on its new node.
+            r = httpx.get(port_url, headers=port_headers, timeout=60)
+            assert (r.status_code, r.text) == (200, "live-port\n"), r.text
 
             info = c.get(f"/v1/sandboxes/{paused}").json()
             assert (info["state"], info["node_id"]) == ("paused", dst)
@@ -153,16 +172,8 @@ def test_drain_moves_a_sandbox_with_a_volume_by_suspend_and_wake(multinode_stack
                              "(setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! > /root/bg.pid); "
                              "cat /root/bg.pid").strip()
             assert c.get("/v1/volumes/e2e-drained").json()["node_id"] == src
-            # A port of the guest through the edge (docs/ARCHITECTURE.md "Ports"), before and after the move.
-            sh(c, sid, "mkdir -p /srv && echo hello-port > /srv/index.txt && (setsid python3 -m http.server 8000 "
-                       "--bind 0.0.0.0 --directory /srv >/dev/null 2>&1 </dev/null &)")
-            r = c.get(f"/v1/sandboxes/{sid}/ports/8000/url")
-            assert r.status_code == 200, r.text
-            token = r.json()["token"]
-            port_url = f"{st.api_url}/index.txt"
-            headers = {"host": f"8000-{sid.replace('_', '-')}.localhost", "x-podbay-access-token": token}
-            _until("the guest's server answers through the edge", lambda: httpx.get(
-                port_url, headers=headers, timeout=60).status_code == 200, 60)
+            # A port of the guest through the edge, before and after the move.
+            port_url, headers = _serve_port(c, st, sid, "hello-port")
             r = c.post(f"/v1/nodes/{src}/drain")
             assert r.status_code == 202, r.text
             op_id = r.json()["operation_id"]

@@ -17,10 +17,11 @@ guestd/volumes.py). A volume deleted through the API is marked ``deleting``; :me
 removes its file here and then its row, and the files of fork children's read-only views once their
 sandbox is deleted.
 
-Where a volume's file comes from when this node lacks it (:meth:`VolumeStore.prepare`): a fork child's volume
-is a reflink of the copy its parent's full snapshot took (``volumes.origin``); a volume with a promoted
-snapshot (``volumes.snapshot_id``: it was suspended with its sandbox, or its node was lost) is fetched from
-object storage (:func:`podbay.volume_promotion.fetch_volume`); any other is made empty. A file here older than
+Where a volume's file comes from when this node lacks it (:meth:`VolumeStore.prepare`): a volume with a
+promoted snapshot (``volumes.snapshot_id``: it was suspended with its sandbox, its node was lost, or it was
+restored to one) is fetched from object storage (:func:`podbay.volume_promotion.fetch_volume`); a fork
+child's volume that has none yet is a reflink of the copy its parent's full snapshot took
+(``volumes.origin``); any other is made empty. A file here older than
 the volume's ``released_at`` (a release, or a restore to one of its snapshots through the API) is rebuilt from
 the current promoted snapshot, starting from that file (only the chunks that differ are downloaded). A suspend promotes the
 sandbox's read-write volumes while its guest is stopped (:meth:`VolumeStore.promote_for_suspend`), then
@@ -117,12 +118,15 @@ class VolumeStore:
                          res.chunks_downloaded, res.chunks)
             if not src.exists():
                 self.root.mkdir(parents=True, exist_ok=True)
-                if r["origin"] is not None and (self.root.parent / r["origin"]).exists():
-                    await asyncio.to_thread(reflink_or_copy, self.root.parent / r["origin"], src)
-                    how = "copied from its fork's snapshot"
-                elif r["snapshot_id"] is not None and self.objects is not None and self.settings is not None:
+                # A promoted snapshot is newer than a fork's copy (it is taken of the volume's own file, which
+                # starts as that copy), so it wins once there is one: a copy volume suspended, restored or
+                # released keeps its writes since the fork.
+                if r["snapshot_id"] is not None and self.objects is not None and self.settings is not None:
                     res = await fetch_volume(self.pool, self.objects, self.settings, r["id"], src)
                     how = f"fetched from object storage ({res.chunks_downloaded} of {res.chunks} chunks downloaded)"
+                elif r["snapshot_id"] is None and r["origin"] is not None and (self.root.parent / r["origin"]).exists():
+                    await asyncio.to_thread(reflink_or_copy, self.root.parent / r["origin"], src)
+                    how = "copied from its fork's snapshot"
                 elif r["snapshot_id"] is not None or r["origin"] is not None:
                     raise VolumeError(f"volume {r['name']}: its data is neither here nor reachable")
                 else:

@@ -222,3 +222,41 @@ async def test_a_restored_volume_is_rebuilt_from_its_stale_file_and_the_stale_fi
     assert _digest(src) == as_first
     assert res.chunks_downloaded == 1
     assert not any(p.name.startswith((".base-", ".fetch-")) for p in src.parent.iterdir())
+
+
+async def test_a_fork_copy_volume_with_a_promoted_snapshot_is_fetched_not_copied_from_its_fork_again(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
+    # A fork's copy volume (volumes.origin) written, suspended (promoted, released), then attached again on a
+    # node that still has the fork's copy: its promoted snapshot wins, so the writes since the fork are kept.
+    from podbay_nodeagent.volumes import VolumeStore
+
+    node = new_id("node")
+    size = 4 * MIB
+    vol = await _volume(pool, node, size)
+    tenant = await pool.fetchval("SELECT tenant_id FROM volumes WHERE id=$1", vol)
+    store_dir = volume_path(settings.data_dir, node, vol).parent.parent
+    origin = store_dir / "snapshots" / "sbx_parent" / "snap_fork" / "vol0.img"
+    origin.parent.mkdir(parents=True)
+    with open(origin, "wb") as f:
+        f.truncate(size)
+    _write(origin, 0, b"at-the-fork", MIB)
+    await pool.execute("UPDATE volumes SET origin=$2 WHERE id=$1", vol, str(origin.relative_to(store_dir)))
+    sid, tpl = new_id("sbx"), new_id("tpl")
+    await pool.execute("INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ($1, 'd', 256, 1)", tpl)
+    await pool.execute("INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state,"
+                       " memory_mib, vcpus, hostname) VALUES ($1,$2,$3,'d','running','running',256,1,'h')",
+                       sid, tenant, tpl)
+    await pool.execute("INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly)"
+                       " VALUES ($1,$2,0,'/data',false)", sid, vol)
+    vs = VolumeStore(store_dir / "volumes", pool, node)
+    vs.use_object_store(store, settings)
+    await vs.prepare(sid)  # first attach: the fork's copy
+    src = vs.path(vol)
+    assert _digest(src) == _digest(origin)
+    _write(src, 0, b"after-the-fork", MIB)
+    written = _digest(src)
+    assert await vs.promote_for_suspend(sid) is None
+    await vs.release_after_suspend(sid)
+    assert not src.exists()
+    await vs.prepare(sid)  # the wake, on a node that still has the fork's copy
+    assert _digest(src) == written

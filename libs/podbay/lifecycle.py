@@ -39,7 +39,7 @@ from podbay.outbox import emit_sandbox_event
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "apply", "renew_lease",
-    "renew_lease_sql", "LEASE_RENEWAL",
+    "renew_lease_sql", "forget_suspended_snapshot", "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
 
@@ -162,7 +162,8 @@ def update_sql(verb: Verb, states: Iterable[SandboxState | str] | None, *, sandb
     """The fenced UPDATE of one sandbox row for ``verb`` from ``states``, as SQL text.
 
     Every argument but ``verb``, ``states`` and the flags is a SQL expression, usually a placeholder the caller
-    numbers (``"$2"``): ``sandbox`` the id; fences ``generation``, ``node`` (or ``node_is_null``); ``states``
+    numbers (``"$2"``): ``sandbox`` the id; fences ``generation``, ``node`` (never NULL: say ``node_is_null``
+    for a sandbox without a node); ``states``
     None puts no condition on the state (the caller holds the row locked and checked it). Changes:
     ``set_node`` (``"NULL"`` to clear it), ``new_generation`` (``"generation+1"`` or a placeholder),
     ``values`` (column -> expression; only ``failure_reason``, ``desired_state``, ``suspended_snapshot_id``,
@@ -199,7 +200,7 @@ def update_sql(verb: Verb, states: Iterable[SandboxState | str] | None, *, sandb
     if node_is_null:
         where.append("node_id IS NULL")
     elif node is not None:
-        where.append(f"node_id IS NOT DISTINCT FROM {node}")
+        where.append(f"node_id={node}")
     return f"UPDATE sandboxes SET {', '.join(sets)} WHERE {' AND '.join(where)} RETURNING {returning}"
 
 
@@ -360,6 +361,11 @@ def renew_lease_sql(*, where: str = "", returning: str = "") -> str:
     ``returning`` the RETURNING list."""
     return (f"UPDATE sandboxes SET {LEASE_RENEWAL} WHERE id=$1" + (f" AND {where}" if where else "")
             + (f" RETURNING {returning}" if returning else ""))
+
+
+async def forget_suspended_snapshot(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str) -> None:
+    """Drop a woken sandbox's ``suspended_snapshot_id`` (it runs again; its snapshot is history, not a state)."""
+    await conn.execute("UPDATE sandboxes SET suspended_snapshot_id=NULL WHERE id=$1", sandbox_id)
 
 
 async def renew_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, *,

@@ -17,6 +17,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from podbay.lifecycle import renew_lease
+
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
@@ -88,8 +90,7 @@ async def lease_loop(manager: SandboxManager, stop: asyncio.Event) -> None:
             if sid not in usage:
                 continue  # no full window measured yet
             if usage[sid] > manager.settings.idle_cpu_percent:
-                await manager.pool.execute(
-                    "UPDATE sandboxes SET lease_expires_at = now() + make_interval(secs => lease_s) WHERE id=$1", sid)
+                await renew_lease(manager.pool, sid)
                 log.info("lease of %s ran out but the guest is busy (%.1f%% CPU): renewed", sid, usage[sid])
                 continue
             log.info("lease of %s ran out and the guest is idle (%.1f%% CPU): %s", sid, usage[sid], r["lease_action"])

@@ -46,7 +46,8 @@ from podbay.contracts.messages import (
     Resources,
 )
 from podbay.errors import PodbayError
-from podbay.outbox import emit_sandbox_event
+from podbay import lifecycle
+from podbay.lifecycle import SandboxEvent, Verb
 from podbay.telemetry import LIFECYCLE_OPERATIONS
 
 from . import vmmigrate
@@ -252,19 +253,16 @@ class MigrationOps:
                     await channel.after_restore(time_ns=time.time_ns(), net=hygiene_net)
                 gen = req.generation + 1
                 async with m.pool.acquire() as conn, conn.transaction():
-                    row = await conn.fetchrow(
-                        "UPDATE sandboxes SET node_id=$2, generation=$3, updated_at=now()"
-                        " WHERE id=$1 AND generation=$4 AND node_id=$5 AND state IN ('running','paused')"
-                        " RETURNING tenant_id, state",
-                        req.sandbox_id, m.node_id, gen, req.generation, inc.cmd.source_node)
+                    # The event names the row's tenant (the default of emit_sandbox_event) and its state.
+                    row = await lifecycle.apply(
+                        conn, req.sandbox_id, Verb.MOVE, states=lifecycle.sources(Verb.MOVE),
+                        generation=req.generation, node=inc.cmd.source_node, set_node=m.node_id, new_generation=gen,
+                        event=SandboxEvent("migrated", node_id=m.node_id, generation=gen,
+                                           data={"source": inc.cmd.source_node, "destination": m.node_id,
+                                                 "downtime_ms": req.downtime_ms, "total_ms": req.total_ms,
+                                                 "operation_id": req.operation_id}))
                     if row is None:
                         raise _Fenced()
-                    await emit_sandbox_event(
-                        conn, req.sandbox_id, "migrated", state=row["state"], node_id=m.node_id,
-                        tenant_id=row["tenant_id"], generation=gen,
-                        data={"source": inc.cmd.source_node, "destination": m.node_id,
-                              "downtime_ms": req.downtime_ms, "total_ms": req.total_ms,
-                              "operation_id": req.operation_id})
                 m.relay.kick()
             except Exception as exc:
                 why = "the source fenced the sandbox" if isinstance(exc, _Fenced) else _reason(exc)
@@ -362,11 +360,11 @@ class MigrationOps:
         reply = await self._tell(cmd, ok=True, stats=stats)
         if reply is None or not reply.committed:
             # Fence before resuming: only one of the two may win the row at generation + 1.
-            new_gen = await m.pool.fetchval(
-                "UPDATE sandboxes SET generation=generation+1, updated_at=now() WHERE id=$1 AND generation=$2"
-                " AND node_id=$3 RETURNING generation", cmd.sandbox_id, cmd.generation, m.node_id)
-            if new_gen is not None:
-                vm.generation = int(new_gen)
+            async with m.pool.acquire() as conn, conn.transaction():
+                fenced = await lifecycle.apply(conn, cmd.sandbox_id, Verb.FENCE, states=None,
+                                               generation=cmd.generation, node=m.node_id, bump_generation=True)
+            if fenced is not None:
+                vm.generation = int(fenced["generation"])
                 await vmmigrate.resume_source(m.driver.vmm, vm.handle.inner, stats.was_running)
                 await self._reopen(vm)
                 raise RuntimeError("the destination did not take the sandbox over"

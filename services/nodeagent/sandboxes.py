@@ -32,7 +32,10 @@ from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Operat
 from podbay.contracts.egress import NetBinding
 from podbay.errors import NotFound, PodbayError, StaleGeneration, Unavailable
 from podbay.hostca import load_guest_ca
-from podbay.outbox import Relay, emit_sandbox_event
+from podbay import lifecycle
+from podbay.contracts.states import OperationState
+from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
+from podbay.outbox import Relay
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 from podbay.vmprocs import vm_processes
 
@@ -231,18 +234,15 @@ class SandboxManager:
                  "memory_mib": resources.memory_mib, "vcpus": resources.vcpus}))
             t = time.perf_counter()
             async with self.pool.acquire() as conn, conn.transaction():
-                updated = await conn.fetchval(
-                    "UPDATE sandboxes SET state='running', failure_reason=NULL, updated_at=now()"
-                    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state=$4 RETURNING id",
-                    sandbox_id, generation, self.node_id, from_state)
+                updated = await lifecycle.apply(
+                    conn, sandbox_id, Verb.STARTED, states=from_state, generation=generation, node=self.node_id,
+                    values={"failure_reason": None},
+                    operation=OperationOutcome(operation_id, OperationState.SUCCEEDED)
+                    if operation_id and kind == "create" else None,
+                    event=SandboxEvent(event, node_id=self.node_id, tenant_id=tenant_id, generation=generation,
+                                       data={**(data or {}), "ms": round((time.perf_counter() - t0) * 1000, 1)}))
                 if updated is None:
                     raise _Superseded()
-                if operation_id and kind == "create":
-                    await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                                       operation_id)
-                await emit_sandbox_event(conn, sandbox_id, event, state="running", node_id=self.node_id,
-                                         tenant_id=tenant_id, generation=generation,
-                                         data={**(data or {}), "ms": round((time.perf_counter() - t0) * 1000, 1)})
             HOP_SECONDS.labels("nodeagent", "db").observe(time.perf_counter() - t)
             self.relay.kick()
             self.adopt(sandbox_id, generation, resources, handle, channel)
@@ -284,14 +284,11 @@ class SandboxManager:
             await self.release_net(cmd.sandbox_id)
             await self.snapshots.discard(cmd.sandbox_id)
             async with self.pool.acquire() as conn, conn.transaction():
-                done = await conn.fetchval(
-                    "UPDATE sandboxes SET state='deleted', deleted_at=now(), updated_at=now()"
-                    " WHERE id=$1 AND state <> 'deleted' RETURNING id", cmd.sandbox_id)
-                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                                   cmd.operation_id)
-                if done:
-                    await emit_sandbox_event(conn, cmd.sandbox_id, "deleted", state="deleted", node_id=self.node_id,
-                                             tenant_id=row["tenant_id"], generation=row["generation"])
+                await lifecycle.apply(
+                    conn, cmd.sandbox_id, Verb.DELETED, states=lifecycle.sources(Verb.DELETED),
+                    operation=OperationOutcome(cmd.operation_id, OperationState.SUCCEEDED, always=True),
+                    event=SandboxEvent("deleted", node_id=self.node_id, tenant_id=row["tenant_id"],
+                                       generation=row["generation"]))
             self.relay.kick()
             LIFECYCLE_OPERATIONS.labels("nodeagent", "delete", "ok").inc()
             self._locks.pop(cmd.sandbox_id, None)
@@ -436,8 +433,7 @@ class SandboxManager:
             await conn.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
                                " ($1,$2,$3,$4,'pending')", op_id, row["tenant_id"], sandbox_id, action)
             if action == "delete":
-                await conn.execute("UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now()"
-                                   " WHERE id=$1", sandbox_id)
+                await lifecycle.apply(conn, sandbox_id, Verb.DELETE, states=row["state"])
         if action == "delete":
             await self.delete(DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]))
         else:
@@ -481,15 +477,13 @@ class SandboxManager:
                 await self.finish_op(cmd.operation_id, reason)
                 return
             async with self.pool.acquire() as conn, conn.transaction():
-                done = await conn.fetchval(
-                    "UPDATE sandboxes SET state=$4, updated_at=now() WHERE id=$1 AND generation=$2 AND state=$3"
-                    " RETURNING id", cmd.sandbox_id, cmd.generation, source, target)
-                if done:
-                    await emit_sandbox_event(conn, cmd.sandbox_id, "paused" if pause else "resumed", state=target,
-                                             reason=reason, node_id=self.node_id, tenant_id=row["tenant_id"],
-                                             generation=cmd.generation, data={"operation_id": cmd.operation_id})
-                await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                                   cmd.operation_id)
+                await lifecycle.apply(
+                    conn, cmd.sandbox_id, Verb.PAUSE if pause else Verb.RESUME, states=source,
+                    generation=cmd.generation,
+                    operation=OperationOutcome(cmd.operation_id, OperationState.SUCCEEDED, always=True),
+                    event=SandboxEvent("paused" if pause else "resumed", reason=reason, node_id=self.node_id,
+                                       tenant_id=row["tenant_id"], generation=cmd.generation,
+                                       data={"operation_id": cmd.operation_id}))
             self.relay.kick()
             await self.notify_op(cmd.operation_id, None)
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", verb, "ok").observe(time.perf_counter() - t0)
@@ -566,17 +560,14 @@ class SandboxManager:
     async def mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
                            from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(
-                "UPDATE sandboxes SET state='failed', failure_reason=$3, updated_at=now()"
-                " WHERE id=$1 AND generation=$2 AND node_id=$4 AND state = ANY($5::text[]) RETURNING tenant_id",
-                sandbox_id, generation, reason, self.node_id, list(from_states))
-            if operation_id:
-                await conn.execute(
-                    "UPDATE operations SET state='failed', error_code='sandbox_failed', error_message=$2,"
-                    " finished_at=now() WHERE id=$1 AND state <> 'succeeded'", operation_id, reason)
-            if row is not None:
-                await emit_sandbox_event(conn, sandbox_id, "failed", state="failed", reason=reason,
-                                         node_id=self.node_id, tenant_id=row["tenant_id"], generation=generation)
+            # The event names the row's tenant (the default of emit_sandbox_event).
+            await lifecycle.apply(
+                conn, sandbox_id, Verb.FAIL, states=from_states, generation=generation, node=self.node_id,
+                values={"failure_reason": reason},
+                operation=OperationOutcome(operation_id, OperationState.FAILED, error_code="sandbox_failed",
+                                           error_message=reason, unless_succeeded=True, always=True)
+                if operation_id else None,
+                event=SandboxEvent("failed", reason=reason, node_id=self.node_id, generation=generation))
         self.relay.kick()
 
     async def _monitor(self, vm: RunningVm) -> None:

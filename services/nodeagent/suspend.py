@@ -41,7 +41,9 @@ from podbay.contracts.messages import PromoteCmd, Resources, SandboxOpCmd, WakeC
 from podbay.errors import NotFound, PodbayError, SnapshotCorrupt
 from podbay.faults import fault_point
 from podbay.objstore import ObjectStore
-from podbay.outbox import emit_sandbox_event
+from podbay import lifecycle
+from podbay.contracts.states import OperationState, SandboxState
+from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.chunks import Manifest
 from podbay.promotion import fetch, local_chunks
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -165,15 +167,11 @@ class SuspendOps:
             # Local-only snapshots went with the node's files; promoted ones stay restorable from S3.
             await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
                                " AND promotion <> 'promoted'", cmd.sandbox_id)
-            done = await conn.fetchval(
-                "UPDATE sandboxes SET state='suspended', node_id=NULL, updated_at=now()"
-                " WHERE id=$1 AND generation=$2 AND state='suspending' RETURNING id", cmd.sandbox_id, cmd.generation)
-            await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1",
-                               cmd.operation_id)
-            if done:
-                await emit_sandbox_event(conn, cmd.sandbox_id, "suspended", state="suspended", node_id=m.node_id,
-                                         tenant_id=tenant_id, generation=cmd.generation,
-                                         data={"snapshot_id": snap_id, "operation_id": cmd.operation_id})
+            await lifecycle.apply(
+                conn, cmd.sandbox_id, Verb.SUSPENDED, states=SandboxState.SUSPENDING, generation=cmd.generation,
+                set_node=None, operation=OperationOutcome(cmd.operation_id, OperationState.SUCCEEDED, always=True),
+                event=SandboxEvent("suspended", node_id=m.node_id, tenant_id=tenant_id, generation=cmd.generation,
+                                   data={"snapshot_id": snap_id, "operation_id": cmd.operation_id}))
         m.relay.kick()
         await m.notify_op(cmd.operation_id, None)
         log.info("sandbox %s suspended to snapshot %s", cmd.sandbox_id, snap_id)
@@ -182,16 +180,14 @@ class SuspendOps:
         m = self.m
         log.warning("suspend of %s failed: %s; it stays paused", cmd.sandbox_id, error)
         async with m.pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchval(
-                "UPDATE sandboxes SET state='paused', suspended_snapshot_id=NULL, updated_at=now()"
-                " WHERE id=$1 AND generation=$2 AND state='suspending' RETURNING id", cmd.sandbox_id, cmd.generation)
-            await conn.execute(
-                "UPDATE operations SET state='failed', error_code='suspend_failed', error_message=$2,"
-                " finished_at=now() WHERE id=$1", cmd.operation_id, error)
-            if done:
-                await emit_sandbox_event(conn, cmd.sandbox_id, "paused", state="paused", reason=f"suspend failed: {error}",
-                                         node_id=m.node_id, tenant_id=tenant_id, generation=cmd.generation,
-                                         data={"operation_id": cmd.operation_id})
+            await lifecycle.apply(
+                conn, cmd.sandbox_id, Verb.SUSPEND_FAILED, states=SandboxState.SUSPENDING, generation=cmd.generation,
+                values={"suspended_snapshot_id": None},
+                operation=OperationOutcome(cmd.operation_id, OperationState.FAILED, error_code="suspend_failed",
+                                           error_message=error, always=True),
+                event=SandboxEvent("paused", reason=f"suspend failed: {error}", node_id=m.node_id,
+                                   tenant_id=tenant_id, generation=cmd.generation,
+                                   data={"operation_id": cmd.operation_id}))
         m.relay.kick()
         await m.notify_op(cmd.operation_id, error)
 
@@ -261,7 +257,7 @@ class SuspendOps:
                 data={"snapshot_id": chosen, "fallback": chosen != cmd.snapshot_id, "snapshot_kind": kind,
                       "operation_id": cmd.operation_id})
             if ok:
-                await m.pool.execute("UPDATE sandboxes SET suspended_snapshot_id=NULL WHERE id=$1", cmd.sandbox_id)
+                await lifecycle.forget_suspended_snapshot(m.pool, cmd.sandbox_id)
             await m.finish_op(cmd.operation_id, None if ok else "the restore failed; see the sandbox's failure_reason")
             LIFECYCLE_OPERATION_SECONDS.labels("nodeagent", "wake", "ok" if ok else "failed").observe(
                 time.perf_counter() - t0)
@@ -280,16 +276,14 @@ class SuspendOps:
         m = self.m
         await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)
         async with m.pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchval(
-                "UPDATE sandboxes SET state='suspended', node_id=NULL, updated_at=now()"
-                " WHERE id=$1 AND generation=$2 AND state='resuming' RETURNING id", cmd.sandbox_id, cmd.generation)
-            await conn.execute("UPDATE operations SET state='failed', error_code=$2, error_message=$3,"
-                               " finished_at=now() WHERE id=$1", cmd.operation_id, code, error[:4000])
-            if done:
-                await emit_sandbox_event(conn, cmd.sandbox_id, "suspended", state="suspended",
-                                         reason=f"resume failed: {error[:500]}", node_id=m.node_id,
-                                         tenant_id=tenant_id, generation=cmd.generation,
-                                         data={"operation_id": cmd.operation_id, "error_code": code})
+            await lifecycle.apply(
+                conn, cmd.sandbox_id, Verb.WAKE_FAILED, states=SandboxState.RESUMING, generation=cmd.generation,
+                set_node=None,
+                operation=OperationOutcome(cmd.operation_id, OperationState.FAILED, error_code=code,
+                                           error_message=error[:4000], always=True),
+                event=SandboxEvent("suspended", reason=f"resume failed: {error[:500]}", node_id=m.node_id,
+                                   tenant_id=tenant_id, generation=cmd.generation,
+                                   data={"operation_id": cmd.operation_id, "error_code": code}))
         m.relay.kick()
         await m.notify_op(cmd.operation_id, error)
         LIFECYCLE_OPERATIONS.labels("nodeagent", "wake", "failed").inc()

@@ -50,7 +50,9 @@ from podbay.channel.client import GuestChannel
 from podbay.contracts import subjects
 from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import Resources, WarmClaim, WarmClaimReply
+from podbay.contracts.states import SandboxState
 from podbay.errors import PodbayError
+from podbay.lifecycle import Verb, update_sql
 from podbay.naming import sandbox_hostname
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -75,11 +77,12 @@ WARM_SLOT_EVENTS = Counter("podbay_warm_slot_events_total",
 #: end ``retired``, so a pool's ``failing`` count (``GET /v1/pools``) shows failures only.
 RETIRED_EVENTS = frozenset({"surplus", "stale", "memory"})
 
-#: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (fenced by
-#: generation and node), its operation finished, and its ``started`` event in the outbox with the next seq.
+#: One statement, so one round trip and one transaction: the sandbox ``starting -> running`` (the lifecycle's
+#: ``started`` transition, fenced by generation and node), its operation finished, and its ``started`` event
+#: in the outbox with the next seq.
 STARTED_SQL = (
-    "WITH s AS (UPDATE sandboxes SET state='running', updated_at=now(), event_seq=event_seq+1"
-    " WHERE id=$1 AND generation=$2 AND node_id=$3 AND state='starting' RETURNING event_seq, updated_at),"
+    "WITH s AS (" + update_sql(Verb.STARTED, [SandboxState.STARTING], sandbox="$1", generation="$2", node="$3",
+                               values={"event_seq": "event_seq+1"}, returning="event_seq, updated_at") + "),"
     " o AS (UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$4 AND EXISTS (SELECT 1 FROM s)),"
     " e AS (INSERT INTO outbox (event_id, subject, payload)"
     " SELECT $5, $6, jsonb_set($7::jsonb, '{data,seq}', to_jsonb(s.event_seq)) FROM s)"

@@ -26,12 +26,6 @@ ALLOWED_SITES: dict[str, tuple[int, str]] = {
     "services/api/e2b_common.py": (1, "E2B's set-timeout (lease length, only extending); not a state"),
     "services/api/e2b_snapshots.py": (2, "a fork child's lease action, and the lease of a child that failed; "
                                          "not a state"),
-    "services/nodeagent/warm.py": (1, "the warm start's one round trip (it composes lifecycle.update_sql)"),
-    # Not moved yet (issue 16): the node agent's own transitions.
-    "services/nodeagent/lease.py": (1, "not moved yet"),
-    "services/nodeagent/migrate.py": (2, "not moved yet"),
-    "services/nodeagent/sandboxes.py": (5, "not moved yet"),
-    "services/nodeagent/suspend.py": (4, "not moved yet"),
 }
 
 _UPDATE = re.compile(r"\bUPDATE\s+sandboxes\b", re.IGNORECASE)
@@ -104,7 +98,7 @@ def test_the_update_is_fenced_by_state_generation_and_node() -> None:
     assert update_sql(Verb.STARTED, [S.STARTING], generation="$2", node="$3",
                       values={"event_seq": "event_seq+1"}, returning="event_seq") == (
         "UPDATE sandboxes SET state='running', event_seq=event_seq+1, updated_at=now()"
-        " WHERE id=$1 AND state='starting' AND generation=$2 AND node_id IS NOT DISTINCT FROM $3"
+        " WHERE id=$1 AND state='starting' AND generation=$2 AND node_id=$3"
         " RETURNING event_seq")
     assert update_sql(Verb.DELETE, None) == (
         "UPDATE sandboxes SET state='deleting', desired_state='deleted', updated_at=now() WHERE id=$1 RETURNING id")

@@ -15,8 +15,9 @@ Shapes (docs/ARCHITECTURE.md, "Lifecycle"):
 - :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, for the few statements
   that must stay one round trip (the node's warm start, services/nodeagent/warm.py): they compose it rather
   than copy it.
-- :func:`renew_lease` (and :func:`renew_lease_sql` to compose) renew a sandbox's lease (``lease_expires_at``), which is not
-  a state change but is written in the same table from several places.
+- Leases (:func:`renew_lease`, :func:`renew_lease_sql` to compose, :func:`set_lease`, :func:`expire_lease`,
+  :func:`copy_lease_action`): not state changes, but what makes the node pause or delete an idle sandbox,
+  written from several places.
 
 Every ``UPDATE sandboxes`` in services/ and libs/ lives here, or on the short allow-list of
 tests/unit/test_lifecycle.py, which says why for each entry.
@@ -39,7 +40,8 @@ from podbay.outbox import emit_sandbox_event
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "apply", "renew_lease",
-    "renew_lease_sql", "forget_suspended_snapshot", "LEASE_RENEWAL",
+    "renew_lease_sql", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot",
+    "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
 
@@ -372,3 +374,28 @@ async def renew_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, 
                       only_running: bool = False) -> None:
     """Renew a sandbox's lease from now (its whole ``lease_s``); ``only_running``: only while it runs."""
     await conn.execute(renew_lease_sql(where="state='running'" if only_running else ""), sandbox_id)
+
+
+async def set_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, lease_s: int, *,
+                    action: str | None = None, only_extend: bool = False) -> bool:
+    """Give a sandbox a lease of ``lease_s`` seconds from now (also its length from then on) and, when given,
+    the ``action`` (``pause``, ``delete``) taken when it runs out. ``only_extend``: a lease that already ends
+    later stays as it is. Returns whether the row changed."""
+    changed = await conn.fetchval(
+        "UPDATE sandboxes SET lease_s=$2, lease_action=COALESCE($3, lease_action),"
+        " lease_expires_at = now() + $2::integer * interval '1 second', updated_at=now()"
+        " WHERE id=$1 AND NOT ($4 AND lease_expires_at >= now() + $2::integer * interval '1 second')"
+        " RETURNING true", sandbox_id, lease_s, action, only_extend)
+    return bool(changed)
+
+
+async def expire_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, action: str) -> None:
+    """End a sandbox's lease now with ``action``: the node's lease loop applies it at its next pass (the way
+    to delete a sandbox in a state a delete is refused in)."""
+    await conn.execute("UPDATE sandboxes SET lease_action=$2, lease_expires_at=now() WHERE id=$1", sandbox_id, action)
+
+
+async def copy_lease_action(conn: asyncpg.Connection | asyncpg.Pool, parent: str, children: list[str]) -> None:
+    """Children take their parent's lease action (a fork)."""
+    await conn.execute("UPDATE sandboxes c SET lease_action = p.lease_action FROM sandboxes p WHERE p.id = $1"
+                       " AND c.id = ANY($2::text[])", parent, children)

@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from podbay.errors import InvalidRequest, NotFound, PodbayError
+from podbay.lifecycle import set_lease
 
 from .auth import Principal, authenticate
 from .context import ApiContext
@@ -101,11 +102,7 @@ async def _exact_lease(ctx: ApiContext, who: Principal, sandbox_id: str, seconds
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         if row["state"] in ("deleting", "deleted"):
             raise NotFound(f"sandbox {sandbox_id} was not found")
-        done = await conn.fetchval(
-            "UPDATE sandboxes SET lease_s=$2, lease_expires_at = now() + $2::integer * interval '1 second',"
-            " updated_at=now() WHERE id=$1 AND NOT ($3 AND lease_expires_at >= now() + $2::integer * interval"
-            " '1 second') RETURNING true", sandbox_id, seconds, only_extend)
-        if done:
+        if await set_lease(conn, sandbox_id, seconds, only_extend=only_extend):
             await audit(conn, who, "sandbox.timeout", sandbox_id)
 
 

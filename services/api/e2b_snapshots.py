@@ -34,6 +34,7 @@ from podbay.contracts import subjects
 from podbay.contracts.api import ForkRequest, SnapshotCreate
 from podbay.contracts.messages import PromoteCmd
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
+from podbay.lifecycle import copy_lease_action, expire_lease
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
 
@@ -92,9 +93,7 @@ async def resolve_snapshot(ctx: ApiContext, who: Principal, template_id: str) ->
 async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> None:
     """Children keep the parent's E2B create settings (default environment, auto-resume, what a timeout
     does)."""
-    await ctx.pool.execute(
-        "UPDATE sandboxes c SET lease_action = p.lease_action FROM sandboxes p WHERE p.id = $1"
-        " AND c.id = ANY($2::text[])", parent, children)
+    await copy_lease_action(ctx.pool, parent, children)
     await ctx.pool.execute(
         "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume)"
         " SELECT c, e.env_vars, e.auto_resume FROM e2b_sandboxes e, unnest($2::text[]) AS c WHERE e.sandbox_id=$1"
@@ -196,8 +195,7 @@ async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: i
         try:
             await sandbox_service.delete(ctx, who, cid, wait=False)
         except PodbayError:  # in a state a delete is refused in (still resuming): its lease, ending now, does it
-            await ctx.pool.execute("UPDATE sandboxes SET lease_action='delete', lease_expires_at=now() WHERE id=$1",
-                                   cid)
+            await expire_lease(ctx.pool, cid, "delete")
         return error_body(500, f"cannot start a sandbox from snapshot {snap['id']}: {error}")
     await _exact_lease(ctx, who, cid, lease)
     return JSONResponse(_sandbox(ctx, cid, template), status_code=201)

@@ -22,6 +22,7 @@ from podbay.contracts.api import (
 )
 from podbay.contracts.states import OperationState
 from podbay.errors import InvalidState, NotFound
+from podbay.lifecycle import set_lease
 
 from . import sandbox_service
 from .auth import Principal
@@ -128,10 +129,7 @@ async def set_timeout(sandbox_id: str, body: LeaseUpdate, ctx: CtxDep, who: Prin
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         if row["state"] in ("deleting", "deleted"):
             raise InvalidState(f"sandbox {sandbox_id} is {row['state']}", details={"state": row["state"]})
-        await conn.execute(
-            "UPDATE sandboxes SET lease_s=$2, lease_action=COALESCE($3, lease_action),"
-            " lease_expires_at = now() + $2::integer * interval '1 second', updated_at=now() WHERE id=$1",
-            sandbox_id, body.lease_s, body.on_lease_expiry)
+        await set_lease(conn, sandbox_id, body.lease_s, action=body.on_lease_expiry)
         await audit(conn, who, "sandbox.timeout", sandbox_id)
     return sandbox_info(await load_sandbox(ctx.pool, who.tenant_id, sandbox_id))
 

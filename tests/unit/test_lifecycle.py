@@ -22,10 +22,6 @@ S = SandboxState
 ALLOWED_SITES: dict[str, tuple[int, str]] = {
     "libs/podbay/outbox.py": (1, "the event sequence number, bumped with every sandbox event; not a state"),
     "services/api/network.py": (1, "the sandbox's egress policy; not a state"),
-    "services/api/sandboxes.py": (1, "the lease's length and action, set by the client; not a state"),
-    "services/api/e2b_common.py": (1, "E2B's set-timeout (lease length, only extending); not a state"),
-    "services/api/e2b_snapshots.py": (2, "a fork child's lease action, and the lease of a child that failed; "
-                                         "not a state"),
 }
 
 _UPDATE = re.compile(r"\bUPDATE\s+sandboxes\b", re.IGNORECASE)

@@ -1,8 +1,9 @@
 """Computer use with the ``browser`` template, with real VMs (docs/computer-use.md).
 
-The template is built once per module from ``templates/browser/Dockerfile`` (its slow layers come from the
-host's build cache, cache_dir/layers, after the first build on a machine), and one sandbox of it serves the
-tests: its snapshot already holds a running Chromium with CDP on guest port 9222. A page is served in the
+The template is built once per module from ``templates/browser/Dockerfile`` with 1024 MiB, FROM
+``templates/chromium/Dockerfile`` (whose slow install comes from the host's build cache, cache_dir/layers,
+after the first build on a machine; the browser's build boots its disk once with that memory), and one
+sandbox of it serves the tests: its snapshot already holds a running Chromium with CDP on guest port 9222. A page is served in the
 sandbox by another process (``python3 -m http.server``). Checked: a screenshot is a PNG of the browser's
 window size; Playwright (the Python package, no browser of its own) connects over CDP through the API's
 port edge and reads the page's title; mouse and keyboard input through the API reach the page; a sandbox

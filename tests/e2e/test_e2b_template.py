@@ -1,7 +1,8 @@
 """E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
 (services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
-copy, followed through the SDK's status polling, and one sandbox of it that sees each effect. A registry
-image is refused before anything runs. The template's tags are read, assigned and removed through the SDK,
+copy, with ``memory_mb`` (the template's memory: its sandbox's guest has it), followed through the SDK's
+status polling, and one sandbox of it that sees each effect. A registry image, and a memory size E2B
+refuses, are refused before anything runs. The template's tags are read, assigned and removed through the SDK,
 and the template listed, read and deleted through the API client it ships (services/api/e2b_template_admin.py).
 """
 
@@ -42,7 +43,7 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
         .copy("data/hello.txt", "/srv/app/copied.txt")
     )
     logs: list[Any] = []
-    info = e2b.Template.build(template, "e2b-built", on_build_logs=logs.append)
+    info = e2b.Template.build(template, "e2b-built", memory_mb=512, on_build_logs=logs.append)
     assert info.template_id == "e2b-built" and info.name == "e2b-built"
     messages = [str(entry.message) for entry in logs]
     assert any("Uploaded 'data/hello.txt'" in m for m in messages)
@@ -60,11 +61,16 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
         assert owners.stdout.split() == ["user", "user"]
         # Commands start in the template's workdir, as its user, with its ENV.
         assert sb.commands.run("pwd; whoami; echo $GREETING").stdout.splitlines() == ["/srv/app", "user", "hi-e2b"]
+        mem_kib = int(sb.commands.run("awk '/^MemTotal:/ {print $2}' /proc/meminfo").stdout)
+        assert 400 << 10 < mem_kib <= 512 << 10, mem_kib  # memory_mb=512 (base has 256); the kernel keeps some
     finally:
         sb.kill()
 
     with pytest.raises(e2b.BuildException, match="no image registry"):
         e2b.Template.build(e2b.Template().from_image("ubuntu:22.04").run_cmd("true"), "e2b-refused")
+    with pytest.raises(Exception) as odd:  # E2B's API refuses an odd number of MiB with 400, as podbay's does
+        e2b.Template.build(e2b.Template().from_template("base").run_cmd("true"), "e2b-refused", memory_mb=513)
+    assert "memory must be an even number of MiB" in str(odd.value)
 
     # Template management through the API client the SDK ships (what E2B's CLI calls): list, get, delete.
     from e2b.api.client.api.templates import (
@@ -81,6 +87,7 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
     assert {"base", "e2b-built"} <= set(listed), listed
     built = listed["e2b-built"]
     assert built.build_status.value == "ready" and built.names == ["e2b-built"] and not built.is_default
+    assert (built.memory_mb, built.cpu_count) == (512, 1)
     assert built.spawn_count >= 1 and built.last_spawned_at is not None and listed["base"].is_default
     assert len(get_v2_templates.sync(client=client, limit=1)) == 1
     got = get_templates_template_id.sync("e2b-built", client=client)

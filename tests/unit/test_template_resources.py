@@ -16,7 +16,7 @@ from podbay.errors import InvalidRequest, Unprocessable
 from podbay.sdk import _calls as calls
 from podbay_api.e2b_templates import check_resources
 from podbay_nodeagent.build.layers import layer_key
-from podbay_nodeagent.build.resources import MIB, Resources, grow_disk, resize_key, resolve
+from podbay_nodeagent.build.resources import MIB, Resources, grow_disk, leftover_vm_dirs, resize_key, resolve
 from podbay_nodeagent.template import MACHINE, TemplateSnapshot
 from podbay.dockerfile import parse_dockerfile
 
@@ -123,3 +123,13 @@ def test_e2b_resources_it_accepts() -> None:
     check_resources(None, None)
     check_resources(2, 1024)
     check_resources(1, 128)
+
+
+def test_an_agent_start_finds_builder_vms_and_resized_roots_boots(tmp_path: Path) -> None:
+    builds = tmp_path / "builds"
+    assert leftover_vm_dirs(builds) == []
+    for d in ("bld_1", "bld_1.ctx", ".tmp-web-ab12cd34/vm", "rabcdef0123"):
+        (builds / d).mkdir(parents=True)
+    (builds / "rabcdef0123.img").write_bytes(b"")
+    assert leftover_vm_dirs(builds) == [builds / ".tmp-web-ab12cd34" / "vm", builds / "bld_1",
+                                        builds / "rabcdef0123"]

@@ -64,7 +64,7 @@ from ..vmdriver import TemplateImage, VmHandle
 from ..vmm import reflink_or_copy
 from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest
 from .oci import image_ref, prepare_oci_template
-from .resources import Resources, resize_key, resized_root, resolve
+from .resources import Resources, leftover_vm_dirs, resize_key, resized_root, resolve
 
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
@@ -341,10 +341,9 @@ class TemplateBuilder:
         stream to finish them on)."""
         await asyncio.to_thread(self.layers.sweep)
         builds = self.m.store.root / "builds"
-        for vm_dir in sorted(builds.iterdir()) if builds.exists() else ():
-            if vm_dir.is_dir() and not vm_dir.name.endswith(".ctx"):
-                with contextlib.suppress(Exception):  # VmGone: its QEMU is not running
-                    await (await self.m.driver.attach(vm_dir)).kill()
+        for vm_dir in leftover_vm_dirs(builds):  # builder VMs and resized roots' boots
+            with contextlib.suppress(Exception):  # VmGone: its QEMU is not running
+                await (await self.m.driver.attach(vm_dir)).kill()
         await asyncio.to_thread(shutil.rmtree, builds, True)
         for vm_id in self.m.net.leased():
             if vm_id.startswith("build-"):

@@ -42,7 +42,8 @@ from ..template import TemplateSnapshot, boot_and_snapshot
 from ..vmm import Vmm
 from .layers import LAYER_FILES, LayerCache
 
-__all__ = ["Resources", "resolve", "resize_key", "grow_disk", "root_image", "resized_root", "ResizeError"]
+__all__ = ["Resources", "resolve", "resize_key", "grow_disk", "root_image", "resized_root", "ResizeError",
+           "leftover_vm_dirs"]
 
 MIB = 1 << 20
 
@@ -166,3 +167,13 @@ async def resized_root(layers: LayerCache, work_root: Path, settings: Settings, 
         await asyncio.to_thread(shutil.rmtree, snap_dir, True)
     await say(f"resized root {key[:12]} made in {took * 1000:.0f} ms")
     return layers.path(key)
+
+
+def leftover_vm_dirs(work_root: Path) -> list[Path]:
+    """The VM directories under a node's build directory (``work_root``) where an interrupted build may have
+    left a QEMU running: each builder's (``<build id>``) and each resized root's boot
+    (``.tmp-<name>-*/vm``, made by ``template.boot_and_snapshot``); not the build contexts (``*.ctx``)."""
+    if not work_root.exists():
+        return []
+    return [d / "vm" if d.name.startswith(".tmp-") else d for d in sorted(work_root.iterdir())
+            if d.is_dir() and not d.name.endswith(".ctx")]

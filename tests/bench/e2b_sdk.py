@@ -17,7 +17,14 @@ points the SDK at it (``E2B_API_URL``, ``E2B_SANDBOX_URL``, ``E2B_API_KEY``). Me
 - ``e2b_fork_4`` / ``podbay_fork_4``: ``sandbox.fork(count=4)`` / ``POST .../fork {"count": 4}`` until all
   four children run (children deleted after each, not timed);
 - ``e2b_create_snapshot`` / ``podbay_snapshot_full``: ``create_snapshot()`` / ``POST .../snapshots
-  {"kind": "full"}`` until ready.
+  {"kind": "full"}`` until ready;
+- ``e2b_create_from_fs_snapshot`` / ``podbay_restore_disk_snapshot``: ``Sandbox.create(id)`` of a
+  ``create_snapshot(mode="filesystem")`` (a new sandbox booted afresh on that disk, out of object storage) /
+  ``POST .../restore`` of a disk snapshot (the same sandbox booted afresh on it, the disk on the node), until
+  the sandbox runs (the snapshots are taken before, not timed; children killed after, not timed).
+
+``--only create,ops,fs,warm`` runs some of the sections (creates cold, the operations on one sandbox, the
+filesystem-snapshot creates, creates warm).
 """
 
 from __future__ import annotations
@@ -147,13 +154,44 @@ def _ops(c: httpx.Client, template: str, runs: int, samples: dict[str, list[floa
         sb.kill()
 
 
+def _fs_snapshot(c: httpx.Client, template: str, runs: int, samples: dict[str, list[float]]) -> None:
+    from e2b import Sandbox
+
+    sb = Sandbox.create(template=template, timeout=3600)
+    sid = sb.sandbox_id
+    try:
+        sb.files.write("/home/user/fs.txt", "kept")
+        snap = sb.create_snapshot(mode="filesystem")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            child = Sandbox.create(snap.snapshot_id, timeout=600)
+            samples["e2b_create_from_fs_snapshot"].append(_ms(t0))
+            ok = child.files.read("/home/user/fs.txt") == "kept"
+            child.kill()
+            if not ok:
+                raise SystemExit("a sandbox from the filesystem snapshot lacks its file")
+            disk = c.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "disk"})
+            disk.raise_for_status()
+            t0 = time.perf_counter()
+            r = c.post(f"/v1/sandboxes/{sid}/restore", json={"snapshot_id": disk.json()["id"]})
+            samples["podbay_restore_disk_snapshot"].append(_ms(t0))
+            r.raise_for_status()
+            if r.json()["state"] != "running":
+                raise SystemExit(f"the rollback to a disk snapshot did not run: {r.json()}")
+        Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        sb.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="samples per metric (default 5)")
     ap.add_argument("--pool", type=int, default=2, help="warm pool size for the warm creates (default 2)")
     ap.add_argument("--template", default="base")
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--only", default="create,ops,fs,warm", help="sections to run (default all)")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     root = Path(tempfile.mkdtemp(prefix="podbay-bench-"))
     os.chmod(root, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
     stack = Stack(data_dir=root / "stack", log_dir=root / "stack" / "logs", cache_dir=Settings().cache_dir,
@@ -163,7 +201,8 @@ def main() -> None:
         samples[f"e2b_{k}"], samples[f"podbay_{k}"] = [], []
     for k in ("e2b_commands_run_true", "podbay_exec_bash_login_true", "e2b_files_write_1MiB",
               "podbay_files_put_1MiB", "e2b_files_read_1MiB", "podbay_files_get_1MiB", "e2b_fork_4",
-              "podbay_fork_4", "e2b_create_snapshot", "podbay_snapshot_full"):
+              "podbay_fork_4", "e2b_create_snapshot", "podbay_snapshot_full", "e2b_create_from_fs_snapshot",
+              "podbay_restore_disk_snapshot"):
         samples[k] = []
     try:
         stop_on_sigterm()
@@ -174,11 +213,16 @@ def main() -> None:
         with httpx.Client(base_url=stack.api_url, timeout=300,
                           headers={"authorization": f"Bearer {stack.api_key}"}) as c:
             c.delete(f"/v1/sandboxes/{_podbay_create(c, args.template)[0]}")  # warm-up, not counted
-            _creates(c, args.template, args.runs, False, samples)
-            _ops(c, args.template, args.runs, samples)
-            c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
-            _creates(c, args.template, args.runs, True, samples)
-            c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
+            if "create" in only:
+                _creates(c, args.template, args.runs, False, samples)
+            if "ops" in only:
+                _ops(c, args.template, args.runs, samples)
+            if "fs" in only:
+                _fs_snapshot(c, args.template, args.runs, samples)
+            if "warm" in only:
+                c.put(f"/v1/pools/{args.template}", json={"size": args.pool}).raise_for_status()
+                _creates(c, args.template, args.runs, True, samples)
+                c.put(f"/v1/pools/{args.template}", json={"size": 0}).raise_for_status()
         print(f"load average at the end: {os.getloadavg()}")
         results: dict[str, dict[str, Any]] = {k: summarise(v) for k, v in samples.items() if v}
         report(results, args.json_path)

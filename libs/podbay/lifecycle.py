@@ -12,9 +12,9 @@ Shapes (docs/ARCHITECTURE.md, "Lifecycle"):
   recorded), the sandbox event (through the outbox, in the same transaction) and the audit record, in that
   order (so the events reach JetStream in the order they always did). It returns the updated row, or None
   when the fence refused (someone else moved the sandbox first).
-- :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, for the few statements
-  that must stay one round trip (the node's warm start, services/nodeagent/warm.py): they compose it rather
-  than copy it.
+- :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, and
+  :func:`outcome_sql` the operation's outcome, for the few statements that must stay one round trip (the
+  node's warm start, services/nodeagent/warm.py): they compose them rather than copy them.
 - Leases (:func:`renew_lease`, :func:`renew_lease_sql` to compose, :func:`set_lease`, :func:`expire_lease`,
   :func:`copy_lease_action`): not state changes, but what makes the node pause or delete an idle sandbox,
   written from several places.
@@ -39,7 +39,7 @@ from podbay.errors import InvalidState
 from podbay.outbox import emit_sandbox_event
 
 __all__ = [
-    "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "apply", "renew_lease",
+    "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
     "renew_lease_sql", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot",
     "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
@@ -335,26 +335,39 @@ async def apply(
     return row
 
 
+def outcome_sql(state: OperationState, *, operation: str = "$1", error_code: str | None | _Sentinel = KEEP,
+                error_message: str | None | _Sentinel = KEEP, finished: bool | None = True, where: str = "") -> str:
+    """The UPDATE that records an operation's outcome, as SQL text: ``operation``, ``error_code`` and
+    ``error_message`` are SQL expressions (placeholders) the caller numbers, KEEP leaves a column, None
+    clears it; ``finished`` as in :class:`OperationOutcome`; ``where`` adds conditions. For statements that
+    stay one round trip (the node's warm start) and for :func:`apply`."""
+    sets = [f"state='{OperationState(state).value}'"]
+    for col, expr in (("error_code", error_code), ("error_message", error_message)):
+        if expr is not KEEP:
+            sets.append(f"{col}={'NULL' if expr is None else expr}")
+    if finished is not None:
+        sets.append("finished_at=now()" if finished else "finished_at=NULL")
+    return f"UPDATE operations SET {', '.join(sets)} WHERE id={operation}" + (f" AND {where}" if where else "")
+
+
 async def _record_outcome(conn: asyncpg.Connection, op: OperationOutcome) -> None:
-    args: list[object] = [op.id, op.state.value]
-    sets = ["state=$2"]
-    for col, value in (("error_code", op.error_code), ("error_message", op.error_message)):
-        if value is KEEP:
-            continue
-        if value is None:
-            sets.append(f"{col}=NULL")
-        else:
-            args.append(value)
-            sets.append(f"{col}=${len(args)}")
-    if op.finished is not None:
-        sets.append("finished_at=now()" if op.finished else "finished_at=NULL")
-    where = ["id=$1"]
+    args: list[object] = [op.id]
+
+    def param(value: object) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    def column(value: str | None | _Sentinel) -> str | None | _Sentinel:
+        return value if value is KEEP or value is None else param(value)
+
+    code, message = column(op.error_code), column(op.error_message)
+    conditions = []
     if op.only_from:
-        args.append([s.value for s in op.only_from])
-        where.append(f"state = ANY(${len(args)}::text[])")
+        conditions.append(f"state = ANY({param([s.value for s in op.only_from])}::text[])")
     if op.unless_succeeded:
-        where.append("state <> 'succeeded'")
-    await conn.execute(f"UPDATE operations SET {', '.join(sets)} WHERE {' AND '.join(where)}", *args)
+        conditions.append("state <> 'succeeded'")
+    await conn.execute(outcome_sql(op.state, error_code=code, error_message=message, finished=op.finished,
+                                   where=" AND ".join(conditions)), *args)
 
 
 def renew_lease_sql(*, where: str = "", returning: str = "") -> str:

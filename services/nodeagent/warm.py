@@ -50,9 +50,9 @@ from podbay.channel.client import GuestChannel
 from podbay.contracts import subjects
 from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import Resources, WarmClaim, WarmClaimReply
-from podbay.contracts.states import SandboxState
+from podbay.contracts.states import OperationState, SandboxState
 from podbay.errors import PodbayError
-from podbay.lifecycle import Verb, update_sql
+from podbay.lifecycle import Verb, outcome_sql, update_sql
 from podbay.naming import sandbox_hostname
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -83,7 +83,7 @@ RETIRED_EVENTS = frozenset({"surplus", "stale", "memory"})
 STARTED_SQL = (
     "WITH s AS (" + update_sql(Verb.STARTED, [SandboxState.STARTING], sandbox="$1", generation="$2", node="$3",
                                values={"event_seq": "event_seq+1"}, returning="event_seq, updated_at") + "),"
-    " o AS (UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$4 AND EXISTS (SELECT 1 FROM s)),"
+    " o AS (" + outcome_sql(OperationState.SUCCEEDED, operation="$4", where="EXISTS (SELECT 1 FROM s)") + "),"
     " e AS (INSERT INTO outbox (event_id, subject, payload)"
     " SELECT $5, $6, jsonb_set($7::jsonb, '{data,seq}', to_jsonb(s.event_seq)) FROM s)"
     " SELECT updated_at FROM s"

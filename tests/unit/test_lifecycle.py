@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState
+from podbay.contracts.states import ALLOWED, OperationState, SandboxCommand, SandboxState
 from podbay.errors import InvalidState
-from podbay.lifecycle import TRANSITIONS, Verb, next_state, targets, update_sql
+from podbay.lifecycle import TRANSITIONS, Verb, next_state, outcome_sql, targets, update_sql
 
 ROOT = Path(__file__).resolve().parents[2]
 S = SandboxState
@@ -104,3 +104,11 @@ def test_the_update_is_fenced_by_state_generation_and_node() -> None:
         " updated_at=now() WHERE id=$1 AND state='pending' AND node_id IS NULL RETURNING id")
     with pytest.raises(ValueError):
         update_sql(Verb.FAIL, [S.RUNNING], values={"lease_s": "$2"})
+
+
+def test_an_operations_outcome_sets_what_it_is_given() -> None:
+    assert outcome_sql(OperationState.SUCCEEDED, operation="$4", where="EXISTS (SELECT 1 FROM s)") == (
+        "UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$4 AND EXISTS (SELECT 1 FROM s)")
+    assert outcome_sql(OperationState.PENDING, error_code=None, error_message=None, finished=False) == (
+        "UPDATE operations SET state='pending', error_code=NULL, error_message=NULL, finished_at=NULL WHERE id=$1")
+    assert outcome_sql(OperationState.RUNNING, finished=None) == "UPDATE operations SET state='running' WHERE id=$1"

@@ -117,3 +117,18 @@ async def test_leases_are_set_extended_only_when_asked_and_renewed(pool: asyncpg
     await lifecycle.expire_lease(pool, sid, "pause")
     assert await left_s() <= 0
     assert await pool.fetchval("SELECT lease_action FROM sandboxes WHERE id=$1", sid) == "pause"
+
+
+async def test_a_finished_operation_is_recorded_with_its_end_and_deleted_sets_deleted_at(pool: asyncpg.Pool,
+                                                                                        tenant: str) -> None:
+    sid, op = await _sandbox(pool, tenant, "pending"), new_id("op")
+    async with pool.acquire() as conn, conn.transaction():
+        row = await lifecycle.apply(
+            conn, sid, Verb.DELETED, states="pending", node=None, values={"desired_state": "deleted"},
+            operation=NewOperation(op, tenant, "delete", OperationState.SUCCEEDED, finished=True),
+            event=SandboxEvent("deleted", tenant_id=tenant))
+    assert row is not None
+    got = await pool.fetchrow("SELECT state, desired_state, deleted_at FROM sandboxes WHERE id=$1", sid)
+    assert (got["state"], got["desired_state"]) == ("deleted", "deleted") and got["deleted_at"] is not None
+    assert await pool.fetchval("SELECT state || ':' || (finished_at IS NOT NULL) FROM operations WHERE id=$1",
+                               op) == "succeeded:true"

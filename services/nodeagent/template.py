@@ -21,6 +21,7 @@ import datetime as _dt
 import fcntl
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -40,6 +41,10 @@ from .accel import Accel, host_tsc_khz, qemu_version, resolve_accel
 from .image import BaseImage, ImageBuildError, ProgressFn, build_base_image
 from .network import create_tap
 from .vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
+
+# Boots in one process at once (an OCI root and a resized root of two builds) each need a tap of their own:
+# a tap that another QEMU still holds cannot be created again (EBUSY).
+_BOOT_SEQ = itertools.count()
 
 __all__ = [
     "TemplateSnapshot",
@@ -293,7 +298,7 @@ async def boot_and_snapshot(
         t0 = time.monotonic()
         # The NIC needs a backend while the template boots; a tap of its own (the stack's ruleset covers it),
         # gone with QEMU. No address: the template never talks to the network.
-        tap_fd = create_tap(builder_tap(settings.data_dir, os.getpid()))
+        tap_fd = create_tap(builder_tap(settings.data_dir, os.getpid() * 10 + next(_BOOT_SEQ) % 10))
         try:
             vm = await vmm.boot(config, vm_dir, tap_fd=tap_fd)
         finally:

@@ -52,7 +52,7 @@ async def cadence_loop(manager: SandboxManager, stop: asyncio.Event) -> None:
             last_disk.setdefault(sid, now)
             last_full.setdefault(sid, now)
             try:
-                mtime = vm.handle.inner.paths.disk.stat().st_mtime_ns
+                mtime = vm.handle.process.paths.disk.stat().st_mtime_ns
             except OSError:
                 continue
             try:

@@ -195,9 +195,9 @@ class MemoryWatch:
         """Measure every VM and the host (on a worker thread), update the gauges, keep it as ``latest``."""
         s = self.m.settings
         now = time.monotonic()
-        vms = {sid: (vm.handle.pid, vm.handle.inner.paths.ram, vm.paused_at)
+        vms = {sid: (vm.handle.pid, vm.handle.process.paths.ram, vm.paused_at)
                for sid, vm in list(self.m.vms.items()) if not vm.stopping}
-        slots = {f"warm:{sid}": (slot.handle.pid, slot.handle.inner.paths.ram, now)
+        slots = {f"warm:{sid}": (slot.handle.pid, slot.handle.process.paths.ram, now)
                  for sid, slot in list(self.warm.slots.items())} if self.warm is not None else {}
         # Idle for CPU: a running guest above IDLE_CPU_PERCENT of a core since the last tick is busy now.
         for sid, (pid, _, paused_at) in vms.items():

@@ -147,9 +147,9 @@ class MigrationOps:
             try:
                 config = tpl.snapshot.vm_config(m.settings, memory_mib=req.resources.memory_mib,
                                                 vcpus=req.resources.vcpus)
-                inner = await vmmigrate.start_incoming(m.driver.vmm, config, vm_dir, disk_size=req.disk_size,
+                process = await vmmigrate.start_incoming(m.driver.vmm, config, vm_dir, disk_size=req.disk_size,
                                                        tap_fd=tap_fd)
-                handle = VmHandle(m.driver.vmm, inner)
+                handle = VmHandle(m.driver.vmm, process)
             finally:
                 os.close(tap_fd)
             host = m.settings.migrate_host or m.settings.node_host
@@ -173,7 +173,7 @@ class MigrationOps:
     async def _receive(self, inc: _Incoming) -> None:
         """Accept one connection carrying the right token and feed it to the waiting QEMU."""
         loop = asyncio.get_running_loop()
-        vmm, qemu = self.m.driver.vmm, inc.handle.inner
+        vmm, qemu = self.m.driver.vmm, inc.handle.process
         try:
             while True:
                 conn, _ = await asyncio.wait_for(loop.sock_accept(inc.server), _PREPARE_TIMEOUT_S)
@@ -187,7 +187,7 @@ class MigrationOps:
                 conn.close()  # not our source: wait for the right one
             inc.server.close()
             conn.setblocking(True)
-            with qemu.qmp.listener("MIGRATION") as listener:
+            with vmm.events(qemu, "MIGRATION") as listener:
                 try:
                     await vmmigrate.accept_incoming(vmm, qemu, conn)
                 finally:
@@ -245,7 +245,7 @@ class MigrationOps:
             try:
                 state = await asyncio.wait_for(asyncio.shield(inc.arrived), m.settings.migrate_timeout_s)
                 # A running guest moved stop-and-copy arrives paused (vmmigrate.precopy_safe): resume it here.
-                state = await vmmigrate.arrive(m.driver.vmm, inc.handle.inner, state, req.was_running)
+                state = await vmmigrate.arrive(m.driver.vmm, inc.handle.process, state, req.was_running)
                 hygiene_net = m.guest_net(inc.binding)
                 if state == "running":
                     channel = await GuestChannel.connect(inc.handle.channel_path, timeout_s=m.settings.restore_timeout_s)
@@ -349,7 +349,7 @@ class MigrationOps:
             await loop.sock_sendall(sock, prep.token.encode())
             sock.setblocking(True)
             stats = await vmmigrate.migrate_out(
-                m.driver.vmm, vm.handle.inner, sock, timeout_s=m.settings.migrate_timeout_s,
+                m.driver.vmm, vm.handle.process, sock, timeout_s=m.settings.migrate_timeout_s,
                 max_downtime_ms=m.settings.migrate_max_downtime_ms, bandwidth_mib_s=m.settings.migrate_bandwidth_mib_s)
         except BaseException:
             await self._tell(cmd, ok=False)  # the source carries on (migrate_out resumed it)
@@ -365,7 +365,7 @@ class MigrationOps:
                                                generation=cmd.generation, node=m.node_id, bump_generation=True)
             if fenced is not None:
                 vm.generation = int(fenced["generation"])
-                await vmmigrate.resume_source(m.driver.vmm, vm.handle.inner, stats.was_running)
+                await vmmigrate.resume_source(m.driver.vmm, vm.handle.process, stats.was_running)
                 await self._reopen(vm)
                 raise RuntimeError("the destination did not take the sandbox over"
                                    + (f": {reply.error}" if reply is not None and reply.error else ""))

@@ -106,7 +106,7 @@ class SnapshotOps:
                 if not paused:
                     # Write the RAM file's dirty pages back while the guest still runs, so the reflink made
                     # while it is stopped has little left to flush (docs/DESIGN.md §3: ~1.9 ms per dirty MiB).
-                    await asyncio.to_thread(_flush, vm.handle.inner.paths.ram)
+                    await asyncio.to_thread(_flush, vm.handle.process.paths.ram)
                 held_ms = await m.driver.snapshot_full(vm.handle, part, leave_stopped=paused)
             else:
                 held_ms = await self._disk_snapshot(vm, part, frozen=not paused)
@@ -194,11 +194,11 @@ class SnapshotOps:
         if frozen and channel is not None:
             await channel.freeze(["/"], timeout_s=10.0)
             try:
-                await asyncio.to_thread(reflink_or_copy, handle.inner.paths.disk, dest / "disk.img")
+                await asyncio.to_thread(reflink_or_copy, handle.process.paths.disk, dest / "disk.img")
             finally:
                 await channel.thaw(["/"])
         else:
-            await asyncio.to_thread(reflink_or_copy, handle.inner.paths.disk, dest / "disk.img")
+            await asyncio.to_thread(reflink_or_copy, handle.process.paths.disk, dest / "disk.img")
         return (time.perf_counter() - t) * 1000
 
     async def _fail_snapshot(self, snapshot_id: str, reason: str) -> str:

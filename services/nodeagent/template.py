@@ -40,7 +40,7 @@ from . import confine
 from .accel import Accel, host_tsc_khz, qemu_version, resolve_accel
 from .image import BaseImage, ImageBuildError, ProgressFn, build_base_image
 from .network import create_tap
-from .vmm import QemuVmm, VmConfig, VmHandle, Vmm, reflink_or_copy
+from .vmm import QemuVmm, VmConfig, VmProcess, Vmm, reflink_or_copy
 
 # Boots in one process at once (an OCI root and a resized root of two builds) each need a tap of their own:
 # a tap that another QEMU still holds cannot be created again (EBUSY).
@@ -126,7 +126,7 @@ def _channel_client() -> Any | None:
         return None
 
 
-async def wait_guest_ready(vmm: Vmm, vm: VmHandle, timeout_s: float) -> str:
+async def wait_guest_ready(vmm: Vmm, vm: VmProcess, timeout_s: float) -> str:
     """Wait until guestd answers a ping on the VM's channel; returns how readiness was seen.
 
     Uses ``GuestChannel.connect(socket, timeout_s=...)`` + ``ping()`` when the channel client exists
@@ -168,7 +168,7 @@ PRIME = "prime1"
 _PRIME_ADDRESS, _PRIME_GATEWAY = "192.0.2.2", "192.0.2.1"
 
 
-async def prime_guest(vm: VmHandle, name: str, timeout_s: float) -> None:
+async def prime_guest(vm: VmProcess, name: str, timeout_s: float) -> None:
     """Run the after-restore hygiene once in the template's guest before it is snapshotted, with throwaway
     values (hostname ``name``, a seed, the clock, the placeholder network, a CA whose key is dropped at
     once) and one exec of ``true``. What that leaves in guest memory is then in every restore: the NIC up
@@ -282,7 +282,7 @@ async def boot_and_snapshot(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name[:8]}-", dir=final.parent))
     vm_dir = tmp / "vm"
     snap_dir = tmp / "snap"
-    vm: VmHandle | None = None
+    vm: VmProcess | None = None
     step = "boot"
     try:
         vm_dir.mkdir()

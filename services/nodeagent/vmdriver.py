@@ -25,7 +25,7 @@ from podbay.config import Settings
 from . import confine
 from .store import NodeStore
 from .template import MACHINE, TemplateSnapshot
-from .vmm import QemuVmm, VmHandle as QemuHandle, reflink_or_copy
+from .vmm import QemuVmm, VmProcess, reflink_or_copy
 
 __all__ = ["TemplateImage", "VmHandle", "VmDriver"]
 
@@ -44,50 +44,49 @@ class TemplateImage:
 
 
 class VmHandle:
-    """One sandbox VM: its QEMU pid, channel socket, and how to kill, detach from or wait for it."""
+    """One VM of this node agent (a sandbox, warm slot or build): the VMM's :class:`vmm.VmProcess` bound to
+    the VMM that owns it, so callers hold one object. Its QEMU pid, channel socket, and how to kill, detach
+    from or wait for it."""
 
-    def __init__(self, vmm: QemuVmm, inner: QemuHandle) -> None:
+    def __init__(self, vmm: QemuVmm, process: VmProcess) -> None:
         self._vmm = vmm
-        self.inner = inner
+        self.process = process
 
     @property
     def pid(self) -> int:
-        return self.inner.pid
+        return self.process.pid
 
     @property
     def channel_path(self) -> Path:
-        return self.inner.paths.channel
+        return self.process.paths.channel
 
     async def kill(self) -> None:
         """SIGKILL QEMU and wait for it (bounded)."""
-        await self._vmm.kill(self.inner)
+        await self._vmm.kill(self.process)
 
     async def wait_exit(self) -> int | None:
         """Wait until QEMU exits; its exit status (negative signal number) when known."""
-        return await self._vmm.wait_exit(self.inner)
+        return await self._vmm.wait_exit(self.process)
 
     async def pause(self) -> None:
         """QMP ``stop``: the vCPUs stop; memory and devices stay as they are (docs/DESIGN.md §3: 1-2 ms)."""
-        await self._vmm.pause(self.inner)
+        await self._vmm.pause(self.process)
 
     async def resume(self) -> None:
         """QMP ``cont``."""
-        await self._vmm.resume(self.inner)
+        await self._vmm.resume(self.process)
 
     async def set_nice(self, nice: int) -> None:
         """Every QEMU thread to nice value ``nice`` (``vmm.set_nice``)."""
-        await self._vmm.set_nice(self.inner, nice)
+        await self._vmm.set_nice(self.process, nice)
 
     async def status(self) -> str:
         """QMP ``query-status``: ``running``, ``paused``, ``inmigrate``, ..."""
-        return await self._vmm.query_status(self.inner)
+        return await self._vmm.query_status(self.process)
 
     async def detach(self) -> None:
         """Drop the QMP connection and leave QEMU running (a later ``attach`` picks it up)."""
-        try:
-            await asyncio.wait_for(self.inner.qmp.disconnect(), 2.0)
-        except Exception:  # already gone: nothing to release
-            pass
+        await self._vmm.detach(self.process)
 
 
 class VmDriver:
@@ -204,8 +203,8 @@ class VmDriver:
         """Restore ``tpl``'s snapshot into ``vm_dir`` and run it (docs/DESIGN.md §3: reflink RAM + disk, incoming).
         ``tap_fd``: the sandbox's tap (network.py), inherited by QEMU; None leaves the NIC unconnected."""
         config = tpl.snapshot.vm_config(self.settings, memory_mib=memory_mib, vcpus=vcpus)
-        inner = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config, tap_fd=tap_fd)
-        return VmHandle(self.vmm, inner)
+        process = await self.vmm.restore(tpl.snapshot.dir, vm_dir, config, tap_fd=tap_fd)
+        return VmHandle(self.vmm, process)
 
     async def restore_from(self, snapshot_dir: Path, tpl: TemplateImage, vm_dir: Path, *, memory_mib: int,
                            vcpus: int, paused: bool = False, tap_fd: int | None = None, nice: int = 0) -> VmHandle:
@@ -227,7 +226,7 @@ class VmDriver:
 
     async def snapshot_full(self, handle: VmHandle, dest: Path, *, leave_stopped: bool) -> float:
         """Memory, device state and disk into ``dest`` (docs/DESIGN.md §3); returns the ms the guest was paused."""
-        res = await self.vmm.snapshot_full(handle.inner, dest, leave_stopped=leave_stopped)
+        res = await self.vmm.snapshot_full(handle.process, dest, leave_stopped=leave_stopped)
         return res.paused_ms
 
     async def attach(self, vm_dir: Path) -> VmHandle:

@@ -44,7 +44,8 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterable, Awaitable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -61,7 +62,7 @@ from .accel import Accel, host_tsc_khz, kernel_cmdline
 
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
-    "VmConfig", "VmPaths", "VmHandle", "SnapshotResult", "Vmm", "QemuVmm",
+    "VmConfig", "VmPaths", "VmProcess", "SnapshotResult", "Vmm", "QemuVmm",
     "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME", "GUEST_MAC", "VOLUME_SLOTS",
     "volume_slot_name", "VOLUME_SERIAL_PREFIX",
 ]
@@ -192,8 +193,10 @@ class SnapshotResult(BaseModel):
 
 
 @dataclass(eq=False)
-class VmHandle:
-    """A running (or paused) QEMU. Owned by one driver; ``pid`` is QEMU's process id."""
+class VmProcess:
+    """The VMM's handle on one running (or paused) QEMU process: its files, pid, config and QMP connection.
+    Owned by one :class:`Vmm`, which every operation on it goes through; the node agent wraps it with its
+    driver as ``vmdriver.VmHandle``. ``pid`` is QEMU's process id."""
 
     paths: VmPaths
     pid: int
@@ -294,46 +297,69 @@ class Vmm(abc.ABC):
     """What the node agent needs from a VMM. Every call is bounded by a timeout."""
 
     @abc.abstractmethod
-    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmHandle:
+    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmProcess:
         """Fresh boot of kernel + initrd + ``vm_dir/disk.img``; returns once QMP answers (guest running).
         ``tap_fd``: the NIC's tap (see :func:`build_qemu_argv`); the caller keeps and closes its copy."""
 
     @abc.abstractmethod
     async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False,
-                      tap_fd: int | None = None) -> VmHandle:
+                      tap_fd: int | None = None) -> VmProcess:
         """Copy RAM and disk from ``snapshot_dir`` into ``vm_dir`` and resume the snapshot there."""
 
     @abc.abstractmethod
-    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+    async def snapshot_full(self, vm: VmProcess, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
         """Device state + RAM + disk into ``dest_dir``; the guest is stopped meanwhile."""
 
     @abc.abstractmethod
-    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmProcess:
         """Re-attach to a QEMU left running by an earlier node agent; raises :class:`VmGone`."""
 
     @abc.abstractmethod
-    async def pause(self, vm: VmHandle) -> None: ...
+    async def pause(self, vm: VmProcess) -> None: ...
 
     @abc.abstractmethod
-    async def resume(self, vm: VmHandle) -> None: ...
+    async def resume(self, vm: VmProcess) -> None: ...
 
     @abc.abstractmethod
-    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None:
+    async def stop(self, vm: VmProcess, timeout_s: float = 5.0) -> None:
         """Ask QEMU to quit (disks flushed); SIGKILL after ``timeout_s``."""
 
     @abc.abstractmethod
-    async def kill(self, vm: VmHandle) -> None: ...
+    async def kill(self, vm: VmProcess) -> None: ...
 
     @abc.abstractmethod
-    def is_alive(self, vm: VmHandle) -> bool: ...
+    def is_alive(self, vm: VmProcess) -> bool: ...
 
     @abc.abstractmethod
-    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+    async def wait_exit(self, vm: VmProcess, timeout_s: float | None = None) -> int | None:
         """Wait until QEMU exits; its exit code when it was our child, else None."""
 
     @abc.abstractmethod
-    async def query_status(self, vm: VmHandle) -> str:
+    async def query_status(self, vm: VmProcess) -> str:
         """QEMU's run state: ``running``, ``paused``, ``postmigrate``, ``inmigrate``, ``shutdown``, ..."""
+
+    @abc.abstractmethod
+    async def start_incoming(self, config: VmConfig, paths: VmPaths, *, tap_fd: int | None = None) -> VmProcess:
+        """Start a guest that waits for a live migration stream on ``paths`` (vmmigrate.py)."""
+
+    @abc.abstractmethod
+    async def execute(self, vm: VmProcess, cmd: str, args: dict[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> Any:
+        """Run one QMP command on ``vm``, bounded; returns its answer."""
+
+    @abc.abstractmethod
+    async def give_fd(self, vm: VmProcess, fd: int, name: str) -> None:
+        """Hand the open descriptor ``fd`` to QEMU as monitor fd ``name`` (QMP ``getfd``); the caller keeps
+        and closes its own copy."""
+
+    @abc.abstractmethod
+    def events(self, vm: VmProcess, *names: str) -> AbstractContextManager[AsyncIterable[Mapping[str, Any]]]:
+        """A listener for QMP events ``names`` of ``vm``: enter it before the command that causes them (so none
+        is missed), then iterate it for the events (each with ``event`` and ``data``)."""
+
+    @abc.abstractmethod
+    async def detach(self, vm: VmProcess) -> None:
+        """Drop the connection to ``vm`` and leave QEMU running (a later :meth:`attach` picks it up)."""
 
 
 def set_nice(pid: int, nice: int) -> int:
@@ -390,7 +416,7 @@ class QemuVmm(Vmm):
             TIMEOUTS.labels(op).inc()
             raise VmTimeout(f"{op} did not finish within {timeout_s} s", details={"op": op}) from exc
 
-    async def execute(self, vm: VmHandle, cmd: str, args: dict[str, Any] | None = None, *,
+    async def execute(self, vm: VmProcess, cmd: str, args: dict[str, Any] | None = None, *,
                       timeout_s: float | None = None) -> Any:
         """Run QMP command ``cmd`` on ``vm`` and return its answer, bounded by ``timeout_s`` (default: the VM's
         ``op_timeout_s``). Raises ``VmTimeout``, ``VmOperationError`` (QEMU refused it: ``details.qmp_class``)
@@ -458,7 +484,7 @@ class QemuVmm(Vmm):
             return ""
 
     async def _connect(self, paths: VmPaths, pid: int, popen: subprocess.Popen[bytes] | None,
-                       config: VmConfig | None, timeout_s: float) -> VmHandle:
+                       config: VmConfig | None, timeout_s: float) -> VmProcess:
         """Connect QMP (retrying until the socket exists) and start watching the process."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -484,11 +510,11 @@ class QemuVmm(Vmm):
                         details={"vm_dir": str(paths.dir)},
                     ) from exc
                 await asyncio.sleep(0.005)
-        vm = VmHandle(paths=paths, pid=pid, config=config, qmp=qmp, popen=popen)
+        vm = VmProcess(paths=paths, pid=pid, config=config, qmp=qmp, popen=popen)
         self._watch(vm)
         return vm
 
-    def _watch(self, vm: VmHandle) -> None:
+    def _watch(self, vm: VmProcess) -> None:
         """Notice QEMU's exit through a pidfd, even when QEMU is not our child."""
         loop = asyncio.get_running_loop()
         try:
@@ -506,7 +532,7 @@ class QemuVmm(Vmm):
 
         loop.add_reader(fd, ready)
 
-    def _on_exit(self, vm: VmHandle) -> None:
+    def _on_exit(self, vm: VmProcess) -> None:
         """QEMU exited. Confined, ``popen`` is bwrap, which exits a moment after QEMU: it is reaped on a worker
         thread (a blocking ``wait`` here held the event loop for milliseconds, up to 1 s) before ``_exited``
         is set, so the exit code is known by then."""
@@ -517,13 +543,13 @@ class QemuVmm(Vmm):
             return
         self._exit_done(vm)
 
-    async def _reap(self, vm: VmHandle) -> None:
+    async def _reap(self, vm: VmProcess) -> None:
         assert vm.popen is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(vm.popen.wait, 1)
         self._exit_done(vm)
 
-    def _exit_done(self, vm: VmHandle) -> None:
+    def _exit_done(self, vm: VmProcess) -> None:
         if vm.popen is not None:
             vm.exit_code = vm.popen.returncode
             if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
@@ -534,11 +560,11 @@ class QemuVmm(Vmm):
                 vm.paths.pidfile.unlink()
         vm._exited.set()
 
-    async def _close_qmp(self, vm: VmHandle) -> None:
+    async def _close_qmp(self, vm: VmProcess) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
 
-    async def _abort_start(self, vm: VmHandle | None, popen: subprocess.Popen[bytes], pid: int) -> None:
+    async def _abort_start(self, vm: VmProcess | None, popen: subprocess.Popen[bytes], pid: int) -> None:
         if vm is not None:
             await self.kill(vm)
             return
@@ -548,12 +574,12 @@ class QemuVmm(Vmm):
                 os.kill(p, signal.SIGKILL)
         await asyncio.to_thread(popen.wait)
 
-    async def start_incoming(self, config: VmConfig, paths: VmPaths, *, tap_fd: int | None = None) -> VmHandle:
+    async def start_incoming(self, config: VmConfig, paths: VmPaths, *, tap_fd: int | None = None) -> VmProcess:
         """Start a QEMU on ``paths`` (its disk and RAM files made by the caller) that waits for a live migration
         (``-incoming defer``) and runs the guest on arrival; the caller feeds it the stream
         (services/nodeagent/vmmigrate.py). Raises ``VmStartError``; nothing is left running."""
         popen, pid = await self._spawn(config, paths, incoming=True, tap_fd=tap_fd, autostart=True)
-        vm: VmHandle | None = None
+        vm: VmProcess | None = None
         try:
             vm = await self._connect(paths, pid, popen, config, 5.0)
             self._lock(paths)
@@ -562,7 +588,7 @@ class QemuVmm(Vmm):
             await self._abort_start(vm, popen, pid)
             raise
 
-    async def _migration_done(self, vm: VmHandle, what: str) -> None:
+    async def _migration_done(self, vm: VmProcess, what: str) -> None:
         """Poll ``query-migrate`` until completed; raise on failure."""
         while True:
             info = await self.execute(vm, "query-migrate")
@@ -573,25 +599,40 @@ class QemuVmm(Vmm):
                 raise VmOperationError(f"{what} migration {status}: {info.get('error-desc', '')}")
             await asyncio.sleep(0.001)
 
-    async def _send_fd(self, vm: VmHandle, path: Path, flags: int, name: str) -> None:
+    async def give_fd(self, vm: VmProcess, fd: int, name: str) -> None:
+        """``getfd`` with SCM_RIGHTS (:func:`_send_scm_rights`). Raises as :meth:`execute`."""
+        _send_scm_rights(vm.qmp, fd)
+        await self.execute(vm, "getfd", {"fdname": name})
+
+    def events(self, vm: VmProcess, *names: str) -> AbstractContextManager[AsyncIterable[Mapping[str, Any]]]:
+        """``qemu.qmp``'s event listener for ``names`` (a QMP message is a mapping)."""
+        return vm.qmp.listener(names)
+
+    async def detach(self, vm: VmProcess) -> None:
+        """Close the QMP connection, bounded by 2 s; QEMU keeps running. An already closed connection is fine."""
+        try:
+            await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
+        except Exception:  # already gone: nothing to release
+            pass
+
+    async def _send_fd(self, vm: VmProcess, path: Path, flags: int, name: str) -> None:
         """Hand QEMU an open file as monitor fd ``name`` (``getfd`` with SCM_RIGHTS)."""
         fd = os.open(path, flags, 0o600)
         try:
-            _send_scm_rights(vm.qmp, fd)
-            await self.execute(vm, "getfd", {"fdname": name})
+            await self.give_fd(vm, fd, name)
         finally:
             os.close(fd)
 
     # -- operations
 
-    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmHandle:
+    async def boot(self, config: VmConfig, vm_dir: Path, *, tap_fd: int | None = None) -> VmProcess:
         paths = VmPaths(vm_dir)
         if not paths.disk.exists():
             raise VmStartError(f"no disk image at {paths.disk}")
         paths.ram.unlink(missing_ok=True)  # a fresh boot starts from sparse RAM
         t0 = time.monotonic()
         popen, pid = await self._spawn(config, paths, incoming=False, tap_fd=tap_fd)
-        vm: VmHandle | None = None
+        vm: VmProcess | None = None
         try:
             vm = await self._connect(paths, pid, popen, config, min(config.boot_timeout_s, 30.0))
             self._lock(paths)
@@ -604,13 +645,13 @@ class QemuVmm(Vmm):
         BOOT_SECONDS.observe(time.monotonic() - t0)
         return vm
 
-    async def _set_caps(self, vm: VmHandle) -> None:
+    async def _set_caps(self, vm: VmProcess) -> None:
         # RAM lives in a shared file that snapshots reflink, so migration streams only device state.
         await self.execute(vm, "migrate-set-capabilities",
                         {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
 
     async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False,
-                      tap_fd: int | None = None) -> VmHandle:
+                      tap_fd: int | None = None) -> VmProcess:
         """Restore ``snapshot_dir`` (``state``, ``ram``, ``disk.img``) into ``vm_dir``.
 
         Each attempt is bounded by ``config.restore_timeout_s``; up to ``config.restore_retries`` retries. With
@@ -643,12 +684,12 @@ class QemuVmm(Vmm):
         raise VmStartError(f"restore of {snapshot_dir} failed: {last}") from last
 
     async def _restore_once(self, snap: Path, paths: VmPaths, config: VmConfig, paused: bool,
-                            tap_fd: int | None) -> VmHandle:
+                            tap_fd: int | None) -> VmProcess:
         paths.dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reflink_or_copy, snap / "ram", paths.ram)
         await asyncio.to_thread(reflink_or_copy, snap / "disk.img", paths.disk)
         popen, pid = await self._spawn(config, paths, incoming=True, tap_fd=tap_fd)
-        vm: VmHandle | None = None
+        vm: VmProcess | None = None
         try:
             vm = await self._connect(paths, pid, popen, config, _QMP_CONNECT_TIMEOUT_S)
             self._lock(paths)
@@ -664,7 +705,7 @@ class QemuVmm(Vmm):
             await self._abort_start(vm, popen, pid)
             raise
 
-    async def _announce_volumes(self, vm: VmHandle, paths: VmPaths) -> None:
+    async def _announce_volumes(self, vm: VmProcess, paths: VmPaths) -> None:
         """``block_resize`` each attached (non-empty) slot to its own size: the capacity the guest saw when the
         snapshot was taken is stale, and a resize raises the config-change interrupt (module docstring)."""
         for slot in range(VOLUME_SLOTS):
@@ -672,7 +713,7 @@ class QemuVmm(Vmm):
             if size:
                 await self.execute(vm, "block_resize", {"device": f"vol{slot}", "size": size})
 
-    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+    async def snapshot_full(self, vm: VmProcess, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
         """Stop, migrate device state to ``dest_dir/state``, reflink (or copy) RAM and disk, then ``cont``.
 
         ``paused_ms`` is the time from ``stop`` to ``cont`` (or to the end when ``leave_stopped``). A guest that
@@ -685,7 +726,7 @@ class QemuVmm(Vmm):
             SNAPSHOTS.labels("failed", "none").inc()
             raise
 
-    async def _snapshot(self, vm: VmHandle, dest: Path, leave_stopped: bool) -> SnapshotResult:
+    async def _snapshot(self, vm: VmProcess, dest: Path, leave_stopped: bool) -> SnapshotResult:
         dest.mkdir(parents=True, exist_ok=True)
         status = await self.query_status(vm)
         was_running = status == "running"
@@ -738,7 +779,7 @@ class QemuVmm(Vmm):
         return SnapshotResult(dir=dest, state=dest / "state", ram=dest / "ram", disk=dest / "disk.img",
                               paused_ms=paused_ms, copy_mode=mode)
 
-    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmProcess:
         paths = VmPaths(vm_dir)
         try:
             pid = int(paths.pidfile.read_text().strip())
@@ -750,17 +791,17 @@ class QemuVmm(Vmm):
             raise VmGone(f"pid {pid} is not the QEMU of {vm_dir}", details={"vm_dir": str(vm_dir)})
         return await self._connect(paths, pid, None, config, _QMP_CONNECT_TIMEOUT_S)
 
-    async def pause(self, vm: VmHandle) -> None:
+    async def pause(self, vm: VmProcess) -> None:
         await self.execute(vm, "stop")
 
-    async def resume(self, vm: VmHandle) -> None:
+    async def resume(self, vm: VmProcess) -> None:
         await self.execute(vm, "cont")
 
-    async def set_nice(self, vm: VmHandle, nice: int) -> None:
+    async def set_nice(self, vm: VmProcess, nice: int) -> None:
         """Give every thread of ``vm``'s QEMU the nice value ``nice`` (:func:`set_nice`)."""
         await asyncio.to_thread(set_nice, vm.pid, nice)
 
-    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None:
+    async def stop(self, vm: VmProcess, timeout_s: float = 5.0) -> None:
         if self.is_alive(vm):
             with contextlib.suppress(VmmError):
                 await self.execute(vm, "quit", timeout_s=timeout_s)
@@ -770,13 +811,13 @@ class QemuVmm(Vmm):
                 await self.kill(vm)
         await self._close_qmp(vm)
 
-    async def kill(self, vm: VmHandle) -> None:
+    async def kill(self, vm: VmProcess) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(vm.pid, signal.SIGKILL)
         await self.wait_exit(vm, 10.0)
         await self._close_qmp(vm)
 
-    def is_alive(self, vm: VmHandle) -> bool:
+    def is_alive(self, vm: VmProcess) -> bool:
         if vm._exited.is_set():
             return False
         if vm.popen is not None:
@@ -789,14 +830,14 @@ class QemuVmm(Vmm):
             return True
         return True
 
-    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+    async def wait_exit(self, vm: VmProcess, timeout_s: float | None = None) -> int | None:
         if timeout_s is None:
             await vm._exited.wait()
         else:
             await self._bounded("wait_exit", vm._exited.wait(), timeout_s)
         return vm.exit_code
 
-    async def query_status(self, vm: VmHandle) -> str:
+    async def query_status(self, vm: VmProcess) -> str:
         info = await self.execute(vm, "query-status")
         return str(info["status"])
 

@@ -36,7 +36,9 @@ Completion is awaited through QMP ``MIGRATION`` events (the ``events`` capabilit
 a timeout. A failed or timed-out outgoing migration is cancelled and the source guest resumes (it was never
 given up); the caller tears the destination down.
 
-Errors are the VMM driver's (``vmm.VmOperationError``, ``VmTimeout``, ``VmGone``, ``VmStartError``).
+Everything here goes through the public :class:`vmm.Vmm` interface (QMP commands, handing QEMU a socket,
+QMP events), so the unit tests drive it with a fake. Errors are the VMM driver's (``vmm.VmOperationError``,
+``VmTimeout``, ``VmGone``, ``VmStartError``).
 """
 
 from __future__ import annotations
@@ -47,24 +49,16 @@ import logging
 import os
 import socket
 import time
+from collections.abc import AsyncIterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from .vmm import (
-    QemuVmm,
-    VmConfig,
-    VmHandle,
-    VmmError,
-    VmOperationError,
-    VmPaths,
-    VmTimeout,
-    _send_scm_rights,
-)
+from .vmm import VmConfig, Vmm, VmmError, VmOperationError, VmPaths, VmProcess, VmTimeout
 
 __all__ = ["MigrationStats", "start_incoming", "accept_incoming", "wait_incoming", "arrive", "migrate_out",
-           "resume_source", "precopy_safe"]
+           "resume_source", "precopy_safe", "stop_before_ram"]
 
 log = logging.getLogger("podbay.nodeagent.vmmigrate")
 
@@ -97,7 +91,7 @@ _STOP_AHEAD_BYTES = 64 * 2**20
 _STOP_AHEAD_S = 0.25
 
 
-async def precopy_safe(vmm: QemuVmm, vm: VmHandle) -> bool:
+async def precopy_safe(vmm: Vmm, vm: VmProcess) -> bool:
     """True when ``vm``'s QEMU tracks every guest store while RAM is copied: KVM always, TCG from QEMU 9.0
     (QMP ``query-version``; see the module docstring)."""
     if vm.config is not None and vm.config.accel == "kvm":
@@ -107,19 +101,18 @@ async def precopy_safe(vmm: QemuVmm, vm: VmHandle) -> bool:
     return (int(q.get("major", 0)), int(q.get("minor", 0))) >= _TCG_PRECOPY_FIXED
 
 
-async def _caps(vmm: QemuVmm, vm: VmHandle, caps: dict[str, bool]) -> None:
+async def _caps(vmm: Vmm, vm: VmProcess, caps: dict[str, bool]) -> None:
     await vmm.execute(vm, "migrate-set-capabilities",
                       {"capabilities": [{"capability": k, "state": v} for k, v in caps.items()]})
 
 
-async def _give_socket(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, name: str) -> None:
+async def _give_socket(vmm: Vmm, vm: VmProcess, sock: socket.socket, name: str) -> None:
     """Hand ``sock`` to QEMU as monitor fd ``name``; the caller may close its copy afterwards."""
-    _send_scm_rights(vm.qmp, sock.fileno())
-    await vmm.execute(vm, "getfd", {"fdname": name})
+    await vmm.give_fd(vm, sock.fileno(), name)
 
 
-async def start_incoming(vmm: QemuVmm, config: VmConfig, vm_dir: Path, *, disk_size: int,
-                         tap_fd: int | None = None) -> VmHandle:
+async def start_incoming(vmm: Vmm, config: VmConfig, vm_dir: Path, *, disk_size: int,
+                         tap_fd: int | None = None) -> VmProcess:
     """Start a QEMU in ``vm_dir`` waiting for a live migration: a sparse ``disk.img`` of ``disk_size`` bytes
     (the source's size; block migration writes into it), fresh RAM file, ``tap_fd`` as the NIC. Raises
     ``VmStartError`` (the directory is left for the caller to remove)."""
@@ -137,13 +130,13 @@ async def start_incoming(vmm: QemuVmm, config: VmConfig, vm_dir: Path, *, disk_s
         raise
 
 
-async def accept_incoming(vmm: QemuVmm, vm: VmHandle, sock: socket.socket) -> None:
+async def accept_incoming(vmm: Vmm, vm: VmProcess, sock: socket.socket) -> None:
     """Give the accepted connection to the waiting QEMU and start reading the stream (returns at once)."""
     await _give_socket(vmm, vm, sock, "migin")
     await vmm.execute(vm, "migrate-incoming", {"uri": "fd:migin"})
 
 
-async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float, what: str) -> dict[str, Any]:
+async def _wait_end(vmm: Vmm, vm: VmProcess, listener: AsyncIterable[Mapping[str, Any]], timeout_s: float, what: str) -> dict[str, Any]:
     """Wait for a terminal ``MIGRATION`` event (or QEMU's exit), then return ``query-migrate``."""
     async def events() -> None:
         async for ev in listener:
@@ -170,10 +163,10 @@ async def _wait_end(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float,
             await waiter
 
 
-async def wait_incoming(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: float) -> str:
+async def wait_incoming(vmm: Vmm, vm: VmProcess, listener: AsyncIterable[Mapping[str, Any]], timeout_s: float) -> str:
     """Wait until the incoming stream ends; returns QEMU's run state (``running`` or ``paused``). Raises
     ``VmOperationError`` when the migration failed, ``VmTimeout`` past ``timeout_s``. ``listener`` is a
-    ``vm.qmp.listener("MIGRATION")`` entered before ``accept_incoming`` (so no event is missed)."""
+    ``vmm.events(vm, "MIGRATION")`` entered before ``accept_incoming`` (so no event is missed)."""
     info = await _wait_end(vmm, vm, listener, timeout_s, "incoming")
     if info.get("status") != "completed":
         raise VmOperationError(f"incoming migration {info.get('status')}: {info.get('error-desc', '')}")
@@ -186,7 +179,7 @@ async def wait_incoming(vmm: QemuVmm, vm: VmHandle, listener: Any, timeout_s: fl
     return await vmm.query_status(vm)
 
 
-async def arrive(vmm: QemuVmm, vm: VmHandle, state: str, was_running: bool) -> str:
+async def arrive(vmm: Vmm, vm: VmProcess, state: str, was_running: bool) -> str:
     """Finish an arrival: a guest that ran on the source but arrived ``paused`` (stop-and-copy, see
     :func:`precopy_safe`) is resumed here. Returns the guest's run state now."""
     if state == "paused" and was_running:
@@ -195,7 +188,7 @@ async def arrive(vmm: QemuVmm, vm: VmHandle, state: str, was_running: bool) -> s
     return state
 
 
-async def _stop_before_ram(vmm: QemuVmm, vm: VmHandle) -> float | None:
+async def stop_before_ram(vmm: Vmm, vm: VmProcess) -> float | None:
     """Watch an outgoing migration (``query-migrate``) and stop the guest before its first RAM page is sent,
     letting most of the disk's bulk pass run with the guest running. Returns the ``time.monotonic()`` of the
     stop, or None when the migration ended first (the caller's wait reports how)."""
@@ -219,7 +212,7 @@ async def _stop_before_ram(vmm: QemuVmm, vm: VmHandle) -> float | None:
         await asyncio.sleep(_WATCH_S)
 
 
-async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeout_s: float,
+async def migrate_out(vmm: Vmm, vm: VmProcess, sock: socket.socket, *, timeout_s: float,
                       max_downtime_ms: int = 50, bandwidth_mib_s: int = 1024) -> MigrationStats:
     """Live-migrate ``vm`` (running or paused) over the connected ``sock``; returns QEMU's figures.
 
@@ -243,11 +236,11 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
     stopped_at: float | None = None
     watch: asyncio.Future[float | None] | None = None
     try:
-        with vm.qmp.listener("MIGRATION") as listener:
+        with vmm.events(vm, "MIGRATION") as listener:
             await _give_socket(vmm, vm, sock, "migout")
             await vmm.execute(vm, "migrate", {"uri": "fd:migout"})
             if not precopy:
-                watch = asyncio.ensure_future(_stop_before_ram(vmm, vm))
+                watch = asyncio.ensure_future(stop_before_ram(vmm, vm))
             info = await _wait_end(vmm, vm, listener, timeout_s, "outgoing")
             if watch is not None:
                 stopped_at = await watch
@@ -278,7 +271,7 @@ async def migrate_out(vmm: QemuVmm, vm: VmHandle, sock: socket.socket, *, timeou
     return stats
 
 
-async def resume_source(vmm: QemuVmm, vm: VmHandle, was_running: bool) -> None:
+async def resume_source(vmm: Vmm, vm: VmProcess, was_running: bool) -> None:
     """Undo an outgoing migration on the source: cancel it, restore the snapshot capabilities, ``cont`` a
     guest that was running. Best effort (a dead QEMU is the caller's ``VmGone`` later)."""
     with contextlib.suppress(VmmError):

@@ -28,7 +28,7 @@ from podbay.config import get_settings
 from podbay.contracts.channel import ExecSpec
 from podbay_nodeagent import vmmigrate
 from podbay_nodeagent.template import TemplateSnapshot
-from podbay_nodeagent.vmm import QemuVmm, VmHandle
+from podbay_nodeagent.vmm import QemuVmm, VmProcess
 
 try:
     from tests.bench._stats import report, summarise
@@ -57,7 +57,7 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return src, dst
 
 
-async def _dirty(vm: VmHandle, mib: int) -> None:
+async def _dirty(vm: VmProcess, mib: int) -> None:
     ch = await GuestChannel.connect(vm.paths.channel, timeout_s=30)
     try:
         script = (f"setsid python3 -c 'b = bytearray({mib} << 20)\nimport time\nn = 0\nwhile True:\n"
@@ -68,14 +68,14 @@ async def _dirty(vm: VmHandle, mib: int) -> None:
         await ch.close()
 
 
-async def _migrate(vmm: QemuVmm, vm: VmHandle, dest_dir: Path) -> tuple[VmHandle, vmmigrate.MigrationStats, float]:
+async def _migrate(vmm: QemuVmm, vm: VmProcess, dest_dir: Path) -> tuple[VmProcess, vmmigrate.MigrationStats, float]:
     assert vm.config is not None
     shutil.rmtree(dest_dir, ignore_errors=True)
     t0 = time.perf_counter()
     dest = await vmmigrate.start_incoming(vmm, vm.config, dest_dir, disk_size=vmmigrate.disk_size(vm.dir))
     s, d = _pair()
     try:
-        with dest.qmp.listener("MIGRATION") as listener:
+        with vmm.events(dest, "MIGRATION") as listener:
             await vmmigrate.accept_incoming(vmm, dest, d)
             d.close()
             out = asyncio.ensure_future(vmmigrate.migrate_out(vmm, vm, s, timeout_s=600))

@@ -20,7 +20,7 @@ from podbay.config import Settings
 from podbay.errors import Timeout
 from podbay_nodeagent import vmmigrate
 from podbay_nodeagent.template import TemplateSnapshot, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmHandle, VmOperationError
+from podbay_nodeagent.vmm import QemuVmm, VmProcess, VmOperationError
 
 pytestmark = [
     pytest.mark.e2e,
@@ -49,13 +49,13 @@ def vmm() -> QemuVmm:
 
 
 @pytest.fixture
-async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmHandle]:
+async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmProcess]:
     handle = await vmm.restore(template.dir, tmp_path / "src", template.vm_config())
     yield handle
     await vmm.kill(handle)
 
 
-async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
+async def _run(vm: VmProcess, argv: list[str]) -> tuple[bytes, int]:
     from podbay.channel.client import GuestChannel
     from podbay.contracts.channel import ExecSpec
 
@@ -67,7 +67,7 @@ async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
         await ch.close()
 
 
-async def _start_counter(vm: VmHandle) -> int:
+async def _start_counter(vm: VmProcess) -> int:
     out, code = await _run(vm, ["sh", "-c", _detached("counter", COUNTER)])
     assert (out, code) == (b"ok\n", 0)
     for _ in range(200):
@@ -88,7 +88,7 @@ def _detached(name: str, source: str) -> str:
             ">/dev/null 2>&1 </dev/null &) && echo ok")
 
 
-async def _count(vm: VmHandle) -> tuple[int, int]:
+async def _count(vm: VmProcess) -> tuple[int, int]:
     out, code = await _run(vm, ["sh", "-c", "cat /home/user/counter.pid; echo; cat /home/user/count; echo;"
                                             " kill -0 $(cat /home/user/counter.pid) && echo alive"])
     pid, count, alive = out.decode().split()
@@ -107,12 +107,12 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     return src, dst
 
 
-async def _migrate(vmm: QemuVmm, vm: VmHandle, dest_dir: Path) -> tuple[VmHandle, vmmigrate.MigrationStats, str]:
+async def _migrate(vmm: QemuVmm, vm: VmProcess, dest_dir: Path) -> tuple[VmProcess, vmmigrate.MigrationStats, str]:
     assert vm.config is not None
     dest = await vmmigrate.start_incoming(vmm, vm.config, dest_dir, disk_size=vmmigrate.disk_size(vm.dir))
     src_sock, dst_sock = _tcp_pair()
     try:
-        with dest.qmp.listener("MIGRATION") as listener:
+        with vmm.events(dest, "MIGRATION") as listener:
             await vmmigrate.accept_incoming(vmm, dest, dst_sock)
             dst_sock.close()
             out_task = asyncio.ensure_future(vmmigrate.migrate_out(vmm, vm, src_sock, timeout_s=300))
@@ -127,7 +127,7 @@ async def _migrate(vmm: QemuVmm, vm: VmHandle, dest_dir: Path) -> tuple[VmHandle
     return dest, stats, state
 
 
-async def test_running_guest_moves_with_its_process_memory_and_disk(vmm: QemuVmm, vm: VmHandle,
+async def test_running_guest_moves_with_its_process_memory_and_disk(vmm: QemuVmm, vm: VmProcess,
                                                                    tmp_path: Path) -> None:
     out, code = await _run(vm, ["sh", "-c", "echo kept > /home/user/mark && sync && echo ok"])
     assert (out, code) == (b"ok\n", 0)
@@ -152,7 +152,7 @@ async def test_running_guest_moves_with_its_process_memory_and_disk(vmm: QemuVmm
         await vmm.kill(dest)
 
 
-async def test_paused_guest_arrives_paused(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+async def test_paused_guest_arrives_paused(vmm: QemuVmm, vm: VmProcess, tmp_path: Path) -> None:
     pid = await _start_counter(vm)
     await vmm.pause(vm)
     dest, stats, state = await _migrate(vmm, vm, tmp_path / "dst")
@@ -167,7 +167,7 @@ async def test_paused_guest_arrives_paused(vmm: QemuVmm, vm: VmHandle, tmp_path:
         await vmm.kill(dest)
 
 
-async def test_failed_migration_leaves_the_source_running(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_failed_migration_leaves_the_source_running(vmm: QemuVmm, vm: VmProcess) -> None:
     pid = await _start_counter(vm)
     src_sock, dst_sock = _tcp_pair()
     dst_sock.close()  # nobody reads the stream: QEMU's writes fail
@@ -202,7 +202,7 @@ SWEEPER = ("import os\n"
            "        os.replace('/home/user/sweeper.tmp','/home/user/sweeper.round')\n")
 
 
-async def test_memory_written_during_the_migration_arrives_intact(vmm: QemuVmm, vm: VmHandle,
+async def test_memory_written_during_the_migration_arrives_intact(vmm: QemuVmm, vm: VmProcess,
                                                                  tmp_path: Path) -> None:
     out, code = await _run(vm, ["sh", "-c", _detached("sweeper", SWEEPER)])
     assert (out, code) == (b"ok\n", 0)

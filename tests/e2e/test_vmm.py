@@ -16,7 +16,7 @@ import pytest
 
 from podbay.config import Settings
 from podbay_nodeagent.template import TemplateSnapshot, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmGone, VmHandle
+from podbay_nodeagent.vmm import QemuVmm, VmGone, VmProcess
 
 pytestmark = [
     pytest.mark.e2e,
@@ -37,7 +37,7 @@ def vmm() -> QemuVmm:
 
 
 @pytest.fixture
-async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmHandle]:
+async def vm(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[VmProcess]:
     handle = await vmm.restore(template.dir, tmp_path / "vm", template.vm_config())
     yield handle
     await vmm.kill(handle)
@@ -47,7 +47,7 @@ def _client() -> Any:
     return pytest.importorskip("podbay.channel.client").GuestChannel
 
 
-async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
+async def _run(vm: VmProcess, argv: list[str]) -> tuple[bytes, int]:
     from podbay.contracts.channel import ExecSpec
 
     ch = await _client().connect(vm.paths.channel, timeout_s=30)
@@ -58,7 +58,7 @@ async def _run(vm: VmHandle, argv: list[str]) -> tuple[bytes, int]:
         await ch.close()
 
 
-async def test_restore_then_ping_and_exec(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_restore_then_ping_and_exec(vmm: QemuVmm, vm: VmProcess) -> None:
     assert await vmm.query_status(vm) == "running"
     ch = await _client().connect(vm.paths.channel, timeout_s=30)
     try:
@@ -69,7 +69,7 @@ async def test_restore_then_ping_and_exec(vmm: QemuVmm, vm: VmHandle) -> None:
     assert (out, code) == (b"42\n1000\n", 0)
 
 
-async def test_the_template_snapshot_is_primed(vm: VmHandle) -> None:
+async def test_the_template_snapshot_is_primed(vm: VmProcess) -> None:
     """``template.prime_guest`` ran before the snapshot: a bare restore (no hygiene of its own) already has the
     NIC up on the placeholder address, the trust store's pristine copy and the template's name as hostname
     (every sandbox's hygiene replaces them: tests/e2e/test_sandbox_network.py)."""
@@ -81,7 +81,7 @@ async def test_the_template_snapshot_is_primed(vm: VmHandle) -> None:
     assert int(count) >= 1 and rest == ["orig", "base"], out
 
 
-async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmProcess, tmp_path: Path) -> None:
     out, code = await _run(vm, ["sh", "-c", "echo kept > /home/user/mark && sync && cat /home/user/mark"])
     assert (out, code) == (b"kept\n", 0)
     snap = await vmm.snapshot_full(vm, tmp_path / "snap")
@@ -101,14 +101,14 @@ async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmHandle, t
         await vmm.kill(copy)
 
 
-async def test_snapshot_can_leave_the_guest_stopped(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+async def test_snapshot_can_leave_the_guest_stopped(vmm: QemuVmm, vm: VmProcess, tmp_path: Path) -> None:
     await vmm.snapshot_full(vm, tmp_path / "snap", leave_stopped=True)
     assert await vmm.query_status(vm) in ("paused", "postmigrate")
     await vmm.resume(vm)
     assert await vmm.query_status(vm) == "running"
 
 
-async def test_a_stopped_guest_can_be_snapshotted_again(vmm: QemuVmm, vm: VmHandle, tmp_path: Path) -> None:
+async def test_a_stopped_guest_can_be_snapshotted_again(vmm: QemuVmm, vm: VmProcess, tmp_path: Path) -> None:
     """A full snapshot of a paused guest leaves QEMU in ``postmigrate``; the next snapshot (a second one, a
     suspend, a fork, a RAM release) must still work, and the guest carries on after both."""
     await vmm.pause(vm)
@@ -149,14 +149,14 @@ async def test_restore_at_a_nice_value_and_back(vmm: QemuVmm, template: Template
         await vmm.kill(vm)
 
 
-async def test_pause_and_resume(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_pause_and_resume(vmm: QemuVmm, vm: VmProcess) -> None:
     await vmm.pause(vm)
     assert await vmm.query_status(vm) == "paused"
     await vmm.resume(vm)
     assert await vmm.query_status(vm) == "running"
 
 
-async def test_external_kill_is_noticed(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_external_kill_is_noticed(vmm: QemuVmm, vm: VmProcess) -> None:
     assert vmm.is_alive(vm)
     os.kill(vm.pid, signal.SIGKILL)
     code = await vmm.wait_exit(vm, timeout_s=10)
@@ -164,7 +164,7 @@ async def test_external_kill_is_noticed(vmm: QemuVmm, vm: VmHandle) -> None:
     assert not vmm.is_alive(vm)
 
 
-async def test_attach_after_driver_restart(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_attach_after_driver_restart(vmm: QemuVmm, vm: VmProcess) -> None:
     other = QemuVmm()
     # QEMU's QMP socket serves one client at a time: the first driver lets go, as a dead node agent would.
     await vm.qmp.disconnect()
@@ -177,7 +177,7 @@ async def test_attach_after_driver_restart(vmm: QemuVmm, vm: VmHandle) -> None:
         await other.attach(vm.dir)
 
 
-async def test_stop_ends_qemu(vmm: QemuVmm, vm: VmHandle) -> None:
+async def test_stop_ends_qemu(vmm: QemuVmm, vm: VmProcess) -> None:
     await vmm.stop(vm, timeout_s=10)
     assert not vmm.is_alive(vm)
     assert not vm.paths.pidfile.exists()

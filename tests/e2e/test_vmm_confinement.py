@@ -25,7 +25,7 @@ import pytest
 from podbay.config import Settings
 from podbay_nodeagent.lease import cpu_ticks
 from podbay_nodeagent.template import TemplateSnapshot, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmHandle
+from podbay_nodeagent.vmm import QemuVmm, VmProcess
 
 pytestmark = [
     pytest.mark.e2e,
@@ -48,8 +48,8 @@ def vmm() -> QemuVmm:
 
 
 @pytest.fixture
-async def two_vms(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[list[VmHandle]]:
-    vms: list[VmHandle] = []
+async def two_vms(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> AsyncIterator[list[VmProcess]]:
+    vms: list[VmProcess] = []
     try:
         for name in ("a", "b"):
             vms.append(await vmm.restore(template.dir, tmp_path / name / "vm", template.vm_config()))
@@ -90,7 +90,7 @@ def _listing(pid: int, path: Path | str) -> set[str]:
     return set(os.listdir(_inside(pid, path)))
 
 
-async def test_qemu_runs_as_the_vmm_user_without_capabilities(two_vms: list[VmHandle]) -> None:
+async def test_qemu_runs_as_the_vmm_user_without_capabilities(two_vms: list[VmProcess]) -> None:
     for vm in two_vms:
         assert_confined(vm.pid)
         assert int(vm.paths.pidfile.read_text()) == vm.pid
@@ -98,7 +98,7 @@ async def test_qemu_runs_as_the_vmm_user_without_capabilities(two_vms: list[VmHa
         assert (cpu_ticks(vm.pid) or 0) > 0
 
 
-async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmHandle], template: TemplateSnapshot) -> None:
+async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmProcess], template: TemplateSnapshot) -> None:
     a, b = two_vms
     pid = a.pid
     root = _listing(pid, "/")
@@ -123,7 +123,7 @@ async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmHandle],
         assert _listing(pid, home) == {template.dir.relative_to(home).parts[0]}
 
 
-async def test_qemu_writes_its_files_but_cannot_rename_or_replace_them(two_vms: list[VmHandle]) -> None:
+async def test_qemu_writes_its_files_but_cannot_rename_or_replace_them(two_vms: list[VmProcess]) -> None:
     user = pwd.getpwnam(VMM_USER)
     vm = two_vms[0]
     for p in (vm.paths.ram, vm.paths.disk, vm.paths.console, vm.paths.qmp, vm.paths.channel):
@@ -153,7 +153,7 @@ def _in_qemu_view(pid: int, argv: list[str]) -> int:
 
 
 async def test_confined_vm_snapshots_restores_and_reattaches(
-    vmm: QemuVmm, two_vms: list[VmHandle], tmp_path: Path, template: TemplateSnapshot,
+    vmm: QemuVmm, two_vms: list[VmProcess], tmp_path: Path, template: TemplateSnapshot,
 ) -> None:
     vm = two_vms[0]
     snap = await vmm.snapshot_full(vm, tmp_path / "snap")

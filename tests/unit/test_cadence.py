@@ -30,7 +30,7 @@ async def test_disk_snapshots_only_when_the_disk_changed(tmp_path: Path, monkeyp
         taken.append(kind)
 
     vm = SimpleNamespace(stopping=False, channel=object(),
-                         handle=SimpleNamespace(inner=SimpleNamespace(paths=SimpleNamespace(disk=disk))))
+                         handle=SimpleNamespace(process=SimpleNamespace(paths=SimpleNamespace(disk=disk))))
     manager = SimpleNamespace(
         settings=SimpleNamespace(snapshot_full_interval_s=0, snapshot_disk_interval_s=0.05),
         vms={"sbx_1": vm}, snapshots=SimpleNamespace(take_scheduled=take_scheduled))

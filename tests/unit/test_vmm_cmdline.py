@@ -19,7 +19,7 @@ from podbay_nodeagent.vmm import (
     GUEST_MAC,
     QemuVmm,
     VmConfig,
-    VmHandle,
+    VmProcess,
     VmOperationError,
     VmPaths,
     build_qemu_argv,
@@ -170,7 +170,7 @@ async def test_a_qmp_command_failure_carries_qemus_description() -> None:
         async def execute(self, cmd: str, args: object = None) -> object:
             raise ExecuteError(ErrorResponse(reply), Message({"execute": cmd}), reply)
 
-    vm = VmHandle(paths=VmPaths(Path("/nonexistent")), pid=0, config=None, qmp=RefusingQmp())  # type: ignore[arg-type]
+    vm = VmProcess(paths=VmPaths(Path("/nonexistent")), pid=0, config=None, qmp=RefusingQmp())  # type: ignore[arg-type]
     with pytest.raises(VmOperationError) as info:
         await QemuVmm().execute(vm, "migrate")
     assert "migration is already running" in str(info.value)

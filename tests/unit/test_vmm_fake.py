@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import podbay_nodeagent.template as template
 from podbay_nodeagent.template import GUESTD_CONSOLE_MARKER, wait_guest_ready
-from podbay_nodeagent.vmm import SnapshotResult, VmConfig, VmHandle, Vmm, VmPaths
+from podbay_nodeagent.vmm import SnapshotResult, VmConfig, VmProcess, Vmm, VmPaths
 
 
 class FakeVmm(Vmm):
@@ -17,38 +20,53 @@ class FakeVmm(Vmm):
     def __init__(self, alive: bool = True) -> None:
         self.alive = alive
 
-    async def boot(self, config: VmConfig, vm_dir: Path) -> VmHandle:
+    async def boot(self, config: VmConfig, vm_dir: Path) -> VmProcess:
         raise NotImplementedError
 
-    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmHandle:
+    async def restore(self, snapshot_dir: Path, vm_dir: Path, config: VmConfig, *, paused: bool = False) -> VmProcess:
         raise NotImplementedError
 
-    async def snapshot_full(self, vm: VmHandle, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
+    async def snapshot_full(self, vm: VmProcess, dest_dir: Path, *, leave_stopped: bool = False) -> SnapshotResult:
         raise NotImplementedError
 
-    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmHandle:
+    async def attach(self, vm_dir: Path, config: VmConfig | None = None) -> VmProcess:
         raise NotImplementedError
 
-    async def pause(self, vm: VmHandle) -> None: ...
+    async def pause(self, vm: VmProcess) -> None: ...
 
-    async def resume(self, vm: VmHandle) -> None: ...
+    async def resume(self, vm: VmProcess) -> None: ...
 
-    async def stop(self, vm: VmHandle, timeout_s: float = 5.0) -> None: ...
+    async def stop(self, vm: VmProcess, timeout_s: float = 5.0) -> None: ...
 
-    async def kill(self, vm: VmHandle) -> None: ...
+    async def kill(self, vm: VmProcess) -> None: ...
 
-    def is_alive(self, vm: VmHandle) -> bool:
+    def is_alive(self, vm: VmProcess) -> bool:
         return self.alive
 
-    async def wait_exit(self, vm: VmHandle, timeout_s: float | None = None) -> int | None:
+    async def wait_exit(self, vm: VmProcess, timeout_s: float | None = None) -> int | None:
         return None
 
-    async def query_status(self, vm: VmHandle) -> str:
+    async def query_status(self, vm: VmProcess) -> str:
         return "running"
 
+    async def start_incoming(self, config: VmConfig, paths: VmPaths, *, tap_fd: int | None = None) -> VmProcess:
+        raise NotImplementedError
 
-def _handle(tmp_path: Path) -> VmHandle:
-    return VmHandle(paths=VmPaths(tmp_path), pid=0, config=None, qmp=None)  # type: ignore[arg-type]
+    async def execute(self, vm: VmProcess, cmd: str, args: dict[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> Any:
+        raise NotImplementedError
+
+    async def give_fd(self, vm: VmProcess, fd: int, name: str) -> None:
+        raise NotImplementedError
+
+    def events(self, vm: VmProcess, *names: str) -> AbstractContextManager[AsyncIterable[Mapping[str, Any]]]:
+        raise NotImplementedError
+
+    async def detach(self, vm: VmProcess) -> None: ...
+
+
+def _handle(tmp_path: Path) -> VmProcess:
+    return VmProcess(paths=VmPaths(tmp_path), pid=0, config=None, qmp=None)  # type: ignore[arg-type]
 
 
 def test_vm_paths_layout(tmp_path: Path) -> None:

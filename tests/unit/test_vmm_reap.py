@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from podbay_nodeagent.vmm import QemuVmm, VmHandle, VmPaths
+from podbay_nodeagent.vmm import QemuVmm, VmProcess, VmPaths
 
 
 async def test_an_exit_waits_for_bwrap_on_a_worker_thread_not_on_the_loop(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ async def test_an_exit_waits_for_bwrap_on_a_worker_thread_not_on_the_loop(tmp_pa
     qemu = subprocess.Popen(["true"])
     qemu.wait()
     vmm = QemuVmm(confinement=None)
-    vm = VmHandle(paths=VmPaths(tmp_path), pid=qemu.pid, config=None, qmp=None, popen=bwrap)  # type: ignore[arg-type]
+    vm = VmProcess(paths=VmPaths(tmp_path), pid=qemu.pid, config=None, qmp=None, popen=bwrap)  # type: ignore[arg-type]
     try:
         vmm._on_exit(vm)  # noqa: SLF001
         # It returned while bwrap runs: the exit is not reported yet (a blocking wait would have given up

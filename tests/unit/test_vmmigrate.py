@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from podbay_nodeagent import vmmigrate
-from podbay_nodeagent.vmm import VmConfig, VmHandle, VmPaths
+from podbay_nodeagent.vmm import VmConfig, VmProcess, VmPaths
 
 MiB = 2**20
 
@@ -40,9 +40,9 @@ class FakeQmp:
         self.calls.append("cont")
 
 
-def _vm(accel: str = "tcg") -> VmHandle:
+def _vm(accel: str = "tcg") -> VmProcess:
     cfg = VmConfig(kernel=Path("k"), initrd=Path("i"), accel=accel)  # type: ignore[arg-type]
-    return VmHandle(paths=VmPaths(Path("/nonexistent")), pid=1, config=cfg, qmp=None)  # type: ignore[arg-type]
+    return VmProcess(paths=VmPaths(Path("/nonexistent")), pid=1, config=cfg, qmp=None)  # type: ignore[arg-type]
 
 
 def _info(disk_remaining: int, disk_sent: int = 0, ram_pages: int = 0, status: str = "active") -> dict[str, Any]:
@@ -66,7 +66,7 @@ async def test_the_guest_runs_through_the_disk_pass_and_stops_before_ram_moves(m
     script = [_info(1900 * MiB, 100 * MiB), _info(1000 * MiB, 1000 * MiB), _info(60 * MiB, 1940 * MiB),
               _info(0, 2000 * MiB, ram_pages=10)]
     qmp = FakeQmp(script)
-    stopped = await vmmigrate._stop_before_ram(qmp, _vm())  # type: ignore[arg-type]  # noqa: SLF001
+    stopped = await vmmigrate.stop_before_ram(qmp, _vm())  # type: ignore[arg-type]
     assert stopped is not None
     assert qmp.calls.count("query-migrate") == 3 and qmp.calls[-1] == "stop@3"  # 60 MiB left, no RAM sent yet
 
@@ -78,21 +78,21 @@ async def test_the_stop_comes_earlier_when_the_disk_pass_is_fast(monkeypatch: An
     # 500 MiB per 0.1 s = 5000 MiB/s: 0.25 s of it is 1250 MiB, so 1000 MiB left is already close enough.
     script = [_info(1500 * MiB, 500 * MiB), _info(1000 * MiB, 1000 * MiB)]
     qmp = FakeQmp(script)
-    assert await vmmigrate._stop_before_ram(qmp, _vm()) is not None  # type: ignore[arg-type]  # noqa: SLF001
+    assert await vmmigrate.stop_before_ram(qmp, _vm()) is not None  # type: ignore[arg-type]
     assert qmp.calls[-1] == "stop@2"
 
 
 async def test_a_migration_that_ends_first_is_not_stopped(monkeypatch: Any) -> None:
     monkeypatch.setattr(vmmigrate, "_WATCH_S", 0)
     qmp = FakeQmp([_info(1900 * MiB), _info(1800 * MiB, status="failed")])
-    assert await vmmigrate._stop_before_ram(qmp, _vm()) is None  # type: ignore[arg-type]  # noqa: SLF001
+    assert await vmmigrate.stop_before_ram(qmp, _vm()) is None  # type: ignore[arg-type]
     assert not any(c.startswith("stop") for c in qmp.calls)
 
 
 async def test_without_a_disk_section_the_guest_stops_at_once(monkeypatch: Any) -> None:
     monkeypatch.setattr(vmmigrate, "_WATCH_S", 0)
     qmp = FakeQmp([{"status": "active", "ram": {"normal": 0, "duplicate": 0}}])
-    assert await vmmigrate._stop_before_ram(qmp, _vm()) is not None  # type: ignore[arg-type]  # noqa: SLF001
+    assert await vmmigrate.stop_before_ram(qmp, _vm()) is not None  # type: ignore[arg-type]
     assert qmp.calls == ["query-migrate", "stop@1"]
 
 

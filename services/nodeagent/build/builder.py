@@ -176,7 +176,7 @@ class _Builder:
         assert self.ch is not None and self.handle is not None
         await self.ch.freeze(["/"], timeout_s=60.0)
         try:
-            await asyncio.to_thread(reflink_or_copy, self.handle.inner.paths.disk, dest)
+            await asyncio.to_thread(reflink_or_copy, self.handle.process.paths.disk, dest)
         finally:
             await self.ch.thaw(["/"])
 

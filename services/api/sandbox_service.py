@@ -49,6 +49,8 @@ from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import emit_sandbox_event, new_id
+from podbay import template_versions
+from podbay.contracts.templates import split_template_ref
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .auth import Principal
@@ -64,19 +66,22 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
     and a resume), else by restoring the template's snapshot on a node with room.
 
-    Raises ``NotFound`` (unknown template or volume), ``InvalidRequest`` (resources the template's snapshot
+    ``body.template`` is a template's name (its current build) or ``name:tag`` (the build the tag names; the
+    sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume), ``TagNotFound``
+    (the template has no such tag), ``InvalidRequest`` (resources the template's snapshot
     cannot restore with), the volume errors of services/api/volumes.py, ``NoCapacity`` (no node had room
     within the scheduler's retry window; the sandbox is ``failed``), ``SandboxFailed`` (with the reason),
     ``Unavailable``. Without ``wait`` the same outcomes show on the operation (``error.code``) and the
     sandbox (``failed``, ``failure_reason``).
     """
     t0 = time.perf_counter()
+    name, tag = split_template_ref(body.template)  # the pattern was checked at the boundary
     # A warm claim looks the template up in its own statement; the checks below answer when it cannot. A warm
-    # slot was restored without volumes and its node may not hold them: a create with volumes restores.
-    if wait and not body.volumes and (warm := await warm_create(ctx, who, body, t0)) is not None:
+    # slot was restored without volumes and its node may not hold them: a create with volumes restores. Warm
+    # slots hold a template's current build, so a create of name:tag (a build a tag names) restores.
+    if wait and not body.volumes and tag is None and (warm := await warm_create(ctx, who, body, t0)) is not None:
         return warm, True
-    tpl = await ctx.pool.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates"
-                                  " WHERE name = $1 AND deleted_at IS NULL", body.template)
+    tpl = await template_versions.resolve(ctx.pool, name, tag)
     if tpl is None:
         raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
     if body.memory_mib is not None and body.memory_mib != tpl["memory_mib"]:

@@ -10,15 +10,14 @@ by the node. It carries the build's egress policy (the request's ``egress``, els
 which the gateway lets the builder VM's RUN steps reach the network, as for a sandbox.
 
 Templates are shared by every tenant (as ``base`` is); removing one is a soft delete (``deleted_at``): its
-row stays for the sandboxes that referenced it, new creates are refused, and a later build of the name
-brings it back as a new version.
+row stays for the sandboxes that referenced it, its tags go, new creates are refused, and a later build of
+the name brings it back as a new version. Versions and tags: podbay.template_versions.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -36,7 +35,6 @@ from podbay.contracts.templates import (
     DISK_MIB_MIN,
     MEMORY_MIB_MAX,
     MEMORY_MIB_MIN,
-    TEMPLATE_NAME_RE,
     VCPUS_MAX,
     VCPUS_MIN,
     BuildInfo,
@@ -47,10 +45,12 @@ from podbay.contracts.templates import (
     NodeBuildRequest,
     TemplateDetail,
     TemplateDetailList,
+    split_template_ref,
 )
 from podbay.dockerfile import parse_dockerfile
 from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
 from podbay.outbox import new_id
+from podbay.template_versions import remove_tag, tags_by_template
 
 from .auth import Principal
 from .context import ApiContext
@@ -72,20 +72,23 @@ _LIST_SQL = ("SELECT name, digest, memory_mib, vcpus, updated_at AS created_at, 
              " FROM templates WHERE deleted_at IS NULL ORDER BY name")
 
 
-def _detail(row: Any) -> TemplateDetail:
+def _detail(row: Any, tags: dict[str, list[Any]]) -> TemplateDetail:
     cfg = row["config"]
     return TemplateDetail(name=row["name"], digest=row["digest"], memory_mib=row["memory_mib"], vcpus=row["vcpus"],
                           created_at=row["created_at"], parent=row["parent"],
                           config=ImageConfig.model_validate_json(cfg) if isinstance(cfg, str)
                           else (ImageConfig.model_validate(cfg) if cfg is not None else None),
-                          size_bytes=row["size_bytes"])
+                          size_bytes=row["size_bytes"], tags=tags.get(row["name"], []))
 
 
 @router.get("/templates", response_model=TemplateDetailList)
 async def list_templates(ctx: CtxDep, who: PrincipalDep) -> TemplateDetailList:
     """Templates sandboxes can be created from: name, current build (digest), resources, and for built ones
-    their parent, config (the defaults of exec) and disk size."""
-    return TemplateDetailList(templates=[_detail(r) for r in await ctx.pool.fetch(_LIST_SQL)])
+    their parent, config (the defaults of exec), disk size and tags (the builds ``name:tag`` names)."""
+    async with ctx.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+        rows = await conn.fetch(_LIST_SQL)
+        tags = await tags_by_template(conn)
+    return TemplateDetailList(templates=[_detail(r, tags) for r in rows])
 
 
 async def _read_limited(upload: UploadFile | None, limit: int) -> bytes:
@@ -106,7 +109,8 @@ async def _read_limited(upload: UploadFile | None, limit: int) -> bytes:
 async def build_template(
     ctx: CtxDep,
     who: PrincipalDep,
-    name: Annotated[str, Form(description="The template's name, [a-z0-9-].")],
+    name: Annotated[str, Form(description="The template's name, [a-z0-9-]; name:tag also tags the build "
+                              "(tag [a-z0-9][a-z0-9._-]*, at most 64).")],
     dockerfile: Annotated[str, Form(description="The Dockerfile's text.")],
     build_args: Annotated[str, Form(description="JSON object of --build-arg values.")] = "{}",
     context: Annotated[UploadFile | None, File(description="The build context: a tar archive (gzip allowed).")] = None,
@@ -123,8 +127,11 @@ async def build_template(
     disk_mib: Annotated[int | None, Form(ge=DISK_MIB_MIN, le=DISK_MIB_MAX, description="Root disk size, MiB: at "
                                          "least the FROM template's (default: the FROM template's).")] = None,
 ) -> Response:
-    """Build template ``name`` and stream its log. Errors before the stream starts: 422 ``validation_error``
-    (a name outside ``[a-z0-9-]``, bad build args), 422 ``invalid_dockerfile`` (names the line and
+    """Build template ``name`` and stream its log; the build becomes the template's current one (new creates
+    of ``name`` use it). ``name:tag`` (``web:v2``) builds ``web`` and also tags the build ``v2``: creates of
+    ``web:v2`` use it after later rebuilds, and nodes keep it while the tag exists (a tag that named another
+    build is moved). Errors before the stream starts: 422 ``validation_error``
+    (a name outside ``[a-z0-9-]`` or a tag outside ``[a-z0-9][a-z0-9._-]*``, bad build args), 422 ``invalid_dockerfile`` (names the line and
     instruction), 413 ``context_too_large``, 400 ``invalid_context`` / ``missing_copy_source``, 404
     ``not_found`` (FROM names no template), 409 ``conflict`` (a build of the name runs, or the name is built
     in), 503 (no node holds the FROM template), 422 ``validation_error`` for ``memory_mib``, ``vcpus`` or
@@ -135,9 +142,10 @@ async def build_template(
     a ``failed`` event (step, exit code, output tail) and registers nothing. With a start command the
     template is snapshotted with it running, so every sandbox of it starts with the process up.
     """
-    if not re.match(TEMPLATE_NAME_RE, name):
-        raise Unprocessable(f"template name {name!r} must be lower-case letters, digits and dashes "
-                            "(at most 63, starting with a letter or digit)", details={"name": name})
+    try:
+        name, tag = split_template_ref(name)
+    except ValueError as exc:
+        raise Unprocessable(str(exc), details={"name": name}) from exc
     if name in BUILTIN:
         raise Conflict(f"template {name!r} is built in; build another name FROM it", details={"template": name})
     try:
@@ -159,7 +167,8 @@ async def build_template(
     # An OCI image travels in the context and becomes a template on the building node, which needs only
     # base (every node has it) to build it.
     parent = spec.base.ref if spec.base.kind == "template" else "base"
-    build_id, resp = await start_build(ctx, who, name, spec, data, dockerfile, parent=parent, egress=egress)
+    build_id, resp = await start_build(ctx, who, name, spec, data, dockerfile, parent=parent, egress=egress,
+                                       tag=tag)
     if resp.status_code >= 400:
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
@@ -174,12 +183,13 @@ async def build_template(
 
 
 async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpec, data: bytes, recipe: str, *,
-                      parent: str, egress: str | None) -> tuple[str, httpx.Response]:
+                      parent: str, egress: str | None, tag: str | None = None) -> tuple[str, httpx.Response]:
     """Start building template ``name`` from a checked ``spec`` and its context tarball ``data`` (already
     through :func:`~podbay.buildcontext.check_context`) on a ready node that holds template ``parent``, and
     return the build id and the node's open NDJSON stream of :class:`~podbay.contracts.templates.BuildEvent`
     (the caller reads and closes it). ``recipe``: the text kept in ``template_builds.dockerfile``;
-    ``egress``: JSON EgressPolicy of the RUN steps (None: the parent's). When the node refuses the build,
+    ``egress``: JSON EgressPolicy of the RUN steps (None: the parent's); ``tag``: also tag the build so when
+    the node registers it (podbay.template_versions). When the node refuses the build,
     the returned response is its error (status >= 400, body read) and the build row is failed.
 
     Raises ``NotFound`` (no template ``parent``), ``Unavailable`` (no ready node holds it, or the node did not
@@ -210,14 +220,15 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
                 await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
                                    " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name,
                                    who.tenant_id, node["id"], recipe, spec.base.ref, policy)
-                await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": spec.base.ref})
+                await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": spec.base.ref,
+                                                                       **({"tag": tag} if tag else {})})
             break
         except asyncpg.UniqueViolationError as exc:
             if attempt == 0 and await fail_stale_build(ctx.pool, ctx.nodes_http, ctx.settings.internal_token, name):
                 continue  # the running row was left by a build that no longer runs anywhere
             raise Conflict(f"a build of template {name!r} is already running",
                            details={"template": name}) from exc
-    params = NodeBuildRequest(build_id=build_id, name=name, spec=spec).model_dump_json()
+    params = NodeBuildRequest(build_id=build_id, name=name, spec=spec, tag=tag).model_dump_json()
     try:
         req = ctx.nodes_http.build_request(
             "POST", f"{node['dataplane_url']}/internal/v1/templates/build",
@@ -291,9 +302,20 @@ async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
 
 @router.delete("/templates/{name}", status_code=204)
 async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
-    """Remove a built template. 404 ``not_found``; 409 ``conflict`` when it is built in, or sandboxes (not
-    deleted) or a warm pool use it, or another template's current build is FROM it."""
-    await remove_template(ctx, who, name)
+    """Remove a built template (with its tags), or with ``name:tag`` only that tag (its build is reclaimed
+    once nothing else references it). 404 ``not_found``, ``template_tag_not_found``; 422 ``validation_error``
+    (a bad name or tag); 409 ``conflict`` when it is built in, or sandboxes (not deleted) or a warm pool use
+    it, or another template's current build is FROM it; for a tag, when sandboxes use its build."""
+    try:
+        base, tag = split_template_ref(name)
+    except ValueError as exc:
+        raise Unprocessable(str(exc), details={"name": name}) from exc
+    if tag is None:
+        await remove_template(ctx, who, base)
+        return Response(status_code=204)
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        digest = await remove_tag(conn, base, tag)
+        await audit(conn, who, "template.untag", base, detail={"tag": tag, "digest": digest})
     return Response(status_code=204)
 
 
@@ -319,6 +341,7 @@ async def remove_template(ctx: ApiContext, who: Principal, name: str) -> None:
                            details={"template": name, "sandboxes": users, "pool": bool(pool),
                                     "children": [r["name"] for r in children]})
         await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
+        await conn.execute("DELETE FROM template_tags WHERE name=$1", name)  # a later build starts untagged
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
         await audit(conn, who, "template.delete", name)
 

@@ -2,7 +2,7 @@
 
 One build whose steps use RUN, COPY (--chown=USER: the user's primary group), ARG, ENV, WORKDIR and USER,
 and a sandbox that sees each effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a
-sandbox of the first version keeps it; a failed RUN registers nothing and leaves no half layer; bad input
+sandbox of the first version keeps it, and a tag (``e2e-web:v1``) keeps naming the first version for new creates; a failed RUN registers nothing and leaves no half layer; bad input
 is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
 sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
 network under the build's egress policy and nothing without one (skipped where the machine has no way to
@@ -66,8 +66,10 @@ def _store_layers(stack: Any) -> list[Path]:
 def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tmp_path: Path) -> None:
     ctx = _context(tmp_path)
     with Client(stack.api_url, stack.api_key, timeout_s=600) as c, api_client(stack) as h:
-        tpl, events = _build(c, "e2e-web", DOCKERFILE.format(last="first"), ctx, build_args={"GREETING": "hello"})
+        # Built as e2e-web:v1: the template's current build, tagged v1 (creates of e2e-web:v1 keep getting it).
+        tpl, events = _build(c, "e2e-web:v1", DOCKERFILE.format(last="first"), ctx, build_args={"GREETING": "hello"})
         assert tpl.name == "e2e-web" and tpl.parent == "base"
+        assert [(g.tag, g.digest) for g in tpl.tags] == [("v1", tpl.digest)]
         assert tpl.config is not None and tpl.config.user == "agent" and tpl.config.workdir == "/srv/app"
         assert _steps(events) == {1: False, 2: False, 3: False, 4: False, 5: False}
         assert "COPY --chown=agent data.txt /home/agent/data.txt" in [e.text for e in events if e.type == "step"]
@@ -93,6 +95,15 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
             with new_sandbox(h, "e2e-web") as sid2:
                 assert sh(h, sid2, "cat /home/agent/last.txt") == "second\n"
                 assert sh(h, sid2, "cat /srv/run.txt") == "hello from run\n"
+            # The tag still names the first version: a create of it gets that build (a cold restore).
+            with new_sandbox(h, "e2e-web:v1") as sid3:
+                assert sh(h, sid3, "cat /home/agent/last.txt") == "first\n"
+            r = h.post("/v1/sandboxes", json={"template": "e2e-web:v9"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "template_tag_not_found", r.text
+            r = h.post("/v1/sandboxes", json={"template": "e2e-web:V1"})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+            r = h.delete("/v1/templates/e2e-web:v1")  # the first sandbox runs on the tagged build
+            assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
             # The first sandbox keeps its version, and the node keeps that build while it is used.
             assert sh(h, sid, "cat /home/agent/last.txt") == "first\n"
             builds = {p.name for p in Path(stack.data_dir).glob("nodes/*/store/templates/e2e-web/*")}
@@ -101,6 +112,11 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
             assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
         listed = {t["name"]: t for t in h.get("/v1/templates").json()["templates"]}
         assert listed["e2e-web"]["digest"] == tpl2.digest
+        assert [(g["tag"], g["digest"]) for g in listed["e2e-web"]["tags"]] == [("v1", tpl.digest)]
+        until("the tag's removal once its sandbox is deleted",
+              lambda: h.delete("/v1/templates/e2e-web:v1").status_code == 204, 60)
+        r = h.post("/v1/sandboxes", json={"template": "e2e-web:v1"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "template_tag_not_found", r.text
         r = h.delete("/v1/templates/e2e-web")
         assert r.status_code == 204, r.text
         assert "e2e-web" not in {t["name"] for t in h.get("/v1/templates").json()["templates"]}

@@ -25,7 +25,8 @@ app = typer.Typer(help="Create, list, inspect and delete sandboxes.", no_args_is
 @handle_errors
 def create(
     ctx: typer.Context,
-    template: str = typer.Option("base", "--template", "-t", help="Template name."),
+    template: str = typer.Option("base", "--template", "-t", help="Template name (its current build), or "
+                                 "NAME:TAG (the build the tag names)."),
     memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB (default: the template's)."),
     vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (default: the template's)."),
     metadata: list[str] = typer.Option([], "--metadata", "-m", help="KEY=VALUE label; repeatable."),

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from podbay.cli._common import client, fail, handle_errors, print_json, print_record, print_table
-from podbay.contracts.templates import BuildEvent
+from podbay.contracts.templates import BuildEvent, TemplateDetail
 
 __all__ = ["template_app", "operation_app", "build_via_api"]
 
@@ -30,10 +30,16 @@ def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
         print_json(templates)
         return
     print_table(
-        ["name", "digest", "parent", "size_mib", "memory_mib", "vcpus", "state", "created"],
-        ((t.name, t.digest[:19], t.parent or "-", round(t.size_bytes / 2**20) if t.size_bytes else "-",
+        ["name", "digest", "tags", "parent", "size_mib", "memory_mib", "vcpus", "state", "created"],
+        ((t.name, t.digest[:19], _tags(t), t.parent or "-", round(t.size_bytes / 2**20) if t.size_bytes else "-",
           t.memory_mib, t.vcpus, t.state, t.created_at.isoformat(timespec="seconds")) for t in templates),
     )
+
+
+def _tags(t: TemplateDetail) -> str:
+    """``v2,v1@1a2b3c4d5e6f``: tags of the current build bare, others with their build's digest (12 hex)."""
+    return ",".join(g.tag if g.digest == t.digest else f"{g.tag}@{g.digest.removeprefix('sha256:')[:12]}"
+                    for g in t.tags) or "-"
 
 
 def _show(ev: BuildEvent) -> None:
@@ -88,7 +94,8 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
 @handle_errors
 def build(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME", help="Template name, [a-z0-9-]."),
+    name: str = typer.Argument(..., metavar="NAME", help="Template name, [a-z0-9-]; NAME:TAG also tags the build "
+                               "(create from it later with --template NAME:TAG)."),
     context: Path | None = typer.Argument(None, metavar="CONTEXT", help="Build context directory (default .)."),
     dockerfile: Path | None = typer.Option(None, "-f", "--file", help="The Dockerfile (default CONTEXT/Dockerfile)."),
     build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG (repeatable)."),
@@ -112,8 +119,9 @@ def build(
 
 @template_app.command("rm")
 @handle_errors
-def rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
-    """Remove a built template (refused while sandboxes or a warm pool use it)."""
+def rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME[:TAG]")) -> None:
+    """Remove a built template (refused while sandboxes or a warm pool use it), or NAME:TAG only that tag
+    (refused while sandboxes use its build)."""
     client(ctx).delete_template(name)
     print(name)
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from .egress import EgressPolicy
+from .templates import TEMPLATE_REF_RE
 from .volumes import MAX_VOLUMES_PER_SANDBOX, VolumeMount
 
 __all__ = [
@@ -65,7 +66,8 @@ class _In(BaseModel):
 class SandboxCreate(_In):
     """``POST /v1/sandboxes``."""
 
-    template: str = Field(pattern=NAME_PATTERN, description="Template name, e.g. 'base'.")
+    template: str = Field(pattern=TEMPLATE_REF_RE, description="Template name, e.g. 'base' (its current build), "
+                          "or name:tag, e.g. 'web:v2' (the build the tag names).")
     memory_mib: int | None = Field(None, ge=128, le=16384, description="Must match the template's snapshot.")
     vcpus: int | None = Field(None, ge=1, le=16)
     metadata: dict[MetadataKey, MetadataValue] = Field(

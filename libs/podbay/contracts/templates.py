@@ -14,6 +14,7 @@ A build streams :class:`BuildEvent` lines (NDJSON): ``step`` (started, with ``ca
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -23,6 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 __all__ = [
     "TEMPLATE_NAME_RE",
     "TemplateName",
+    "TEMPLATE_TAG_RE",
+    "TEMPLATE_REF_RE",
+    "TemplateTagName",
+    "split_template_ref",
+    "TemplateTag",
     "FromRef",
     "RunStep",
     "CopyStep",
@@ -51,6 +57,28 @@ __all__ = [
 #: Template names: lower-case letters, digits and dashes, starting with a letter or digit (a DNS label).
 TEMPLATE_NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
 TemplateName = Annotated[str, StringConstraints(pattern=TEMPLATE_NAME_RE)]
+
+#: A tag names one build (version) of a template: ``web:v2`` is the build tagged ``v2`` of ``web``. Lower-case
+#: letters, digits, dots, underscores and dashes, starting with a letter or digit; at most 64 characters.
+TEMPLATE_TAG_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+TemplateTagName = Annotated[str, StringConstraints(pattern=TEMPLATE_TAG_RE)]
+#: What a create names: a template (its current build) or ``name:tag`` (the build the tag names).
+TEMPLATE_REF_RE = r"^[a-z0-9][a-z0-9-]{0,62}(:[a-z0-9][a-z0-9._-]{0,63})?$"
+
+
+def split_template_ref(ref: str) -> tuple[str, str | None]:
+    """``"web"`` -> ``("web", None)``; ``"web:v2"`` -> ``("web", "v2")``. Raises ``ValueError`` (with a message
+    for the user) when the name is not :data:`TEMPLATE_NAME_RE` or the tag not :data:`TEMPLATE_TAG_RE`."""
+    name, sep, tag = ref.partition(":")
+    if not re.match(TEMPLATE_NAME_RE, name):
+        raise ValueError(f"template name {name!r} must be lower-case letters, digits and dashes "
+                         "(at most 63, starting with a letter or digit)")
+    if not sep:
+        return name, None
+    if not re.match(TEMPLATE_TAG_RE, tag):
+        raise ValueError(f"template tag {tag!r} must be lower-case letters, digits, '.', '_' and '-' "
+                         "(at most 64, starting with a letter or digit)")
+    return name, tag
 
 
 class _Strict(BaseModel):
@@ -193,6 +221,17 @@ class TemplateBuildParams(BaseModel):
     disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX)
 
 
+class TemplateTag(BaseModel):
+    """A tag of a template: the build (version) it names, which creates of ``name:tag`` use and which the
+    nodes keep while the tag exists."""
+
+    tag: str
+    digest: str
+    memory_mib: int
+    vcpus: int
+    created_at: datetime
+
+
 class TemplateDetail(BaseModel):
     """A template as ``GET /v1/templates`` lists it."""
 
@@ -205,6 +244,8 @@ class TemplateDetail(BaseModel):
     config: ImageConfig | None = None
     size_bytes: int | None = Field(None, description="Bytes of its disk image (apparent size).")
     state: str = "ready"
+    tags: list[TemplateTag] = Field(default_factory=list, description="Its tags, by name; a tag naming the "
+                                    "current build has its digest.")
 
 
 class TemplateDetailList(BaseModel):
@@ -222,6 +263,8 @@ class NodeBuildRequest(BaseModel):
     build_id: str
     name: TemplateName
     spec: BuildSpec
+    tag: TemplateTagName | None = Field(None, description="Also tag the build so (``podbay template build "
+                                        "web:v2``), in the same transaction as its registration.")
 
 
 class BuildInfo(BaseModel):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from podbay.contracts.volumes import VolumeMount, parse_mount
 from podbay.contracts.egress import EgressPolicy
-from podbay.contracts.templates import BuildInfo, BuildList, TemplateDetail, TemplateDetailList
+from podbay.contracts.templates import BuildInfo, BuildList, TemplateDetail, TemplateDetailList, split_template_ref
 from podbay.contracts.api import (
     DrainStarted,
     ExecRequest,
@@ -532,8 +532,13 @@ def list_builds_call(name: str) -> Call[builtins.list[BuildInfo]]:
 
 
 def delete_template_call(name: str) -> Call[None]:
-    """``DELETE /v1/templates/{name}`` -> 204."""
-    return Call("DELETE", f"/v1/templates/{quote(check_id(name, 'template'), safe='')}", _none)
+    """``DELETE /v1/templates/{name}`` -> 204; ``name:tag`` removes only the tag. ``InvalidRequest`` before
+    anything is sent when ``name`` is not a template name or ``name:tag``."""
+    try:
+        split_template_ref(name)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid template {name!r}: {exc}") from exc
+    return Call("DELETE", f"/v1/templates/{quote(name, safe='')}", _none)
 
 
 def set_pool_call(template: str, size: int, max_size: int | None = None) -> Call[PoolInfo]:

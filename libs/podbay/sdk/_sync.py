@@ -288,8 +288,9 @@ class Client:
                        ready_port: int | None = None, egress: Any = None,
                        memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
                        on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
-        """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory; calls
-        ``on_event`` with each step and log event; returns the template. With a start command (CMD or
+        """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory (``web:v2``:
+        build ``web`` and also tag the build ``v2``, which ``Sandbox.create("web:v2")`` uses after later
+        rebuilds); calls ``on_event`` with each step and log event; returns the template. With a start command (CMD or
         ENTRYPOINT), ``ready_cmd`` (exits 0) or ``ready_port`` (answers) says when it is ready to snapshot.
         ``egress``: the RUN steps' network policy (an ``EgressPolicy`` or its JSON shape; default the FROM
         template's). ``memory_mib``, ``vcpus``, ``disk_mib``: the template's resources (default the FROM
@@ -313,7 +314,8 @@ class Client:
         return self._call(calls.list_builds_call(name))
 
     def delete_template(self, name: str) -> None:
-        """Remove template ``name`` (409 while sandboxes or a pool use it)."""
+        """Remove template ``name`` (409 while sandboxes or a pool use it); ``name:tag`` removes only the tag
+        (409 while sandboxes use its build)."""
         self._call(calls.delete_template_call(name))
 
     def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:

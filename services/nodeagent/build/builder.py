@@ -54,10 +54,12 @@ from podbay.contracts.templates import (
     ImageConfig,
     RunStep,
     TemplateDetail,
+    TemplateTag,
     WorkdirStep,
 )
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
 from podbay.promotion import promote_template, template_root
+from podbay.template_versions import REFERENCED_DIGESTS_SQL, tag_build
 
 from ..template import TemplateSnapshot
 from ..vmdriver import TemplateImage, VmHandle
@@ -116,6 +118,7 @@ class BuildRequest:
     name: str
     spec: BuildSpec
     context: Path  # the unpacked build context
+    tag: str | None = None  # also tag the build so (template_versions.py)
 
 
 def _describe(step: BuildStep) -> str:
@@ -359,16 +362,14 @@ class TemplateBuilder:
     async def reclaim(self, name: str) -> list[str]:
         """Remove builds of template ``name`` from this node's store that nothing references any more: not its
         current build here, not the build of a sandbox that is not deleted, not a warm slot's, not a build
-        another template's files were taken FROM (their kernel is a reflink, so that costs nothing). Returns
-        the digests removed. Built-in templates are left alone (their builds come from the build cache)."""
+        another template's files were taken FROM (their kernel is a reflink, so that costs nothing), not one a tag
+        names (template_versions.py). Returns the digests removed. Built-in templates are left alone (their builds come from the build cache)."""
         if name in BUILTIN:
             return []
         root = self.m.store.templates_dir / name
         if not root.exists():
             return []
-        keep = {r["d"] for r in await self.m.pool.fetch(
-            "SELECT template_digest AS d FROM sandboxes WHERE template=$1 AND state <> 'deleted'"
-            " UNION SELECT template_digest FROM warm_slots WHERE template=$1", name)}
+        keep = {r["d"] for r in await self.m.pool.fetch(REFERENCED_DIGESTS_SQL, name)}
         cur = self.m.templates.get(name)
         if cur is not None:
             keep.add(cur.digest)
@@ -532,7 +533,7 @@ class TemplateBuilder:
             src = (await self._resized_root(req, parent, res, root_key, emit)) if res.boot else parent.snapshot.dir
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest, res)
-        detail = await self._register(img, parent.name)
+        detail = await self._register(img, parent.name, tag=req.tag)
         await self._promote(img, parent, emit)
         await self.reclaim(req.name)
         await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
@@ -617,9 +618,10 @@ class TemplateBuilder:
             os.replace(tmp, dest)
         return TemplateImage(name=req.name, digest=digest, snapshot=TemplateSnapshot.load(dest))
 
-    async def _register(self, img: TemplateImage, parent: str | None) -> TemplateDetail:
+    async def _register(self, img: TemplateImage, parent: str | None, *, tag: str | None = None) -> TemplateDetail:
         """The template's row (new creates use this build), this node's holding of it, and the agent's map.
-        ``parent``: the FROM template's name; None for a root template (an OCI image's)."""
+        ``parent``: the FROM template's name; None for a root template (an OCI image's). ``tag``: also tag
+        this build so, in the same transaction."""
         snap = img.snapshot
         size = (snap.dir / "disk.img").stat().st_size
         cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
@@ -633,7 +635,11 @@ class TemplateBuilder:
             await conn.execute(
                 "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
                 " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, img.name, img.digest)
+            if tag is not None:
+                await tag_build(conn, img.name, tag, img.digest, snap.memory_mib, snap.vcpus)
         self.m.templates[img.name] = img
         return TemplateDetail(name=img.name, digest=img.digest, memory_mib=snap.memory_mib, vcpus=snap.vcpus,
                               created_at=row["updated_at"], parent=parent, config=snap.config,
-                              size_bytes=size)
+                              size_bytes=size, tags=[TemplateTag(tag=tag, digest=img.digest,
+                                                                 memory_mib=snap.memory_mib, vcpus=snap.vcpus,
+                                                                 created_at=row["updated_at"])] if tag else [])

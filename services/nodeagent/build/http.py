@@ -90,7 +90,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
         try:
             data = await context.read() if context is not None else b""
             await asyncio.to_thread(unpack_context, data, ctx_dir)
-            req = BuildRequest(build_id=p.build_id, name=p.name, spec=p.spec, context=ctx_dir)
+            req = BuildRequest(build_id=p.build_id, name=p.name, spec=p.spec, context=ctx_dir, tag=p.tag)
             steps = await asyncio.to_thread(builder.resolve, req)
         except BaseException:
             claim.__exit__(None, None, None)

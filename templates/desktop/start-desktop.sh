@@ -1,5 +1,5 @@
 #!/bin/sh
-# The `desktop` template's start command: Xvfb on :0 (1280x720), openbox, Chromium on the display with CDP
+# The `desktop` template's start command: Xvfb on :0 (1280x720), matchbox (every window full screen), Chromium on the display with CDP
 # (9223 on loopback, relayed on every guest address at 9222 as in `browser`), x11vnc on loopback 5900, and
 # last websockify serving noVNC's page and the VNC WebSocket on 6080. 6080 listens only once the rest
 # answers, so a readiness check on it (the template build's --ready-port) means the whole desktop is up.
@@ -24,7 +24,7 @@ mkdir -p /tmp/.X11-unix && chmod 1777 /tmp/.X11-unix  # root-owned, as the X ser
 # -nolisten tcp keeps it to the guest's local socket.
 as_browser Xvfb :0 -screen 0 "${GEOMETRY}x24" -nolisten tcp -ac >/tmp/xvfb.log 2>&1 &
 for _ in $(seq 300); do [ -S /tmp/.X11-unix/X0 ] && break; sleep 0.1; done
-as_browser openbox >/tmp/openbox.log 2>&1 &
+as_browser matchbox-window-manager -use_titlebar no >/tmp/wm.log 2>&1 &
 as_browser python3 /usr/local/lib/podbay/cdp-forward.py 9222 9223 &
 # --kiosk: one full-screen window without browser frame, so the page's viewport is the whole screen (the API's
 # screenshot is the desktop's size); --test-type drops the "unsupported flag" bar that --no-sandbox brings.

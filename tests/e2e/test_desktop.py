@@ -2,7 +2,7 @@
 
 Built once per module from ``templates/desktop/Dockerfile`` with 1024 MiB, FROM ``templates/chromium/Dockerfile``
 (whose install, and after the first build on a machine the desktop's own, come from the host's build cache,
-cache_dir/layers). One sandbox serves the tests: its snapshot holds Xvfb, openbox, Chromium on the display
+cache_dir/layers). One sandbox serves the tests: its snapshot holds Xvfb, matchbox, Chromium on the display
 (CDP on guest port 9222), x11vnc and websockify with noVNC on guest port 6080. Checked: the X display has the
 desktop's size and xdotool reaches it; noVNC's page is served through the sandbox's port URL with its traffic
 token; a WebSocket through the port URL reaches the VNC server (the RFB handshake's version line); a
@@ -31,6 +31,8 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 EGRESS = {"allow": [{"domain": "deb.debian.org", "ports": [80]}]}
 #: As the browser template (templates/browser/Dockerfile says why).
 DESKTOP_MEMORY_MIB = 1024
+#: Room for the desktop's packages on chromium's disk (templates/desktop/Dockerfile).
+DESKTOP_DISK_MIB = 3072
 #: Xvfb's screen (templates/desktop/start-desktop.sh) and noVNC's guest port.
 SCREEN = (1280, 720)
 NOVNC_PORT = 6080
@@ -46,7 +48,7 @@ def desktop_template(stack: Any) -> str:
                          on_event=show)
         t0 = time.monotonic()
         tpl = c.build_template("desktop", TEMPLATES / "desktop" / "Dockerfile", TEMPLATES, egress=EGRESS,
-                               ready_port=NOVNC_PORT, memory_mib=DESKTOP_MEMORY_MIB, on_event=show)
+                               ready_port=NOVNC_PORT, memory_mib=DESKTOP_MEMORY_MIB, disk_mib=DESKTOP_DISK_MIB, on_event=show)
         print(f"desktop build: {time.monotonic() - t0:.1f} s", flush=True)  # a figure for the docs, not a check
     assert tpl.memory_mib == DESKTOP_MEMORY_MIB
     return str(tpl.name)

@@ -2,7 +2,8 @@
 
 One build whose steps use RUN, COPY (--chown=USER: the user's primary group), ARG, ENV, WORKDIR and USER,
 and a sandbox that sees each effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a
-sandbox of the first version keeps it, and a tag (``e2e-web:v1``) keeps naming the first version for new creates; a failed RUN registers nothing and leaves no half layer; bad input
+sandbox of the first version keeps it, and a tag (``e2e-web:v1``) keeps naming the first version for new creates
+and keeps its build on the node when a later build reclaims the unreferenced second; a failed RUN registers nothing and leaves no half layer; bad input
 is refused before any VM starts; a template in use is not removed; a start command (CMD) runs in every
 sandbox from its first exec, and one that exits before it is ready fails the build; RUN steps reach the
 network under the build's egress policy and nothing without one (skipped where the machine has no way to
@@ -113,8 +114,15 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
         listed = {t["name"]: t for t in h.get("/v1/templates").json()["templates"]}
         assert listed["e2e-web"]["digest"] == tpl2.digest
         assert [(g["tag"], g["digest"]) for g in listed["e2e-web"]["tags"]] == [("v1", tpl.digest)]
-        until("the tag's removal once its sandbox is deleted",
-              lambda: h.delete("/v1/templates/e2e-web:v1").status_code == 204, 60)
+        until("the sandboxes' deletion", lambda: all(
+            h.get(f"/v1/sandboxes/{i}").json()["state"] == "deleted" for i in (sid, sid2, sid3)), 60)
+        # A third version: its build reclaims the second (nothing references it any more), while the first,
+        # which no sandbox uses now, stays because the tag names it.
+        tpl3, _ = _build(c, "e2e-web", DOCKERFILE.format(last="third"), ctx, build_args={"GREETING": "hello"})
+        builds = {p.name for p in Path(stack.data_dir).glob("nodes/*/store/templates/e2e-web/*")}
+        assert tpl.digest in builds and tpl3.digest in builds and tpl2.digest not in builds, builds
+        r = h.delete("/v1/templates/e2e-web:v1")
+        assert r.status_code == 204, r.text
         r = h.post("/v1/sandboxes", json={"template": "e2e-web:v1"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "template_tag_not_found", r.text
         r = h.delete("/v1/templates/e2e-web")

@@ -15,12 +15,17 @@ Shapes (docs/ARCHITECTURE.md, "Lifecycle"):
 - :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, and
   :func:`outcome_sql` the operation's outcome, for the few statements that must stay one round trip (the
   node's warm start, services/nodeagent/warm.py): they compose them rather than copy them.
+- :func:`insert` writes a new sandbox row (born ``pending``, ``starting`` or ``suspended``) with its
+  operation, ``created`` event and audit record; :func:`insert_sql` is that INSERT as SQL text, which the
+  warm claim (services/api/warm.py ``CLAIM_SQL``) composes to stay one round trip. Both own what every new
+  row shares: the state, ``desired_state`` running, the hostname (podbay.naming) and a lease that runs
+  from now.
 - Leases (:func:`renew_lease`, :func:`renew_lease_sql` to compose, :func:`set_lease`, :func:`expire_lease`,
   :func:`copy_lease_action`): not state changes, but what makes the node pause or delete an idle sandbox,
   written from several places.
 
-Every ``UPDATE sandboxes`` in services/ and libs/ lives here, or on the short allow-list of
-tests/unit/test_lifecycle.py, which says why for each entry.
+Every ``UPDATE sandboxes`` and ``INSERT INTO sandboxes`` in services/ and libs/ lives here, or on the short
+allow-lists of tests/unit/test_lifecycle.py, which say why for each entry.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import asyncpg
 from podbay.audit import record
 from podbay.contracts.states import ALLOWED, OperationState, SandboxCommand, SandboxState
 from podbay.errors import InvalidState
+from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import emit_sandbox_event
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
-    "renew_lease_sql", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot",
+    "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot",
     "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
@@ -320,10 +326,7 @@ async def apply(
     if row is None:
         return None
     if isinstance(operation, NewOperation):
-        await conn.execute(
-            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
-            " VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 THEN now() END)",
-            operation.id, operation.tenant_id, sandbox_id, operation.kind, operation.state.value, operation.finished)
+        await _start_operation(conn, sandbox_id, operation)
     if event is not None:
         await emit_sandbox_event(
             conn, sandbox_id, event.type, state=row["state"], reason=event.reason, node_id=event.node_id,
@@ -333,6 +336,97 @@ async def apply(
         await record(conn, tenant_id=audit.tenant_id, actor=audit.actor, action=audit.action, target=sandbox_id,
                      sandbox_id=sandbox_id, detail=audit.detail)
     return row
+
+
+#: States a sandbox row is born in: ``pending`` (a create the scheduler places), ``starting`` (a warm claim
+#: or a fork child, already on its node), ``suspended`` (a new sandbox woken from a stored snapshot).
+BIRTH_STATES: Final = frozenset({S.PENDING, S.STARTING, S.SUSPENDED})
+#: Columns a caller gives a new row; state, desired_state, hostname and lease_expires_at are this module's.
+_INSERTABLE: Final = frozenset({
+    "id", "tenant_id", "template", "template_digest", "node_id", "generation", "memory_mib", "vcpus", "metadata",
+    "lease_s", "lease_action", "event_seq", "egress_policy", "guest_env", "parent_sandbox_id",
+    "source_snapshot_id", "suspended_snapshot_id",
+})
+
+
+def insert_sql(state: SandboxState | str, values: Mapping[str, str], *, select_from: str | None = None,
+               returning: str = "id") -> str:
+    """The INSERT of one new sandbox row born in ``state`` (one of :data:`BIRTH_STATES`), as SQL text.
+
+    ``values`` maps columns to SQL expressions, usually placeholders the caller numbers (``"$2"``); ``id`` is
+    required. Added here: ``state``, ``desired_state`` ``'running'``, ``hostname`` (podbay.naming's rule over
+    the ``id`` expression) and, when ``lease_s`` is given, ``lease_expires_at`` (now plus the lease).
+    ``select_from``: None inserts ``VALUES``; else the row is ``SELECT``-ed ``FROM`` it (a FROM list and
+    conditions, e.g. ``"slot, t"``), and the expressions may name its columns. Raises ``ValueError`` for a
+    column it does not take or without ``id``, ``InvalidState`` for a state no sandbox is born in.
+    """
+    born = SandboxState(state)
+    if born not in BIRTH_STATES:
+        raise InvalidState(f"no sandbox is born {born.value}", details={"state": born.value})
+    if "id" not in values:
+        raise ValueError("a new sandbox row needs its id")
+    cols: dict[str, str] = {}
+    for col, expr in values.items():
+        if col not in _INSERTABLE or not _COLUMN.match(col):
+            raise ValueError(f"a new sandbox row does not take sandboxes.{col}")
+        cols[col] = expr
+    cols["state"] = f"'{born.value}'"
+    cols["desired_state"] = "'running'"
+    cols["hostname"] = sandbox_hostname_sql(values["id"])
+    if "lease_s" in values:
+        cols["lease_expires_at"] = f"now() + {values['lease_s']}::integer * interval '1 second'"
+    head = f"INSERT INTO sandboxes ({', '.join(cols)}) "
+    body = (f"VALUES ({', '.join(cols.values())})" if select_from is None
+            else f"SELECT {', '.join(cols.values())} FROM {select_from}")
+    return head + body + f" RETURNING {returning}"
+
+
+async def insert(
+    conn: asyncpg.Connection,
+    state: SandboxState | str,
+    values: Mapping[str, object],
+    *,
+    exprs: Mapping[str, str] | None = None,
+    select_from: str | None = None,
+    operation: NewOperation | None = None,
+    event: SandboxEvent | None = None,
+    audit: AuditRecord | None = None,
+) -> asyncpg.Record | None:
+    """Insert a new sandbox row born in ``state`` inside the caller's transaction, then ``operation`` (about
+    this sandbox), ``event`` (its ``state`` is ``state``) and ``audit``, in that order.
+
+    ``values``: column -> Python value, each passed as a parameter. ``exprs``: column -> SQL expression, in
+    which ``{column}`` stands for the parameter of that column of ``values`` (e.g. the credential env over
+    ``{tenant_id}``, ``{id}``, ``{template}``). ``select_from`` as in :func:`insert_sql`, where ``{column}``
+    works too. Returns the row (``id, tenant_id, state, node_id, generation, updated_at``), or None when a
+    ``select_from`` selected nothing (nothing else is then written). Raises as :func:`insert_sql`.
+    """
+    names = {col: f"${i}" for i, col in enumerate(values, start=1)}
+    sql_values = dict(names)
+    sql_values.update({col: expr.format_map(names) for col, expr in (exprs or {}).items()})
+    sql = insert_sql(state, sql_values, select_from=None if select_from is None else select_from.format_map(names),
+                     returning="id, tenant_id, state, node_id, generation, updated_at")
+    row: asyncpg.Record | None = await conn.fetchrow(sql, *values.values())
+    if row is None:
+        return None
+    sandbox_id = row["id"]
+    if operation is not None:
+        await _start_operation(conn, sandbox_id, operation)
+    if event is not None:
+        await emit_sandbox_event(
+            conn, sandbox_id, event.type, state=row["state"], reason=event.reason, node_id=event.node_id,
+            tenant_id=event.tenant_id, generation=event.generation, data=event.data)
+    if audit is not None:
+        await record(conn, tenant_id=audit.tenant_id, actor=audit.actor, action=audit.action, target=sandbox_id,
+                     sandbox_id=sandbox_id, detail=audit.detail)
+    return row
+
+
+async def _start_operation(conn: asyncpg.Connection, sandbox_id: str, op: NewOperation) -> None:
+    await conn.execute(
+        "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
+        " VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 THEN now() END)",
+        op.id, op.tenant_id, sandbox_id, op.kind, op.state.value, op.finished)
 
 
 def outcome_sql(state: OperationState, *, operation: str = "$1", error_code: str | None | _Sentinel = KEEP,

@@ -2,8 +2,8 @@
 
 A sandbox id is ``sbx_`` and 20 hex digits (``podbay.outbox.new_id("sbx")``). Its guest's hostname is
 ``sbx-`` and the id's first 12 hex digits: ``sandbox_hostname("sbx_3f2a9c01b7d4e5f60718")`` is
-``"sbx-3f2a9c01b7d4"``. SQL that inserts a sandbox row in the same statement that picks its id (the warm
-claim) uses :func:`sandbox_hostname_sql`, built from the same constants.
+``"sbx-3f2a9c01b7d4"``. The insert of every sandbox row (podbay.lifecycle.insert_sql; the warm claim picks
+the id in the same statement) uses :func:`sandbox_hostname_sql`, built from the same constants.
 """
 
 from __future__ import annotations

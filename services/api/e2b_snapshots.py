@@ -34,9 +34,10 @@ from podbay.contracts import subjects
 from podbay.contracts.api import ForkRequest, SnapshotCreate
 from podbay.contracts.messages import PromoteCmd
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
-from podbay.lifecycle import copy_lease_action, expire_lease
-from podbay.naming import sandbox_hostname
-from podbay.outbox import emit_sandbox_event, new_id
+from podbay import lifecycle
+from podbay.contracts.states import SandboxState
+from podbay.lifecycle import SandboxEvent, copy_lease_action, expire_lease
+from podbay.outbox import new_id
 
 from . import e2b_template_admin, sandbox_service, snapshot_service
 from .auth import Principal
@@ -174,16 +175,15 @@ async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: i
     cid = new_id("sbx")
     async with ctx.pool.acquire() as conn, conn.transaction():
         template = await conn.fetchval("SELECT template FROM sandboxes WHERE id=$1", src)
-        await conn.execute(
-            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, generation,"
-            " memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id, suspended_snapshot_id,"
-            " egress_policy, guest_env)"
-            " SELECT $1, $2, p.template, p.template_digest, 'suspended', 'running', 1, p.memory_mib, p.vcpus, $3,"
-            " p.metadata, p.id, $4, $4, p.egress_policy, "
-            + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="p.template")
-            + " FROM sandboxes p WHERE p.id = $5", cid, who.tenant_id, sandbox_hostname(cid), snap["id"], src)
-        await emit_sandbox_event(conn, cid, "created", state="suspended", tenant_id=who.tenant_id,
-                                 data={"parent": src, "snapshot_id": snap["id"]})
+        await lifecycle.insert(
+            conn, SandboxState.SUSPENDED,
+            {"id": cid, "tenant_id": who.tenant_id, "parent_sandbox_id": src, "source_snapshot_id": snap["id"]},
+            exprs={"template": "p.template", "template_digest": "p.template_digest", "generation": "1",
+                   "memory_mib": "p.memory_mib", "vcpus": "p.vcpus", "metadata": "p.metadata",
+                   "suspended_snapshot_id": "{source_snapshot_id}", "egress_policy": "p.egress_policy",
+                   "guest_env": GUEST_ENV_SQL.format(tenant="{tenant_id}", sandbox="{id}", template="p.template")},
+            select_from="sandboxes p WHERE p.id = {parent_sandbox_id}",
+            event=SandboxEvent("created", tenant_id=who.tenant_id, data={"parent": src, "snapshot_id": snap["id"]}))
     ctx.relay.kick()
     await _copy_e2b_row(ctx, src, [cid])
     try:

@@ -47,8 +47,7 @@ from podbay.errors import (
 from podbay.faults import fault_point
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.logs import bind_log_context
-from podbay.naming import sandbox_hostname
-from podbay.outbox import emit_sandbox_event, new_id
+from podbay.outbox import new_id
 from podbay import template_versions
 from podbay.contracts.templates import split_template_ref
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
@@ -98,28 +97,23 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     bind_log_context(sandbox_id=sandbox_id)
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
-    hostname = sandbox_hostname(sandbox_id)
     t_db = time.perf_counter()
     async with ctx.pool.acquire() as conn, conn.transaction():
-        await conn.execute(
-            "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib, vcpus,"
-            " hostname, metadata, lease_s, lease_action, lease_expires_at, egress_policy, guest_env)"
-            " VALUES ($1,$2,$3,$4,'pending','running',$5,$6,$7,$8,$9,$10, now() + $9::integer * interval '1 second',"
-            f" $11, {GUEST_ENV_SQL.format(tenant='$2', sandbox='$1', template='$3')})",
-            sandbox_id, who.tenant_id, tpl["name"], tpl["digest"], tpl["memory_mib"], tpl["vcpus"], hostname,
-            body.metadata, body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action,
-            body.network.model_dump(mode="json") if body.network is not None else None,
-        )
-        await conn.execute(
-            "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1,$2,$3,'create','pending')",
-            op_id, who.tenant_id, sandbox_id,
-        )
-        await emit_sandbox_event(conn, sandbox_id, "created", state="pending", tenant_id=who.tenant_id,
-                                 data={"template": tpl["name"], "operation_id": op_id})
+        # The volumes are checked and recorded last: they write no event, so the outbox order is unchanged.
+        await lifecycle.insert(
+            conn, SandboxState.PENDING,
+            {"id": sandbox_id, "tenant_id": who.tenant_id, "template": tpl["name"], "template_digest": tpl["digest"],
+             "memory_mib": tpl["memory_mib"], "vcpus": tpl["vcpus"], "metadata": body.metadata,
+             "lease_s": body.lease_s or ctx.settings.lease_s,
+             "lease_action": body.on_lease_expiry or ctx.settings.lease_action,
+             "egress_policy": body.network.model_dump(mode="json") if body.network is not None else None},
+            exprs={"guest_env": GUEST_ENV_SQL.format(tenant="{tenant_id}", sandbox="{id}", template="{template}")},
+            operation=NewOperation(op_id, who.tenant_id, "create"),
+            event=SandboxEvent("created", tenant_id=who.tenant_id, data={"template": tpl["name"], "operation_id": op_id}),
+            audit=AuditRecord(who.tenant_id, who.key_id, "sandbox.create",
+                              {"template": tpl["name"], "network": body.network is not None,
+                               **({"volumes": [v.model_dump() for v in body.volumes]} if body.volumes else {})}))
         await attach_volumes(conn, who.tenant_id, sandbox_id, body.volumes or [])
-        await audit(conn, who, "sandbox.create", sandbox_id,
-                    detail={"template": tpl["name"], "network": body.network is not None,
-                            **({"volumes": [v.model_dump() for v in body.volumes]} if body.volumes else {})})
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
     ctx.relay.kick()
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None

@@ -22,13 +22,13 @@ from podbay.contracts.api import (
     SnapshotInfo,
 )
 from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
-from podbay.contracts.states import SandboxCommand, check_allowed
+from podbay.contracts.states import SandboxCommand, SandboxState, check_allowed
 from podbay import lifecycle
 from podbay.errors import Conflict, InvalidRequest, NotFound
-from podbay.lifecycle import AuditRecord, NewOperation, Verb
+from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
-from podbay.outbox import emit_sandbox_event, new_id
+from podbay.outbox import new_id
 
 from .auth import Principal
 from .context import ApiContext
@@ -151,19 +151,18 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
                 await latest_ready(conn, sandbox_id), row["generation"])
         tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
         for cid in children:
-            await conn.execute(
-                # A child inherits the parent's own egress policy; its credential placeholders are those in
-                # scope for it now (scoped by its own id and template), never copied from the parent.
-                "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
-                " generation, memory_mib, vcpus, hostname, metadata, parent_sandbox_id, source_snapshot_id,"
-                " egress_policy, guest_env)"
-                " VALUES ($1,$2,$3,$4,'starting','running',$5,1,$6,$7,$8,$9,$10,$11,"
-                " (SELECT egress_policy FROM sandboxes WHERE id=$10), "
-                + GUEST_ENV_SQL.format(tenant="$2", sandbox="$1", template="$3") + ")",
-                cid, who.tenant_id, row["template"], tpl, row["node_id"], row["memory_mib"], row["vcpus"],
-                sandbox_hostname(cid), row["metadata"] or {}, sandbox_id, snap_id)
-            await emit_sandbox_event(conn, cid, "created", state="starting", tenant_id=who.tenant_id,
-                                     data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id})
+            # A child inherits the parent's own egress policy; its credential placeholders are those in scope
+            # for it now (scoped by its own id and template), never copied from the parent.
+            await lifecycle.insert(
+                conn, SandboxState.STARTING,
+                {"id": cid, "tenant_id": who.tenant_id, "template": row["template"], "template_digest": tpl,
+                 "node_id": row["node_id"], "generation": 1, "memory_mib": row["memory_mib"],
+                 "vcpus": row["vcpus"], "metadata": row["metadata"] or {}, "parent_sandbox_id": sandbox_id,
+                 "source_snapshot_id": snap_id},
+                exprs={"egress_policy": "(SELECT egress_policy FROM sandboxes WHERE id={parent_sandbox_id})",
+                       "guest_env": GUEST_ENV_SQL.format(tenant="{tenant_id}", sandbox="{id}", template="{template}")},
+                event=SandboxEvent("created", tenant_id=who.tenant_id,
+                                   data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id}))
         await fork_volumes(conn, who.tenant_id, sandbox_id, children, snap_id, body.volumes)
         if body.schedules:  # asked for: each child gets its own copies (own ids, own run history)
             await copy_schedules(conn, sandbox_id, children)

@@ -29,7 +29,6 @@ from podbay.contracts.states import OperationState, SandboxState
 from podbay.errors import SandboxFailed
 from podbay.lifecycle import OperationOutcome, Verb
 from podbay.logs import bind_log_context
-from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import new_id, sandbox_event
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -45,7 +44,7 @@ log = logging.getLogger("podbay.api.warm")
 #: requested memory and vCPUs, $2 and $4, must match it when given), claim the oldest ready slot of it at
 #: that digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with
 #: the slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
-#: placeholders), its operation, the audit record and its event, and the ``created`` event (payloads patched
+#: placeholders; podbay.lifecycle.insert_sql, so the row is born as every other), its operation, the audit record and its event, and the ``created`` event (payloads patched
 #: with the id, which is known only here). Nothing is written when no slot is ready (or the template does
 #: not exist or does not match: the restore path then says why).
 CLAIM_SQL = (
@@ -58,12 +57,12 @@ CLAIM_SQL = (
     " ORDER BY w.created_at LIMIT 1 FOR UPDATE OF w SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"
-    " sbx AS (INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, node_id,"
-    " generation, memory_mib, vcpus, hostname, metadata, lease_s, lease_action, lease_expires_at, event_seq,"
-    " egress_policy, guest_env)"
-    " SELECT slot.id, $3, $1, t.digest, 'starting', 'running', node_id, 1, t.memory_mib, t.vcpus,"
-    " " + sandbox_hostname_sql("slot.id") + ", $6, $7, $8, now() + $7::integer * interval '1 second', 1, $17::jsonb, "
-    + GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1") + " FROM slot, t RETURNING *),"
+    " sbx AS (" + lifecycle.insert_sql(SandboxState.STARTING, {
+        "id": "slot.id", "tenant_id": "$3", "template": "$1", "template_digest": "t.digest",
+        "node_id": "slot.node_id", "generation": "1", "memory_mib": "t.memory_mib", "vcpus": "t.vcpus",
+        "metadata": "$6", "lease_s": "$7", "lease_action": "$8", "event_seq": "1", "egress_policy": "$17::jsonb",
+        "guest_env": GUEST_ENV_SQL.format(tenant="$3", sandbox="slot.id", template="$1"),
+    }, select_from="slot, t", returning="*") + "),"
     " op AS (INSERT INTO operations (id, tenant_id, sandbox_id, kind, state)"
     " SELECT $9, $3, id, 'create', 'running' FROM sbx),"
     " aud AS (INSERT INTO audit_log (tenant_id, actor, action, target, sandbox_id, detail)"

@@ -1,5 +1,5 @@
-"""``podbay.naming``: a sandbox's hostname is the same whether Python or PostgreSQL derives it (the warm
-claim derives it in SQL, every other create in Python)."""
+"""``podbay.naming``: a sandbox's hostname is the same whether Python or PostgreSQL derives it (a new row's is
+derived in SQL by podbay.lifecycle.insert_sql; the node agent and the fork command use the Python rule)."""
 
 from __future__ import annotations
 

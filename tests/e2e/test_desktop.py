@@ -21,6 +21,7 @@ import httpx
 import pytest
 from e2e_http import api_client, sh, until
 from websockets.sync.client import connect as ws_connect
+from websockets.typing import Subprotocol
 
 from podbay.sdk import Client
 
@@ -110,7 +111,7 @@ def test_the_novnc_page_is_served_through_the_port_url(stack: Any, desktop: tupl
 def test_a_vnc_websocket_through_the_port_url_starts_the_rfb_handshake(stack: Any, desktop: tuple[str, str]) -> None:
     sid, token = desktop
     url = stack.api_url.replace("http://", "ws://") + f"{_port_path(sid)}/websockify"
-    with ws_connect(url, additional_headers={"x-podbay-access-token": token}, subprotocols=["binary"],
+    with ws_connect(url, additional_headers={"x-podbay-access-token": token}, subprotocols=[Subprotocol("binary")],
                     open_timeout=60) as ws:
         hello = ws.recv(timeout=60)
     assert isinstance(hello, bytes) and hello.startswith(b"RFB 003.00"), hello

@@ -103,6 +103,11 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
             assert r.status_code == 404 and r.json()["error"]["code"] == "template_tag_not_found", r.text
             r = h.post("/v1/sandboxes", json={"template": "e2e-web:V1"})
             assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+            for bad in ("e2e-web:-v1", "e2e-web:" + "v" * 65):  # a tag outside [a-z0-9][a-z0-9._-]{0,63}
+                r = h.post("/v1/templates", data={"name": bad, "dockerfile": "FROM podbay/base\n"})
+                assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+                r = h.delete(f"/v1/templates/{bad}")
+                assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
             r = h.delete("/v1/templates/e2e-web:v1")  # the first sandbox runs on the tagged build
             assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
             # The first sandbox keeps its version, and the node keeps that build while it is used.

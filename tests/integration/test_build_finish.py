@@ -6,25 +6,15 @@ whose node is gone before it refuses a new build (services/api/templates.py ``fa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import asyncpg
 import httpx
 import pytest
 
-from podbay import db
 from podbay.contracts.templates import BuildState
 from podbay.outbox import new_id
 from podbay_api.templates import fail_stale_build
 from podbay_nodeagent.build.http import record_outcome
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=4)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 async def test_outcome_recorded_through_repeated_cancellation(pool: asyncpg.Pool) -> None:

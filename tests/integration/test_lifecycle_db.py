@@ -4,24 +4,15 @@ but an ``always`` operation outcome is written; leases are set, extended only wh
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from podbay import db, lifecycle
+from podbay import lifecycle
 from podbay.contracts.states import OperationState, SandboxState
 from podbay.errors import InvalidState
 from podbay.lifecycle import AuditRecord, NewOperation, OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import new_id
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=4)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 @pytest.fixture

@@ -6,22 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
 
-from podbay import db
 from podbay.outbox import new_id
 from podbay_scheduler.nodeloss import declare_lost
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=8)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 async def _node(pool: asyncpg.Pool, state: str = "ready") -> str:

@@ -3,25 +3,15 @@ snapshot (or of the sandbox itself when it has none), measured by the snapshotte
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from podbay import db
 from podbay.outbox import new_id
 from podbay.telemetry import PROMOTION_LAG_SECONDS
 from podbay_snapshotter.main import measure_promotion_lag
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=4)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 async def _sandbox(pool: asyncpg.Pool, tenant: str, node: str, *, state: str, age_s: int) -> str:

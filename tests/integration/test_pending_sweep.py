@@ -5,25 +5,15 @@ suspended), leaves fresh ones and rows a placement holds alone, and two sweeps a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 
-from podbay import db
 from podbay.outbox import new_id
 from podbay_scheduler.pending import PLACEMENT_TIMEOUT, fail_unplaced, sweep_unplaced
 
 TIMEOUT_S = 300.0  # far above the age of any other test's rows in the shared database
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=8)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 @pytest.fixture

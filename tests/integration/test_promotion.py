@@ -17,7 +17,6 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from podbay import db
 from podbay.chunks import Manifest, chunk_key, compress
 from podbay.config import Settings
 from podbay.devstack.servers import S3Endpoint
@@ -38,14 +37,6 @@ def settings(s3: S3Endpoint, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Se
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
     return Settings(s3_url=s3.url, s3_bucket=s3.bucket, pg_dsn=pg_dsn, chunk_size_kib=CHUNK_KIB,
                     s3_multipart_threshold_mib=5)
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=8)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from podbay import db
 from podbay.chunks import chunk_key
 from podbay.config import Settings
 from podbay.devstack.servers import S3Endpoint
@@ -35,14 +34,6 @@ def settings(s3: S3Endpoint, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Se
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
     return Settings(s3_url=s3.url, s3_bucket=s3.bucket, pg_dsn=pg_dsn, chunk_size_kib=CHUNK_KIB)
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=8)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 @pytest.fixture

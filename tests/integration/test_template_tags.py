@@ -5,24 +5,14 @@ removed, which is refused while sandboxes use the build."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from podbay import db
 from podbay.errors import Conflict, NotFound
 from podbay.outbox import new_id
 from podbay.template_versions import REFERENCED_DIGESTS_SQL, TagNotFound, remove_tag, resolve, tag_build, \
     tags_by_template
-
-
-@pytest.fixture
-async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await db.connect_pool(pg_dsn, min_size=1, max_size=4)
-    await db.migrate(p)
-    yield p
-    await p.close()
 
 
 async def _register(pool: asyncpg.Pool, name: str, digest: str, memory_mib: int, tag: str | None) -> None:

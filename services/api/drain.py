@@ -27,7 +27,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 from .sandbox_lookup import audit
-from .volumes import refuse_drain_with_volumes
+from .volume_service import refuse_drain_with_volumes
 
 __all__ = ["router"]
 

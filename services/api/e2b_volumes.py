@@ -1,4 +1,4 @@
-"""E2B's volume API, mapped onto podbay's volumes (services/api/volumes.py; docs/e2b.md "Volumes").
+"""E2B's volume API, mapped onto podbay's volumes (services/api/volume_service.py; docs/e2b.md "Volumes").
 
     POST   /e2b/volumes                 201 VolumeAndToken  {"name"}: a volume of the deployment's largest size
     GET    /e2b/volumes                 200 [Volume]        the caller's volumes, by name
@@ -26,7 +26,7 @@ from pydantic import Field, ValidationError
 from podbay.contracts.volumes import VolumeCreate, VolumeMount
 from podbay.errors import InvalidRequest, NotFound
 
-from . import volumes as podbay_volumes
+from . import volume_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
@@ -97,28 +97,28 @@ async def create(body: NewVolume, ctx: CtxDep, who: WhoDep) -> JSONResponse:
         req = VolumeCreate(name=body.name, size_bytes=ctx.settings.volume_max_size_gib << 30)
     except ValidationError as exc:
         raise _invalid(exc, "name") from exc
-    info = await podbay_volumes.create_volume(req, ctx, who)
+    info = await volume_service.create_volume(ctx, who, req)
     return JSONResponse(_volume_and_token(info.id, info.name), status_code=201)
 
 
 @router.get("/volumes")
 async def list_all(ctx: CtxDep, who: WhoDep) -> JSONResponse:
     """The caller's volumes -> 200 ``[Volume]``."""
-    listed = await podbay_volumes.list_volumes(ctx, who)
+    listed = await volume_service.list_volumes(ctx, who)
     return JSONResponse([{"volumeID": v.id, "name": v.name} for v in listed.volumes])
 
 
 @router.get("/volumes/{volume_id}")
 async def get(volume_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
     """One volume by id or name -> 200 ``VolumeAndToken``; 404."""
-    info = await podbay_volumes.get_volume(await _name_of(ctx, who, volume_id), ctx, who)
+    info = await volume_service.get_volume(ctx, who, await _name_of(ctx, who, volume_id))
     return JSONResponse(_volume_and_token(info.id, info.name))
 
 
 @router.delete("/volumes/{volume_id}", status_code=204)
 async def delete(volume_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     """Delete a volume and its data -> 204; 404; 409 while a sandbox that is not deleted has it attached."""
-    await podbay_volumes.delete_volume(await _name_of(ctx, who, volume_id), ctx, who)
+    await volume_service.delete_volume(ctx, who, await _name_of(ctx, who, volume_id))
     return Response(status_code=204)
 
 

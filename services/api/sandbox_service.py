@@ -55,7 +55,7 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 from .auth import Principal
 from .context import ApiContext
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, finish, load_sandbox, sandbox_info
-from .volumes import attach_volumes
+from .volume_service import attach_volumes
 from .warm import warm_create
 
 __all__ = ["create", "delete", "pause", "resume", "resume_suspended", "suspend", "auto_resume"]
@@ -68,7 +68,7 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     ``body.template`` is a template's name (its current build) or ``name:tag`` (the build the tag names; the
     sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume), ``TagNotFound``
     (the template has no such tag), ``InvalidRequest`` (resources the template's snapshot
-    cannot restore with), the volume errors of services/api/volumes.py, ``NoCapacity`` (no node had room
+    cannot restore with), the volume errors of services/api/volume_service.py, ``NoCapacity`` (no node had room
     within the scheduler's retry window; the sandbox is ``failed``), ``SandboxFailed`` (with the reason),
     ``Unavailable``. Without ``wait`` the same outcomes show on the operation (``error.code``) and the
     sandbox (``failed``, ``failure_reason``).

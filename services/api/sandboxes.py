@@ -63,7 +63,7 @@ async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, re
     and a resume), else by restoring the template's snapshot on a node with room.
 
     Errors: 404 ``not_found`` (unknown template or volume), 400 ``invalid_request`` (resources the template's
-    snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volumes.py),
+    snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volume_service.py),
     503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
     retry window, ``PODBAY_PLACEMENT_RETRY_S``; the sandbox is ``failed``), 500 ``sandbox_failed`` (with the
     reason), 503 ``unavailable``. With ``?wait=false`` the same outcomes show on the operation

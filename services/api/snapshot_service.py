@@ -33,8 +33,8 @@ from podbay.outbox import new_id
 from .auth import Principal
 from .context import ApiContext
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
-from .schedules.routes import copy_schedules
-from .volumes import fork_volumes, refuse_with_volumes
+from .schedules.fork import copy_schedules
+from .volume_service import fork_volumes, refuse_with_volumes
 
 __all__ = ["SNAPSHOT_COLS", "snapshot_info", "latest_ready", "ready_snapshot", "take", "restore", "fork"]
 
@@ -97,7 +97,7 @@ async def restore(ctx: ApiContext, who: Principal, sandbox_id: str, body: Restor
 
     Allowed from ``running``, ``paused`` and ``failed``. Raises ``NotFound`` (sandbox or snapshot),
     ``InvalidState``, ``Conflict`` (snapshot not ready; or a full snapshot of a sandbox with a read-write
-    volume without ``body.volumes``: services/api/volumes.py), ``InvalidRequest`` (``volumes`` with a disk
+    volume without ``body.volumes``: services/api/volume_service.py), ``InvalidRequest`` (``volumes`` with a disk
     snapshot, which holds no volume copy)."""
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
@@ -130,7 +130,7 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
     """Start ``body.count`` children (1..100) from a new full snapshot or ``body.snapshot_id`` (a full one);
     each child's outcome is in the result, and a child that fails does not fail the others. Raises
     ``NotFound``, ``InvalidState`` unless running or paused, ``InvalidRequest`` (not a full snapshot),
-    ``Conflict`` (snapshot not ready), the volume errors of services/api/volumes.py."""
+    ``Conflict`` (snapshot not ready), the volume errors of services/api/volume_service.py."""
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
     children = [new_id("sbx") for _ in range(body.count)]

@@ -73,7 +73,7 @@ async def restore_sandbox(sandbox_id: str, body: RestoreRequest, ctx: CtxDep, wh
 
     Allowed from ``running``, ``paused`` and ``failed`` (a dead VM comes back from a ready snapshot on its
     node). Errors: 404 ``not_found`` (sandbox or snapshot), 409 ``invalid_state``, 409 ``conflict`` (snapshot
-    not ready; or a full snapshot of a sandbox with a read-write volume: services/api/volumes.py)."""
+    not ready; or a full snapshot of a sandbox with a read-write volume: services/api/volume_service.py)."""
     info, finished = await snapshot_service.restore(ctx, who, sandbox_id, body, wait=wait)
     if not finished:
         response.status_code = 202

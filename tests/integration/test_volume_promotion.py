@@ -177,7 +177,7 @@ async def test_the_snapshotter_promotes_changed_volumes_of_its_node_once_per_per
 
 async def test_a_restored_volume_is_rebuilt_from_its_stale_file_and_the_stale_file_is_never_promoted(
         pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
-    # What POST /v1/volumes/{name}/restore records (services/api/volumes.py), then what its node does.
+    # What POST /v1/volumes/{name}/restore records (services/api/volume_service.py), then what its node does.
     node = new_id("node")
     size = 32 * MIB
     vol = await _volume(pool, node, size)

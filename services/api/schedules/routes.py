@@ -30,7 +30,7 @@ from ..deps import ctx_dep, principal_dep
 from ..sandbox_lookup import audit, load_sandbox
 from .cron import first_fire
 
-__all__ = ["router", "run_info", "copy_schedules"]
+__all__ = ["router", "run_info"]
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/schedules")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -61,19 +61,6 @@ async def _live_sandbox(conn: Any, who: Principal, sandbox_id: str, *, for_updat
     if row["state"] in ("deleting", "deleted"):
         raise InvalidState(f"sandbox {sandbox_id} is {row['state']}", details={"state": row["state"]})
     return row
-
-
-async def copy_schedules(conn: Any, parent_id: str, children: list[str]) -> None:
-    """Copy the parent's schedules that still have a fire time to each of ``children`` (a fork that asked for
-    them), in the caller's transaction; each copy has its own id and no runs."""
-    rows = await conn.fetch("SELECT tenant_id, cron, tz, at, command, awake_s, overlap, missed, next_fire_at"
-                            " FROM schedules WHERE sandbox_id=$1 AND next_fire_at IS NOT NULL ORDER BY created_at",
-                            parent_id)
-    await conn.executemany(
-        "INSERT INTO schedules (id, tenant_id, sandbox_id, cron, tz, at, command, awake_s, overlap, missed,"
-        " next_fire_at) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)",
-        [(new_id("sch"), r["tenant_id"], child, r["cron"], r["tz"], r["at"], r["command"], r["awake_s"],
-          r["overlap"], r["missed"], r["next_fire_at"]) for child in children for r in rows])
 
 
 @router.post("", status_code=201, response_model=ScheduleInfo)

@@ -37,6 +37,7 @@ import functools
 from typing import Any, ClassVar
 
 __all__ = [
+    "validation_message",
     "PodbayError",
     "InvalidRequest",
     "InvalidCron",
@@ -306,3 +307,15 @@ def error_from_wire(body: Any, status: int) -> PodbayError:
         exc = cls(str(err.get("message", "")), details=err.get("details") or {})
         return exc
     return PodbayError(f"HTTP {status}: {str(body)[:200]}")
+
+
+def validation_message(error: Any) -> str:
+    """One line for one entry of pydantic's ``ValidationError.errors()``: ``"<loc>: <msg>"``, or the message
+    alone for a check of the whole model (empty ``loc``, or only ``body``). pydantic prefixes what a validator
+    raised as ``ValueError`` with ``"Value error, "`` (pydantic-core's ``value_error`` type); that is dropped,
+    so the reader sees the validator's own sentence."""
+    msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    loc = [str(p) for p in error.get("loc", ())]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    return f"{'.'.join(loc)}: {msg}" if loc else msg

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from podbay.errors import NoCapacity, PodbayError
+from podbay.errors import NoCapacity, PodbayError, validation_message
 
 __all__ = ["install_error_handlers", "retry_headers", "BAD_TEXT_MESSAGE"]
 
@@ -40,12 +40,11 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = [
             {"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()
         ]
-        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
         return JSONResponse(
             {
                 "error": {
                     "code": "validation_error",
-                    "message": f"{first['loc']}: {first['msg']}" if first["loc"] else first["msg"],
+                    "message": validation_message(exc.errors()[0]) if errors else "invalid",
                     "details": {"errors": errors},
                 }
             },

@@ -105,3 +105,22 @@ def test_a_refusal_reads_as_english() -> None:
     with pytest.raises(InvalidState) as info:
         check_allowed(SandboxCommand.PAUSE, SandboxState.DELETED)
     assert str(info.value) == "cannot pause a sandbox that is deleted"
+
+
+def test_validation_messages_read_as_the_validator_wrote_them() -> None:
+    from pydantic import ValidationError
+
+    from podbay.contracts.api import PoolSet
+    from podbay.errors import validation_message
+
+    with pytest.raises(ValidationError) as whole:
+        PoolSet.model_validate({"size": 2, "max_size": 1})
+    # A check of the whole model: its sentence alone, no pydantic prefix and no location.
+    msg = validation_message(whole.value.errors()[0])
+    assert msg == "max_size must be at least size", msg
+    with pytest.raises(ValidationError) as field:
+        PoolSet.model_validate({"size": -1})
+    assert validation_message(field.value.errors()[0]).startswith("size: ")
+    # FastAPI's locations start with where the value came from; a body field is named alone.
+    assert validation_message({"loc": ("body", "size"), "msg": "too big"}) == "size: too big"
+    assert validation_message({"loc": ("query", "wait"), "msg": "bad"}) == "query.wait: bad"

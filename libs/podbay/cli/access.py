@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from podbay.cli._common import client, handle_errors, print_json, print_table
 from podbay.contracts.access import CREDENTIAL_VALUE_MAX, NetworkInfo
 from podbay.contracts.egress import EgressPolicy, EgressRule
-from podbay.errors import InvalidRequest
+from podbay.errors import InvalidRequest, validation_message
 
 __all__ = ["credential_app", "key_app", "network_app", "audit", "parse_rule", "read_value"]
 
@@ -170,9 +170,8 @@ def parse_rule(value: str, *, cidr: bool | None = None) -> EgressRule:
         ports = [int(port)] if port else []
         return EgressRule(cidr=target, ports=ports) if is_cidr else EgressRule(domain=target, ports=ports)
     except ValidationError as exc:
-        # pydantic's first message alone ("Value error, ..." prefix dropped), not its multi-line report.
-        msg = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
-        raise InvalidRequest(f"invalid rule {value!r}: {msg}") from exc
+        # pydantic's first message alone, not its multi-line report.
+        raise InvalidRequest(f"invalid rule {value!r}: {validation_message(exc.errors()[0])}") from exc
     except ValueError as exc:
         raise InvalidRequest(f"invalid rule {value!r}: {exc}") from exc
 

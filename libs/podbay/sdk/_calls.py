@@ -46,7 +46,7 @@ from podbay.contracts.api import (
     SandboxInfo,
     SandboxList,
 )
-from podbay.errors import InvalidRequest, PodbayError, Timeout
+from podbay.errors import InvalidRequest, PodbayError, Timeout, validation_message
 
 __all__ = [
     "Call",
@@ -156,9 +156,7 @@ def _validate(cls: type[M], fields: dict[str, Any], what: str) -> M:
     try:
         return cls.model_validate(fields)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequest(f"invalid {what}: {where}: {first['msg']}") from exc
+        raise InvalidRequest(f"invalid {what}: {validation_message(exc.errors()[0])}") from exc
 
 
 def _mount(v: Any) -> dict[str, Any]:

@@ -169,6 +169,17 @@ async def test_async_connect_error_becomes_unavailable() -> None:
             await client.list_sandboxes()
 
 
+def test_a_connection_that_breaks_mid_answer_is_not_called_unreachable() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body",
+                                        request=request)
+
+    with _client(handler) as client, pytest.raises(Unavailable) as err:
+        client.list_templates()
+    assert "broke off mid-request" in str(err.value) and "cannot reach" not in str(err.value)
+    assert "http://api.test/v1/templates" in str(err.value)
+
+
 def test_exec_read_timeout_follows_the_command_timeout() -> None:
     timeouts: list[dict[str, float | None]] = []
 

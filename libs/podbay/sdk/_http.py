@@ -132,9 +132,15 @@ def network_errors(base_url: str) -> Iterator[None]:
         if isinstance(exc, httpx.ConnectTimeout):
             raise Unavailable(f"cannot reach the podbay API at {url}: connect timed out") from exc
         raise Timeout(f"the podbay API at {url} did not answer in time ({type(exc).__name__})") from exc
-    except httpx.TransportError as exc:
+    except (httpx.ConnectError, httpx.ProxyError, httpx.UnsupportedProtocol) as exc:
         url = _url_of(exc, base_url)
         raise Unavailable(f"cannot reach the podbay API at {url}: {exc or type(exc).__name__}") from exc
+    except httpx.TransportError as exc:
+        # Connected, then the answer broke off (the API, or the node behind it, went away mid-request):
+        # "cannot reach" would send the reader to check an address that works.
+        url = _url_of(exc, base_url)
+        raise Unavailable(f"the connection to the podbay API at {url} broke off mid-request: "
+                          f"{exc or type(exc).__name__}") from exc
 
 
 def _url_of(exc: httpx.TransportError, base_url: str) -> str:

@@ -93,7 +93,9 @@ class SandboxInfo(BaseModel):
     id: str
     template: str
     state: str
-    desired_state: str
+    desired_state: str = Field(description="What the sandbox should become: ``running`` while it is wanted, whatever "
+                               "its state (a paused or suspended sandbox is wanted; it runs again when resumed), "
+                               "``deleted`` once its deletion was asked. ``state`` is where it is now.")
     node_id: str | None = None
     generation: int
     memory_mib: int

@@ -46,7 +46,7 @@ from podbay.outbox import emit_sandbox_event
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
-    "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot",
+    "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot", "suspend",
     "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
@@ -470,6 +470,46 @@ def renew_lease_sql(*, where: str = "", returning: str = "") -> str:
     ``returning`` the RETURNING list."""
     return (f"UPDATE sandboxes SET {LEASE_RENEWAL} WHERE id=$1" + (f" AND {where}" if where else "")
             + (f" RETURNING {returning}" if returning else ""))
+
+
+async def suspend(
+    conn: asyncpg.Connection,
+    sandbox_id: str,
+    *,
+    tenant_id: str,
+    state: SandboxState | str,
+    node_id: str,
+    generation: int,
+    operation_id: str,
+    snapshot_id: str,
+    actor: str,
+    fence: bool = False,
+    event_data: Mapping[str, object] | None = None,
+    audit_detail: Mapping[str, object] | None = None,
+) -> asyncpg.Record | None:
+    """Record a suspend in the caller's transaction: the full snapshot ``snapshot_id`` (``creating``, its parent
+    the sandbox's newest ready snapshot, on ``node_id`` at ``generation``) that the node will take and promote,
+    then :data:`Verb.SUSPEND` from ``state`` with ``suspended_snapshot_id`` naming it, the ``suspend``
+    operation, the ``suspending`` event (``data``: operation and snapshot ids, plus ``event_data``) and the
+    ``sandbox.suspend`` audit record by ``actor``. ``fence``: also require ``generation`` and ``node_id`` (a
+    caller that read the row without checking them). Returns :func:`apply`'s row, or None when the fence
+    refused (the snapshot row is then not written). Raises ``InvalidState`` as :func:`apply` does."""
+    parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
+                                 " ORDER BY created_at DESC LIMIT 1", sandbox_id)
+    await conn.execute(
+        "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
+        " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snapshot_id, tenant_id, sandbox_id, node_id, parent,
+        generation)
+    row = await apply(
+        conn, sandbox_id, Verb.SUSPEND, states=state, generation=generation if fence else None,
+        node=node_id if fence else ANY_NODE, values={"suspended_snapshot_id": snapshot_id},
+        operation=NewOperation(operation_id, tenant_id, "suspend"),
+        event=SandboxEvent("suspending", tenant_id=tenant_id, node_id=node_id, generation=generation,
+                           data={"operation_id": operation_id, "snapshot_id": snapshot_id, **(event_data or {})}),
+        audit=AuditRecord(tenant_id, actor, "sandbox.suspend", detail=dict(audit_detail) if audit_detail else None))
+    if row is None:  # someone moved the sandbox first: no snapshot will be taken
+        await conn.execute("DELETE FROM snapshots WHERE id=$1", snapshot_id)
+    return row
 
 
 async def forget_suspended_snapshot(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str) -> None:

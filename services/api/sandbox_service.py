@@ -242,18 +242,9 @@ async def suspend(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: boo
     async with ctx.pool.acquire() as conn, conn.transaction():
         row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=True)
         check_allowed(SandboxCommand.SUSPEND, row["state"])
-        parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
-                                     " ORDER BY created_at DESC LIMIT 1", sandbox_id)
-        await conn.execute(
-            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
-            " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
-            parent, row["generation"])
-        await lifecycle.apply(
-            conn, sandbox_id, Verb.SUSPEND, states=row["state"], values={"suspended_snapshot_id": snap_id},
-            operation=NewOperation(op_id, who.tenant_id, "suspend"),
-            event=SandboxEvent("suspending", tenant_id=who.tenant_id, node_id=row["node_id"],
-                               generation=row["generation"], data={"operation_id": op_id, "snapshot_id": snap_id}),
-            audit=AuditRecord(who.tenant_id, who.key_id, "sandbox.suspend"))
+        await lifecycle.suspend(conn, sandbox_id, tenant_id=who.tenant_id, state=row["state"], node_id=row["node_id"],
+                                generation=row["generation"], operation_id=op_id, snapshot_id=snap_id,
+                                actor=who.key_id)
     ctx.relay.kick()
     fault_point("suspend.recorded")
     fut = ctx.waiter.expect_operation(op_id) if wait else None

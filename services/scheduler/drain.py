@@ -235,18 +235,10 @@ async def _move_by_suspend(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row:
         if cur is None or cur["node_id"] != cmd.node_id or cur["state"] not in _MOVABLE:
             prog.failed.append({"sandbox_id": sid, "reason": "it changed state while the drain moved it"})
             return
-        parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
-                                     " ORDER BY created_at DESC LIMIT 1", sid)
-        await conn.execute(
-            "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
-            " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, tenant, sid, cmd.node_id, parent,
-            cur["generation"])
-        await lifecycle.apply(
-            conn, sid, Verb.SUSPEND, states=cur["state"], generation=cur["generation"], node=cmd.node_id,
-            values={"suspended_snapshot_id": snap_id}, operation=NewOperation(op_id, tenant, "suspend"),
-            event=SandboxEvent("suspending", node_id=cmd.node_id, tenant_id=tenant, generation=cur["generation"],
-                               data={"operation_id": op_id, "snapshot_id": snap_id, "drain": cmd.operation_id}),
-            audit=AuditRecord(tenant, "scheduler", "sandbox.suspend", detail={"drain": cmd.operation_id}))
+        await lifecycle.suspend(conn, sid, tenant_id=tenant, state=cur["state"], node_id=cmd.node_id,
+                                generation=cur["generation"], operation_id=op_id, snapshot_id=snap_id,
+                                actor="scheduler", fence=True, event_data={"drain": cmd.operation_id},
+                                audit_detail={"drain": cmd.operation_id})
     was_paused = cur["state"] == SandboxState.PAUSED
     if kick:
         kick()

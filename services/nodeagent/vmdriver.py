@@ -25,7 +25,7 @@ from podbay.config import Settings
 from . import confine
 from .store import NodeStore
 from .template import MACHINE, TemplateSnapshot
-from .vmm import QemuVmm, VmProcess, reflink_or_copy
+from .vmm import QemuVmm, VmProcess, Vmm, reflink_or_copy
 
 __all__ = ["TemplateImage", "VmHandle", "VmDriver"]
 
@@ -48,7 +48,7 @@ class VmHandle:
     the VMM that owns it, so callers hold one object. Its QEMU pid, channel socket, and how to kill, detach
     from or wait for it."""
 
-    def __init__(self, vmm: QemuVmm, process: VmProcess) -> None:
+    def __init__(self, vmm: Vmm, process: VmProcess) -> None:
         self._vmm = vmm
         self.process = process
 
@@ -90,9 +90,10 @@ class VmHandle:
 
 
 class VmDriver:
-    """Binds ``QemuVmm`` to a node store; ``accel`` is the accelerator its templates were snapshotted under."""
+    """Binds a :class:`vmm.Vmm` (``QemuVmm``; a fake in unit tests) to a node store; ``accel`` is the accelerator
+    its templates were snapshotted under."""
 
-    def __init__(self, settings: Settings, store: NodeStore, vmm: QemuVmm) -> None:
+    def __init__(self, settings: Settings, store: NodeStore, vmm: Vmm) -> None:
         self.settings = settings
         self.store = store
         self.vmm = vmm

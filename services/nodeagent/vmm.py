@@ -361,6 +361,10 @@ class Vmm(abc.ABC):
     async def detach(self, vm: VmProcess) -> None:
         """Drop the connection to ``vm`` and leave QEMU running (a later :meth:`attach` picks it up)."""
 
+    @abc.abstractmethod
+    async def set_nice(self, vm: VmProcess, nice: int) -> None:
+        """Give every thread of ``vm``'s process the nice value ``nice`` (:func:`set_nice`)."""
+
 
 def set_nice(pid: int, nice: int) -> int:
     """Set the nice value of every thread of process ``pid`` (Linux keeps one per thread: setpriority(2)

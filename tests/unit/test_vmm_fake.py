@@ -64,6 +64,8 @@ class FakeVmm(Vmm):
 
     async def detach(self, vm: VmProcess) -> None: ...
 
+    async def set_nice(self, vm: VmProcess, nice: int) -> None: ...
+
 
 def _handle(tmp_path: Path) -> VmProcess:
     return VmProcess(paths=VmPaths(tmp_path), pid=0, config=None, qmp=None)  # type: ignore[arg-type]

@@ -48,7 +48,7 @@ from podbay.errors import PodbayError, Unprocessable
 from ..accel import host_tsc_khz, qemu_version, resolve_accel
 from ..image import ASSETS_DIR, BaseImage, ProgressFn, build_base_image, debootstrap_tarball, guestd_sources
 from ..template import TemplateSnapshot, boot_and_snapshot, locked, snapshot_key
-from ..vmm import QemuVmm
+from ..vmm import Vmm
 
 __all__ = ["OciImage", "OciError", "image_ref", "prepare_oci_template", "oci_template_name", "RUNTIME_RECIPE"]
 
@@ -339,7 +339,7 @@ async def _build_image(settings: Settings, ref: str, context: Path, base: BaseIm
         return image, img
 
 
-async def prepare_oci_template(ref: str, context: Path, settings: Settings, vmm: QemuVmm,
+async def prepare_oci_template(ref: str, context: Path, settings: Settings, vmm: Vmm,
                                progress: ProgressFn | None = None) -> tuple[TemplateSnapshot, OciImage]:
     """The root template of image ``ref`` (read relative to the build ``context``), booted once and
     snapshotted into the build cache, or the cached one. Its ``config`` holds the image's exec defaults.

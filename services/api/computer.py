@@ -1,6 +1,7 @@
 """Computer-use routes: a sandbox's browser for agents (docs/computer-use.md).
 
-- ``POST /v1/sandboxes/{id}/computer/screenshot`` -> ``image/png`` of the browser's page;
+- ``POST /v1/sandboxes/{id}/computer/screenshot`` -> ``image/png`` of the browser's page, or of the X screen
+  of a template with a display (header ``x-podbay-screenshot-source``);
 - ``POST /v1/sandboxes/{id}/computer/mouse`` (:class:`MouseAction`) and ``.../keyboard``
   (:class:`KeyboardAction`) -> ``{"events": n}``; each is audited (``sandbox.computer.mouse`` /
   ``.keyboard``, with the action's name only: typed text may be a secret);
@@ -22,8 +23,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from podbay.contracts.computer import (CdpEndpoint, CdpTarget, ComputerResult, FillRequest, FillResult,
-                                      KeyboardAction, MouseAction)
+from podbay.contracts.computer import (SCREENSHOT_SOURCE_HEADER, CdpEndpoint, CdpTarget, ComputerResult,
+                                      FillRequest, FillResult, KeyboardAction, MouseAction)
 from podbay.contracts.states import SandboxCommand
 
 from . import dataplane
@@ -45,9 +46,13 @@ def _node(base: str, sandbox_id: str, suffix: str) -> str:
 
 @router.post("/screenshot", responses={200: {"content": {"image/png": {}}}})
 async def screenshot(sandbox_id: str, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
-    """The browser page's viewport as PNG (the viewport: 1280x577 in ``browser``, its 1280x720 window less the frame)."""
+    """The browser page's viewport as PNG (the viewport: 1280x577 in ``browser``, its 1280x720 window less the
+    frame), or the whole X screen for a template with a display (``desktop``); header
+    ``x-podbay-screenshot-source``: ``page`` or ``display``. After a credential fill, password fields and filled
+    fields are painted over (opaque black)."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
-    return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/screenshot"), gen, method="POST")
+    return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/screenshot"), gen, method="POST",
+                                 pass_headers=("content-type", "content-length", SCREENSHOT_SOURCE_HEADER))
 
 
 @router.post("/mouse", response_model=ComputerResult)

@@ -5,8 +5,13 @@ headless Chromium on 9222, templates/browser/Dockerfile). For a running sandbox 
 connects to that port on the guest's address (the sandbox's tap, with the ports proxy's marked sockets,
 services/nodeagent/ports.py, so the node's ruleset lets the connection in) and:
 
-* ``POST /internal/v1/sandboxes/{id}/computer/screenshot``: ``Page.captureScreenshot`` of the first page
-  target (a new ``about:blank`` one when the agent closed them all) -> ``image/png``;
+* ``POST /internal/v1/sandboxes/{id}/computer/screenshot`` -> ``image/png``: ``Page.captureScreenshot`` of
+  the first page target (a new ``about:blank`` one when the agent closed them all); for a template with a
+  display (the label ``podbay.vnc-port``, the ``desktop`` template) the whole X screen instead, read over
+  VNC (:mod:`.computer_screen`). The header ``x-podbay-screenshot-source`` says which (``page``,
+  ``display``). From a sandbox's first credential fill on (:mod:`.computer_fill`), the boxes of its password
+  fields and of the fields fills typed into, taken with ``DOM.getBoxModel`` just before and just after the
+  capture, are painted over on the node (:func:`.computer_screen.paint_masks`);
 * ``POST .../computer/mouse`` and ``.../computer/keyboard``: ``Input.dispatchMouseEvent``,
   ``Input.dispatchKeyEvent`` and ``Input.insertText`` (:class:`~podbay.contracts.computer.MouseAction`,
   :class:`~podbay.contracts.computer.KeyboardAction`) -> ``{"events": n}``;
@@ -29,6 +34,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -38,10 +44,12 @@ from fastapi import FastAPI, Request, Response
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
-from podbay.contracts.computer import CDP_PORT_LABEL, CdpTarget, ComputerResult, KeyboardAction, MouseAction
+from podbay.contracts.computer import (CDP_PORT_LABEL, SCREENSHOT_SOURCE_HEADER, VNC_PORT_LABEL, CdpTarget, ComputerResult, KeyboardAction,
+                                      MouseAction)
 from podbay.errors import GuestError, InvalidRequest, NoBrowser, Unavailable
 
 from .build.defaults import ExecDefaults
+from .computer_screen import from_png, paint_masks, read_display, to_png
 from .ports import connect_guest, guest_http_client
 
 if TYPE_CHECKING:
@@ -69,6 +77,17 @@ _SPECIAL: dict[str, tuple[str, int]] = {
     **{f"F{i}": (f"F{i}", 111 + i) for i in range(1, 13)},
 }
 _TEXT = {"Enter": "\r", "Tab": "\t"}
+#: What a screenshot masks once a fill happened, beside the fields fills typed into.
+PASSWORD_FIELDS = "input[type=password]"
+#: Bound on the fields masked in one screenshot (the page is untrusted).
+MAX_MASKED_FIELDS = 200
+#: Pixels added on each side of a masked field's border box (focus rings and antialiased edges).
+MASK_MARGIN_PX = 2
+
+
+def _num(v: Any) -> float:
+    """A finite number from the guest's JSON, else 0."""
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
 class CdpSession:
@@ -148,20 +167,28 @@ class Computer:
         self.m = manager
         self.defaults = defaults
         self.http = guest_http_client()
+        #: CSS selectors of the fields credential fills typed into, per sandbox (the fill adds them before it
+        #: types): a sandbox listed here has its screenshots masked (:meth:`screenshot`).
+        self.masked: dict[str, set[str]] = {}
+
+    async def _label_port(self, sandbox_id: str, label: str) -> int | None:
+        """The guest port the sandbox's template names in ``label``, or None."""
+        cfg = await self.defaults.get(sandbox_id)
+        port_s = (cfg.labels if cfg is not None else {}).get(label, "")
+        return int(port_s) if port_s.isdigit() and 0 < int(port_s) <= 65535 else None
 
     async def _where(self, sandbox_id: str, generation: int | None) -> tuple[str, int]:
         """``(guest address, CDP port)`` of a running sandbox with a browser; ``NoBrowser`` otherwise (and
         the channel's ``NotFound``/``StaleGeneration``/``Unavailable``)."""
         self.m.channel(sandbox_id, generation)  # running here, at this generation
-        cfg = await self.defaults.get(sandbox_id)
-        port_s = (cfg.labels if cfg is not None else {}).get(CDP_PORT_LABEL, "")
-        if not port_s.isdigit() or not 0 < int(port_s) <= 65535:
+        port = await self._label_port(sandbox_id, CDP_PORT_LABEL)
+        if port is None:
             raise NoBrowser(f"sandbox {sandbox_id}'s template runs no browser (no {CDP_PORT_LABEL} label); "
                             "create it from the browser template", details={"sandbox_id": sandbox_id})
         lease = self.m.net.leased().get(sandbox_id)
         if lease is None:
             raise Unavailable(f"sandbox {sandbox_id} has no network")
-        return lease.guest_addr, int(port_s)
+        return lease.guest_addr, port
 
     async def _json(self, addr: str, port: int, path: str, method: str = "GET") -> Any:
         try:
@@ -209,14 +236,79 @@ class Computer:
         except (WebSocketException, OSError, TimeoutError) as exc:
             raise GuestError(f"CDP connection to the browser failed: {type(exc).__name__}") from exc
 
-    async def screenshot(self, sandbox_id: str, generation: int | None) -> bytes:
-        """The page's viewport as PNG bytes."""
+    async def _field_boxes(self, cdp: CdpSession, selectors: set[str],
+                           on_screen: bool) -> list[tuple[float, float, float, float]]:
+        """``(left, top, right, bottom)`` in picture pixels of every rendered element of the page's main
+        document that :data:`PASSWORD_FIELDS` or one of ``selectors`` matches (at most
+        :data:`MAX_MASKED_FIELDS`), widened by :data:`MASK_MARGIN_PX`. The boxes come from the browser's
+        layout (``DOM.getBoxModel``), not from the page's script. ``on_screen``: shifted to where the page's
+        viewport sits on the X screen (``Browser.getWindowForTarget``: the window's place, its frame taken
+        as being above the viewport; none under ``--kiosk``)."""
+        metrics = await cdp.call("Page.getLayoutMetrics")
+        css_w = _num((metrics.get("cssVisualViewport") or {}).get("clientWidth"))
+        dev_w = _num((metrics.get("visualViewport") or {}).get("clientWidth"))
+        css_h = _num((metrics.get("cssVisualViewport") or {}).get("clientHeight"))
+        scale = dev_w / css_w if css_w > 0 and dev_w > 0 else 1.0  # device pixels per CSS pixel
+        ox = oy = 0.0
+        if on_screen:
+            try:
+                b = (await cdp.call("Browser.getWindowForTarget")).get("bounds") or {}
+            except GuestError:
+                b = {}
+            frame_x = max(0.0, _num(b.get("width")) - css_w * scale) / 2
+            ox = _num(b.get("left")) + frame_x
+            oy = _num(b.get("top")) + max(0.0, _num(b.get("height")) - css_h * scale - frame_x)
+        root = (await cdp.call("DOM.getDocument", {"depth": 0})).get("root", {}).get("nodeId")
+        nodes: list[int] = []
+        for sel in (PASSWORD_FIELDS, *sorted(selectors)):
+            try:
+                found = (await cdp.call("DOM.querySelectorAll", {"nodeId": root, "selector": sel})).get("nodeIds")
+            except GuestError:
+                continue  # a selector the current page's browser refuses matches nothing here
+            nodes += [n for n in (found or []) if isinstance(n, int) and n not in nodes]
+        boxes = []
+        for node in nodes[:MAX_MASKED_FIELDS]:
+            try:
+                quad = (await cdp.call("DOM.getBoxModel", {"nodeId": node})).get("model", {}).get("border")
+            except GuestError:
+                continue  # not rendered (display: none): nothing to mask
+            if not isinstance(quad, list) or len(quad) != 8:
+                continue
+            xs, ys = [_num(v) * scale + ox for v in quad[0::2]], [_num(v) * scale + oy for v in quad[1::2]]
+            m = MASK_MARGIN_PX
+            boxes.append((min(xs) - m, min(ys) - m, max(xs) + m, max(ys) + m))
+        return boxes
+
+    async def screenshot(self, sandbox_id: str, generation: int | None) -> tuple[bytes, str]:
+        """``(PNG bytes, source)``: the X screen (``display``) for a template with :data:`VNC_PORT_LABEL`,
+        else the page's viewport (``page``); masked after a fill (the module docstring)."""
+        addr, port = await self._where(sandbox_id, generation)
+        vnc_port = await self._label_port(sandbox_id, VNC_PORT_LABEL)
+        selectors = self.masked.get(sandbox_id)
+        boxes: list[tuple[float, float, float, float]] = []
         async with self.page(sandbox_id, generation) as cdp:
-            res = await cdp.call("Page.captureScreenshot", {"format": "png"})
-        try:
-            return base64.b64decode(str(res.get("data", "")), validate=True)
-        except ValueError as exc:
-            raise GuestError("the browser's screenshot is not base64") from exc
+            if selectors is not None:  # before and after: a field that moves meanwhile is covered at both places
+                boxes += await self._field_boxes(cdp, selectors, on_screen=vnc_port is not None)
+            if vnc_port is not None:
+                try:
+                    sock = await connect_guest(addr, vnc_port)
+                except (OSError, TimeoutError) as exc:
+                    raise NoBrowser(f"the display's VNC WebSocket on guest port {vnc_port} does not answer",
+                                    details={"port": vnc_port}) from exc
+                img = await read_display(addr, vnc_port, sock)
+            else:
+                res = await cdp.call("Page.captureScreenshot", {"format": "png"})
+                try:
+                    png = base64.b64decode(str(res.get("data", "")), validate=True)
+                except ValueError as exc:
+                    raise GuestError("the browser's screenshot is not base64") from exc
+                if selectors is None:
+                    return png, "page"
+                img = from_png(png)
+            if selectors is not None:
+                boxes += await self._field_boxes(cdp, selectors, on_screen=vnc_port is not None)
+        paint_masks(img, boxes)
+        return to_png(img), "page" if vnc_port is None else "display"
 
     async def mouse(self, sandbox_id: str, generation: int | None, a: MouseAction) -> ComputerResult:
         events: list[dict[str, Any]] = []
@@ -277,7 +369,8 @@ def add_computer_routes(app: FastAPI, manager: SandboxManager, defaults: ExecDef
 
     @app.post(base + "/screenshot")
     async def screenshot(sandbox_id: str, request: Request) -> Response:
-        return Response(await computer.screenshot(sandbox_id, _gen(request)), media_type="image/png")
+        png, source = await computer.screenshot(sandbox_id, _gen(request))
+        return Response(png, media_type="image/png", headers={SCREENSHOT_SOURCE_HEADER: source})
 
     @app.post(base + "/mouse")
     async def mouse(sandbox_id: str, body: MouseAction, request: Request) -> ComputerResult:

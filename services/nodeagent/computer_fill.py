@@ -18,7 +18,8 @@ name, origin, selector; never the value), written with :func:`podbay.audit.recor
 
 From the first fill on, the node remembers the value for the sandbox (in memory) and :meth:`Filler.redactor`
 replaces it (and its JSON-escaped spelling) by ``[redacted by podbay]`` in every CDP message relayed to the
-agent through the ports proxy, for connections opened before or after the fill. The value is in the page's
+agent through the ports proxy, for connections opened before or after the fill, and the API's screenshots
+mask the sandbox's password fields and the fields fills typed into (:mod:`.computer`). The value is in the page's
 memory from then on (the trust model in docs/credentials.md says what that means).
 """
 
@@ -180,6 +181,7 @@ class Filler:
                 raise Unavailable(f"the credential store is not configured on this node: {exc}") from exc
             # Remembered before typing: a CDP client's view of the page is redacted from the first echo.
             self._filled.setdefault(sandbox_id, set()).add(value)
+            self.computer.masked.setdefault(sandbox_id, set()).add(body.selector)  # and screenshots mask it
             await cdp.call("Input.insertText", {"text": value})
         aid = await self._audit(tenant, sandbox_id, cid, "allow", detail)
         log.info("sandbox=%s credential %s filled into %s on %s (audit %d)", sandbox_id, body.credential,
@@ -189,6 +191,7 @@ class Filler:
     def forget(self, sandbox_id: str) -> None:
         """Drop what was filled for a sandbox (it is gone from this node)."""
         self._filled.pop(sandbox_id, None)
+        self.computer.masked.pop(sandbox_id, None)
 
 
 def add_fill_route(app: FastAPI, manager: SandboxManager, computer: Computer) -> Filler:

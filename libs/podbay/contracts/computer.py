@@ -14,11 +14,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["CDP_PORT_LABEL", "MouseAction", "KeyboardAction", "ComputerResult", "CdpEndpoint", "CdpTarget",
+__all__ = ["CDP_PORT_LABEL", "VNC_PORT_LABEL", "SCREENSHOT_SOURCE_HEADER", "MouseAction", "KeyboardAction",
+           "ComputerResult", "CdpEndpoint", "CdpTarget",
            "FillRequest", "FillResult"]
 
 #: The template label (``LABEL podbay.cdp-port=9222``) naming the guest port its browser serves CDP on.
 CDP_PORT_LABEL = "podbay.cdp-port"
+#: The template label (``LABEL podbay.vnc-port=6080``) naming the guest port of a VNC server behind a WebSocket
+#: (websockify, path ``/websockify``) that shows the sandbox's X screen: a template with it has a display, and
+#: the API's screenshot is of that screen rather than of the browser's page.
+VNC_PORT_LABEL = "podbay.vnc-port"
+#: The screenshot answer's header saying what the picture is: ``display`` (the X screen) or ``page`` (the
+#: browser page's viewport).
+SCREENSHOT_SOURCE_HEADER = "x-podbay-screenshot-source"
 
 _Coord = Field(ge=0, le=100_000, description="CSS pixels from the viewport's left or top edge.")
 

@@ -242,8 +242,21 @@ class Settings(BaseSettings):
     build_layer_share_s: float = Field(30.0, ge=0, description="Template build layers whose step took at least "
                                        "this long (seconds) are also kept in cache_dir/layers, so other stores "
                                        "on the host (test and CI stacks) reuse them instead of building again.")
+    build_layer_cache_gib: float = Field(64.0, gt=0, description="Template build layers a node keeps in its store, "
+                                         "GiB: after each build the least recently used go until the rest "
+                                         "allocate at most this. Each file counts its allocated blocks, and "
+                                         "a layer's reflinked RAM and disk share most extents with its parent "
+                                         "and template, so this is an upper bound of their real cost (a "
+                                         "layer of base counts about 1 GiB while it holds a few MiB of its own).")
+    build_layer_shared_gib: float = Field(32.0, gt=0, description="The same bound for the host's shared layers "
+                                          "in cache_dir/layers (BUILD_LAYER_SHARE_S), GiB; copies there are "
+                                          "sparse, not reflinks, so the count is close to their cost (the "
+                                          "browser's and desktop's slow layers: about 2-2.6 GiB each).")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
+    sandbox_max_disk_mib: int = Field(65536, ge=1, description="Largest root disk a create may ask for "
+                                      "(disk_mib), MiB. The disk file is sparse on the node's btrfs store: "
+                                      "it costs what the guest writes.")
 
     # services' own HTTP (health + /metrics)
     health_host: str = Field("127.0.0.1", description="Address the scheduler, snapshotter, warm-pool and gateway "

@@ -20,7 +20,7 @@ from podbay.buildcontext import (
 )
 from podbay.contracts.templates import ImageConfig
 from podbay.dockerfile import parse_dockerfile
-from podbay_nodeagent.build.layers import LayerCache, layer_key, start_key, template_digest
+from podbay_nodeagent.build.layers import LayerCache, layer_bytes, layer_key, start_key, template_digest
 
 
 def _steps(text: str) -> list:
@@ -78,7 +78,7 @@ def test_layer_cache_commit_sweep_and_lru(tmp_path: Path) -> None:
     cache = LayerCache(tmp_path / "layers")
     for i, key in enumerate(("k1", "k2", "k3")):
         tmp = cache.tmp_dir(key)
-        (tmp / "disk.img").write_bytes(b"x")
+        (tmp / "disk.img").write_bytes(b"x" * 65536)
         cache.commit(tmp, key, {"step": f"RUN {i}"})
         os.utime(cache.path(key) / "layer.json", (1000 + i, 1000 + i))
     assert all(cache.has(k) for k in ("k1", "k2", "k3"))
@@ -86,8 +86,31 @@ def test_layer_cache_commit_sweep_and_lru(tmp_path: Path) -> None:
     assert not cache.has("k4") and half.exists()
     assert cache.sweep() == 1 and not half.exists()
     cache.touch("k1")  # used now: the newest
-    assert cache.gc(2) == ["k2"]
+    keep = layer_bytes(cache.path("k1")) + layer_bytes(cache.path("k3"))
+    assert cache.gc(keep) == ["k2"]  # the bound holds the two most recently used exactly
     assert cache.has("k1") and cache.has("k3") and not cache.has("k2")
+
+
+def test_layer_cache_is_bounded_by_allocated_bytes_least_recently_used_first(tmp_path: Path) -> None:
+    cache = LayerCache(tmp_path / "layers")
+    sizes = {"a": 64, "b": 256, "c": 64, "d": 128}  # KiB written into each layer's disk
+    for i, (key, kib) in enumerate(sizes.items()):
+        tmp = cache.tmp_dir(key)
+        (tmp / "disk.img").write_bytes(os.urandom(kib * 1024))
+        with (tmp / "ram").open("wb") as f:
+            f.truncate(1 << 30)  # a sparse GiB: its holes allocate nothing and count nothing
+        cache.commit(tmp, key, {"step": key})
+        os.utime(cache.path(key) / "layer.json", (1000 + i, 1000 + i))
+    used = {k: layer_bytes(cache.path(k)) for k in sizes}
+    assert all(sizes[k] * 1024 <= used[k] < sizes[k] * 1024 + (64 << 10) for k in sizes), used
+    assert cache.gc(sum(used.values())) == []  # at the bound: nothing goes
+    cache.touch("a")  # order now b, c, d, a
+    # Under the bound by one byte: the least recently used (b, the largest) goes, and that is enough.
+    assert cache.gc(sum(used.values()) - 1) == ["b"]
+    # c alone is not enough to fit a bound of a's size: c then d go, a (the newest) stays.
+    assert cache.gc(used["a"]) == ["c", "d"]
+    assert [k for k in sizes if cache.has(k)] == ["a"]
+    assert cache.gc(0) == [] and cache.has("a")  # the most recently used stays, even over the bound alone
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -131,7 +154,7 @@ def test_start_key_follows_the_command_its_context_and_readiness() -> None:
 
 def test_slow_layers_are_shared_across_stores_and_fetched_whole(tmp_path: Path) -> None:
     shared = tmp_path / "cache" / "layers"
-    a = LayerCache(tmp_path / "a" / "layers", shared=shared, share_min_s=30.0, shared_max=1)
+    a = LayerCache(tmp_path / "a" / "layers", shared=shared, share_min_s=30.0, shared_max_bytes=1)
     for key, took in (("quick", 1.0), ("slow", 45.0)):
         tmp = a.tmp_dir(key)
         (tmp / "disk.img").write_bytes(key.encode())
@@ -143,4 +166,5 @@ def test_slow_layers_are_shared_across_stores_and_fetched_whole(tmp_path: Path) 
     assert (b.path("slow") / "layer.json").exists()
     tmp = a.tmp_dir("slower")
     a.commit(tmp, "slower", {"step": "slower"}, 60.0)
-    assert sorted(p.name for p in shared.iterdir()) == ["slower"]  # shared_max=1: the older one went
+    # shared_max_bytes=1: the older one went; the newest, over the bound alone, stays
+    assert sorted(p.name for p in shared.iterdir()) == ["slower"]

@@ -83,8 +83,6 @@ OUTPUT_TAIL_BYTES = 4096
 READY_TIMEOUT_S = 300.0  # headless Chromium under TCG opens its DevTools port after ~90 s (the browser template)
 #: Built-in templates, which no build may replace.
 BUILTIN = ("base",)
-#: Layers kept on a node (least recently used go first).
-MAX_LAYERS = 200
 
 Emit = Callable[[BuildEvent], Awaitable[None]]
 
@@ -334,8 +332,10 @@ class TemplateBuilder:
 
     def __init__(self, manager: SandboxManager) -> None:
         self.m = manager
-        self.layers = LayerCache(manager.store.root / "layers", shared=manager.settings.cache_dir / "layers",
-                                 share_min_s=manager.settings.build_layer_share_s)
+        st = manager.settings
+        self.layers = LayerCache(manager.store.root / "layers", shared=st.cache_dir / "layers",
+                                 share_min_s=st.build_layer_share_s,
+                                 shared_max_bytes=int(st.build_layer_shared_gib * (1 << 30)))
         self._running: set[str] = set()
 
     async def recover(self) -> None:
@@ -536,7 +536,7 @@ class TemplateBuilder:
         detail = await self._register(img, parent.name, tag=req.tag)
         await self._promote(img, parent, emit)
         await self.reclaim(req.name)
-        await asyncio.to_thread(self.layers.gc, MAX_LAYERS)
+        await asyncio.to_thread(self.layers.gc, int(self.m.settings.build_layer_cache_gib * (1 << 30)))
         log.info("template %s built: %s (%d steps, %d cached) in %.1f s", req.name, digest[:12], total,
                  done, time.monotonic() - t_all)
         return detail

@@ -13,6 +13,12 @@ the base template's), so that another store on the same host, such as a fresh te
 instead of building again. The key already names every input, so a shared layer is valid wherever its key
 is asked for. The cache directory is usually not on the store's btrfs: sharing and fetching are sparse
 copies (seconds for a GiB), paid only for such slow layers.
+
+Both directories are bounded by bytes on disk, least recently used first (:meth:`LayerCache.gc`, after each
+build and each share). A layer's size is what its files allocate (``st_blocks * 512``: holes in the sparse
+RAM and disk files cost nothing). Reflinked files share extents with their parent layer, the template they
+came from and each other, and a file's allocation counts them all, so the sum is an upper bound of what the
+layers hold alone: the bound may drop layers a little early, never too late.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 from podbay.reflink import reflink_or_copy
 from podbay.contracts.templates import BuildStep, ImageConfig, step_text
 
-__all__ = ["LAYER_FILES", "layer_key", "start_key", "template_digest", "LayerCache"]
+__all__ = ["LAYER_FILES", "layer_key", "start_key", "template_digest", "layer_bytes", "LayerCache"]
 
 LAYER_FILES = ("state", "ram", "disk.img")
 
@@ -50,6 +56,18 @@ def template_digest(last_key: str, config: ImageConfig) -> str:
     """A built template's digest: its last layer (or parent build) and its config (the defaults of exec)."""
     cfg = json.dumps(config.model_dump(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(f"template1\n{last_key}\n{cfg}".encode()).hexdigest()
+
+
+def layer_bytes(layer: Path) -> int:
+    """Bytes the files of directory ``layer`` allocate (``st_blocks * 512``; shared extents counted per file,
+    module docstring); 0 for files that vanish meanwhile."""
+    total = 0
+    for f in layer.iterdir():
+        try:
+            total += f.lstat().st_blocks * 512
+        except OSError:
+            continue
+    return total
 
 
 def _copy_layer(src: Path, parent: Path, key: str) -> Path:
@@ -75,15 +93,15 @@ class LayerCache:
 
     ``shared``: the host-wide directory of slow layers (see the module docstring), None for none;
     ``share_min_s``: how long a step must have taken, seconds, for its layer to be shared;
-    ``shared_max``: layers kept there (least recently used go first).
+    ``shared_max_bytes``: bytes of layers kept there (:meth:`gc`'s bound, least recently used go first).
     """
 
     def __init__(self, root: Path, shared: Path | None = None, share_min_s: float = 30.0,
-                 shared_max: int = 16) -> None:
+                 shared_max_bytes: int = 16 << 30) -> None:
         self.root = root
         self.shared = shared
         self.share_min_s = share_min_s
-        self.shared_max = shared_max
+        self.shared_max_bytes = shared_max_bytes
 
     def path(self, key: str) -> Path:
         """The layer in this store (see :meth:`local` for one that may be in the shared directory only)."""
@@ -126,7 +144,7 @@ class LayerCache:
             shutil.rmtree(tmp, ignore_errors=True)
         if self.shared is not None and took_s >= self.share_min_s and not self._in_shared(key):
             _copy_layer(dest, self.shared, key)
-            self._gc_dir(self.shared, self.shared_max)
+            self._gc_dir(self.shared, self.shared_max_bytes)
         return dest
 
     def sweep(self) -> int:
@@ -137,18 +155,27 @@ class LayerCache:
             n += 1
         return n
 
-    def gc(self, max_layers: int) -> list[str]:
-        """Drop the least recently used layers beyond ``max_layers``; returns the keys removed. Templates do
-        not depend on layers (their files are reflinks of their own), so any layer can go."""
-        return self._gc_dir(self.root, max_layers)
+    def gc(self, max_bytes: int) -> list[str]:
+        """Drop the least recently used layers (:meth:`touch`, else when made) until the rest allocate at most
+        ``max_bytes`` (:func:`layer_bytes`); returns the keys removed, oldest first. The most recently used
+        layer stays even when it alone is over the bound (it was just made or used; dropping it would only
+        waste that work). Templates do not depend on layers (their files are reflinks of their own), so any
+        other layer can go."""
+        return self._gc_dir(self.root, max_bytes)
 
     @staticmethod
-    def _gc_dir(root: Path, max_layers: int) -> list[str]:
+    def _gc_dir(root: Path, max_bytes: int) -> list[str]:
         if not root.exists():
             return []
         layers = sorted((p for p in root.iterdir() if (p / "layer.json").exists()),
                         key=lambda p: (p / "layer.json").stat().st_mtime)
-        gone = layers[: max(0, len(layers) - max_layers)]
-        for p in gone:
+        sizes = [layer_bytes(p) for p in layers]
+        total = sum(sizes)
+        gone: list[str] = []
+        for p, size in zip(layers[:-1], sizes[:-1], strict=True):
+            if total <= max_bytes:
+                break
             shutil.rmtree(p, ignore_errors=True)
-        return [p.name for p in gone]
+            total -= size
+            gone.append(p.name)
+        return gone

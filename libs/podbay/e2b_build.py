@@ -20,7 +20,9 @@ semantics where they differ from a Dockerfile's:
 - ``USER [name]`` creates the user (``useradd --create-home``) when the image lacks it.
 - ``startCmd`` becomes the template's start command (``/bin/bash -l -c``) with ``readyCmd`` as its
   readiness check; a ``readyCmd`` without a start command runs once as the last step and must exit 0.
-- ``force`` (E2B's ``skip_cache``) is not honoured: podbay keys each layer by its content.
+- ``force`` (E2B's ``skip_cache``): the body's own (``Template.build(skip_cache=True)``, or ``skip_cache()``
+  before the base) rebuilds every step without the layer cache; a step's (``skip_cache()`` before it, which the
+  SDK then sets on every later step too) rebuilds from that step on (``BuildSpec.no_cache_from``).
 
 ``fromImage`` names E2B's base (``e2bdev/base``, the SDK's default) -> podbay ``base``; a podbay template
 (``podbay/NAME`` or ``NAME``) -> that template. Anything else is an image in a registry, which podbay does not
@@ -278,8 +280,21 @@ def translate(body: E2bBuildStart, *, parent: ImageConfig | None = None,
         ready = None
     config = ImageConfig(env=st.env, workdir=st.workdir, user=st.user, start_cmd=start,
                          ready_cmd=ready if start else None)
-    return Translation(spec=BuildSpec(base=base, steps=steps, config=config), origins=origins, files=files,
-                       from_image=from_image)
+    spec = BuildSpec(base=base, steps=steps, config=config, no_cache_from=_no_cache_from(body, origins))
+    return Translation(spec=spec, origins=origins, files=files, from_image=from_image)
+
+
+def _no_cache_from(body: E2bBuildStart, origins: list[int]) -> int | None:
+    """The first podbay step to build without the cache: 0 for the body's ``force``; for a step's, the first
+    podbay step made from that E2B step or a later one, or the ready check (``len(origins)`` when none is: an
+    ENV step makes no podbay step, and then only the start command's snapshot is built again); None when
+    nothing is forced."""
+    if body.force:
+        return 0
+    first = next((i for i, s in enumerate(body.steps, 1) if s.force), None)
+    if first is None:
+        return None
+    return next((j for j, o in enumerate(origins) if o >= first or o == 0), len(origins))
 
 
 def render(body: E2bBuildStart) -> str:

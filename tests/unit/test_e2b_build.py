@@ -123,3 +123,27 @@ def test_bad_steps_name_the_step(steps: list[dict[str, object]], match: str) -> 
 def test_render_lists_base_and_steps() -> None:
     text = render(body(steps=[{"type": "RUN", "args": ["echo hi"]}], startCmd="sleep infinity"))
     assert text.splitlines()[1:] == ["FROM e2bdev/base", 'RUN ["echo hi"]', 'START "sleep infinity"']
+
+
+def _sdk_body(template: object) -> E2bBuildStart:
+    """The build body E2B's own SDK sends for ``template`` (its serializer, so the wire fields are exact)."""
+    tb = template._template  # type: ignore[attr-defined]
+    return E2bBuildStart.model_validate(tb._serialize(tb._instructions_with_hashes()))
+
+
+def test_skip_cache_rebuilds_from_the_forced_step_or_everything() -> None:
+    e2b = pytest.importorskip("e2b")
+    plain = _sdk_body(e2b.Template().from_template("base").run_cmd("echo a").run_cmd("echo b"))
+    assert translate(plain).spec.no_cache_from is None
+    # skip_cache() before a step: that step and every later one (the SDK sets force on each of them).
+    t = translate(_sdk_body(e2b.Template().from_template("base").run_cmd("echo a").skip_cache().run_cmd("echo b")
+                            .run_cmd("echo c")))
+    assert t.spec.no_cache_from == 1 and len(t.spec.steps) == 3
+    # skip_cache() before the base, or Template.build(skip_cache=True) (the body's own force): every step.
+    everything = _sdk_body(e2b.Template().skip_cache().from_template("base").run_cmd("echo a"))
+    assert everything.force and translate(everything).spec.no_cache_from == 0
+    assert translate(body(force=True, steps=[{"type": "RUN", "args": ["x"]}])).spec.no_cache_from == 0
+    # A forced step that makes no podbay step (ENV) forces what follows it: here only the start snapshot.
+    env_last = _sdk_body(e2b.Template().from_template("base").run_cmd("echo a").skip_cache().set_envs({"A": "1"}))
+    t = translate(env_last)
+    assert t.spec.no_cache_from == len(t.spec.steps) == 1

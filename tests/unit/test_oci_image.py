@@ -72,9 +72,10 @@ def test_a_build_inherits_env_workdir_and_user_from_its_parent(tmp_path: Path) -
     run = RunStep(shell="echo $A", env={"B": "dockerfile"})
     spec = BuildSpec(base=FromRef(kind="template", ref="x"), steps=[run, WorkdirStep(path="/w")],
                      config=ImageConfig(env={"B": "dockerfile"}, user="me"))
-    req = BuildRequest(build_id="b", name="n", spec=spec, context=tmp_path)
+    req = BuildRequest(build_id="b", name="n", spec=spec, context=tmp_path, tag="v2")
     parent = ImageConfig(env={"A": "parent", "B": "parent"}, workdir="/p", user="root", start_cmd=["srv"])
     out, steps = inherit(parent, req, list(spec.steps))
+    assert out.tag == "v2" and out.build_id == "b"  # a build as NAME:TAG FROM a template with a config keeps its tag
     assert out.spec.config.env == {"A": "parent", "B": "dockerfile"}
     assert out.spec.config.workdir == "/p" and out.spec.config.user == "me" and out.spec.config.start_cmd is None
     assert isinstance(steps[0], RunStep) and steps[0].env == {"A": "parent", "B": "dockerfile"}

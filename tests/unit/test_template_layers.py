@@ -20,7 +20,7 @@ from podbay.buildcontext import (
 )
 from podbay.contracts.templates import ImageConfig
 from podbay.dockerfile import parse_dockerfile
-from podbay_nodeagent.build.layers import LayerCache, layer_bytes, layer_key, start_key, template_digest
+from podbay_nodeagent.build.layers import LayerCache, layer_bytes, layer_key, start_key, template_digest, uncached_key
 
 
 def _steps(text: str) -> list:
@@ -168,3 +168,9 @@ def test_slow_layers_are_shared_across_stores_and_fetched_whole(tmp_path: Path) 
     a.commit(tmp, "slower", {"step": "slower"}, 60.0)
     # shared_max_bytes=1: the older one went; the newest, over the bound alone, stays
     assert sorted(p.name for p in shared.iterdir()) == ["slower"]
+
+
+def test_uncached_keys_are_the_builds_own() -> None:
+    # BuildSpec.no_cache_from (E2B's skip_cache): a forced step's key is found in no cache, and differs per build
+    assert uncached_key("k", "b1") != "k" and uncached_key("k", "b1") == uncached_key("k", "b1")
+    assert uncached_key("k", "b1") != uncached_key("k", "b2") and uncached_key("j", "b1") != uncached_key("k", "b1")

@@ -177,6 +177,10 @@ class BuildSpec(_Strict):
     steps: list[BuildStep] = Field(default_factory=list)
     config: ImageConfig = Field(default_factory=ImageConfig)
     resources: BuildResources = Field(default_factory=BuildResources)
+    no_cache_from: int | None = Field(
+        None, ge=0, description="Index (0-based) of the first step that runs without the layer cache: it and every "
+        "later step, and the start command's snapshot, are built again into layers of this build's own "
+        "(E2B's skip_cache/force). None: every step may be cached.")
 
 
 class BuildState(StrEnum):

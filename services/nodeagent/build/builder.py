@@ -64,7 +64,7 @@ from podbay.template_versions import REFERENCED_DIGESTS_SQL, tag_build
 from ..template import TemplateSnapshot
 from ..vmdriver import TemplateImage, VmHandle
 from ..vmm import reflink_or_copy
-from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest
+from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest, uncached_key
 from .oci import image_ref, prepare_oci_template
 from .resources import Resources, leftover_vm_dirs, resize_key, resized_root, resolve
 
@@ -100,7 +100,7 @@ def inherit(parent: ImageConfig | None, req: BuildRequest, steps: list[BuildStep
     out: list[BuildStep] = [s.model_copy(update={"env": {**parent.env, **s.env}}) if isinstance(s, RunStep) else s
                             for s in steps]
     spec = req.spec.model_copy(update={"config": merged, "steps": out})
-    return BuildRequest(build_id=req.build_id, name=req.name, spec=spec, context=req.context), out
+    return BuildRequest(build_id=req.build_id, name=req.name, spec=spec, context=req.context, tag=req.tag), out
 
 
 class StepFailed(PodbayError):
@@ -460,11 +460,16 @@ class TemplateBuilder:
         # Other resources than the parent's: the steps build on the resized root (build/resources.py).
         root_key = resize_key(parent.digest, res) if res.boot else parent.digest
         prev = root_key
-        for step in steps:
+        no_cache = req.spec.no_cache_from
+        for i, step in enumerate(steps):
             prev = layer_key(prev, step)
+            if no_cache is not None and i >= no_cache:
+                prev = uncached_key(prev, req.build_id)  # run again, not taken from the cache
             keys.append(prev)
         last = keys[-1] if keys else root_key
         skey = start_key(last, cfg) if cfg.start_cmd else None
+        if skey is not None and no_cache is not None:
+            skey = uncached_key(skey, req.build_id)
         total = len(steps) + (1 if skey else 0)
         t_all = time.monotonic()
         await emit(BuildEvent(type="step", step=0, total=total, cached=True,

@@ -33,7 +33,7 @@ from pathlib import Path
 from podbay.reflink import reflink_or_copy
 from podbay.contracts.templates import BuildStep, ImageConfig, step_text
 
-__all__ = ["LAYER_FILES", "layer_key", "start_key", "template_digest", "layer_bytes", "LayerCache"]
+__all__ = ["LAYER_FILES", "layer_key", "uncached_key", "start_key", "template_digest", "layer_bytes", "LayerCache"]
 
 LAYER_FILES = ("state", "ram", "disk.img")
 
@@ -42,6 +42,13 @@ def layer_key(parent_key: str, step: BuildStep) -> str:
     """The cache key (sha256 hex) of ``step`` on top of ``parent_key``."""
     # layer2: COPY --chown=USER gives the user's primary group (layer1 kept root), so older layers differ
     return hashlib.sha256(f"layer2\n{parent_key}\n{step_text(step)}".encode()).hexdigest()
+
+
+def uncached_key(key: str, build_id: str) -> str:
+    """``key`` made this build's own (``BuildSpec.no_cache_from``): no cached layer has it, so the step runs
+    again, and the steps after it chain from it and run again too. The layers stay in the cache like any
+    other, under keys no other build asks for (the LRU bound drops them)."""
+    return hashlib.sha256(f"nocache1\n{build_id}\n{key}".encode()).hexdigest()
 
 
 def start_key(last_key: str, config: ImageConfig) -> str:

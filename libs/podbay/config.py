@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     api_url: str | None = Field(None, description="Client side: where the API answers.")
     api_key: str | None = Field(None, description="Client side: bearer API key.")
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
+    idempotency_key_ttl_s: float = Field(86400.0, gt=0, description="How long an `Idempotency-Key` of a "
+                                         "create is remembered (seconds): a retry within it returns the "
+                                         "sandbox the key made; after it the key is free again and the "
+                                         "API's sweep deletes it.")
     exec_timeout_s: float = Field(300.0, description="Default exec timeout when the request gives none.")
     internal_token: str = Field("", description="Shared secret between the API and node data planes.")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="POSTs per webhook and event before giving up.")

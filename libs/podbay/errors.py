@@ -16,6 +16,7 @@
     │   ├── VolumeInUse       409  volume_in_use (attached read-write elsewhere, or attached at all for rm)
     │   └── NoBrowser         409  no_browser (a /computer call on a sandbox whose template runs no browser)
     ├── Unprocessable         422  validation_error
+    │   └── IdempotencyKeyReused 422 idempotency_key_reused (the key made a resource from another request body)
     ├── Timeout               504  timeout         retryable
     ├── Unavailable           503  unavailable     retryable
     │   └── NoCapacity        503  no_capacity     retryable (no node has room; Retry-After says when to try)
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidState",
     "SuspendFailed",
     "Unprocessable",
+    "IdempotencyKeyReused",
     "Timeout",
     "Unavailable",
     "NoCapacity",
@@ -182,6 +184,13 @@ class Unprocessable(PodbayError):
     http_status = 422
 
 
+class IdempotencyKeyReused(Unprocessable):
+    """An ``Idempotency-Key`` came again with another request than the one it was first sent with (its body,
+    or another endpoint); ``details.sandbox_id`` names what the key made. Send a new key for a new request."""
+
+    code = "idempotency_key_reused"
+
+
 class Timeout(PodbayError):
     code = "timeout"
     http_status = 504
@@ -258,6 +267,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         VolumeInUse,
         NoBrowser,
         LimitExceeded,
+        IdempotencyKeyReused,
         Unauthorized,
         Forbidden,
         NotFound,

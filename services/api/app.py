@@ -31,6 +31,7 @@ from .schedules import routes as schedule_routes
 from . import e2b_template_admin, e2b_templates
 from . import templates as template_routes
 from . import volumes as volume_routes
+from . import idempotency
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app", "RequestMetrics"]
@@ -83,6 +84,8 @@ def create_app(settings: Settings) -> FastAPI:
         firer_task: asyncio.Task[None] | None = None
         if settings.schedules_enabled:
             firer_task = asyncio.create_task(ScheduleFirer(ctx).run(hooks_stop), name="schedules")
+        keys_task = asyncio.create_task(idempotency.sweep_loop(pool, settings.idempotency_key_ttl_s, hooks_stop),
+                                        name="idempotency-sweep")
         try:
             yield
         finally:
@@ -99,6 +102,7 @@ def create_app(settings: Settings) -> FastAPI:
                     await asyncio.wait_for(firer_task, timeout=10)
                 except Exception:  # its runs stay `running`; the next lease holder puts their sandboxes back
                     firer_task.cancel()
+            keys_task.cancel()
             relay_task.cancel()
             await nodes_http.aclose()
             await nodes_json.close()

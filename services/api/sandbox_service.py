@@ -53,7 +53,9 @@ from podbay.contracts.templates import split_template_ref
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .auth import Principal
+from . import idempotency
 from .context import ApiContext
+from .idempotency import IdempotencyKey
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, finish, load_sandbox, sandbox_info
 from .volume_service import attach_volumes
 from .warm import warm_create
@@ -61,9 +63,15 @@ from .warm import warm_create
 __all__ = ["create", "delete", "pause", "resume", "resume_suspended", "suspend", "auto_resume"]
 
 
-async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: bool) -> tuple[SandboxInfo, bool]:
+async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: bool,
+                 idem: IdempotencyKey | None = None) -> tuple[SandboxInfo, bool]:
     """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
     and a resume), else by restoring the template's snapshot on a node with room.
+
+    ``idem`` (an ``Idempotency-Key`` and its request's hash, services/api/idempotency.py) is recorded with
+    the sandbox; a create whose key made a sandbox within ``idempotency_key_ttl_s`` makes none and answers
+    with that sandbox as it is now (with ``wait``, once its start finished, like the first create), or raises
+    ``IdempotencyKeyReused`` (422) when the key came with another body.
 
     ``body.template`` is a template's name (its current build) or ``name:tag`` (the build the tag names; the
     sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume), ``TagNotFound``
@@ -78,8 +86,12 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     # A warm claim looks the template up in its own statement; the checks below answer when it cannot. A warm
     # slot was restored without volumes and its node may not hold them: a create with volumes restores. Warm
     # slots hold a template's current build, so a create of name:tag (a build a tag names) restores.
-    if wait and not body.volumes and tag is None and (warm := await warm_create(ctx, who, body, t0)) is not None:
+    if wait and not body.volumes and tag is None and (warm := await warm_create(ctx, who, body, t0, idem)) is not None:
         return warm, True
+    # The warm claim checked the key in its own statement; the restore path asks here, one more query.
+    if idem is not None and (prior := await idempotency.lookup(ctx.pool, who.tenant_id, idem.key,
+                                                               ctx.settings.idempotency_key_ttl_s)) is not None:
+        return await _replay(ctx, who, idem, prior, wait=wait, t0=t0)
     tpl = await template_versions.resolve(ctx.pool, name, tag)
     if tpl is None:
         raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
@@ -98,7 +110,8 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
     t_db = time.perf_counter()
-    async with ctx.pool.acquire() as conn, conn.transaction():
+    # The guard comes first, so a KeyTaken rolls the transaction back before the guard stops it.
+    async with idempotency.TakenGuard() as guard, ctx.pool.acquire() as conn, conn.transaction():
         # The volumes are checked and recorded last: they write no event, so the outbox order is unchanged.
         await lifecycle.insert(
             conn, SandboxState.PENDING,
@@ -114,6 +127,15 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
                               {"template": tpl["name"], "network": body.network is not None,
                                **({"volumes": [v.model_dump() for v in body.volumes]} if body.volumes else {})}))
         await attach_volumes(conn, who.tenant_id, sandbox_id, body.volumes or [])
+        if idem is not None and not await idempotency.record(conn, who.tenant_id, idem, sandbox_id, op_id,
+                                                             ctx.settings.idempotency_key_ttl_s):
+            raise idempotency.KeyTaken(idem.key)
+    if guard.taken and idem is not None:
+        # A concurrent create with this key committed first (this one's rows are rolled back): answer as its retry.
+        prior = await idempotency.lookup(ctx.pool, who.tenant_id, idem.key, ctx.settings.idempotency_key_ttl_s)
+        if prior is None:  # it expired in between: the key is free again
+            return await create(ctx, who, body, wait=wait, idem=idem)
+        return await _replay(ctx, who, idem, prior, wait=wait, t0=t0)
     HOP_SECONDS.labels("api", "db").observe(time.perf_counter() - t_db)
     ctx.relay.kick()
     fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
@@ -126,6 +148,34 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     )
     HOP_SECONDS.labels("api", "bus").observe(time.perf_counter() - t_bus)
     info, finished = await finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create", t0)
+    await _raise_if_failed(ctx, info, sandbox_id, op_id)
+    return info, finished
+
+
+async def _replay(ctx: ApiContext, who: Principal, idem: IdempotencyKey, prior: idempotency.Prior, *, wait: bool,
+                  t0: float) -> tuple[SandboxInfo, bool]:
+    """Answer a create whose key made ``prior``'s sandbox: that sandbox as it is now; with ``wait``, once its
+    create operation finished (bounded like a create). Raises ``IdempotencyKeyReused`` when ``idem`` came
+    with another body, and the first create's error when its sandbox failed to start."""
+    idempotency.check(prior, idem)
+    sandbox_id, op_id = prior.sandbox_id, prior.operation_id
+    bind_log_context(sandbox_id=sandbox_id, operation_id=op_id)
+    starting = (SandboxState.PENDING, SandboxState.STARTING)
+    # Expect the outcome before reading the row, so a start between the two is not missed.
+    fut = ctx.waiter.expect(sandbox_id, {"started", "failed"}) if wait else None
+    row = await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
+    if row["state"] in starting and fut is not None:
+        info, finished = await finish(ctx, who.tenant_id, sandbox_id, op_id, fut, "create_replay", t0)
+    else:
+        if fut is not None:
+            fut.cancel()
+        info, finished = sandbox_info(row, op_id), row["state"] not in starting
+    await _raise_if_failed(ctx, info, sandbox_id, op_id)
+    return info, finished
+
+
+async def _raise_if_failed(ctx: ApiContext, info: SandboxInfo, sandbox_id: str, op_id: str) -> None:
+    """A create's error when its sandbox failed to start: ``NoCapacity`` or ``SandboxFailed``."""
     if info.state == SandboxState.FAILED:
         details: dict[str, Any] = {"sandbox_id": sandbox_id, "operation_id": op_id}
         code = await ctx.pool.fetchval("SELECT error_code FROM operations WHERE id=$1", op_id)
@@ -133,7 +183,6 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
             raise NoCapacity(f"no node has room for sandbox {sandbox_id}: {info.failure_reason}",
                              details={**details, "retry_after_s": NoCapacity.DEFAULT_RETRY_AFTER_S})
         raise SandboxFailed(f"sandbox {sandbox_id} failed to start: {info.failure_reason}", details=details)
-    return info, finished
 
 
 async def delete(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool) -> tuple[SandboxInfo, bool]:

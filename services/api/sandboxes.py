@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
 
 from podbay.contracts.api import (
     ErrorBody,
@@ -24,10 +24,11 @@ from podbay.contracts.states import OperationState
 from podbay.errors import InvalidState, NotFound
 from podbay.lifecycle import set_lease
 
-from . import sandbox_service
+from . import idempotency, sandbox_service
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
+from .idempotency import IdempotencyKey
 from .sandbox_lookup import SANDBOX_COLS, audit, load_sandbox, sandbox_info
 
 __all__ = ["router"]
@@ -57,19 +58,33 @@ def _answer(response: Response, outcome: tuple[SandboxInfo, bool]) -> SandboxInf
 
 @router.post("/sandboxes", status_code=201, response_model=SandboxInfo,
              responses={202: {"model": SandboxInfo}, 503: NO_CAPACITY_RESPONSE})
-async def create_sandbox(body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
-                         wait: bool = Query(True, description="Wait until the sandbox runs (bounded).")) -> SandboxInfo:
+async def create_sandbox(
+    body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
+    wait: bool = Query(True, description="Wait until the sandbox runs (bounded)."),
+    idempotency_key: str | None = Header(
+        None, alias="Idempotency-Key", max_length=idempotency.KEY_MAX_CHARS, pattern=idempotency.KEY_PATTERN,
+        description="The client's name for this create (1-255 visible ASCII characters; a UUID). A retry with "
+                    "the same key and body within `PODBAY_IDEMPOTENCY_KEY_TTL_S` makes no second sandbox and "
+                    "answers with the first one's sandbox as it is now; the same key with another body is 422 "
+                    "`idempotency_key_reused`."),
+) -> SandboxInfo:
     """Create a sandbox from a template: from a warm slot when the template's pool has one ready (a claim
     and a resume), else by restoring the template's snapshot on a node with room.
+
+    With ``Idempotency-Key`` the key is recorded with the sandbox in one transaction, so a retry after a lost
+    answer (the API restarted mid-request, a broken connection) returns the same sandbox (docs/api.md, Retries).
 
     Errors: 404 ``not_found`` (unknown template or volume), 400 ``invalid_request`` (resources the template's
     snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volume_service.py),
     503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
     retry window, ``PODBAY_PLACEMENT_RETRY_S``; the sandbox is ``failed``), 500 ``sandbox_failed`` (with the
     reason), 503 ``unavailable``. With ``?wait=false`` the same outcomes show on the operation
-    (``error.code``) and the sandbox (``failed``, ``failure_reason``).
+    (``error.code``) and the sandbox (``failed``, ``failure_reason``). 422 ``idempotency_key_reused``: the key
+    came with another body.
     """
-    return _answer(response, await sandbox_service.create(ctx, who, body, wait=wait))
+    idem = None if idempotency_key is None else IdempotencyKey(
+        idempotency_key, idempotency.request_hash("sandbox.create", body))
+    return _answer(response, await sandbox_service.create(ctx, who, body, wait=wait, idem=idem))
 
 
 @router.get("/sandboxes", response_model=SandboxList)

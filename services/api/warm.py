@@ -34,6 +34,7 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 
 from .auth import Principal
 from .context import ApiContext
+from .idempotency import IdempotencyKey
 from .sandbox_lookup import GUEST_ENV_SQL, finish, load_sandbox, sandbox_info
 
 __all__ = ["warm_create", "CLAIM_SQL"]
@@ -46,10 +47,15 @@ log = logging.getLogger("podbay.api.warm")
 #: the slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
 #: placeholders; podbay.lifecycle.insert_sql, so the row is born as every other), its operation, the audit record and its event, and the ``created`` event (payloads patched
 #: with the id, which is known only here). Nothing is written when no slot is ready (or the template does
-#: not exist or does not match: the restore path then says why).
+#: not exist or does not match: the restore path then says why). With an ``Idempotency-Key`` ($19, its request
+#: hash $20) the same statement records the key, so a keyed warm create is still one round trip; a key that
+#: has a row already (a retry) claims nothing here.
 CLAIM_SQL = (
     "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1 AND deleted_at IS NULL"
-    " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)),"
+    " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)"
+    # A key with a row (live or expired) takes the restore path, which answers a retry from the row or
+    # replaces an expired one (services/api/idempotency.py); the common case, a new key, stays here.
+    " AND NOT EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant_id=$3 AND key=$19::text)),"
     " c AS (SELECT w.id FROM warm_slots w JOIN t ON w.template=t.name AND w.template_digest=t.digest"
     " WHERE w.state='ready'"
     # Only on nodes that take placements (not draining, drained or lost).
@@ -71,15 +77,20 @@ CLAIM_SQL = (
     " jsonb_set(jsonb_set(jsonb_set($15::jsonb, '{sandbox_id}', to_jsonb(sandbox_id)), '{data,audit_id}',"
     " to_jsonb(id)), '{data,target}', to_jsonb(sandbox_id)) FROM aud),"
     " ev AS (INSERT INTO outbox (event_id, subject, payload) SELECT $11, $12 || id || $13,"
-    " jsonb_set(jsonb_set($14::jsonb, '{sandbox_id}', to_jsonb(id)), '{node_id}', to_jsonb(node_id)) FROM sbx)"
+    " jsonb_set(jsonb_set($14::jsonb, '{sandbox_id}', to_jsonb(id)), '{node_id}', to_jsonb(node_id)) FROM sbx),"
+    # A plain insert: a concurrent create that recorded the key first makes this statement fail as a whole
+    # (UniqueViolationError), so no slot is claimed and no sandbox is written without its key.
+    " idem AS (INSERT INTO idempotency_keys (tenant_id, key, request_hash, sandbox_id, operation_id)"
+    " SELECT $3, $19::text, $20, id, $9 FROM sbx WHERE $19::text IS NOT NULL)"
     " SELECT * FROM sbx"
 )
 
 
-async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: float) -> SandboxInfo | None:
+async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: float,
+                      idem: IdempotencyKey | None = None) -> SandboxInfo | None:
     """Create the sandbox from a warm slot of ``body.template``; None when no slot is ready, or the template
-    does not exist or does not match the requested resources (nothing was written; the caller's restore
-    path looks the template up and answers why).
+    does not exist or does not match the requested resources, or ``idem``'s key has a row already (nothing
+    was written; the caller's restore path looks the template up and answers why, or answers from the key).
 
     Returns the running sandbox (also after a fallback to a restore), or raises ``SandboxFailed``.
     Hops recorded in ``podbay_hop_seconds{service="api"}``: ``warm_claim_db``, ``warm_node``.
@@ -95,14 +106,19 @@ async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: 
     audit_event = Event(id=new_id("evt"), type="sandbox.create", tenant_id=who.tenant_id, at=datetime.now(UTC),
                         data={"audit_id": 0, "actor": who.key_id, "target": None, **audit_detail})
     t = time.perf_counter()
-    row = await ctx.pool.fetchrow(
-        CLAIM_SQL, body.template, body.memory_mib, who.tenant_id, body.vcpus,
-        subjects.audit_event(who.tenant_id, "sandbox.create"), body.metadata,
-        body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
-        event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
-        json.loads(audit_event.model_dump_json()), audit_detail,
-        body.network.model_dump(mode="json") if body.network is not None else None,
-        audit_event.id)
+    try:
+        row = await ctx.pool.fetchrow(
+            CLAIM_SQL, body.template, body.memory_mib, who.tenant_id, body.vcpus,
+            subjects.audit_event(who.tenant_id, "sandbox.create"), body.metadata,
+            body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
+            event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
+            json.loads(audit_event.model_dump_json()), audit_detail,
+            body.network.model_dump(mode="json") if body.network is not None else None,
+            audit_event.id, idem.key if idem else None, idem.request_hash if idem else None)
+    except asyncpg.UniqueViolationError as exc:
+        if exc.constraint_name != "idempotency_keys_pkey":
+            raise
+        return None  # a concurrent create with this key committed first: the caller answers from its row
     if row is None:
         return None
     sandbox_id, node_id, hostname = row["id"], row["node_id"], row["hostname"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import io
+import itertools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from contextlib import asynccontextmanager
@@ -60,6 +61,7 @@ from podbay.sdk._http import (
     error_for_response,
     network_errors,
     request_options,
+    retry_delay,
 )
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles"]
@@ -109,8 +111,17 @@ class AsyncClient:
     async def _call(self, call: Call[T]) -> T:
         if self.auto_resume:
             call = calls.with_auto_resume(call)
-        with network_errors(self.api_url):
-            resp = await self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+        for attempt in itertools.count():
+            try:
+                with network_errors(self.api_url):
+                    resp = await self._http.request(call.method, call.path,
+                                                    **request_options(call, self._timeout_s))
+                break
+            except Unavailable as exc:
+                delay = retry_delay(call, attempt, exc)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
         if resp.is_error:
             raise error_for_response(resp)
         return call.parse(resp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import json
 import re
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypedDict, TypeVar
@@ -54,6 +55,7 @@ __all__ = [
     "Command",
     "ExecOptions",
     "create_sandbox",
+    "CREATE_RETRY_DELAYS_S",
     "get_sandbox",
     "list_sandboxes",
     "delete_sandbox",
@@ -119,6 +121,10 @@ class Call(Generic[T]):
     files: Mapping[str, Any] | None = None
     long_running: bool = False
     read_timeout_s: float | None = None
+    headers: Mapping[str, str] | None = None
+    #: Waits (seconds) before sending the call again after its connection broke or was refused; one entry
+    #: per retry. Only for calls that are safe to repeat: a create carries an ``Idempotency-Key``.
+    retry_delays_s: tuple[float, ...] = ()
 
 
 def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
@@ -206,6 +212,11 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+#: Waits (seconds) before a create is sent again after a broken or refused connection: about 7 s in all,
+#: time for an API process to restart.
+CREATE_RETRY_DELAYS_S: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+
+
 def create_sandbox(
     template: str,
     *,
@@ -215,8 +226,11 @@ def create_sandbox(
     wait: bool,
     network: Any = None,
     volumes: Any = None,
+    idempotency_key: str | None = None,
 ) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes?wait=`` with a ``SandboxCreate`` body; 201 (or 202 with ``operation_id``).
+    ``idempotency_key``: the ``Idempotency-Key`` header (None: a fresh UUID); the call is sent again after a
+    broken or refused connection (``CREATE_RETRY_DELAYS_S``) with the same key.
     ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's. ``volumes``: a sequence of
     ``"NAME:/path[:ro]"``, ``VolumeMount`` or its JSON shape (``podbay.sdk._volumes``)."""
     fields: dict[str, Any] = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus,
@@ -226,12 +240,16 @@ def create_sandbox(
     if volumes:
         fields["volumes"] = [_mount(v) for v in volumes]
     body = _validate(SandboxCreate, fields, "create request")
+    # A fresh key per create, sent again on the client's own retries: a create whose answer was lost (the
+    # API restarted mid-request) comes back as the sandbox it made, not as a second one.
     return Call(
         "POST",
         "/v1/sandboxes",
         _settled(wait),
         params={"wait": _bool(wait)},
         json=body.model_dump(mode="json", exclude_none=True),
+        headers={"Idempotency-Key": idempotency_key or str(uuid.uuid4())},
+        retry_delays_s=CREATE_RETRY_DELAYS_S,
     )
 
 

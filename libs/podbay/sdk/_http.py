@@ -8,6 +8,9 @@ Errors, all from ``podbay.errors``:
   422 ``Unprocessable``, 502/503 ``Unavailable``, 504 ``Timeout``, else ``PodbayError``);
 - a server that does not answer in time becomes ``Timeout``; any other network failure (refused,
   reset, DNS, TLS) becomes ``Unavailable``; both name the URL and are retryable.
+
+A create is sent again, with the same ``Idempotency-Key``, when its connection was refused or broke off
+(:func:`retry_delay`); other calls are sent once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ __all__ = [
     "request_options",
     "error_for_response",
     "network_errors",
+    "retry_delay",
+    "BROKEN_CONNECTION",
     "EventReader",
 ]
 
@@ -91,7 +96,24 @@ def request_options(call: Call[Any], timeout_s: float) -> dict[str, Any]:
         opts["files"] = dict(call.files)
     if call.long_running:
         opts["timeout"] = httpx.Timeout(timeout_s, read=call.read_timeout_s)
+    if call.headers is not None:
+        opts["headers"] = dict(call.headers)
     return opts
+
+
+#: Transport failures after which a repeatable call (``Call.retry_delays_s``) is sent again: the connection
+#: was refused (nothing arrived) or broke before the answer (the answer was lost). Timeouts are not among
+#: them: the server may still be working on the first request, and the client's bound is spent.
+BROKEN_CONNECTION: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def retry_delay(call: Call[Any], attempt: int, exc: Unavailable) -> float | None:
+    """Seconds to wait before sending ``call`` again after attempt ``attempt`` (0-based) failed with ``exc``
+    (from :func:`network_errors`), or None: raise it."""
+    if attempt < len(call.retry_delays_s) and isinstance(exc.__cause__, BROKEN_CONNECTION):
+        return call.retry_delays_s[attempt]
+    return None
 
 
 def _message_from_detail(body: Any) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -61,6 +62,7 @@ from podbay.sdk._http import (
     error_for_response,
     network_errors,
     request_options,
+    retry_delay,
 )
 
 __all__ = ["Client", "Sandbox", "Files"]
@@ -115,8 +117,16 @@ class Client:
     def _call(self, call: Call[T]) -> T:
         if self.auto_resume:
             call = calls.with_auto_resume(call)
-        with network_errors(self.api_url):
-            resp = self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+        for attempt in itertools.count():
+            try:
+                with network_errors(self.api_url):
+                    resp = self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+                break
+            except Unavailable as exc:
+                delay = retry_delay(call, attempt, exc)
+                if delay is None:
+                    raise
+                time.sleep(delay)
         if resp.is_error:
             raise error_for_response(resp)
         return call.parse(resp)

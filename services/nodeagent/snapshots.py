@@ -36,17 +36,13 @@ from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .vmhost import VmHost
 
-__all__ = ["SnapshotOps", "snapshot_dir"]
+__all__ = ["SnapshotOps"]
 
 log = logging.getLogger("podbay.nodeagent.snapshots")
 
 FORK_CONCURRENCY = 2  # children restored at once; each restore is CPU-bound under TCG
-
-
-def snapshot_dir(manager: SandboxManager, sandbox_id: str, snapshot_id: str) -> Path:
-    return manager.store.root / "snapshots" / sandbox_id / snapshot_id
 
 
 def _flush(path: Path) -> None:
@@ -67,20 +63,21 @@ def _allocated_bytes(path: Path) -> int:
 
 
 class SnapshotOps:
-    """Snapshot, rollback and fork handlers bound to one ``SandboxManager``."""
+    """Snapshot, rollback and fork handlers bound to one node's VMs (a ``VmHost``: the ``SandboxManager``)."""
 
-    def __init__(self, manager: SandboxManager) -> None:
-        self.m = manager
+    def __init__(self, host: VmHost) -> None:
+        self.m = host
 
     async def snapshot(self, cmd: SnapshotCmd) -> None:
         """Take ``cmd.snapshot_id`` (idempotent: a ready or failed snapshot is left as it is)."""
         m = self.m
         async with m.lock(cmd.sandbox_id):
-            error = await self._take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, cmd.kind)
+            error = await self.take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, cmd.kind)
             await m.finish_op(cmd.operation_id, error)
 
-    async def _take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
-        """Take a snapshot under the sandbox's lock; returns an error message or None."""
+    async def take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
+        """Take snapshot ``snapshot_id`` (its row ``creating``) of kind ``full`` or ``disk``; the caller holds the
+        sandbox's lock. Returns an error message (the row is then ``failed``) or None (``ready``)."""
         m = self.m
         t0 = time.perf_counter()
         snap = await m.pool.fetchrow("SELECT state FROM snapshots WHERE id=$1", snapshot_id)
@@ -96,7 +93,7 @@ class SnapshotOps:
         if row["node_id"] != m.node_id or row["generation"] != generation or vm is None or \
                 row["state"] not in ("running", "paused", "suspending"):
             return await self._fail_snapshot(snapshot_id, f"the sandbox is {row['state']} (generation {row['generation']})")
-        final = snapshot_dir(m, sandbox_id, snapshot_id)
+        final = m.store.snapshot_dir(sandbox_id, snapshot_id)
         part = final.with_name(final.name + ".part")
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
@@ -160,7 +157,7 @@ class SnapshotOps:
             if drop:
                 await conn.execute("UPDATE snapshots SET state='deleted' WHERE id = ANY($1::text[])", drop)
         for sid in drop:
-            await asyncio.to_thread(shutil.rmtree, snapshot_dir(m, sandbox_id, sid), True)
+            await asyncio.to_thread(shutil.rmtree, m.store.snapshot_dir(sandbox_id, sid), True)
         if drop:
             log.info("retention reclaimed %d snapshot(s) of %s", len(drop), sandbox_id)
         return drop
@@ -183,7 +180,7 @@ class SnapshotOps:
                 "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
                 " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, row["tenant_id"], sandbox_id, m.node_id, kind,
                 parent, row["generation"])
-            return await self._take(sandbox_id, row["generation"], snap_id, kind)
+            return await self.take(sandbox_id, row["generation"], snap_id, kind)
 
     async def _disk_snapshot(self, vm: object, dest: Path, *, frozen: bool) -> float:
         from .vmm import reflink_or_copy
@@ -222,7 +219,7 @@ class SnapshotOps:
                 await m.finish_op(cmd.operation_id, None if row["state"] == "running" else f"sandbox is {row['state']}")
                 return
             await m.stop_vm(cmd.sandbox_id)
-            sdir = snapshot_dir(m, cmd.sandbox_id, cmd.snapshot_id)
+            sdir = m.store.snapshot_dir(cmd.sandbox_id, cmd.snapshot_id)
             ok = False
             volumes_error: str | None = None
             if cmd.volumes and snap is not None and snap["kind"] == "full" and snap["state"] == "ready" and sdir.exists():
@@ -250,7 +247,7 @@ class SnapshotOps:
         m = self.m
         async with m.lock(cmd.sandbox_id):
             if cmd.take_snapshot:
-                err = await self._take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, "full")
+                err = await self.take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, "full")
                 if err is not None:
                     for child in cmd.children:
                         await m.mark_failed(child.sandbox_id, 1, f"the fork's snapshot failed: {err}",
@@ -260,7 +257,7 @@ class SnapshotOps:
             parent = await m.pool.fetchrow(
                 "SELECT tenant_id, template, template_digest, memory_mib, vcpus, generation FROM sandboxes WHERE id=$1",
                 cmd.sandbox_id)
-        sdir = snapshot_dir(m, cmd.sandbox_id, cmd.snapshot_id)
+        sdir = m.store.snapshot_dir(cmd.sandbox_id, cmd.snapshot_id)
         res = Resources(memory_mib=parent["memory_mib"], vcpus=parent["vcpus"])
         sem = asyncio.Semaphore(FORK_CONCURRENCY)
 
@@ -307,7 +304,7 @@ class SnapshotOps:
         rows = await m.pool.fetch("UPDATE snapshots SET state='failed', error='interrupted by a node agent restart'"
                                   " WHERE node_id=$1 AND state='creating' RETURNING id, sandbox_id", m.node_id)
         for r in rows:
-            shutil.rmtree(snapshot_dir(m, r["sandbox_id"], r["id"]).with_name(r["id"] + ".part"), ignore_errors=True)
+            shutil.rmtree(m.store.snapshot_dir(r["sandbox_id"], r["id"]).with_name(r["id"] + ".part"), ignore_errors=True)
         # Their snapshot operations end now rather than when JetStream redelivers the command (whose
         # handler then finds the snapshot failed and does nothing more).
         ops = await m.pool.fetch(
@@ -321,6 +318,6 @@ class SnapshotOps:
         """Remove a deleted sandbox's snapshot files and mark its snapshots deleted, except pinned promoted
         ones: they stay ready, restorable from object storage."""
         m = self.m
-        await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / sandbox_id, True)
         await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
                              " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)

@@ -104,6 +104,15 @@ class NodeStore:
     def volumes_dir(self) -> Path:
         return self.root / "volumes"
 
+    @property
+    def snapshots_dir(self) -> Path:
+        """``<root>/snapshots``: a folder per sandbox, a folder per snapshot in it (services/nodeagent/snapshots.py)."""
+        return self.root / "snapshots"
+
+    def snapshot_dir(self, sandbox_id: str, snapshot_id: str) -> Path:
+        """Where snapshot ``snapshot_id`` of ``sandbox_id`` keeps its files on this node."""
+        return self.snapshots_dir / sandbox_id / snapshot_id
+
     def template_dir(self, name: str, digest: str) -> Path:
         return self.templates_dir / name / digest
 

@@ -48,10 +48,8 @@ from podbay.chunks import Manifest
 from podbay.promotion import fetch, local_chunks
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
-from .snapshots import snapshot_dir
-
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .vmhost import VmHost
 
 __all__ = ["SuspendOps"]
 
@@ -62,12 +60,13 @@ LOCAL_SOURCES = 8  # other sandboxes' snapshots on this node searched for chunks
 
 
 class SuspendOps:
-    """Suspend and wake handlers bound to one ``SandboxManager`` and the node's object store."""
+    """Suspend and wake handlers bound to one node's VMs (a ``VmHost``: the ``SandboxManager``) and the node's
+    object store."""
 
-    def __init__(self, manager: SandboxManager, store: ObjectStore) -> None:
-        self.m = manager
+    def __init__(self, host: VmHost, store: ObjectStore) -> None:
+        self.m = host
         self.store = store
-        manager.volumes.use_object_store(store, manager.settings)
+        host.volumes.use_object_store(store, host.settings)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def kick(self, state: str, sandbox_id: str, operation_id: str, generation: int, snapshot_id: str | None) -> None:
@@ -131,7 +130,7 @@ class SuspendOps:
             if vm.paused_at is None:
                 await vm.handle.pause()
                 vm.paused_at = time.monotonic()
-            error = await m.snapshots._take(cmd.sandbox_id, cmd.generation, snap_id, "full")
+            error = await m.snapshots.take(cmd.sandbox_id, cmd.generation, snap_id, "full")
             if error is not None:
                 return f"the full snapshot failed: {error}"
             fault_point("suspend.snapshotted")
@@ -162,7 +161,7 @@ class SuspendOps:
         await m.discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
         await m.volumes.release_after_suspend(cmd.sandbox_id)
         await m.release_net(cmd.sandbox_id)
-        await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / cmd.sandbox_id, True)
         async with m.pool.acquire() as conn, conn.transaction():
             # Local-only snapshots went with the node's files; promoted ones stay restorable from S3.
             await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
@@ -224,7 +223,7 @@ class SuspendOps:
             errors: list[str] = []
             for snap_id in candidates:
                 try:
-                    await fetch(m.pool, self.store, m.settings, snap_id, snapshot_dir(m, cmd.sandbox_id, snap_id),
+                    await fetch(m.pool, self.store, m.settings, snap_id, m.store.snapshot_dir(cmd.sandbox_id, snap_id),
                                 base_dir=base, local=local)
                     chosen = snap_id
                     break
@@ -247,7 +246,7 @@ class SuspendOps:
             fault_point("resume.fetched")
             kind = await m.pool.fetchval(
                 "UPDATE snapshots SET node_id=$2 WHERE id=$1 RETURNING kind", chosen, m.node_id)
-            sdir = snapshot_dir(m, cmd.sandbox_id, chosen)
+            sdir = m.store.snapshot_dir(cmd.sandbox_id, chosen)
             ok = await m.bring_up(
                 cmd.sandbox_id, cmd.generation, Resources(memory_mib=row["memory_mib"], vcpus=row["vcpus"]),
                 row["hostname"], row["tenant_id"], template=row["template"], template_digest=row["template_digest"],
@@ -269,12 +268,12 @@ class SuspendOps:
             "SELECT id, sandbox_id, manifest FROM snapshots WHERE node_id=$1 AND promotion='promoted'"
             " AND state='ready' AND sandbox_id <> $2 ORDER BY promoted_at DESC LIMIT $3",
             m.node_id, sandbox_id, LOCAL_SOURCES)
-        sources = [(Manifest.model_validate(r["manifest"]), snapshot_dir(m, r["sandbox_id"], r["id"])) for r in rows]
+        sources = [(Manifest.model_validate(r["manifest"]), m.store.snapshot_dir(r["sandbox_id"], r["id"])) for r in rows]
         return await asyncio.to_thread(local_chunks, [(mf, d) for mf, d in sources if d.exists()])
 
     async def _back_to_suspended(self, cmd: WakeCmd, tenant_id: str, code: str, error: str) -> None:
         m = self.m
-        await asyncio.to_thread(shutil.rmtree, m.store.root / "snapshots" / cmd.sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / cmd.sandbox_id, True)
         async with m.pool.acquire() as conn, conn.transaction():
             await lifecycle.apply(
                 conn, cmd.sandbox_id, Verb.WAKE_FAILED, states=SandboxState.RESUMING, generation=cmd.generation,

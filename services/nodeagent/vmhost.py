@@ -1,7 +1,7 @@
 """The VMs a node agent runs, and what its operation modules may ask of their owner.
 
 :class:`RunningVm` and :class:`HibernatedVm` are the registry's entries. :class:`VmHost` is the interface the
-operation modules (services/nodeagent/migrate.py, ...) are written against: the node's shared parts and the
+operation modules (migrate.py, snapshots.py, suspend.py, warm.py) are written against: the node's shared parts and the
 registry's public methods. :class:`services.nodeagent.sandboxes.SandboxManager` is the one implementation;
 a module that takes a ``VmHost`` imports this module, not the manager, so the manager can build it without
 an import cycle, and a unit test can hand it a fake.
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from .network import SandboxNetwork
     from .store import NodeStore
     from .vmdriver import TemplateImage, VmDriver, VmHandle
+    from .volumes import VolumeStore
 
-__all__ = ["RunningVm", "HibernatedVm", "VmHost"]
+__all__ = ["RunningVm", "HibernatedVm", "Snapshots", "VmHost"]
 
 
 @dataclass
@@ -57,6 +58,16 @@ class HibernatedVm:
     resources: Resources
 
 
+class Snapshots(Protocol):
+    """What another operation module may ask of the node's snapshot handlers (services/nodeagent/snapshots.py
+    implements it); a suspend takes its full snapshot through it."""
+
+    async def take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
+        """Take snapshot ``snapshot_id`` (its row ``creating``; the caller holds the sandbox's lock): an error
+        message, or None once it is ``ready``."""
+        ...
+
+
 class VmHost(Protocol):
     """The node's VMs and shared parts, as an operation module sees them (``SandboxManager`` implements it)."""
 
@@ -71,6 +82,12 @@ class VmHost(Protocol):
     vms: dict[str, RunningVm]
     #: paused sandboxes whose RAM was released, by sandbox id
     hibernated: dict[str, HibernatedVm]
+    #: the current build of each template on this node, by name (what new sandboxes and warm slots start from)
+    templates: dict[str, TemplateImage]
+    volumes: VolumeStore
+
+    @property
+    def snapshots(self) -> Snapshots: ...
 
     @property
     def node_id(self) -> str: ...
@@ -91,6 +108,19 @@ class VmHost(Protocol):
               channel: GuestChannel | None, *, paused_at: float | None = None,
               net_pending: GuestNet | None = None) -> RunningVm:
         """Register a VM that runs on this node and watch it (the one way into ``vms``)."""
+        ...
+
+    async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
+                       *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
+                       event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
+                       from_state: str = "starting") -> bool:
+        """Start the sandbox's VM from a snapshot (or ``boot_disk``), run the after-restore hygiene, record it
+        running with ``event`` and adopt it; on failure the sandbox is failed. True when it runs."""
+        ...
+
+    async def mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
+                          from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
+        """Record the sandbox ``failed`` with ``reason`` (fenced by ``from_states`` and ``generation``)."""
         ...
 
     async def wake_hibernated(self, sandbox_id: str) -> None:

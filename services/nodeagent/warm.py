@@ -62,7 +62,7 @@ from .vmdriver import TemplateImage, VmHandle
 
 if TYPE_CHECKING:
     from .memory import MemoryWatch
-    from .sandboxes import SandboxManager
+    from .vmhost import VmHost
 
 __all__ = ["WarmSlot", "WarmPool", "WARM_SLOTS", "WARM_SLOT_EVENTS", "STARTED_SQL", "slot_hostname"]
 
@@ -110,8 +110,8 @@ class WarmSlot:
 class WarmPool:
     """The warm slots of one node; ``slots`` maps slot id to ``WarmSlot`` (ready ones only)."""
 
-    def __init__(self, manager: SandboxManager) -> None:
-        self.m = manager
+    def __init__(self, host: VmHost) -> None:
+        self.m = host
         self.slots: dict[str, WarmSlot] = {}
         self.preparing: dict[str, str] = {}  # slot id -> template
         # The node's measured memory (set by the agent once its MemoryWatch exists): refills follow it.

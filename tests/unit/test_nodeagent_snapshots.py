@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from podbay.contracts.messages import CreateSandboxCmd, Resources, RestoreCmd, SnapshotCmd
 from podbay.lifecycle import Verb
-from podbay_nodeagent.snapshots import snapshot_dir
 from podbay_nodeagent.vmm import VmTimeout
 
 from fakes_nodeagent import DIGEST, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
@@ -31,7 +30,7 @@ async def test_a_full_snapshot_writes_its_files_marks_it_ready_and_the_guest_run
     await _running(node)
     await _snapshot(node, "snap_1")
 
-    final = snapshot_dir(node.manager, SBX, "snap_1")
+    final = node.manager.store.snapshot_dir(SBX, "snap_1")
     assert sorted(p.name for p in final.iterdir()) == ["disk.img", "ram", "state"]
     assert not final.with_name("snap_1.part").exists()
     assert node.db.snapshots["snap_1"]["state"] == "ready" and node.db.snapshots["snap_1"]["paused_ms"] == 1.0
@@ -46,7 +45,7 @@ async def test_a_disk_snapshot_freezes_the_guest_filesystems_around_the_copy(nod
     await _snapshot(node, "snap_d", kind="disk")
     assert node.guest.ops(SBX)[-2:] == ["freeze", "thaw"]
     assert "snapshot_full" not in node.vmm.ops(SBX)
-    assert (snapshot_dir(node.manager, SBX, "snap_d") / "disk.img").exists()
+    assert (node.manager.store.snapshot_dir(SBX, "snap_d") / "disk.img").exists()
     assert node.db.snapshots["snap_d"]["state"] == "ready"
 
 
@@ -103,5 +102,5 @@ async def test_retention_keeps_the_newest_full_snapshots(node: Node) -> None:
     for snap_id in ("snap_1", "snap_2", "snap_3"):
         await _snapshot(node, snap_id)
     assert [s["state"] for s in node.db.snapshots.values()] == ["deleted", "ready", "ready"]
-    assert not snapshot_dir(node.manager, SBX, "snap_1").exists()
-    assert snapshot_dir(node.manager, SBX, "snap_3").exists()
+    assert not node.manager.store.snapshot_dir(SBX, "snap_1").exists()
+    assert node.manager.store.snapshot_dir(SBX, "snap_3").exists()

@@ -111,7 +111,7 @@ class OpenBaoCredentialStore:
     def _path(cred_id: str, tenant_id: str) -> str:
         return f"podbay/{tenant_id}/{cred_id}"
 
-    async def _call(self, what: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def _call(self, what: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]  # forwards any hvac call: its arguments and result are hvac's, untyped
         import hvac.exceptions
         import requests
 

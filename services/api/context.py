@@ -38,12 +38,12 @@ class EventWaiter:
         self._subs.append(await bus.nc.subscribe(subjects.OPERATIONS_DONE_WILDCARD, cb=self._on_op))
 
     async def _on_op(self, msg: object) -> None:
-        op_id = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
+        op_id = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]  # a nats-py Msg, typed object at the subscription callback
         fut = self._ops.get(op_id)
         if fut is None or fut.done():
             return
         try:
-            fut.set_result(json.loads(msg.data))  # type: ignore[attr-defined]
+            fut.set_result(json.loads(msg.data))  # type: ignore[attr-defined]  # a nats-py Msg, typed object at the subscription callback
         except ValueError:
             fut.set_result({})
 
@@ -55,7 +55,7 @@ class EventWaiter:
         return fut
 
     async def _on_msg(self, msg: object) -> None:
-        subject: str = msg.subject  # type: ignore[attr-defined]
+        subject: str = msg.subject  # type: ignore[attr-defined]  # a nats-py Msg, typed object at the subscription callback
         parts = subject.split(".")
         if len(parts) != 5:
             return
@@ -64,7 +64,7 @@ class EventWaiter:
         if not waiters:
             return
         try:
-            payload = json.loads(msg.data)  # type: ignore[attr-defined]
+            payload = json.loads(msg.data)  # type: ignore[attr-defined]  # a nats-py Msg, typed object at the subscription callback
         except ValueError:
             return
         for types, fut in list(waiters):

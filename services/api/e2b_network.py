@@ -218,9 +218,9 @@ def _allow_deny(allow_internet_access: bool | None, allow_out: list[str], deny_o
         for hole in allowed_nets:
             nxt: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
             for part in parts:
-                if hole.version == part.version and hole.subnet_of(part):  # type: ignore[arg-type]
-                    nxt.extend(part.address_exclude(hole))  # type: ignore[arg-type]
-                elif not (part.version == hole.version and part.subnet_of(hole)):  # type: ignore[arg-type]
+                if hole.version == part.version and hole.subnet_of(part):  # type: ignore[arg-type]  # IPv4/IPv6 union; the versions are compared first, so the pair matches
+                    nxt.extend(part.address_exclude(hole))  # type: ignore[arg-type]  # as above
+                elif not (part.version == hole.version and part.subnet_of(hole)):  # type: ignore[arg-type]  # as above
                     nxt.append(part)
             parts = nxt
         deny.extend(EgressRule(cidr=str(p)) for p in parts)

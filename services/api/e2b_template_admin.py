@@ -87,7 +87,7 @@ def _template(row: Any) -> dict[str, Any]:
 
 
 async def _templates(ctx: ApiContext, who: Principal, name: str | None, after: str | None, limit: int) -> list[Any]:
-    return await ctx.pool.fetch(_SQL, who.tenant_id, name, after, limit)  # type: ignore[no-any-return]
+    return await ctx.pool.fetch(_SQL, who.tenant_id, name, after, limit)  # type: ignore[no-any-return]  # asyncpg is untyped: fetch returns Any
 
 
 @router.get("/templates")

@@ -87,6 +87,6 @@ async def revoke_api_key(key_id: str, ctx: CtxDep, who: PrincipalDep) -> KeyInfo
 async def on_revoked(msg: object) -> None:
     """Core-NATS callback for ``subjects.API_KEY_REVOKED``: forget the key in this process too."""
     try:
-        forget_key(bytes.fromhex(msg.data.decode()))  # type: ignore[attr-defined]
+        forget_key(bytes.fromhex(msg.data.decode()))  # type: ignore[attr-defined]  # a nats-py Msg, typed object at the subscription callback
     except (ValueError, UnicodeDecodeError):
         return

@@ -107,7 +107,7 @@ class _Udp(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a datagram endpoint is always given a DatagramTransport; asyncio types the base
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self.gw.spawn(self._reply(data, addr))

@@ -69,7 +69,7 @@ async def _main(stop: asyncio.Event) -> None:
     ready_task = asyncio.create_task(_watch_ready())
 
     def health() -> dict[str, object]:
-        ok = ready.is_set() and not proxy_task.done() and bus.nc.is_connected and not pool._closed  # noqa: SLF001
+        ok = ready.is_set() and not proxy_task.done() and bus.nc.is_connected and not pool._closed  # noqa: SLF001  # asyncpg's Pool has no public closed flag
         return {"ok": ok, "proxy_port": settings.gateway_proxy_port, "dns_port": settings.gateway_dns_port}
 
     log.info("gateway for node %s: proxy :%d, dns :%d, health %s:%d", settings.node_id,

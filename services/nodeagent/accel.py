@@ -151,7 +151,7 @@ async def resolve_accel(settings: Settings, kernel: Path, initrd: Path) -> Accel
     try:
         cached = json.loads(cache.read_text())
         if cached.get("accel") in ("kvm", "tcg"):
-            return cached["accel"]  # type: ignore[no-any-return]
+            return cached["accel"]  # type: ignore[no-any-return]  # read from JSON; checked to be kvm or tcg just above
     except (OSError, ValueError):
         pass
     works, reason = await probe_kvm(

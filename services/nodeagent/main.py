@@ -68,8 +68,8 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                                            ack_wait_s=manager.settings.restore_timeout_s * 2 + 30)
     manager.command_sub = sub  # for /readyz: the node's command consumer is bound
     async def one(msg: object) -> None:
-        verb = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
-        data = msg.data  # type: ignore[attr-defined]
+        verb = msg.subject.rsplit(".", 1)[-1]  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
+        data = msg.data  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
         bind_from_message(data)  # this handler's task: every log line names the sandbox and operation
         try:
             if verb == "create":
@@ -94,17 +94,17 @@ async def _consume(manager: SandboxManager, stop: asyncio.Event) -> None:
                 await manager.migrations.migrate_out(MigrateOutCmd.model_validate_json(data))
             else:
                 log.error("unknown node command %s; dropping", verb)
-                await msg.term()  # type: ignore[attr-defined]
+                await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
                 return
         except ValueError as exc:
             log.error("malformed %s command dropped: %s", verb, exc)
-            await msg.term()  # type: ignore[attr-defined]
+            await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
         except Exception:
             log.exception("%s command failed; it will be redelivered", verb)
-            await msg.nak(delay=2.0)  # type: ignore[attr-defined]
+            await msg.nak(delay=2.0)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
-        await msg.ack()  # type: ignore[attr-defined]
+        await msg.ack()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
 
     await consume(sub, one, stop, finish_timeout_s=60)
 

@@ -247,16 +247,16 @@ class SandboxNetwork:
         try:
             with self._lock:
                 ipr = self._iproute()
-                (idx,) = ipr.link_lookup(ifname=lease.tap)  # type: ignore[attr-defined]
+                (idx,) = ipr.link_lookup(ifname=lease.tap)  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
                 try:
-                    ipr.addr("add", index=idx, address=lease.host_addr, prefixlen=lease.prefix_len)  # type: ignore[attr-defined]
+                    ipr.addr("add", index=idx, address=lease.host_addr, prefixlen=lease.prefix_len)  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
                 except Exception as exc:  # pyroute2's NetlinkError: EEXIST when the tap was kept
                     if getattr(exc, "code", None) != errno.EEXIST:
                         raise
                 # The same MAC for every tap of a lease: a guest restored onto a new tap (a RAM-release wake,
                 # a vanished tap's repair) keeps its ARP entry for the gateway, which would otherwise point
                 # at the old tap's random MAC until it goes stale (tens of seconds without a network).
-                ipr.link("set", index=idx, address=tap_mac(lease.host_addr), state="up")  # type: ignore[attr-defined]
+                ipr.link("set", index=idx, address=tap_mac(lease.host_addr), state="up")  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
                 self._tap_index[lease.tap] = idx
         except Exception as exc:
             os.close(fd)
@@ -281,9 +281,9 @@ class SandboxNetwork:
         with self._lock:
             self._tap_index.pop(name, None)
             ipr = self._iproute()
-            for idx in ipr.link_lookup(ifname=name):  # type: ignore[attr-defined]
+            for idx in ipr.link_lookup(ifname=name):  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
                 with contextlib.suppress(Exception):
-                    ipr.link("del", index=idx)  # type: ignore[attr-defined]
+                    ipr.link("del", index=idx)  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
 
     # ------------------------------------------------------------------ bindings
 
@@ -377,5 +377,5 @@ class SandboxNetwork:
     def close(self) -> None:
         if self._ipr is not None:
             with contextlib.suppress(Exception):
-                self._ipr.close()  # type: ignore[attr-defined]
+                self._ipr.close()  # type: ignore[attr-defined]  # pyroute2's IPRoute is untyped and made lazily (_iproute returns object)
             self._ipr = None

@@ -219,7 +219,7 @@ def _send_scm_rights(qmp: QMPClient, fd: int) -> None:
     transports do not have; a duplicate of the socket's descriptor works under both loops. The transport's
     buffer is empty between commands, so the byte cannot interleave with a command.
     """
-    transport_sock = qmp._writer.transport.get_extra_info("socket")  # type: ignore[union-attr]  # noqa: SLF001
+    transport_sock = qmp._writer.transport.get_extra_info("socket")  # type: ignore[union-attr]  # noqa: SLF001  # qemu.qmp keeps its writer private; SCM_RIGHTS needs its socket (docstring)
     dup = socket.socket(fileno=os.dup(transport_sock.fileno()))
     try:
         dup.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("@i", fd))])

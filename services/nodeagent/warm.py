@@ -148,13 +148,13 @@ class WarmPool:
 
     async def _answer(self, msg: object) -> None:
         try:
-            req = WarmClaim.model_validate_json(msg.data)  # type: ignore[attr-defined]
+            req = WarmClaim.model_validate_json(msg.data)  # type: ignore[attr-defined]  # a nats-py Msg or Subscription, typed object here
         except ValueError as exc:
             reply = WarmClaimReply(ok=False, error=f"malformed claim: {exc}")
         else:
             reply = await self.claim(req)
         try:
-            await msg.respond(reply.model_dump_json().encode())  # type: ignore[attr-defined]
+            await msg.respond(reply.model_dump_json().encode())  # type: ignore[attr-defined]  # a nats-py Msg or Subscription, typed object here
         except Exception as exc:  # the caller gave up; its fallback fences this sandbox by generation
             log.warning("claim answer for %s not sent: %s", getattr(reply, "error", ""), exc)
         finally:
@@ -164,7 +164,7 @@ class WarmPool:
         """Stop answering; leave the slot VMs (the next start removes them)."""
         for sub in self._subs:
             try:
-                await sub.unsubscribe()  # type: ignore[attr-defined]
+                await sub.unsubscribe()  # type: ignore[attr-defined]  # a nats-py Msg or Subscription, typed object here
             except Exception:
                 pass
         for slot in self.slots.values():

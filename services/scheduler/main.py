@@ -173,26 +173,26 @@ async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, objec
 
     async def one(msg: object) -> None:
         try:
-            cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]
+            cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
         except ValueError as exc:
             log.error("dropping malformed place command: %s", exc)
-            await msg.term()  # type: ignore[attr-defined]
+            await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
         bind_log_context(sandbox_id=cmd.sandbox_id, operation_id=cmd.operation_id)
         # Time since the command was stored (JetStream's clock), so every replica and a restarted scheduler
         # count the retry window from the same moment.
-        meta = msg.metadata  # type: ignore[attr-defined]
+        meta = msg.metadata  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
         waited_s = max(0.0, (datetime.now(UTC) - meta.timestamp).total_seconds())
         try:
             done = await sched.handle(cmd, waited_s, last_try=meta.num_delivered >= MAX_DELIVER)
         except Exception:
             log.exception("place %s failed; will be redelivered", cmd.sandbox_id)
-            await msg.nak(delay=1.0)  # type: ignore[attr-defined]
+            await msg.nak(delay=1.0)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
         if done:
-            await msg.ack()  # type: ignore[attr-defined]
+            await msg.ack()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
         else:
-            await msg.nak(delay=NO_NODE_RETRY_DELAY_S)  # type: ignore[attr-defined]
+            await msg.nak(delay=NO_NODE_RETRY_DELAY_S)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
 
     await consume(sub, one, stop, finish_timeout_s=10)
 
@@ -204,10 +204,10 @@ async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
 
     async def one(msg: object) -> None:
         try:
-            cmd = DrainNodeCmd.model_validate_json(msg.data)  # type: ignore[attr-defined]
+            cmd = DrainNodeCmd.model_validate_json(msg.data)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
         except ValueError as exc:
             log.error("dropping malformed drain command: %s", exc)
-            await msg.term()  # type: ignore[attr-defined]
+            await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
         last = time.monotonic()
 
@@ -215,7 +215,7 @@ async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
             nonlocal last
             if time.monotonic() - last > 15:
                 last = time.monotonic()
-                await msg.in_progress()  # type: ignore[attr-defined]
+                await msg.in_progress()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
 
         try:
             await drain_node(sched.pool, sched.bus, cmd, migrate_timeout_s=sched.settings.migrate_timeout_s,
@@ -223,9 +223,9 @@ async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
                              kick=sched.relay.kick)
         except Exception:
             log.exception("drain of %s failed; will be redelivered", cmd.node_id)
-            await msg.nak(delay=2.0)  # type: ignore[attr-defined]
+            await msg.nak(delay=2.0)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
             return
-        await msg.ack()  # type: ignore[attr-defined]
+        await msg.ack()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
 
     await consume(sub, one, stop, finish_timeout_s=10)
 

@@ -155,7 +155,7 @@ class ExecProcess:
         sends STARTED before any output, so normally nothing is)."""
         while self.pid is None and self.exit is None:
             await self._step()
-        return self.pid if self.pid is not None else self.exit.pid  # type: ignore[union-attr]
+        return self.pid if self.pid is not None else self.exit.pid  # type: ignore[union-attr]  # the loop ends with pid or exit set, so exit is not None here
 
     async def write_stdin(self, data: bytes) -> None:
         """Stream bytes to the process's stdin (needs ``ExecSpec.stdin``), within the flow-control window."""

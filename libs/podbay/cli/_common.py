@@ -117,7 +117,7 @@ class OneLineErrorsGroup(typer.core.TyperGroup):
     command (``no_args_is_help``) is kept.
     """
 
-    def main(  # type: ignore[override]
+    def main(  # type: ignore[override]  # click's main takes more keyword arguments than this override names
         self,
         args: Sequence[str] | None = None,
         prog_name: str | None = None,

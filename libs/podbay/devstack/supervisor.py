@@ -514,9 +514,9 @@ async def _probe_all(state: StackState, supervised: bool) -> list[PartStatus]:
     # The probes' client libraries load here, before any probe's 3 s starts: an import blocks the event loop
     # (nats-py, asyncpg and aiobotocore took 3.3 s together on a loaded 2-core host), and loaded inside the
     # probes it made all three time out at once and report healthy servers as down.
-    import aiobotocore.session  # noqa: F401
-    import asyncpg  # noqa: F401
-    import nats  # noqa: F401
+    import aiobotocore.session  # noqa: F401  # imported early on purpose (comment above)
+    import asyncpg  # noqa: F401  # imported early on purpose (comment above)
+    import nats  # noqa: F401  # imported early on purpose (comment above)
 
     async def probe(part: PartRecord) -> PartStatus:
         running = part.pid is None or same_process(part.pid, part.start_ticks)

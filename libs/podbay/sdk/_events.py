@@ -92,13 +92,13 @@ class Webhooks:
         self._call = call
 
     def create(self, url: str, types: Sequence[str] | None = None) -> WebhookCreated:
-        return self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]
+        return self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def list(self) -> builtins.list[WebhookInfo]:
-        return self._call(list_webhooks_call())  # type: ignore[no-any-return]
+        return self._call(list_webhooks_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def delete(self, webhook_id: str) -> WebhookInfo:
-        return self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]
+        return self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
 
 class AsyncWebhooks:
@@ -108,10 +108,10 @@ class AsyncWebhooks:
         self._call = call
 
     async def create(self, url: str, types: Sequence[str] | None = None) -> WebhookCreated:
-        return await self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]
+        return await self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def list(self) -> builtins.list[WebhookInfo]:
-        return await self._call(list_webhooks_call())  # type: ignore[no-any-return]
+        return await self._call(list_webhooks_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def delete(self, webhook_id: str) -> WebhookInfo:
-        return await self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]
+        return await self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients

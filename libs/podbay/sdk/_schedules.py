@@ -77,19 +77,19 @@ class Schedules:
         """Add a schedule: ``cron`` (five fields, read in ``tz``) or ``at`` (one time); ``command`` (argv)
         with ``env``, ``cwd``, ``user``, ``timeout_s``, or none to only wake; ``awake_s``, ``overlap``
         (``skip``/``queue``), ``missed`` (``catch_up_once``/``skip``)."""
-        return self._call(add_schedule_call(  # type: ignore[no-any-return]
+        return self._call(add_schedule_call(  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
             sandbox_id, cron=cron, tz=tz, at=at, command=command, **options))
 
     def list(self, sandbox_id: str) -> builtins.list[ScheduleInfo]:
         """The sandbox's schedules, each with its next fire time and newest run."""
-        return self._call(list_schedules_call(sandbox_id))  # type: ignore[no-any-return]
+        return self._call(list_schedules_call(sandbox_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def get(self, sandbox_id: str, schedule_id: str) -> ScheduleInfo:
-        return self._call(get_schedule_call(sandbox_id, schedule_id))  # type: ignore[no-any-return]
+        return self._call(get_schedule_call(sandbox_id, schedule_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def runs(self, sandbox_id: str, schedule_id: str, limit: int = 20) -> builtins.list[ScheduleRunInfo]:
         """The schedule's runs, newest first: times, state, exit code, head and tail of output."""
-        return self._call(schedule_runs_call(sandbox_id, schedule_id, limit))  # type: ignore[no-any-return]
+        return self._call(schedule_runs_call(sandbox_id, schedule_id, limit))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def remove(self, sandbox_id: str, schedule_id: str) -> None:
         """Remove the schedule and its run history (a run in progress finishes)."""
@@ -104,17 +104,17 @@ class AsyncSchedules:
 
     async def add(self, sandbox_id: str, *, cron: str | None = None, tz: str = "UTC", at: datetime | None = None,
                   command: Sequence[str] | None = None, **options: Any) -> ScheduleInfo:
-        return await self._call(add_schedule_call(  # type: ignore[no-any-return]
+        return await self._call(add_schedule_call(  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
             sandbox_id, cron=cron, tz=tz, at=at, command=command, **options))
 
     async def list(self, sandbox_id: str) -> builtins.list[ScheduleInfo]:
-        return await self._call(list_schedules_call(sandbox_id))  # type: ignore[no-any-return]
+        return await self._call(list_schedules_call(sandbox_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def get(self, sandbox_id: str, schedule_id: str) -> ScheduleInfo:
-        return await self._call(get_schedule_call(sandbox_id, schedule_id))  # type: ignore[no-any-return]
+        return await self._call(get_schedule_call(sandbox_id, schedule_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def runs(self, sandbox_id: str, schedule_id: str, limit: int = 20) -> builtins.list[ScheduleRunInfo]:
-        return await self._call(schedule_runs_call(sandbox_id, schedule_id, limit))  # type: ignore[no-any-return]
+        return await self._call(schedule_runs_call(sandbox_id, schedule_id, limit))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def remove(self, sandbox_id: str, schedule_id: str) -> None:
         await self._call(remove_schedule_call(sandbox_id, schedule_id))

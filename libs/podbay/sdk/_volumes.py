@@ -79,22 +79,22 @@ class Volumes:
 
     def create(self, name: str, size: int | str) -> VolumeInfo:
         """Create volume ``name`` of ``size`` (bytes, or ``"10GiB"``)."""
-        return self._call(create_volume_call(name, size))  # type: ignore[no-any-return]
+        return self._call(create_volume_call(name, size))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def list(self) -> builtins.list[VolumeInfo]:
-        return self._call(list_volumes_call())  # type: ignore[no-any-return]
+        return self._call(list_volumes_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def get(self, name: str) -> VolumeInfo:
-        return self._call(get_volume_call(name))  # type: ignore[no-any-return]
+        return self._call(get_volume_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def snapshots(self, name: str) -> builtins.list[VolumeSnapshotInfo]:
         """The volume's own snapshots promoted to object storage, newest first."""
-        return self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
+        return self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def restore(self, name: str, snapshot_id: str) -> VolumeInfo:
         """Put the volume back to its snapshot ``snapshot_id`` (from :meth:`snapshots`), refused while a
         sandbox has it attached; the next sandbox that mounts it sees that snapshot's data."""
-        return self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]
+        return self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     def delete(self, name: str) -> None:
         """Delete the volume and its data (refused while a sandbox has it attached)."""
@@ -108,19 +108,19 @@ class AsyncVolumes:
         self._call = call
 
     async def create(self, name: str, size: int | str) -> VolumeInfo:
-        return await self._call(create_volume_call(name, size))  # type: ignore[no-any-return]
+        return await self._call(create_volume_call(name, size))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def list(self) -> builtins.list[VolumeInfo]:
-        return await self._call(list_volumes_call())  # type: ignore[no-any-return]
+        return await self._call(list_volumes_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def get(self, name: str) -> VolumeInfo:
-        return await self._call(get_volume_call(name))  # type: ignore[no-any-return]
+        return await self._call(get_volume_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def snapshots(self, name: str) -> builtins.list[VolumeSnapshotInfo]:
-        return await self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]
+        return await self._call(volume_snapshots_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def restore(self, name: str, snapshot_id: str) -> VolumeInfo:
-        return await self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]
+        return await self._call(restore_volume_call(name, snapshot_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
 
     async def delete(self, name: str) -> None:
         await self._call(delete_volume_call(name))

@@ -436,7 +436,7 @@ class TemplateBuilder:
         return name in self._running
 
     @contextlib.contextmanager
-    def claim(self, name: str):  # type: ignore[no-untyped-def]
+    def claim(self, name: str):  # type: ignore[no-untyped-def]  # a contextmanager generator; its Iterator type adds nothing here
         """Hold ``name`` for one build; ``Conflict`` when a build of it runs here, or it is built in."""
         if name in BUILTIN:
             raise Conflict(f"template {name!r} is built in and cannot be rebuilt through the API",

@@ -87,7 +87,7 @@ async def resolve_snapshot(ctx: ApiContext, who: Principal, template_id: str) ->
     ref = template_id.split(":", 1)[0]
     if is_snapshot_id(ref):
         return ref
-    return await ctx.pool.fetchval(  # type: ignore[no-any-return]
+    return await ctx.pool.fetchval(  # type: ignore[no-any-return]  # asyncpg is untyped: fetchval returns Any
         "SELECT snapshot_id FROM e2b_snapshot_names WHERE tenant_id=$1 AND name=$2", who.tenant_id, ref)
 
 

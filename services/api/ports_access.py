@@ -101,7 +101,9 @@ def e2b_traffic_token(secret: str, sandbox_id: str) -> str:
 
 def token_ok(given: str | None, expected: str) -> bool:
     """Constant-time comparison; an absent token is never good."""
-    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())  # type: ignore[union-attr]
+    if not given:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 def port_url(sandbox_id: str, port: int, *, scheme: str, domain: str, api_host: str) -> tuple[str, str]:

@@ -50,7 +50,7 @@ def snapshot_info(row: asyncpg.Record, operation_id: str | None = None) -> Snaps
 
 async def latest_ready(conn: asyncpg.Connection, sandbox_id: str) -> str | None:
     """The sandbox's newest ready snapshot's id (the parent of the next one), or None."""
-    return await conn.fetchval(  # type: ignore[no-any-return]
+    return await conn.fetchval(  # type: ignore[no-any-return]  # asyncpg is untyped: fetchval returns Any
         "SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready' ORDER BY created_at DESC LIMIT 1", sandbox_id)
 
 

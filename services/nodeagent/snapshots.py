@@ -36,7 +36,7 @@ from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 if TYPE_CHECKING:
-    from .vmhost import VmHost
+    from .vmhost import RunningVm, VmHost
 
 __all__ = ["SnapshotOps"]
 
@@ -182,11 +182,10 @@ class SnapshotOps:
                 parent, row["generation"])
             return await self.take(sandbox_id, row["generation"], snap_id, kind)
 
-    async def _disk_snapshot(self, vm: object, dest: Path, *, frozen: bool) -> float:
+    async def _disk_snapshot(self, vm: RunningVm, dest: Path, *, frozen: bool) -> float:
         from .vmm import reflink_or_copy
 
-        handle = vm.handle  # type: ignore[attr-defined]
-        channel = vm.channel  # type: ignore[attr-defined]
+        handle, channel = vm.handle, vm.channel
         t = time.perf_counter()
         if frozen and channel is not None:
             await channel.freeze(["/"], timeout_s=10.0)

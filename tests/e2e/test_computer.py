@@ -146,33 +146,22 @@ def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> N
     assert png.endswith(b"IEND\xaeB`\x82")  # whole: the last chunk is there
 
 
-def test_playwright_connects_over_cdp_and_reads_the_title(stack: Any, sandbox: str, site: str) -> None:
+def test_playwright_reads_the_title_and_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
+    # One test, one navigation: a page load under TCG costs tens of seconds, and the input checks need the
+    # page that Playwright has just loaded anyway.
     from playwright.sync_api import sync_playwright
 
     with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
         ep = c.cdp(sandbox)
-    assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
-    with sync_playwright() as p:
-        browser = p.chromium.connect_over_cdp(ep.url, timeout=120_000)
-        try:
-            page = browser.contexts[0].pages[0] if browser.contexts[0].pages else browser.contexts[0].new_page()
-            page.set_default_timeout(120_000)  # a bound, not a timing assertion: Chromium runs under TCG
-            page.goto(site)
-            assert page.title() == "podbay computer e2e"
-        finally:
-            browser.close()  # over CDP: disconnects, the sandbox's browser keeps running
-
-
-def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
-    from playwright.sync_api import sync_playwright
-
-    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
+        assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
         with sync_playwright() as p:
-            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
+            browser = p.chromium.connect_over_cdp(ep.url, timeout=120_000)
             try:
-                page = browser.contexts[0].pages[0]
-                page.set_default_timeout(120_000)
+                page = browser.contexts[0].pages[0] if browser.contexts[0].pages else browser.contexts[0].new_page()
+                page.set_default_timeout(120_000)  # a bound, not a timing assertion: Chromium runs under TCG
                 page.goto(site)
+                assert page.title() == "podbay computer e2e"
+
                 assert c.mouse(sandbox, "click", 100, 20).events == 3  # move, press, release: focus the input
                 assert c.keyboard(sandbox, text="hello").events == 1
                 c.keyboard(sandbox, keys=["Shift+a", "Enter"])
@@ -181,7 +170,7 @@ def test_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) 
                 assert page.input_value("#q") == "helloA"
                 assert page.text_content("#keys") == "Shift,A,Enter,"
             finally:
-                browser.close()
+                browser.close()  # over CDP: disconnects, the sandbox's browser keeps running
 
 
 def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:

@@ -75,11 +75,14 @@ CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 
 
 class NewSandbox(_Body):
-    """E2B's ``NewSandbox`` / ``NewSandboxV2`` (fields podbay does not use are accepted and ignored)."""
+    """E2B's ``NewSandbox`` / ``NewSandboxV2`` (``secure`` is accepted and ignored: podbay always secures envd
+    with the access token; ``mcp`` and ``iam`` are refused unless empty)."""
 
     template_id: str = Field(alias="templateID", min_length=1, max_length=128)
     timeout: int | None = Field(None, ge=0, le=30 * 86400, description="Seconds until the lease runs out.")
     auto_pause: bool = Field(False, alias="autoPause")
+    # false: the pause at the timeout drops memory (SDK ``on_timeout={"action": "pause", "mode": "filesystem"}``).
+    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
     auto_resume: dict[str, Any] | None = Field(None, alias="autoResume", description="{\"enabled\": bool}")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars", max_length=256)
@@ -90,6 +93,34 @@ class NewSandbox(_Body):
     allow_internet_access: bool | None = None
     # [{"name", "path"}]: podbay volumes mounted read-write (e2b_volumes.py); the sandbox goes to their node.
     volume_mounts: list[VolumeMountBody] | None = Field(None, alias="volumeMounts", max_length=16)
+    # podbay has no MCP gateway and no workload identity: a value other than an empty one is refused
+    # (_refuse_unsupported), so that no program believes it has them.
+    mcp: Any = None
+    iam: Any = None
+
+
+def _empty(value: Any) -> bool:
+    """None, or a list or mapping holding nothing but empty values (``{}``, ``{"tokens": {}}``)."""
+    if value is None:
+        return True
+    if isinstance(value, dict):
+        return all(_empty(v) for v in value.values())
+    if isinstance(value, list):
+        return not value
+    return False
+
+
+def _refuse_unsupported(body: NewSandbox) -> None:
+    """400 for create fields podbay cannot honour (E2B's error shape, through the route class): ``mcp`` (E2B's
+    MCP gateway) and ``iam`` (workload identity tokens) unless empty; ``autoResume`` with a filesystem-only
+    auto-pause, which E2B refuses too (traffic cannot cold-boot a sandbox)."""
+    if not _empty(body.mcp):
+        raise InvalidRequest("mcp is not supported: podbay runs no MCP gateway in the sandbox")
+    if not _empty(body.iam):
+        raise InvalidRequest("iam is not supported: podbay issues no workload identity tokens")
+    if body.auto_pause and body.auto_pause_memory is False and body.auto_resume and body.auto_resume.get("enabled"):
+        raise InvalidRequest("autoResume cannot be combined with autoPauseMemory: false (a filesystem-only "
+                             "auto-pause is resumed by connect only)")
 
 
 class TimeoutBody(_Body):
@@ -119,6 +150,7 @@ def _listed(row: Any) -> dict[str, Any]:
 
 
 async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResponse:
+    _refuse_unsupported(body)
     if await resolve_snapshot(ctx, who, body.template_id):  # Sandbox.create(snapshot id or name)
         return await create_from_snapshot(body.template_id, body.timeout, ctx, who)
     try:
@@ -132,9 +164,12 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
         raise InvalidRequest(f"{where}: {first.get('msg', 'invalid')}") from exc
     info, _ = await sandbox_service.create(ctx, who, req, wait=True)
     auto_resume = bool(body.auto_pause and body.auto_resume and body.auto_resume.get("enabled"))
-    if body.env_vars or auto_resume:
-        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume) VALUES ($1, $2, $3)",
-                               info.id, body.env_vars or {}, auto_resume)
+    # Read by the node when the lease runs out: a disk snapshot first, then the pause, and the next connect
+    # boots afresh from it (services/nodeagent/snapshots.py filesystem_pause_point).
+    fs_pause = body.auto_pause and body.auto_pause_memory is False
+    if body.env_vars or auto_resume or fs_pause:
+        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem)"
+                               " VALUES ($1, $2, $3, $4)", info.id, body.env_vars or {}, auto_resume, fs_pause)
     if body.timeout is not None and body.timeout < 10:
         await _exact_lease(ctx, who, info.id, body.timeout)
     out = _sandbox(ctx, info.id, info.template)

@@ -96,8 +96,9 @@ async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> No
     does)."""
     await copy_lease_action(ctx.pool, parent, children)
     await ctx.pool.execute(
-        "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume)"
-        " SELECT c, e.env_vars, e.auto_resume FROM e2b_sandboxes e, unnest($2::text[]) AS c WHERE e.sandbox_id=$1"
+        "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem)"
+        " SELECT c, e.env_vars, e.auto_resume, e.auto_pause_filesystem FROM e2b_sandboxes e, unnest($2::text[]) AS c"
+        " WHERE e.sandbox_id=$1"
         " ON CONFLICT DO NOTHING", parent, children)
 
 

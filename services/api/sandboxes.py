@@ -72,7 +72,8 @@ async def create_sandbox(
     and a resume), else by restoring the template's snapshot on a node with room.
 
     With ``Idempotency-Key`` the key is recorded with the sandbox in one transaction, so a retry after a lost
-    answer (the API restarted mid-request, a broken connection) returns the same sandbox (docs/api.md, Retries).
+    answer (the API restarted mid-request, a broken connection) returns the same sandbox (README, "Retries:
+    creates are idempotent").
 
     Errors: 404 ``not_found`` (unknown template or volume), 400 ``invalid_request`` (resources the template's
     snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volume_service.py),

@@ -437,6 +437,8 @@ class SandboxManager:
         if action == "delete":
             await self.delete(DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id, generation=row["generation"]))
         else:
+            if reason == "lease expired":  # E2B's filesystem-only auto-pause: its disk snapshot first
+                await self.snapshots.filesystem_pause_point(sandbox_id)
             await self._pause_resume(SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
                                                   generation=row["generation"]), pause=True, reason=reason)
 

@@ -162,12 +162,13 @@ class SnapshotOps:
             log.info("retention reclaimed %d snapshot(s) of %s", len(drop), sandbox_id)
         return drop
 
-    async def take_scheduled(self, sandbox_id: str, kind: str) -> str | None:
-        """Take a cadence snapshot (no API call behind it): insert its row, then take it under the lock."""
+    async def take_scheduled(self, sandbox_id: str, kind: str, *, snapshot_id: str | None = None) -> str | None:
+        """Take a cadence snapshot (no API call behind it): insert its row (``snapshot_id``, or a new id), then
+        take it under the lock. Returns None, or why it was not taken."""
         from podbay.outbox import new_id
 
         m = self.m
-        snap_id = new_id("snap")
+        snap_id = snapshot_id or new_id("snap")
         async with m.lock(sandbox_id):
             row = await m.pool.fetchrow("SELECT tenant_id, generation, state FROM sandboxes WHERE id=$1 AND node_id=$2",
                                         sandbox_id, m.node_id)
@@ -181,6 +182,28 @@ class SnapshotOps:
                 " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, row["tenant_id"], sandbox_id, m.node_id, kind,
                 parent, row["generation"])
             return await self.take(sandbox_id, row["generation"], snap_id, kind)
+
+    async def filesystem_pause_point(self, sandbox_id: str) -> None:
+        """Before the pause of a sandbox whose lease ran out: for E2B's filesystem-only auto-pause (create with
+        ``autoPauseMemory: false``, kept in ``e2b_sandboxes.auto_pause_filesystem``), take a disk snapshot of
+        the running guest (frozen, so its last writes are in it) and record it as ``cold_resume_snapshot``:
+        the next connect boots the sandbox afresh from it (services/api/e2b.py), memory and processes dropped,
+        as after an explicit ``pause(mode="filesystem")``. Nothing for other sandboxes. A snapshot that fails
+        is logged and the pause keeps memory (a connect then resumes it)."""
+        from podbay.outbox import new_id
+
+        m = self.m
+        if not await m.pool.fetchval("SELECT auto_pause_filesystem FROM e2b_sandboxes WHERE sandbox_id=$1",
+                                     sandbox_id):
+            return
+        snap_id = new_id("snap")
+        error = await self.take_scheduled(sandbox_id, "disk", snapshot_id=snap_id)
+        if error:
+            log.warning("filesystem-only auto-pause of %s: disk snapshot failed (%s); pausing with memory",
+                        sandbox_id, error)
+            return
+        await m.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot=$2 WHERE sandbox_id=$1",
+                             sandbox_id, snap_id)
 
     async def _disk_snapshot(self, vm: RunningVm, dest: Path, *, frozen: bool) -> float:
         from .vmm import reflink_or_copy

@@ -501,8 +501,10 @@ def test_file_metadata(sbx: Any) -> None:
     assert listed["meta.txt"] == {"team": "blue", "k": "v"}
 
 
-def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[str, str]) -> None:
-    sb = e2b.Sandbox.create(template="base", timeout=600)
+def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[str, str], stack: Any) -> None:
+    # Created with a filesystem-only auto-pause (autoPauseMemory: false), used at the end.
+    sb = e2b.Sandbox.create(template="base", timeout=600,
+                            lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
     try:
         sb.files.write("/home/user/disk.txt", "on disk")
         bg = sb.commands.run("sleep 600", background=True)
@@ -519,8 +521,31 @@ def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[s
         rebooted = e2b.Sandbox.connect(sb.sandbox_id, on_resume="reboot")
         assert rebooted.files.read("/home/user/disk.txt") == "written before the reboot"
         assert not [p for p in rebooted.commands.list() if "sleep 601" in p.args]
+        # The timeout fires: the node takes a disk snapshot of the running guest and pauses it, and records
+        # that snapshot as the one the next connect boots afresh from, as pause(mode="filesystem") above did
+        # (whose connect showed the files kept and the processes gone). No connect here: one boot fewer.
+        rebooted.files.write("/home/user/disk.txt", "written before the timeout")
+        rebooted.set_timeout(2)
+        deadline = time.monotonic() + 120
+        while e2b.Sandbox.get_info(sb.sandbox_id).state != e2b.SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(1)
+        marker = asyncio.run(_cold_resume_snapshot(stack, sb.sandbox_id))
+        assert marker is not None and marker["kind"] == "disk" and marker["state"] == "ready", marker
     finally:
         sb.kill()
+
+
+async def _cold_resume_snapshot(stack: Any, sandbox_id: str) -> dict[str, Any] | None:
+    import asyncpg
+
+    conn = await asyncpg.connect(stack.pg_dsn)
+    try:
+        row = await conn.fetchrow("SELECT s.kind, s.state FROM e2b_sandboxes e JOIN snapshots s"
+                                  " ON s.id = e.cold_resume_snapshot WHERE e.sandbox_id=$1", sandbox_id)
+        return dict(row) if row is not None else None
+    finally:
+        await conn.close()
 
 
 def test_sandbox_from_a_filesystem_only_snapshot_boots_afresh_with_its_files(sbx: Any) -> None:

@@ -99,8 +99,10 @@ class Settings(BaseSettings):
     ports_domain: str = Field("localhost", description="Guest ports answer at {port}-{sandbox}.DOMAIN on the API "
                               "(the sandbox id spelled with '-' for '_'); `localhost` resolves to loopback with "
                               "no DNS set-up. The path form /ports/{port}-{sandbox}/ needs no wildcard DNS.")
-    ports_public_rate_per_s: float = Field(50.0, gt=0, description="Requests per second one public port takes "
-                                           "(per API process, burst of twice that); further ones get 429.")
+    ports_public_rate_per_s: float = Field(50.0, gt=0, description="Requests per second one public port takes, "
+                                           "counted across all API replicas in PostgreSQL (per second of its "
+                                           "clock; below 1, one request per 1/rate seconds); further ones get "
+                                           "429.")
     ports_wake: bool = Field(True, description="A request to a paused or suspended sandbox's port resumes it "
                              "(bounded by the resume timeouts); off: it answers 409 `invalid_state`.")
     # schedules (services/api/schedules/): run by the API process that holds the `schedules` lease

@@ -15,7 +15,8 @@ HMAC of its id with the internal token, so nothing is stored) in ``X-Podbay-Acce
 sandbox was created with ``network.allowPublicTraffic = false`` (:func:`e2b_traffic_token`), open otherwise.
 A token is bound to one sandbox id, so one tenant's token never opens another tenant's sandbox.
 
-Public ports are rate-limited per API process (:class:`RateLimiter`). Metrics per sandbox and port:
+Public ports are rate-limited across API replicas (:mod:`podbay.ratelimit`, used by the edge). Metrics per
+sandbox and port:
 :data:`PORT_REQUESTS`, :data:`PORT_BYTES`, :data:`PORT_OPEN`.
 """
 
@@ -26,12 +27,11 @@ import hmac
 import html
 import json
 import re
-import time
 
 from prometheus_client import Counter, Gauge
 
 __all__ = ["e2b_closed_port", "host_label", "sandbox_from_label", "parse_host", "parse_path", "traffic_token", "e2b_traffic_token",
-           "token_ok", "RateLimiter", "COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PATH_PREFIX", "E2B_TOKEN_HEADER",
+           "token_ok", "COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PATH_PREFIX", "E2B_TOKEN_HEADER",
            "PORT_REQUESTS", "PORT_BYTES", "PORT_OPEN", "port_url"]
 
 TOKEN_HEADER = "x-podbay-access-token"
@@ -115,30 +115,6 @@ def port_url(sandbox_id: str, port: int, *, scheme: str, domain: str, api_host: 
     suffix = f":{api_port}" if api_port else ""
     label = f"{port}-{host_label(sandbox_id)}"
     return f"{scheme}://{label}.{domain}{suffix}/", f"{scheme}://{api_host}{PATH_PREFIX}{label}/"
-
-
-class RateLimiter:
-    """A token bucket per key: ``rate`` per second, bursts of ``2 * rate``. In-process (each API replica
-    counts its own). Keys idle for a minute are dropped, so the table stays small."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.burst = max(1.0, 2 * rate)
-        self._buckets: dict[object, tuple[float, float]] = {}
-        self._swept = time.monotonic()
-
-    def allow(self, key: object) -> bool:
-        now = time.monotonic()
-        if now - self._swept > 60:
-            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 60}
-            self._swept = now
-        tokens, last = self._buckets.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        if tokens < 1:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1, now)
-        return True
 
 
 #: E2B's proxy tells a browser from a program by these words in its User-Agent.

@@ -7,7 +7,8 @@ request passes to the app untouched:
 1. ``?podbay_token=`` on a GET: a good token is exchanged for an HttpOnly cookie and a redirect to the same
    address without it (so a link opens in a browser); a bad one is 403.
 2. The sandbox's row, its node and the port's setting, in one query. No such sandbox: 404.
-3. Access (:mod:`.ports_access`): a public port passes its rate limit (429 past it); a private one needs the
+3. Access (:mod:`.ports_access`): a public port passes its rate limit, shared by every API replica through
+   PostgreSQL (:class:`podbay.ratelimit.SharedRateLimiter`; 429 past it); a private one needs the
    traffic token, the cookie, or an API key of the sandbox's tenant (401 without a credential, 403 with a
    wrong one). Credentials are removed before the request goes on: the guest never sees them.
 4. State: a paused or suspended sandbox is resumed through the same path as ``?auto_resume=true`` data-plane
@@ -41,6 +42,7 @@ from podbay.asgiproxy import ERROR_HEADER, HOP_BY_HOP, deny, relay_response, rel
 from podbay.config import Settings
 from podbay.errors import PodbayError, Unauthorized
 from podbay.lifecycle import renew_lease
+from podbay.ratelimit import SharedRateLimiter
 
 from . import ports_access as pa
 from .auth import Principal, authenticate
@@ -109,7 +111,7 @@ class PortsEdge:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
-        self.limiter = pa.RateLimiter(settings.ports_public_rate_per_s)
+        self._limiter: SharedRateLimiter | None = None
         self._renewed: dict[str, float] = {}
         self._nodes: httpx.AsyncClient | None = None
 
@@ -224,7 +226,9 @@ class PortsEdge:
                          query_token: str | None) -> tuple[str, bool]:
         """``(access label, whether an API key was the credential)``; raises :class:`_Stop` (401/403/429)."""
         if row["public"] or (route.mode == "e2b" and row["e2b_public"]):
-            if not self.limiter.allow((route.sandbox_id, route.port)):
+            if self._limiter is None:  # made on first use: the pool exists once the app has started
+                self._limiter = SharedRateLimiter.per_second(ctx.pool, self.settings.ports_public_rate_per_s)
+            if not await self._limiter.allow(f"port:{route.sandbox_id}:{route.port}"):
                 raise _Stop(429, "rate_limited", f"port {route.port} of sandbox {route.sandbox_id} takes at most "
                             f"{self.settings.ports_public_rate_per_s:g} requests per second",
                             [(b"retry-after", b"1")])

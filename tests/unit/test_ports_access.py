@@ -59,12 +59,6 @@ def test_urls_for_the_api_as_reached() -> None:
     assert url == "https://443-sbx-a1.p.example.com/"
 
 
-def test_the_rate_limiter_allows_a_burst_then_refuses() -> None:
-    lim = pa.RateLimiter(1.0)
-    assert [lim.allow("k") for _ in range(3)] == [True, True, False]
-    assert lim.allow("other")
-
-
 def test_listening_sockets_are_parsed_from_proc_net_tcp() -> None:
     tcp = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
            "   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1\n"

@@ -584,7 +584,7 @@ class FakeNet:
 
     def __init__(self) -> None:
         self.bindings: dict[str, NetBinding] = {}
-        self.fds: list[int] = []
+        self.fds: list[tuple[int, int, int]] = []  # (fd, device, inode) of each tap handed out
         self.released: list[str] = []
 
     def prepare(self, sandbox_id: str, generation: int) -> tuple[NetBinding, int]:
@@ -593,7 +593,8 @@ class FakeNet:
                              ca_cert_pem="CERT")
         self.bindings[sandbox_id] = binding
         fd = os.open(os.devnull, os.O_RDONLY)
-        self.fds.append(fd)
+        st = os.fstat(fd)
+        self.fds.append((fd, st.st_dev, st.st_ino))
         return binding, fd
 
     def binding(self, sandbox_id: str) -> NetBinding | None:
@@ -608,14 +609,15 @@ class FakeNet:
         self.released.append(sandbox_id)
 
     def open_fds(self) -> list[int]:
-        """The tap descriptors handed out and not closed."""
+        """The tap descriptors handed out and not closed (a number reused since for another file is closed)."""
         out = []
-        for fd in self.fds:
+        for fd, dev, ino in self.fds:
             try:
-                os.fstat(fd)
+                st = os.fstat(fd)
             except OSError:
                 continue
-            out.append(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                out.append(fd)
         return out
 
 

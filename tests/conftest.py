@@ -36,7 +36,7 @@ from podbay.config import Settings
 from podbay.devstack.procs import free_port, run_sync
 from podbay.devstack.servers import S3Endpoint, probe_s3, start_nats, start_postgres, start_s3
 from podbay.devstack.openbao import probe_openbao, start_openbao
-from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.devstack.stack import THROWAWAY_SERVER_GRACE_S, External, Stack, StackPorts, kill_strays
 
 _TESTS = Path(__file__).parent
 
@@ -124,7 +124,7 @@ def s3(test_root: Path) -> Iterator[S3Endpoint]:
     try:
         yield server.endpoint()
     finally:
-        server.stop()
+        server.stop(THROWAWAY_SERVER_GRACE_S)  # its data goes with the session; weed's drain would cost 10 s
 
 
 @pytest.fixture(scope="session")

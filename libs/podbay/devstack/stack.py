@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,6 +411,10 @@ def guest_ca_for(data_dir: Path, env: dict[str, str]) -> Path | None:
     return path
 
 
+#: Seconds a server of a stack that is not durable (tests) gets to stop after its signal before SIGKILL.
+THROWAWAY_SERVER_GRACE_S = 2.0
+
+
 @dataclass
 class Stack(NodeOps):
     """Servers and services of one stack. Start with :meth:`start`, stop with :meth:`stop` (reverse order).
@@ -696,14 +701,28 @@ class Stack(NodeOps):
     def stop(self, grace_s: float = 10.0, *, purge: bool = False) -> None:
         """Stop services in reverse start order, then the servers; idempotent. Sandbox VMs keep running (the
         node agent leaves them on SIGTERM and re-attaches on its next start). With ``purge``, this data dir's
-        VMs are killed too (:func:`kill_strays`) and its node stores unmounted (:func:`unmount_node_stores`)."""
-        for svc in reversed(list(self.services.values())):
-            svc.stop(grace_s)
+        VMs are killed too (:func:`kill_strays`) and its node stores unmounted (:func:`unmount_node_stores`).
+        Each process gets ``grace_s`` seconds after SIGTERM before SIGKILL. A stack that is not ``durable``
+        gives its servers at most :data:`THROWAWAY_SERVER_GRACE_S`, and with ``purge`` stops its services all
+        at once."""
+        services = list(reversed(list(self.services.values())))
+        if purge and not self.durable:
+            # A throwaway stack (tests): its services stop at once, not one after the other (each takes 1 to
+            # 3 s to shut down, about 10 s in a row); whatever they leave behind is purged below.
+            with ThreadPoolExecutor(max(1, len(services))) as pool:
+                list(pool.map(lambda svc: svc.stop(grace_s), services))
+        else:
+            for svc in services:
+                svc.stop(grace_s)
         if purge:
             kill_strays(self.data_dir)
             unmount_node_stores(self.data_dir)
+        # A stack that need not survive a crash (``durable=False``: test stacks) gives its servers a short grace:
+        # weed mini waits up to 10 s for its S3 listener to drain connections before it exits, and such a
+        # stack keeps nothing that needs it (10 s of every test stack's teardown).
+        server_grace_s = grace_s if self.durable else min(grace_s, THROWAWAY_SERVER_GRACE_S)
         for server in reversed(list(self.servers.values())):
-            server.stop(grace_s)
+            server.stop(server_grace_s)
         if purge:
             purge_networks(self.data_dir)
             self.network = None

@@ -343,8 +343,8 @@ async def apply(
 BIRTH_STATES: Final = frozenset({S.PENDING, S.STARTING, S.SUSPENDED})
 #: Columns a caller gives a new row; state, desired_state, hostname and lease_expires_at are this module's.
 _INSERTABLE: Final = frozenset({
-    "id", "tenant_id", "template", "template_digest", "node_id", "generation", "memory_mib", "vcpus", "metadata",
-    "lease_s", "lease_action", "event_seq", "egress_policy", "guest_env", "parent_sandbox_id",
+    "id", "tenant_id", "template", "template_digest", "node_id", "generation", "memory_mib", "vcpus", "disk_mib",
+    "metadata", "lease_s", "lease_action", "event_seq", "egress_policy", "guest_env", "parent_sandbox_id",
     "source_snapshot_id", "suspended_snapshot_id",
 })
 

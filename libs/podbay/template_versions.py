@@ -47,13 +47,16 @@ async def tag_build(conn: asyncpg.Connection, name: str, tag: str, digest: str, 
 
 async def resolve(conn: asyncpg.Connection | asyncpg.Pool, name: str, tag: str | None) -> asyncpg.Record | None:
     """The build a create of ``name`` (``tag`` None: its current build) or ``name:tag`` uses: a record of
-    ``name``, ``digest``, ``memory_mib``, ``vcpus``; None when the template does not exist (or was removed).
-    Raises :class:`TagNotFound` when the template exists but has no tag ``tag``."""
+    ``name``, ``digest``, ``memory_mib``, ``vcpus``, ``size_bytes`` (its disk's size; None when not known: a
+    tagged build other than the current one, or a row from before sizes were recorded); None when the
+    template does not exist (or was removed). Raises :class:`TagNotFound` when the template exists but has
+    no tag ``tag``."""
     if tag is None:
-        return await conn.fetchrow("SELECT name, digest, memory_mib, vcpus FROM templates"
+        return await conn.fetchrow("SELECT name, digest, memory_mib, vcpus, size_bytes FROM templates"
                                    " WHERE name=$1 AND deleted_at IS NULL", name)
     row = await conn.fetchrow(
-        "SELECT t.name, g.digest, g.memory_mib, g.vcpus, g.tag IS NOT NULL AS tagged FROM templates t"
+        "SELECT t.name, g.digest, g.memory_mib, g.vcpus, g.tag IS NOT NULL AS tagged,"
+        " CASE WHEN g.digest = t.digest THEN t.size_bytes END AS size_bytes FROM templates t"
         " LEFT JOIN template_tags g ON g.name = t.name AND g.tag = $2 WHERE t.name=$1 AND t.deleted_at IS NULL",
         name, tag)
     if row is None:

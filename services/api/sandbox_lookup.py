@@ -30,8 +30,8 @@ __all__ = ["SANDBOX_COLS", "GUEST_ENV_SQL", "sandbox_info", "load_sandbox", "aud
 
 #: The columns :func:`sandbox_info` reads.
 SANDBOX_COLS = (
-    "id, tenant_id, template, state, desired_state, node_id, generation, memory_mib, vcpus, hostname, "
-    "failure_reason, metadata, created_at, updated_at, lease_s, lease_expires_at, lease_action"
+    "id, tenant_id, template, state, desired_state, node_id, generation, memory_mib, vcpus, disk_mib, "
+    "hostname, failure_reason, metadata, created_at, updated_at, lease_s, lease_expires_at, lease_action"
 )
 
 #: SQL expression (``str.format`` with ``tenant``, ``sandbox`` and ``template`` as SQL expressions) giving the
@@ -58,6 +58,7 @@ def sandbox_info(row: asyncpg.Record | dict[str, Any], operation_id: str | None 
         generation=row["generation"],
         memory_mib=row["memory_mib"],
         vcpus=row["vcpus"],
+        disk_mib=row.get("disk_mib"),
         hostname=row["hostname"],
         failure_reason=row["failure_reason"],
         metadata=row["metadata"] or {},

@@ -43,6 +43,7 @@ from podbay.errors import (
     SnapshotCorrupt,
     SuspendFailed,
     Unavailable,
+    Unprocessable,
 )
 from podbay.faults import fault_point
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
@@ -60,7 +61,29 @@ from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, finish, load_
 from .volume_service import attach_volumes
 from .warm import warm_create
 
-__all__ = ["create", "delete", "pause", "resume", "resume_suspended", "suspend", "auto_resume"]
+__all__ = ["create", "delete", "pause", "resume", "resume_suspended", "suspend", "auto_resume", "InvalidDiskSize",
+           "check_disk_mib"]
+
+_MIB = 1 << 20
+
+
+class InvalidDiskSize(Unprocessable):
+    """A create's ``disk_mib`` is below its template's disk or above ``SANDBOX_MAX_DISK_MIB``
+    (``details``: ``disk_mib``, ``template_disk_mib`` or ``max_disk_mib``)."""
+
+    code = "invalid_disk_size"
+
+
+def check_disk_mib(disk_mib: int, template_size_bytes: int | None, max_mib: int) -> None:
+    """Raise :class:`InvalidDiskSize` unless ``disk_mib`` (MiB) is at least the template's disk
+    (``template_size_bytes``, bytes; None: not known here, the node checks) and at most ``max_mib``."""
+    if disk_mib > max_mib:
+        raise InvalidDiskSize(f"disk_mib {disk_mib} is over this server's limit of {max_mib} MiB",
+                              details={"disk_mib": disk_mib, "max_disk_mib": max_mib})
+    if template_size_bytes is not None and disk_mib * _MIB < template_size_bytes:
+        have = -(-template_size_bytes // _MIB)
+        raise InvalidDiskSize(f"disk_mib {disk_mib} is smaller than the template's disk ({have} MiB); a disk "
+                              "can only be made larger", details={"disk_mib": disk_mib, "template_disk_mib": have})
 
 
 async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: bool,
@@ -76,7 +99,8 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     ``body.template`` is a template's name (its current build) or ``name:tag`` (the build the tag names; the
     sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume), ``TagNotFound``
     (the template has no such tag), ``InvalidRequest`` (resources the template's snapshot
-    cannot restore with), the volume errors of services/api/volume_service.py, ``NoCapacity`` (no node had room
+    cannot restore with), ``InvalidDiskSize`` (``disk_mib`` below the template's disk or over the limit), the
+    volume errors of services/api/volume_service.py, ``NoCapacity`` (no node had room
     within the scheduler's retry window; the sandbox is ``failed``), ``SandboxFailed`` (with the reason),
     ``Unavailable``. Without ``wait`` the same outcomes show on the operation (``error.code``) and the
     sandbox (``failed``, ``failure_reason``).
@@ -86,7 +110,11 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     # A warm claim looks the template up in its own statement; the checks below answer when it cannot. A warm
     # slot was restored without volumes and its node may not hold them: a create with volumes restores. Warm
     # slots hold a template's current build, so a create of name:tag (a build a tag names) restores.
-    if wait and not body.volumes and tag is None and (warm := await warm_create(ctx, who, body, t0, idem)) is not None:
+    # A warm slot's disk is the template's: a create asking for a larger one restores and grows it there.
+    if body.disk_mib is not None:
+        check_disk_mib(body.disk_mib, None, ctx.settings.sandbox_max_disk_mib)
+    if wait and not body.volumes and tag is None and body.disk_mib is None and (
+            warm := await warm_create(ctx, who, body, t0, idem)) is not None:
         return warm, True
     # The warm claim checked the key in its own statement; the restore path asks here, one more query.
     if idem is not None and (prior := await idempotency.lookup(ctx.pool, who.tenant_id, idem.key,
@@ -105,6 +133,8 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
             f"template {body.template!r} is snapshotted with {tpl['vcpus']} vCPUs; vcpus must match",
             details={"template_vcpus": tpl["vcpus"]},
         )
+    if body.disk_mib is not None:
+        check_disk_mib(body.disk_mib, tpl["size_bytes"], ctx.settings.sandbox_max_disk_mib)
     sandbox_id = new_id("sbx")
     bind_log_context(sandbox_id=sandbox_id)
     op_id = new_id("op")
@@ -116,7 +146,8 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
         await lifecycle.insert(
             conn, SandboxState.PENDING,
             {"id": sandbox_id, "tenant_id": who.tenant_id, "template": tpl["name"], "template_digest": tpl["digest"],
-             "memory_mib": tpl["memory_mib"], "vcpus": tpl["vcpus"], "metadata": body.metadata,
+             "memory_mib": tpl["memory_mib"], "vcpus": tpl["vcpus"], "disk_mib": body.disk_mib,
+             "metadata": body.metadata,
              "lease_s": body.lease_s or ctx.settings.lease_s,
              "lease_action": body.on_lease_expiry or ctx.settings.lease_action,
              "egress_policy": body.network.model_dump(mode="json") if body.network is not None else None},

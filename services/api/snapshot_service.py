@@ -160,6 +160,7 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
                  "vcpus": row["vcpus"], "metadata": row["metadata"] or {}, "parent_sandbox_id": sandbox_id,
                  "source_snapshot_id": snap_id},
                 exprs={"egress_policy": "(SELECT egress_policy FROM sandboxes WHERE id={parent_sandbox_id})",
+                       "disk_mib": "(SELECT disk_mib FROM sandboxes WHERE id={parent_sandbox_id})",
                        "guest_env": GUEST_ENV_SQL.format(tenant="{tenant_id}", sandbox="{id}", template="{template}")},
                 event=SandboxEvent("created", tenant_id=who.tenant_id,
                                    data={"parent": sandbox_id, "snapshot_id": snap_id, "operation_id": op_id}))

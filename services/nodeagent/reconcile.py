@@ -37,7 +37,7 @@ async def reconcile(mgr: SandboxManager) -> None:
     """
     rows = await mgr.pool.fetch(
         "SELECT s.id, s.state, s.generation, s.tenant_id, s.template, s.template_digest, s.hostname,"
-        " s.memory_mib, s.vcpus, s.source_snapshot_id, s.suspended_snapshot_id,"
+        " s.memory_mib, s.vcpus, s.disk_mib, s.source_snapshot_id, s.suspended_snapshot_id,"
         " (SELECT o.id FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1) AS op_id,"
         " (SELECT o.kind FROM operations o WHERE o.sandbox_id = s.id ORDER BY o.created_at DESC LIMIT 1)"
         " AS op_kind"
@@ -71,7 +71,8 @@ async def reconcile(mgr: SandboxManager) -> None:
                     await mgr._create_locked(CreateSandboxCmd(
                         operation_id=r["op_id"] or "", sandbox_id=sid, tenant_id=r["tenant_id"],
                         template=r["template"], template_digest=r["template_digest"],
-                        generation=r["generation"], resources=res, hostname=r["hostname"]))
+                        generation=r["generation"], resources=res, hostname=r["hostname"]),
+                        disk_mib=r["disk_mib"])
             if r["state"] in ("suspending", "resuming") and r["op_id"]:
                 # Finish now rather than when JetStream redelivers the command (both are idempotent).
                 mgr.suspend_ops.kick(r["state"], sid, r["op_id"], r["generation"], r["suspended_snapshot_id"])

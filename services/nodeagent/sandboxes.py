@@ -39,6 +39,7 @@ from podbay.outbox import Relay
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 from podbay.vmprocs import vm_processes
 
+from .diskgrow import grow_root
 from .network import SandboxNetwork
 from .snapshots import SnapshotOps
 from .store import NodeStore
@@ -168,30 +169,32 @@ class SandboxManager:
         """Restore the template snapshot as sandbox ``cmd.sandbox_id`` and mark it running."""
         async with self.lock(cmd.sandbox_id):
             row = await self.pool.fetchrow(
-                "SELECT state, generation, node_id FROM sandboxes WHERE id = $1", cmd.sandbox_id)
+                "SELECT state, generation, node_id, disk_mib FROM sandboxes WHERE id = $1", cmd.sandbox_id)
             if row is None or row["node_id"] != self.node_id or row["generation"] != cmd.generation:
                 log.info("create %s: stale or unknown (generation %s), skipping", cmd.sandbox_id, cmd.generation)
                 return
             if row["state"] != "starting":
                 log.info("create %s: already %s, nothing to do", cmd.sandbox_id, row["state"])
                 return
-            await self._create_locked(cmd)
+            await self._create_locked(cmd, disk_mib=row["disk_mib"])
 
-    async def _create_locked(self, cmd: CreateSandboxCmd) -> None:
+    async def _create_locked(self, cmd: CreateSandboxCmd, *, disk_mib: int | None = None) -> None:
         # ``bring_up`` resolves the build and fails the sandbox with the reason when it is missing.
         await self.bring_up(cmd.sandbox_id, cmd.generation, cmd.resources, cmd.hostname, cmd.tenant_id,
                             template=cmd.template, template_digest=cmd.template_digest, snapshot_dir=None,
-                            operation_id=cmd.operation_id, event="started", kind="create")
+                            operation_id=cmd.operation_id, event="started", kind="create",
+                            disk_bytes=disk_mib << 20 if disk_mib else None)
 
     async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
                        *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
                        event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
-                       from_state: str = "starting") -> bool:
+                       from_state: str = "starting", disk_bytes: int | None = None) -> bool:
         """Start the sandbox's VM from ``snapshot_dir`` (a full snapshot of its own; None: the template's) or,
         with ``boot_disk``, by a fresh boot on that disk, on the template build ``template_digest`` (see
         ``template``); run the after-restore hygiene; mark it running with ``event``. Called under the sandbox's
-        lock with the row in ``from_state`` at ``generation``. On failure the sandbox becomes ``failed`` with the
-        reason. Returns True when it runs."""
+        lock with the row in ``from_state`` at ``generation``. ``disk_bytes``: grow the root disk and its
+        filesystem to this size before the sandbox counts as running (diskgrow.py). On failure the sandbox
+        becomes ``failed`` with the reason. Returns True when it runs."""
         t0 = time.perf_counter()
         vm_dir = self.store.sandbox_dir(sandbox_id)
         handle: VmHandle | None = None
@@ -229,6 +232,9 @@ class SandboxManager:
                 log.warning("sandbox %s: guest CRNG not reseeded; /dev/urandom follows the snapshot until "
                             "the kernel's next reseed", sandbox_id)
             HOP_SECONDS.labels("nodeagent", "guest_hygiene").observe(time.perf_counter() - t)
+            if disk_bytes is not None and (grown := await grow_root(handle, channel, vm_dir / "disk.img",
+                                                                    disk_bytes)) is not None:
+                data = {**(data or {}), "disk_grow_ms": round(grown, 1)}  # in the started event
             (vm_dir / "meta.json").write_text(json.dumps(
                 {"sandbox_id": sandbox_id, "generation": generation,
                  "memory_mib": resources.memory_mib, "vcpus": resources.vcpus}))

@@ -88,6 +88,12 @@ class VmHandle:
         """Drop the QMP connection and leave QEMU running (a later ``attach`` picks it up)."""
         await self._vmm.detach(self.process)
 
+    async def resize_root(self, size: int) -> None:
+        """QMP ``block_resize`` of the root disk to ``size`` bytes: QEMU extends ``disk.img`` (sparse) and
+        raises the device's config-change interrupt, so the running guest reads the new capacity (as the
+        volume slots do after a restore, vmm.py). Raises ``VmOperationError`` when QEMU refuses (smaller)."""
+        await self._vmm.execute(self.process, "block_resize", {"device": "root", "size": size})
+
 
 class VmDriver:
     """Binds a :class:`vmm.Vmm` (``QemuVmm``; a fake in unit tests) to a node store; ``accel`` is the accelerator
@@ -165,9 +171,11 @@ class VmDriver:
             self.accel = img.snapshot.accel
             async with pool.acquire() as conn, conn.transaction():
                 await conn.execute(
-                    "INSERT INTO templates (name, digest, memory_mib, vcpus) VALUES ($1,$2,$3,$4)"
-                    " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, updated_at=now()",
-                    name, img.digest, img.snapshot.memory_mib, img.snapshot.vcpus)
+                    "INSERT INTO templates (name, digest, memory_mib, vcpus, size_bytes) VALUES ($1,$2,$3,$4,$5)"
+                    " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, size_bytes=$5,"
+                    " updated_at=now()",
+                    name, img.digest, img.snapshot.memory_mib, img.snapshot.vcpus,
+                    img.snapshot.disk.stat().st_size)
         return out
 
     async def load_built_templates(self, pool: asyncpg.Pool) -> dict[str, TemplateImage]:

@@ -29,6 +29,8 @@ def create(
                                  "NAME:TAG (the build the tag names)."),
     memory_mib: int | None = typer.Option(None, "--memory-mib", help="Guest RAM in MiB (default: the template's)."),
     vcpus: int | None = typer.Option(None, "--vcpus", help="Guest vCPUs (default: the template's)."),
+    disk_mib: int | None = typer.Option(None, "--disk-mib", help="Root disk in MiB, larger than the template's "
+                                        "(default: the template's); the filesystem grows to fill it."),
     metadata: list[str] = typer.Option([], "--metadata", "-m", help="KEY=VALUE label; repeatable."),
     volume: list[str] = typer.Option([], "--volume", "-v", help="NAME:/PATH[:ro] mounts volume NAME (podbay "
                                      "volume create) at PATH; repeatable, up to 4."),
@@ -36,8 +38,8 @@ def create(
 ) -> None:
     """Create a sandbox and print its id alone on stdout, so that ID=$(podbay sandbox create) works."""
     info = client(ctx).create_sandbox(
-        template, memory_mib=memory_mib, vcpus=vcpus, metadata=parse_pairs(metadata, "--metadata"), wait=not no_wait,
-        volumes=volume or None,
+        template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=parse_pairs(metadata, "--metadata"),
+        wait=not no_wait, volumes=volume or None,
     )
     print(info.id)
     if no_wait and info.operation_id:

@@ -70,6 +70,10 @@ class SandboxCreate(_In):
                           "or name:tag, e.g. 'web:v2' (the build the tag names).")
     memory_mib: int | None = Field(None, ge=128, le=16384, description="Must match the template's snapshot.")
     vcpus: int | None = Field(None, ge=1, le=16)
+    disk_mib: int | None = Field(
+        None, ge=1, description="Root disk size in MiB, at least the template's; the filesystem grows to fill it. "
+        "Absent: the template's. At most the server's SANDBOX_MAX_DISK_MIB (422 invalid_disk_size otherwise). "
+        "Not from a warm slot: such a create restores.")
     metadata: dict[MetadataKey, MetadataValue] = Field(
         default_factory=dict, max_length=64, description="Up to 64 labels: keys 1-128 characters, values up to 1,024.")
     lease_s: int | None = Field(None, ge=10, le=30 * 86400, description="Lease in seconds; default from the server.")
@@ -100,6 +104,8 @@ class SandboxInfo(BaseModel):
     generation: int
     memory_mib: int
     vcpus: int
+    disk_mib: int | None = Field(None, description="Root disk size in MiB when the create asked for one; "
+                                 "null: the template's.")
     hostname: str
     failure_reason: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -144,6 +144,7 @@ class AsyncClient:
         *,
         memory_mib: int | None = None,
         vcpus: int | None = None,
+        disk_mib: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
@@ -151,8 +152,8 @@ class AsyncClient:
     ) -> SandboxInfo:
         """See ``Client.create_sandbox``."""
         return await self._call(
-            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                 network=network, volumes=volumes)
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=metadata,
+                                 wait=wait, network=network, volumes=volumes)
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -490,6 +491,7 @@ class AsyncSandbox:
         *,
         memory_mib: int | None = None,
         vcpus: int | None = None,
+        disk_mib: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
@@ -503,8 +505,8 @@ class AsyncSandbox:
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = await http.create_sandbox(
-                template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait, network=network,
-                volumes=volumes
+                template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=metadata, wait=wait,
+                network=network, volumes=volumes
             )
         except BaseException:
             if owns:

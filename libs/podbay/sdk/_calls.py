@@ -224,6 +224,7 @@ def create_sandbox(
     vcpus: int | None,
     metadata: Mapping[str, str] | None,
     wait: bool,
+    disk_mib: int | None = None,
     network: Any = None,
     volumes: Any = None,
     idempotency_key: str | None = None,
@@ -232,9 +233,10 @@ def create_sandbox(
     ``idempotency_key``: the ``Idempotency-Key`` header (None: a fresh UUID); the call is sent again after a
     broken or refused connection (``CREATE_RETRY_DELAYS_S``) with the same key.
     ``network``: an ``EgressPolicy`` or its JSON shape; None leaves the template's. ``volumes``: a sequence of
-    ``"NAME:/path[:ro]"``, ``VolumeMount`` or its JSON shape (``podbay.sdk._volumes``)."""
+    ``"NAME:/path[:ro]"``, ``VolumeMount`` or its JSON shape (``podbay.sdk._volumes``). ``disk_mib``: a root
+    disk larger than the template's (MiB)."""
     fields: dict[str, Any] = {"template": template, "memory_mib": memory_mib, "vcpus": vcpus,
-                              "metadata": dict(metadata or {})}
+                              "disk_mib": disk_mib, "metadata": dict(metadata or {})}
     if network is not None:
         fields["network"] = network.model_dump(mode="json") if isinstance(network, BaseModel) else dict(network)
     if volumes:

@@ -150,6 +150,7 @@ class Client:
         *,
         memory_mib: int | None = None,
         vcpus: int | None = None,
+        disk_mib: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
@@ -158,8 +159,8 @@ class Client:
         """Create a sandbox; with ``wait`` the answer comes when it runs (or failed), else at once with
         ``operation_id``. Raises ``InvalidRequest``/``Unprocessable`` (bad values), ``NotFound`` (template)."""
         return self._call(
-            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                 network=network, volumes=volumes)
+            calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=metadata,
+                                 wait=wait, network=network, volumes=volumes)
         )
 
     def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -529,6 +530,7 @@ class Sandbox:
         *,
         memory_mib: int | None = None,
         vcpus: int | None = None,
+        disk_mib: int | None = None,
         metadata: Mapping[str, str] | None = None,
         wait: bool = True,
         network: NetworkArg | None = None,
@@ -541,12 +543,13 @@ class Sandbox:
         """Create a sandbox from ``template`` (see ``Client.create_sandbox``) and return it.
 
         With ``wait`` (default) it is running when this returns; ``memory_mib``/``vcpus`` default to the
-        template's. ``timeout_s`` bounds each HTTP call (not exec). Errors: ``podbay.errors`` classes.
+        template's; ``disk_mib`` makes the root disk larger than the template's (its filesystem grows to fill
+        it). ``timeout_s`` bounds each HTTP call (not exec). Errors: ``podbay.errors`` classes.
         """
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
-            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, metadata=metadata, wait=wait,
-                                       network=network, volumes=volumes)
+            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib,
+                                       metadata=metadata, wait=wait, network=network, volumes=volumes)
         except BaseException:
             if owns:
                 http.close()

@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     # api
     api_host: str = Field("127.0.0.1")
     api_port: int = Field(8080)
+    api_h2_port: int | None = Field(None, ge=1, le=65535, description="Also serve the API, port edge included, on "
+                                    "this port with Hypercorn: HTTP/2 in cleartext (h2c, by prior knowledge or "
+                                    "Upgrade) besides HTTP/1.1 and WebSocket, for clients and TLS terminators "
+                                    "that speak HTTP/2. Unset: only PODBAY_API_PORT (uvicorn, HTTP/1.1). "
+                                    "`podbay up` sets it (default 8081).")
     api_url: str | None = Field(None, description="Client side: where the API answers.")
     api_key: str | None = Field(None, description="Client side: bearer API key.")
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")

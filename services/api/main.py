@@ -1,6 +1,6 @@
 """``podbay-api``: the HTTP API process.
 
-    podbay-api [serve]                         serve on PODBAY_API_HOST:PODBAY_API_PORT
+    podbay-api [serve]                         serve on PODBAY_API_HOST:PODBAY_API_PORT (and :PODBAY_API_H2_PORT)
     podbay-api migrate                         apply database migrations and exit
     podbay-api create-key --tenant T --name N  create tenant T if needed and print {"tenant_id", "key_id", "key"}
     podbay-api openapi                         print the OpenAPI document
@@ -13,7 +13,6 @@ import asyncio
 import json
 import sys
 
-import uvicorn
 import uvloop
 
 from podbay import db
@@ -23,6 +22,7 @@ from podbay.telemetry import setup_logging
 
 from .app import create_app
 from .auth import create_key, ensure_tenant
+from .serving import serve
 
 __all__ = ["main"]
 
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
         sys.exit(1)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port, loop="uvloop",
-                log_level="warning", access_log=False, timeout_graceful_shutdown=10)
+    serve(create_app(settings), host=settings.api_host, port=settings.api_port, h2_port=settings.api_h2_port)
 
 
 if __name__ == "__main__":

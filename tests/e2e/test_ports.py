@@ -8,6 +8,7 @@ loopback by itself, or the path form ``/ports/{port}-{label}/``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -161,6 +162,27 @@ def test_a_websocket_echo_works(stack: Any, box: Any) -> None:
         with ws_connect(url, open_timeout=30):
             pass
     assert refused.value.response.status_code == 401  # no token: the handshake is refused
+
+
+def test_http2_from_the_client_at_the_edge(stack: Any, box: Any) -> None:
+    c, sid, token = box
+    sh(c, sid, "head -c 4194304 /dev/urandom > /srv/8000/h2.bin && sha256sum /srv/8000/h2.bin > /srv/8000/h2.sum")
+    want = sh(c, sid, "cut -d' ' -f1 /srv/8000/h2.sum").strip()
+    headers = {"host": _host(8000, sid), "x-podbay-access-token": token}
+    # Prior knowledge: the client speaks HTTP/2 from its first byte (h2c), to the API's HTTP/2 listener.
+    with httpx.Client(base_url=stack.api_h2_url, http1=False, http2=True, timeout=120) as h2:
+        r = until("the guest's server answers over HTTP/2",
+                  lambda: (x := h2.get("/index.txt", headers=headers)).status_code == 200 and x, 60)
+        assert r.http_version == "HTTP/2" and r.text == "hello-8000\n"
+        r = h2.get(f"/ports/8000-{_label(sid)}/index.txt", headers={"x-podbay-access-token": token})
+        assert r.http_version == "HTTP/2" and r.text == "hello-8000\n"
+        assert h2.get("/index.txt", headers={"host": _host(8000, sid)}).status_code == 401
+        digest = hashlib.sha256()
+        with h2.stream("GET", "/h2.bin", headers=headers) as r:
+            assert r.http_version == "HTTP/2" and r.status_code == 200
+            for chunk in r.iter_raw(1 << 16):
+                digest.update(chunk)
+        assert digest.hexdigest() == want
 
 
 def _vm_kib(pid: int, field: str) -> int:

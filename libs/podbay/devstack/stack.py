@@ -138,6 +138,8 @@ class StackPorts(BaseModel):
     pg: int = 5432
     s3: int = 8333
     api: int = 8080
+    #: The API's HTTP/2-capable listener (PODBAY_API_H2_PORT; services/api/serving.py).
+    api_h2: int = 8081
     node: int = 8090
     scheduler: int = 8091
     snapshotter: int = 8092
@@ -156,6 +158,7 @@ class StackPorts(BaseModel):
         return cls(
             **servers,
             api=settings.api_port,
+            api_h2=settings.api_h2_port or cls.model_fields["api_h2"].default,
             node=settings.node_port,
             scheduler=settings.scheduler_port,
             snapshotter=settings.snapshotter_port,
@@ -209,11 +212,11 @@ class PortInUse(StackError):
 # The variable that moves each port (the message tells the user which one to set).
 _PORT_VARIABLES = {
     "nats": "PODBAY_NATS_PORT", "pg": "PODBAY_PG_PORT", "s3": "PODBAY_S3_PORT", "api": "PODBAY_API_PORT",
-    "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
+    "api_h2": "PODBAY_API_H2_PORT", "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
     "warmpool": "PODBAY_WARMPOOL_PORT", "gateway": "PODBAY_GATEWAY_PORT",
     "gateway_proxy": "PODBAY_GATEWAY_PROXY_PORT", "gateway_dns": "PODBAY_GATEWAY_DNS_PORT",
 }  # fmt: skip
-_PART_OF_PORT = {"pg": "postgres", "node": "nodeagent", "gateway_proxy": "gateway", "gateway_dns": "gateway"}
+_PART_OF_PORT = {"api_h2": "api", "pg": "postgres", "node": "nodeagent", "gateway_proxy": "gateway", "gateway_dns": "gateway"}
 
 
 def check_ports_free(ports: StackPorts, external: External | None = None) -> None:
@@ -466,6 +469,11 @@ class Stack(NodeOps):
     def api_url(self) -> str:
         """``http://127.0.0.1:<api port>``."""
         return f"http://127.0.0.1:{self.ports.api}"
+
+    @property
+    def api_h2_url(self) -> str:
+        """``http://127.0.0.1:<api_h2 port>``: the first API process's listener that also speaks HTTP/2 (h2c)."""
+        return f"http://127.0.0.1:{self.ports.api_h2}"
 
     @property
     def api_urls(self) -> list[str]:
@@ -743,6 +751,8 @@ class Stack(NodeOps):
             # A further replica: same environment but its own HTTP port (and log), as on another host.
             name, port = f"{spec.name}-{replica}", free_port()
             env = {**self.env, REPLICABLE[spec.name]: str(port)}
+            if spec.name == "api":
+                env["PODBAY_API_H2_PORT"] = str(free_port())
             return ServiceProcess(spec, [str(script)], env, self.log_path(name), port, instance=name)
         link = self.network.node(node_id)
         # Each namespace has its own ports, so every node uses the same ones; the data plane listens on the
@@ -769,6 +779,7 @@ class Stack(NodeOps):
             "PODBAY_INTERNAL_TOKEN": self.internal_token,
             "PODBAY_API_HOST": "127.0.0.1",
             "PODBAY_API_PORT": str(p.api),
+            "PODBAY_API_H2_PORT": str(p.api_h2),
             "PODBAY_API_URL": self.api_url,
             "PODBAY_NODE_HOST": "127.0.0.1",
             "PODBAY_NODE_PORT": str(p.node),

@@ -1,13 +1,15 @@
 """E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
 (services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
 copy, with ``memory_mb`` (the template's memory: its sandbox's guest has it), followed through the SDK's
-status polling, and one sandbox of it that sees each effect. A registry image, and a memory size E2B
+status polling, and one sandbox of it that sees each effect; the same build with ``skip_cache`` runs every
+step again (no step says CACHED). A registry image, and a memory size E2B
 refuses, are refused before anything runs. The template's tags are read, assigned and removed through the SDK,
 and the template listed, read and deleted through the API client it ships (services/api/e2b_template_admin.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,12 @@ def test_template_build_then_sandbox_sees_each_step(e2b_env: dict[str, str], tmp
         assert 400 << 10 < mem_kib <= 512 << 10, mem_kib  # memory_mb=512 (base has 256); the kernel keeps some
     finally:
         sb.kill()
+
+    # skip_cache: the same template again runs every step instead of reusing the layers just made.
+    again: list[Any] = []
+    e2b.Template.build(template, "e2b-built", memory_mb=512, skip_cache=True, on_build_logs=again.append)
+    steps = [str(e.message) for e in again if re.match(r"(CACHED )?\[\d+/\d+\]", str(e.message))]
+    assert steps and not any(m.startswith("CACHED") for m in steps), steps
 
     with pytest.raises(e2b.BuildException, match="no image registry"):
         e2b.Template.build(e2b.Template().from_image("ubuntu:22.04").run_cmd("true"), "e2b-refused")

@@ -11,12 +11,16 @@ of a template without a browser answers 409 ``no_browser``. Credential fill: the
 credential into a password field of a login page served in the sandbox (the page sees its length and
 character sum), while the agent's CDP stream shows it redacted and a scan of the guest's process
 environments, command lines and files (outside the swap file) finds none of it; a page of another origin,
-an unknown or out-of-scope credential and a missing selector are refused and type nothing, each audited.
+an unknown or out-of-scope credential and a missing selector are refused and type nothing, each audited; the
+API's screenshot shows the password field's box before the fill and masks it (opaque black) after it, and
+leaves the other field alone.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +28,7 @@ from typing import Any
 
 import pytest
 from e2e_http import api_client, new_sandbox, sh, until
+from PIL import Image
 
 from podbay.sdk import Client
 
@@ -131,6 +136,16 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def _all_mask(png: bytes, box: Any) -> bool:
+    """Whether every pixel inside ``box`` (Playwright's ``{x, y, width, height}``, CSS pixels, one pixel in
+    from each edge) has the screenshot mask's colour, opaque black."""
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    xs = range(math.ceil(box["x"]) + 1, math.floor(box["x"] + box["width"]) - 1)
+    ys = range(math.ceil(box["y"]) + 1, math.floor(box["y"] + box["height"]) - 1)
+    assert len(xs) > 4 and len(ys) > 4, box
+    return all(img.getpixel((x, y)) == (0, 0, 0) for x in xs for y in ys)
+
+
 def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -211,12 +226,18 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
                     r = fill(cred, sel)
                     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
                 assert page.text_content("#seen") == ""  # nothing was typed by any refusal
+                before = c.screenshot(sandbox)  # no fill yet: nothing masked
                 r = fill("site-pw", "#pw")
                 assert r.status_code == 200, r.text
                 assert r.json()["origin"] == "http://127.0.0.1:8000" and SECRET not in r.text
                 expected = f"{len(SECRET)}:{sum(map(ord, SECRET))}"
                 assert page.text_content("#seen") == expected  # the page received the value
                 assert page.input_value("#pw") == "[redacted by podbay]"  # the agent's CDP stream does not
+                after = c.screenshot(sandbox)
+                pw, user = page.locator("#pw").bounding_box(), page.locator("#user").bounding_box()
+                assert pw is not None and user is not None
+                assert not _all_mask(before, pw)  # unmasked before the fill: the field's white box
+                assert _all_mask(after, pw) and not _all_mask(after, user)  # masked after it; the user field not
             finally:
                 browser.close()
         half = len(SECRET) // 2

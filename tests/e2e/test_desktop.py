@@ -6,7 +6,9 @@ cache_dir/layers). One sandbox serves the tests: its snapshot holds Xvfb, matchb
 (CDP on guest port 9222), x11vnc and websockify with noVNC on guest port 6080. Checked: the X display has the
 desktop's size and xdotool reaches it; noVNC's page is served through the sandbox's port URL with its traffic
 token; a WebSocket through the port URL reaches the VNC server (the RFB handshake's version line); a
-screenshot through the computer API is a PNG of the desktop's size.
+screenshot through the computer API is the whole X screen (the desktop's size while the page's viewport is
+emulated smaller); last, a tab's script state set over CDP is there after the sandbox is suspended to object
+storage and woken, and noVNC answers again.
 """
 
 from __future__ import annotations
@@ -117,9 +119,43 @@ def test_a_vnc_websocket_through_the_port_url_starts_the_rfb_handshake(stack: An
     assert isinstance(hello, bytes) and hello.startswith(b"RFB 003.00"), hello
 
 
-def test_a_screenshot_is_a_png_of_the_desktop_size(stack: Any, desktop: tuple[str, str]) -> None:
+def test_a_screenshot_is_the_whole_x_screen(stack: Any, desktop: tuple[str, str]) -> None:
+    from playwright.sync_api import sync_playwright
+
     sid, _ = desktop
-    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
-        png = c.screenshot(sid)
-    assert _png_size(png) == SCREEN  # --kiosk: the page's viewport is the whole screen
-    assert png.endswith(b"IEND\xaeB`\x82")
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
+        browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
+        try:  # the page's viewport made smaller than the screen: a picture of the page would be 640x360
+            page = browser.contexts[0].pages[0]
+            browser.contexts[0].new_cdp_session(page).send("Emulation.setDeviceMetricsOverride", {
+                "width": 640, "height": 360, "deviceScaleFactor": 1, "mobile": False})
+            with api_client(stack) as h:
+                r = h.post(f"/v1/sandboxes/{sid}/computer/screenshot")
+        finally:
+            browser.close()
+    assert r.status_code == 200 and r.headers["x-podbay-screenshot-source"] == "display", r.text[:300]
+    assert _png_size(r.content) == SCREEN
+    assert r.content.endswith(b"IEND\xaeB`\x82")
+
+
+def test_a_suspended_and_woken_desktop_keeps_its_tab_and_vnc(stack: Any, desktop: tuple[str, str]) -> None:
+    from playwright.sync_api import sync_playwright
+
+    sid, token = desktop
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
+        browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
+        try:
+            browser.contexts[0].pages[0].evaluate("window.__pb = 42")
+        finally:
+            browser.close()  # disconnects; the tab stays open in the sandbox
+        with api_client(stack) as h:
+            r = h.post(f"/v1/sandboxes/{sid}/suspend")
+            assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+            r = h.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
+        try:
+            assert browser.contexts[0].pages[0].evaluate("window.__pb") == 42
+        finally:
+            browser.close()
+    assert _get(stack, sid, token, "/vnc.html").status_code == 200

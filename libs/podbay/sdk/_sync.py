@@ -198,7 +198,9 @@ class Client:
     # computer use (podbay.sdk._computer; a sandbox of a template with a browser, e.g. ``browser``)
 
     def screenshot(self, sandbox_id: str) -> bytes:
-        """PNG bytes of the browser page's viewport. ``NoBrowser`` (409) when its template runs no browser."""
+        """PNG bytes of the browser page's viewport, or of the whole X screen for a template with a display
+        (``desktop``); password fields masked after a credential fill. ``NoBrowser`` (409) when its template runs
+        no browser."""
         return self._call(computer_calls.screenshot_call(sandbox_id))
 
     def mouse(self, sandbox_id: str, action: str, x: float, y: float, **kw: Any) -> ComputerResult:

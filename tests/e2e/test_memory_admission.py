@@ -6,6 +6,9 @@ counts each fresh one at a fixed 150 MiB (``PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB``
 depend on this machine's figure): three fit (room 400, then ~305, ~210), a fourth does not (~115 left). Paused
 sandboxes are never released on a timer here (``PODBAY_PAUSED_RELEASE_S=0``) and running ones never paused for
 memory (``PODBAY_MEMORY_PRESSURE_IDLE_S=0``), so the release the test sees is the pressure's own.
+
+Both tests share the module's stack: the one that needs another size restarts the node agent with it (a few
+seconds), rather than starting a stack of its own (a stack's start and stop cost about half a minute).
 """
 
 from __future__ import annotations
@@ -25,11 +28,28 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def small_node(test_root: Path) -> Iterator[Stack]:
+def memory_stack(test_root: Path) -> Iterator[Stack]:
     with own_stack(test_root, {"PODBAY_NODE_MEMORY_MIB": "400", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
                                "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
                                "PODBAY_NODE_HEARTBEAT_S": "1"}, prefix="mem") as running:
         yield running
+
+
+def _node_offering(stack: Stack, mib: int) -> Stack:
+    """``stack`` once its node offers ``mib`` MiB and holds no sandbox: the node agent is restarted with that
+    ``PODBAY_NODE_MEMORY_MIB`` when it offers another size (its memory counters start again from zero)."""
+    with api_client(stack) as c:
+        until("no sandbox left on the node", lambda: not c.get("/v1/sandboxes").json()["sandboxes"], 120)
+    agent = stack.services["nodeagent"]
+    if agent.env.get("PODBAY_NODE_MEMORY_MIB") != str(mib):
+        agent.env = {**agent.env, "PODBAY_NODE_MEMORY_MIB": str(mib)}
+        stack.restart("nodeagent")
+    return stack
+
+
+@pytest.fixture
+def small_node(memory_stack: Stack) -> Stack:
+    return _node_offering(memory_stack, 400)
 
 
 def _node_metric(stack: Any, name: str, labels: str) -> float:
@@ -74,14 +94,11 @@ def test_measured_use_admits_beyond_nominal_and_pressure_releases_a_paused_sandb
                 c.delete(f"/v1/sandboxes/{sid}")
 
 
-@pytest.fixture(scope="module")
-def pooled_node(test_root: Path) -> Iterator[Stack]:
+@pytest.fixture
+def pooled_node(memory_stack: Stack) -> Stack:
     """A node of 600 MiB with the same fixed estimate: the low-water mark is 300 MiB of room, so a warm slot
     is prepared only while the room is at least 450 (one slot and the mark)."""
-    with own_stack(test_root, {"PODBAY_NODE_MEMORY_MIB": "600", "PODBAY_MEMORY_SANDBOX_ESTIMATE_MIB": "150",
-                               "PODBAY_PAUSED_RELEASE_S": "0", "PODBAY_MEMORY_PRESSURE_IDLE_S": "0",
-                               "PODBAY_NODE_HEARTBEAT_S": "1"}, prefix="mw") as running:
-        yield running
+    return _node_offering(memory_stack, 600)
 
 
 def _ready_slots(c: httpx.Client) -> int:

@@ -218,10 +218,11 @@ def main() -> None:
                 results.update(_measure(c, sdk, tpl, args.runs, store))
         print(f"load average at end: {os.getloadavg()}")
     finally:
+        # Reported before the stack stops (its purge can take minutes), and also when a bound stopped the run.
+        report(results, args.json_path)
         stack.stop(purge=True)
         kill_strays(root / "stack")
         subprocess.run(["rm", "-rf", str(root)], check=False)
-        report(results, args.json_path)  # what was measured, also when a bound (timeout) stopped the run
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class _Server(uvicorn.Server):
         cfg.include_server_header = False  # the guest's own Server header passes through the edge
         cfg.accesslog = None
         cfg.errorlog = logging.getLogger("hypercorn.error")
-        self._h2_task = asyncio.create_task(hypercorn_serve(self._h2_app, cfg,  # type: ignore[arg-type]
+        self._h2_task = asyncio.create_task(hypercorn_serve(self._h2_app, cfg,  # type: ignore[arg-type]  # Hypercorn's ASGI type is its own protocol
                                                             shutdown_trigger=self._h2_stop.wait))
         self._h2_task.add_done_callback(self._h2_ended)
         log.info("HTTP/2 (h2c) and HTTP/1.1 on %s:%d", *self._h2_addr)
@@ -104,9 +104,9 @@ def serve(app: ASGIApp, *, host: str, port: int, h2_port: int | None, graceful_s
     opts = {"host": host, "port": port, "loop": "uvloop", "log_level": "warning", "access_log": False,
             "timeout_graceful_shutdown": int(graceful_s)}
     if h2_port is None:
-        uvicorn.run(app, **opts)  # type: ignore[arg-type]
+        uvicorn.run(app, **opts)  # type: ignore[arg-type]  # opts is a dict of mixed value types
         return
-    server = _Server(uvicorn.Config(app, **opts), app, host, h2_port, graceful_s)  # type: ignore[arg-type]
+    server = _Server(uvicorn.Config(app, **opts), app, host, h2_port, graceful_s)  # type: ignore[arg-type]  # opts: mixed types
     server.run()
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits

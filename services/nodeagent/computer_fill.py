@@ -16,11 +16,12 @@
 Every outcome is one ``credential.fill`` audit row (``allow`` or ``deny`` with the reason; detail: credential
 name, origin, selector; never the value), written with :func:`podbay.audit.record`. A refusal types nothing.
 
-From the first fill on, the node remembers the value for the sandbox (in memory) and :meth:`Filler.redactor`
-replaces it (and its JSON-escaped spelling) by ``[redacted by podbay]`` in every CDP message relayed to the
-agent through the ports proxy, for connections opened before or after the fill, and the API's screenshots
-mask the sandbox's password fields and the fields fills typed into (:mod:`.computer`). The value is in the page's
-memory from then on (the trust model in docs/credentials.md says what that means).
+From the first fill on, the node remembers the value for the sandbox (in memory, until the sandbox leaves the
+node: :meth:`Filler.forget`) and :meth:`Filler.redactor` replaces it (and its JSON-escaped spelling) by
+``[redacted by podbay]`` in every CDP message relayed to the agent through the ports proxy, for connections
+opened before or after the fill, and the API's screenshots mask the sandbox's password fields and the fields
+fills typed into (:mod:`.computer`). The value is in the page's memory from then on (the trust model in
+docs/credentials.md says what that means).
 """
 
 from __future__ import annotations
@@ -189,14 +190,16 @@ class Filler:
         return FillResult(credential=body.credential, origin=origin, selector=body.selector, audit_id=aid)
 
     def forget(self, sandbox_id: str) -> None:
-        """Drop what was filled for a sandbox (it is gone from this node)."""
+        """Drop what was filled for a sandbox (it is gone from this node): the manager's ``on_leave`` hook."""
         self._filled.pop(sandbox_id, None)
         self.computer.masked.pop(sandbox_id, None)
 
 
 def add_fill_route(app: FastAPI, manager: SandboxManager, computer: Computer) -> Filler:
-    """Mount ``POST /internal/v1/sandboxes/{id}/computer/fill`` on the data-plane app."""
+    """Mount ``POST /internal/v1/sandboxes/{id}/computer/fill`` on the data-plane app; the manager forgets a
+    sandbox's filled values and masks when it leaves the node (deleted, suspended, moved away, failed)."""
     filler = Filler(manager, computer)
+    manager.on_leave.append(filler.forget)
 
     @app.post("/internal/v1/sandboxes/{sandbox_id}/computer/fill")
     async def fill(sandbox_id: str, body: FillRequest, request: Request) -> FillResult:

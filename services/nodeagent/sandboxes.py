@@ -85,6 +85,10 @@ class SandboxManager:
         self.suspend_ops: SuspendOps  # set by main once the node's object store is open
         self.migrations: MigrationOps  # set by main (answers live migrations into this node)
         self.builder: TemplateBuilder  # set by main (template builds on this node)
+        #: Called with a sandbox's id when it leaves this node (:meth:`release_net`), by modules above this one
+        #: that keep something per sandbox in memory (credential fill's values and masks, computer_fill.py);
+        #: they register here because this module may not import them. Each must be quick and not raise.
+        self.on_leave: list[Callable[[str], None]] = []
         # The operator's extra CAs (GUEST_CA_FILE), read once: every guest gets them with its network.
         try:
             self.guest_ca_pem = load_guest_ca(settings.guest_ca_file)
@@ -519,7 +523,11 @@ class SandboxManager:
     # ------------------------------------------------------------------ helpers
 
     async def release_net(self, sandbox_id: str) -> None:
-        """The sandbox left this node (or failed): release its address, tap, binding and CA files."""
+        """The sandbox left this node (deleted, suspended, migrated away, fenced) or failed: release its
+        address, tap, binding and CA files, and run the ``on_leave`` hooks. Every such path calls this; a
+        hibernation (the sandbox stays paused on this node) does not."""
+        for hook in self.on_leave:
+            hook(sandbox_id)
         try:
             await asyncio.to_thread(self.net.release, sandbox_id)
         except Exception as exc:  # housekeeping; a restart prunes what is left

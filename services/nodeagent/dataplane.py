@@ -213,7 +213,7 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     async def snapshot_diff(sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:
         # Snapshots are immutable files on the node and need no VM: no generation fencing here (the API
         # has checked that both are ready snapshots of this sandbox).
-        return await diff_snapshots(manager.store.root, sandbox_id, snapshot_a, snapshot_b)
+        return await diff_snapshots(manager.store, sandbox_id, snapshot_a, snapshot_b)
 
     # Guest ports (the API edge's last hop): outermost, so no middleware above buffers or wraps its streams.
     app.add_middleware(PortsProxy, manager=manager, redactor=filler.redactor)

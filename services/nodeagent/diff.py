@@ -44,6 +44,8 @@ from typing import Literal
 from podbay.contracts.api import SnapshotDiff, SnapshotDiffEntry
 from podbay.errors import InvalidRequest, NotFound, PodbayError, Timeout
 
+from .store import NodeStore
+
 __all__ = ["DIFF_TIMEOUT_S", "MAX_ENTRIES", "DIFF_CONCURRENCY", "compare_trees", "diff_images",
            "diff_snapshots", "cleanup_stale_mounts"]
 
@@ -262,19 +264,19 @@ def cleanup_stale_mounts(tmp_root: Path) -> None:
                 log.warning("cannot remove %s: %s", d, exc)
 
 
-async def diff_snapshots(store_root: Path, sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:
+async def diff_snapshots(store: NodeStore, sandbox_id: str, snapshot_a: str, snapshot_b: str) -> SnapshotDiff:
     """The change set from ``snapshot_a`` to ``snapshot_b`` of ``sandbox_id`` on this node.
 
-    Files come from ``store_root/snapshots/<sandbox>/<snapshot>/disk.img``. Raises ``InvalidRequest`` for
-    a malformed id, ``NotFound`` when a snapshot's disk is not on this node, ``Timeout`` after
-    ``DIFF_TIMEOUT_S``, ``PodbayError`` when an image cannot be mounted.
+    Files come from each snapshot's ``disk.img`` in :meth:`NodeStore.snapshot_dir`; the mounts go under
+    ``<store root>/tmp``. Raises ``InvalidRequest`` for a malformed id, ``NotFound`` when a snapshot's disk is
+    not on this node, ``Timeout`` after ``DIFF_TIMEOUT_S``, ``PodbayError`` when an image cannot be mounted.
     """
     for ident in (sandbox_id, snapshot_a, snapshot_b):
         if not _ID.fullmatch(ident):
             raise InvalidRequest(f"malformed id {ident!r}")
     images: list[Path] = []
     for snap in (snapshot_a, snapshot_b):
-        img = store_root / "snapshots" / sandbox_id / snap / "disk.img"
+        img = store.snapshot_dir(sandbox_id, snap) / "disk.img"
         if not img.is_file():
             raise NotFound(f"snapshot {snap} of sandbox {sandbox_id} is not on this node",
                            details={"snapshot_id": snap})
@@ -282,9 +284,9 @@ async def diff_snapshots(store_root: Path, sandbox_id: str, snapshot_a: str, sna
     global _cleaned
     if not _cleaned:
         _cleaned = True
-        await asyncio.to_thread(cleanup_stale_mounts, store_root / "tmp")
+        await asyncio.to_thread(cleanup_stale_mounts, store.root / "tmp")
     async with _slots:
         entries, counts, truncated = await asyncio.to_thread(diff_images, images[0], images[1],
-                                                             store_root / "tmp")
+                                                             store.root / "tmp")
     return SnapshotDiff(sandbox_id=sandbox_id, from_snapshot_id=snapshot_a, to_snapshot_id=snapshot_b,
                         entries=entries, truncated=truncated, **counts)

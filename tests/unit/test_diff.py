@@ -10,6 +10,7 @@ import pytest
 
 from podbay.errors import InvalidRequest, NotFound, Timeout
 from podbay_nodeagent.diff import compare_trees, diff_snapshots
+from podbay_nodeagent.store import NodeStore
 
 
 def _tree(root: Path) -> None:
@@ -113,10 +114,13 @@ def test_a_spent_deadline_raises_timeout(tmp_path: Path) -> None:
 
 
 async def test_missing_snapshot_or_bad_id_is_refused_before_mounting(tmp_path: Path) -> None:
-    (tmp_path / "snapshots" / "sbx_1" / "snap_a").mkdir(parents=True)
-    (tmp_path / "snapshots" / "sbx_1" / "snap_a" / "disk.img").write_bytes(b"")
-    with pytest.raises(NotFound):
-        await diff_snapshots(tmp_path, "sbx_1", "snap_a", "snap_b")
+    store = NodeStore(tmp_path, "node-1", 1)
+    # The store's layout for a snapshot's files (NodeStore.snapshot_dir): snap_a is found there, snap_b is not.
+    (store.root / "snapshots" / "sbx_1" / "snap_a").mkdir(parents=True)
+    (store.root / "snapshots" / "sbx_1" / "snap_a" / "disk.img").write_bytes(b"")
+    with pytest.raises(NotFound) as missing:
+        await diff_snapshots(store, "sbx_1", "snap_a", "snap_b")
+    assert missing.value.details["snapshot_id"] == "snap_b"
     with pytest.raises(InvalidRequest):
-        await diff_snapshots(tmp_path, "sbx_1", "..", "snap_a")
-    assert not (tmp_path / "tmp").exists()
+        await diff_snapshots(store, "sbx_1", "..", "snap_a")
+    assert not (store.root / "tmp").exists()

@@ -175,7 +175,8 @@ def _second_api(stack: Stack, log: Path, **env_over: str) -> Iterator[str]:
     """Another ``podbay-api`` process on the stack's servers, with ``env_over`` on top of the stack's env;
     yields its URL once ``/healthz`` answers, stops it at the end."""
     port = free_port()
-    env = {**stack.env, "PODBAY_API_PORT": str(port), **env_over}
+    # A port of its own for the HTTP/2 listener too: the stack's env names the first API's.
+    env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()), **env_over}
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -88,3 +88,13 @@ def test_the_redactor_hides_filled_values_from_then_on() -> None:
     assert secret not in redact(msg) and json.dumps(secret)[1:-1] not in redact(msg) and REDACTED in redact(msg)
     assert redact(b"binary " + secret.encode()) == b"binary " + secret.encode()  # CDP is text; bytes pass
     assert filler.redactor("sbx_b")(msg) == msg  # another sandbox's stream is untouched
+
+
+def test_a_bad_mouse_action_is_an_invalid_request_naming_the_field() -> None:
+    import pytest
+
+    from podbay.errors import InvalidRequest
+    from podbay.sdk._computer import mouse_call
+
+    with pytest.raises(InvalidRequest, match="invalid mouse action: action: Input should be 'move'"):
+        mouse_call("sbx_x", "explode", 1, 2)

@@ -94,7 +94,7 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
 @handle_errors
 def build(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME", help="Template name, [a-z0-9-]; NAME:TAG also tags the build "
+    name: str = typer.Argument(..., metavar="NAME", help="Template name, \\[a-z0-9-]; NAME:TAG also tags the build "
                                "(create from it later with --template NAME:TAG)."),
     context: Path | None = typer.Argument(None, metavar="CONTEXT", help="Build context directory (default .)."),
     dockerfile: Path | None = typer.Option(None, "-f", "--file", help="The Dockerfile (default CONTEXT/Dockerfile)."),

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from podbay.contracts.computer import CdpEndpoint, ComputerResult, FillRequest, FillResult, KeyboardAction, MouseAction
-from podbay.sdk._calls import Call, _model, _sandbox_path
+from podbay.sdk._calls import Call, _model, _sandbox_path, _validate
 
 __all__ = ["screenshot_call", "mouse_call", "keyboard_call", "fill_call", "cdp_call"]
 
@@ -25,8 +25,8 @@ def screenshot_call(sandbox_id: str) -> Call[bytes]:
 def mouse_call(sandbox_id: str, action: str, x: float, y: float, **kw: Any) -> Call[ComputerResult]:
     """``POST .../computer/mouse``: ``action`` move, click, drag (``to_x``, ``to_y``) or scroll (``delta_x``,
     ``delta_y``) at ``(x, y)``; other fields of :class:`MouseAction` (``button``, ``clicks``, ``steps``) as
-    keywords. Raises ``pydantic.ValidationError`` for a bad action before sending."""
-    body = MouseAction.model_validate({"action": action, "x": x, "y": y, **kw})
+    keywords. Raises :class:`podbay.errors.InvalidRequest` for a bad action before sending."""
+    body = _validate(MouseAction, {"action": action, "x": x, "y": y, **kw}, "mouse action")
     return Call("POST", _sandbox_path(sandbox_id, "/computer/mouse"), _model(ComputerResult),
                 json=body.model_dump(mode="json"))
 

@@ -109,6 +109,13 @@ def test_exec_forwards_stdin_unless_told_not_to(fake_api: FakeApi) -> None:
     assert_error_line(binary, "invalid_request", 2)
 
 
+def test_restore_with_an_empty_snapshot_id_names_the_snapshot(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-x")
+    result = run(fake_api, "sandbox", "restore", "sb-x", "")
+    assert_error_line(result, "invalid_request", 2)
+    assert "invalid snapshot id ''" in result.stderr and "sandbox id" not in result.stderr
+
+
 def test_exec_timeout_exits_124(fake_api: FakeApi) -> None:
     fake_api.add_sandbox("sb-x")
     result = run(fake_api, "exec", "sb-x", "--timeout", "2", "--", "hang")

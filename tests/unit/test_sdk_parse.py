@@ -82,6 +82,27 @@ def test_malformed_sandbox_ids_are_refused_before_sending(bad: str) -> None:
     assert seen == []
 
 
+@pytest.mark.parametrize("bad", _BAD_IDS)
+def test_malformed_snapshot_ids_are_named_as_snapshot_ids(bad: str) -> None:
+    # The sandbox id is fine; the message must blame the snapshot argument, not the sandbox.
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(500)
+
+    with _client(handler) as client:
+        for call in (
+            lambda: client.restore_sandbox("sb-1", bad),
+            lambda: client.fork_sandbox("sb-1", 1, bad),
+            lambda: client.diff_snapshots("sb-1", bad, "snap-2"),
+            lambda: client.diff_snapshots("sb-1", "snap-1", bad),
+        ):
+            with pytest.raises(InvalidRequest, match="invalid snapshot id"):
+                call()
+    assert seen == []
+
+
 async def test_async_client_refuses_an_empty_sandbox_id() -> None:
     seen: list[httpx.Request] = []
 

@@ -331,7 +331,7 @@ def list_snapshots_call(sandbox_id: str) -> Call[builtins.list[SnapshotInfo]]:
 
 def diff_call(sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> Call[SnapshotDiff]:
     """``GET /v1/sandboxes/{id}/snapshots/{a}/diff/{b}`` -> files added, changed and removed from a to b."""
-    a, b = (quote(check_id(x), safe="") for x in (from_snapshot_id, to_snapshot_id))
+    a, b = (quote(check_id(x, "snapshot id"), safe="") for x in (from_snapshot_id, to_snapshot_id))
     return Call("GET", _sandbox_path(sandbox_id, f"/snapshots/{a}/diff/{b}"), _model(SnapshotDiff),
                 long_running=True, read_timeout_s=None)
 
@@ -339,7 +339,7 @@ def diff_call(sandbox_id: str, from_snapshot_id: str, to_snapshot_id: str) -> Ca
 def restore_call(sandbox_id: str, snapshot_id: str, volumes: bool = False) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes/{id}/restore`` {"snapshot_id", "volumes"?} -> ``SandboxInfo`` (a new generation).
     ``volumes``: roll the read-write volumes back too (sent only when asked for)."""
-    body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id), "volumes": volumes}, "restore request")
+    body = _validate(RestoreRequest, {"snapshot_id": check_id(snapshot_id, "snapshot id"), "volumes": volumes}, "restore request")
     return Call("POST", _sandbox_path(sandbox_id, "/restore"), _settled(True),
                 json=body.model_dump(exclude=None if volumes else {"volumes"}),
                 long_running=True, read_timeout_s=None)
@@ -355,7 +355,7 @@ def fork_call(sandbox_id: str, count: int, snapshot_id: str | None, schedules: b
     if volumes is not None:
         fields["volumes"] = volumes
     if snapshot_id is not None:
-        fields["snapshot_id"] = check_id(snapshot_id)
+        fields["snapshot_id"] = check_id(snapshot_id, "snapshot id")
     body = _validate(ForkRequest, fields, "fork request")
     # `schedules` and `volumes` are sent only when asked for, so a plain fork's body stays what older servers
     # accept.

@@ -59,12 +59,15 @@ def _settings() -> Any:
 @handle_errors
 def up(
     detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return."),
-    nodes: int = typer.Option(0, "--nodes", min=0, max=64, help="Nodes to run (each in its own network namespace; "
-                              "default PODBAY_NODES, else 1)."),
+    # No literal default: an unset --nodes leaves PODBAY_NODES (or its default, 1) in force, which a
+    # "[default: 0]" in the help would misstate.
+    nodes: int | None = typer.Option(None, "--nodes", min=1, max=64, show_default=False,
+                                     help="Nodes to run, 1..64, each in its own network namespace "
+                                     "(default: PODBAY_NODES, else 1)."),
 ) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""
     settings = _settings()
-    if nodes:
+    if nodes is not None:
         # Marked as set, so a detached supervisor is given PODBAY_NODES too.
         settings = settings.model_copy(update={"nodes": nodes})
     code = _settle(_supervisor().up(settings, detach=detach))

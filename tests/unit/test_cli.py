@@ -335,6 +335,24 @@ def test_up_nodes_reaches_the_supervisor_settings(
     assert CliRunner().invoke(app, ["up", "--detach", "--nodes", "2"]).exit_code == 0
     assert seen == [2]
     assert CliRunner().invoke(app, ["up", "--nodes", "65"]).exit_code != 0  # at most 64
+    assert CliRunner().invoke(app, ["up", "--nodes", "0"]).exit_code != 0  # at least 1
+
+
+def test_up_without_nodes_keeps_the_configured_count_and_says_so(
+        supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    import podbay.devstack
+
+    seen: list[int] = []
+    import podbay.config
+
+    monkeypatch.setenv("PODBAY_NODES", "3")
+    monkeypatch.setattr(podbay.config, "_settings", None)  # read again, with PODBAY_NODES=3
+    monkeypatch.setattr(podbay.devstack.supervisor, "up", lambda settings, detach: seen.append(settings.nodes))
+    assert CliRunner().invoke(app, ["up", "--detach"]).exit_code == 0
+    assert seen == [3]
+    helped = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"})
+    assert helped.exit_code == 0
+    assert "default: 0" not in helped.stdout and "(default: PODBAY_NODES, else 1)" in helped.stdout
 
 
 def test_failed_up_exits_non_zero_and_does_not_claim_success(

@@ -91,7 +91,10 @@ def setup_logging(service: str, level: str | None = None) -> None:
                os.environ.get("AWS_SECRET_ACCESS_KEY", ""), settings.api_key or ""]
     configure_logging(service, level=(level or settings.log_level or "INFO"), fmt=settings.log_format,
                       static=static, secrets=secrets)
-    for noisy in ("uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
+    # httpx logs one INFO line per request ("HTTP Request: GET ... 200 OK"): the node agent's port proxy and
+    # every service-to-service call would flood the logs with it. httpcore logs at DEBUG only, but a DEBUG
+    # service level would let its per-connection trace through. Their warnings and errors still show.
+    for noisy in ("uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # qemu.qmp logs every refused connect while QEMU is still creating its socket; the driver reports
     # real failures itself.

@@ -115,3 +115,28 @@ def test_text_format_is_the_readable_default() -> None:
         root.setLevel(saved[1])
     line = buf.getvalue().strip()
     assert line.endswith("INFO  api podbay.test: hello") and not line.startswith("{")
+
+
+def test_httpx_request_lines_are_quieted_but_podbay_lines_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The node agent's port proxy makes one httpx request per proxied request; httpx logs each at INFO.
+    from podbay.telemetry import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    for name in ("httpx", "httpcore", "uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)  # restored after
+    monkeypatch.setenv("PODBAY_LOG_FORMAT", "text")
+    buf = io.StringIO()
+    try:
+        setup_logging("nodeagent", "DEBUG")
+        root.handlers[0].setStream(buf)  # type: ignore[attr-defined]
+        logging.getLogger("httpx").info("HTTP Request: GET http://10.0.0.2:8000/ \"HTTP/1.1 200 OK\"")
+        logging.getLogger("httpcore.connection").debug("connect_tcp.started host='10.0.0.2' port=8000")
+        logging.getLogger("httpx").warning("a real problem")
+        logging.getLogger("podbay.nodeagent.ports").info("our own line")
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    text = buf.getvalue()
+    assert "HTTP Request" not in text and "connect_tcp" not in text
+    assert "a real problem" in text and "our own line" in text

@@ -11,7 +11,8 @@ services/nodeagent/ports.py, so the node's ruleset lets the connection in) and:
   VNC (:mod:`.computer_screen`). The header ``x-podbay-screenshot-source`` says which (``page``,
   ``display``). From a sandbox's first credential fill on (:mod:`.computer_fill`), the boxes of its password
   fields and of the fields fills typed into, taken with ``DOM.getBoxModel`` just before and just after the
-  capture, are painted over on the node (:func:`.computer_screen.paint_masks`);
+  capture, are painted over on the node (:func:`.computer_screen.paint_masks`), also after the sandbox was
+  woken, moved, forked or the node agent restarted (:mod:`.fill_memory`);
 * ``POST .../computer/mouse`` and ``.../computer/keyboard``: ``Input.dispatchMouseEvent``,
   ``Input.dispatchKeyEvent`` and ``Input.insertText`` (:class:`~podbay.contracts.computer.MouseAction`,
   :class:`~podbay.contracts.computer.KeyboardAction`) -> ``{"events": n}``;
@@ -50,6 +51,7 @@ from podbay.errors import GuestError, InvalidRequest, NoBrowser, Unavailable
 
 from .build.defaults import ExecDefaults
 from .computer_screen import from_png, paint_masks, read_display, to_png
+from .fill_memory import FillMemory, PgFillRecord
 from .ports import connect_guest, guest_http_client
 
 if TYPE_CHECKING:
@@ -167,9 +169,9 @@ class Computer:
         self.m = manager
         self.defaults = defaults
         self.http = guest_http_client()
-        #: CSS selectors of the fields credential fills typed into, per sandbox (the fill adds them before it
-        #: types): a sandbox listed here has its screenshots masked (:meth:`screenshot`).
-        self.masked: dict[str, set[str]] = {}
+        #: What credential fills put into each sandbox's page (:mod:`.fill_memory`): a sandbox with a filled
+        #: set has its screenshots masked (:meth:`screenshot`) and its CDP stream redacted (:mod:`.computer_fill`).
+        self.fills = FillMemory(PgFillRecord(manager.pool, manager.settings).load)
 
     async def _label_port(self, sandbox_id: str, label: str) -> int | None:
         """The guest port the sandbox's template names in ``label``, or None."""
@@ -284,7 +286,8 @@ class Computer:
         else the page's viewport (``page``); masked after a fill (the module docstring)."""
         addr, port = await self._where(sandbox_id, generation)
         vnc_port = await self._label_port(sandbox_id, VNC_PORT_LABEL)
-        selectors = self.masked.get(sandbox_id)
+        await self.fills.arm(sandbox_id)  # fills made before a wake, a migration, a fork or a restart count too
+        selectors = self.fills.selectors(sandbox_id)
         boxes: list[tuple[float, float, float, float]] = []
         async with self.page(sandbox_id, generation) as cdp:
             if selectors is not None:  # before and after: a field that moves meanwhile is covered at both places

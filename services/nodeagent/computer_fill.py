@@ -16,11 +16,14 @@
 Every outcome is one ``credential.fill`` audit row (``allow`` or ``deny`` with the reason; detail: credential
 name, origin, selector; never the value), written with :func:`podbay.audit.record`. A refusal types nothing.
 
-From the first fill on, the node remembers the value for the sandbox (in memory, until the sandbox leaves the
-node: :meth:`Filler.forget`) and :meth:`Filler.redactor` replaces it (and its JSON-escaped spelling) by
-``[redacted by podbay]`` in every CDP message relayed to the agent through the ports proxy, for connections
-opened before or after the fill, and the API's screenshots mask the sandbox's password fields and the fields
-fills typed into (:mod:`.computer`). The value is in the page's memory from then on (the trust model in
+From the first fill on, the node remembers the value for the sandbox (:mod:`.fill_memory`: in memory while the
+sandbox is on this node, re-armed from the ``allow`` audit rows of the sandbox and its ancestors wherever it runs
+next) and :meth:`Filler.redactor` replaces it (and its JSON-escaped spelling) by ``[redacted by podbay]`` in
+every CDP message relayed to the agent through the ports proxy, for connections opened before or after the
+fill, and the API's screenshots mask the sandbox's password fields and the fields fills typed into
+(:mod:`.computer`). The ``allow`` row is written after the checks and before the value is revealed and typed,
+so no value reaches a page without its record (a typing that then fails leaves an ``allow`` row: redaction of a
+value that is not there costs nothing). The value is in the page's memory from then on (the trust model in
 docs/credentials.md says what that means).
 """
 
@@ -96,13 +99,17 @@ class Filler:
     def __init__(self, manager: SandboxManager, computer: Computer) -> None:
         self.m = manager
         self.computer = computer
-        self._filled: dict[str, set[str]] = {}
+        self.fills = computer.fills
 
-    def redactor(self, sandbox_id: str) -> Callable[[str | bytes], str | bytes] | None:
-        """A transform for CDP messages to the agent of ``sandbox_id``: it reads the sandbox's filled values at
-        each message, so a fill during a connection is redacted from then on."""
+    async def redactor(self, sandbox_id: str) -> Callable[[str | bytes], str | bytes]:
+        """A transform for CDP messages to the agent of ``sandbox_id``, once the sandbox's filled set is armed on
+        this node (:meth:`.FillMemory.arm`; ``Unavailable`` when it cannot be, and the proxy refuses the
+        connection). It reads the filled values at each message, so a fill during a connection is redacted from
+        then on."""
+        await self.fills.arm(sandbox_id)
+
         def redact(data: str | bytes) -> str | bytes:
-            values = self._filled.get(sandbox_id)
+            values = self.fills.values(sandbox_id)
             if not values or not isinstance(data, str):
                 return data
             for v in values:
@@ -175,29 +182,32 @@ class Filler:
                 raise await refuse(SelectorNotFound(f"no element matches {body.selector!r} on {origin}"),
                                    "selector_not_found", cid)
             await cdp.call("DOM.focus", {"nodeId": node})
+            # The durable record first (.fill_memory re-arms the redaction from it after a wake, a migration,
+            # a fork or a restart): no value is typed that it would not know of.
+            aid = await self._audit(tenant, sandbox_id, cid, "allow", detail)
             try:
                 value = await open_store(self.m.settings, cred["backend"]).reveal(
                     cid, tenant, Sealed(cred["backend"], cred["ciphertext"], cred["secret_ref"]))
             except ValueError as exc:
                 raise Unavailable(f"the credential store is not configured on this node: {exc}") from exc
-            # Remembered before typing: a CDP client's view of the page is redacted from the first echo.
-            self._filled.setdefault(sandbox_id, set()).add(value)
-            self.computer.masked.setdefault(sandbox_id, set()).add(body.selector)  # and screenshots mask it
+            # Remembered before typing: a CDP client's view of the page is redacted from the first echo, and
+            # screenshots mask the field.
+            self.fills.add(sandbox_id, value, body.selector)
             await cdp.call("Input.insertText", {"text": value})
-        aid = await self._audit(tenant, sandbox_id, cid, "allow", detail)
         log.info("sandbox=%s credential %s filled into %s on %s (audit %d)", sandbox_id, body.credential,
                  body.selector[:80], origin, aid)
         return FillResult(credential=body.credential, origin=origin, selector=body.selector, audit_id=aid)
 
     def forget(self, sandbox_id: str) -> None:
-        """Drop what was filled for a sandbox (it is gone from this node): the manager's ``on_leave`` hook."""
-        self._filled.pop(sandbox_id, None)
-        self.computer.masked.pop(sandbox_id, None)
+        """Drop what was filled for a sandbox (it is gone from this node): the manager's ``on_leave`` hook.
+        Wherever it runs next, the node re-arms from the durable record (:mod:`.fill_memory`)."""
+        self.fills.forget(sandbox_id)
 
 
 def add_fill_route(app: FastAPI, manager: SandboxManager, computer: Computer) -> Filler:
     """Mount ``POST /internal/v1/sandboxes/{id}/computer/fill`` on the data-plane app; the manager forgets a
-    sandbox's filled values and masks when it leaves the node (deleted, suspended, moved away, failed)."""
+    sandbox's filled values and masks when it leaves the node (deleted, suspended, moved away, failed), and the
+    node it runs on next re-arms them from the record."""
     filler = Filler(manager, computer)
     manager.on_leave.append(filler.forget)
 

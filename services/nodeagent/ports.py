@@ -36,7 +36,7 @@ import hmac
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpcore
@@ -46,7 +46,7 @@ from httpcore._backends.anyio import AnyIOStream  # httpcore's own anyio stream 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from podbay.asgiproxy import Answer, deny, forwarded_headers, json_error, relay_response, relay_websocket, request_body
-from podbay.errors import PodbayError
+from podbay.errors import PodbayError, Unavailable
 
 from .netfilter import PORTS_MARK
 
@@ -170,10 +170,11 @@ class PortsProxy:
     every other request goes to ``app``."""
 
     def __init__(self, app: ASGIApp, manager: SandboxManager,
-                 redactor: Callable[[str], Callable[[str | bytes], str | bytes] | None] | None = None) -> None:
+                 redactor: Callable[[str], Awaitable[Callable[[str | bytes], str | bytes]]] | None = None) -> None:
         self.app = app
         self.manager = manager
-        # sandbox id -> a transform of WebSocket messages to the client (credential fill's redaction)
+        # sandbox id -> a transform of WebSocket messages to the client (credential fill's redaction), awaited
+        # before the connection is relayed; Unavailable refuses it (503) rather than relay it unredacted
         self.redactor = redactor
         self.token = manager.settings.internal_token.encode()
         self.http = guest_http_client()
@@ -249,17 +250,22 @@ class PortsProxy:
             await resp.aclose()
 
     async def _ws(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
+        sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
+        try:
+            to_client = await self.redactor(sandbox_id) if self.redactor is not None else None
+        except Unavailable as exc:
+            await deny(scope, receive, send, *json_error(503, exc.code, exc.message))
+            return
         try:
             sock = await connect_guest(guest, port)
         except (OSError, TimeoutError):
             await deny(scope, receive, send, *json_error(
                 502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
             return
-        sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
         # The URI names the Host of the handshake only: the socket is connected to the guest already.
         masked = dict(scope.get("headers", [])).get(HOST_HEADER.encode(), b"").decode("latin-1")
         await relay_websocket(scope, receive, send, f"ws://{masked or f'{guest}:{port}'}{path}", {}, sock=sock,
-                              to_client=self.redactor(sandbox_id) if self.redactor is not None else None)
+                              to_client=to_client)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -75,19 +75,23 @@ def test_fill_origin_matching() -> None:
     assert origin_host_allowed(["example.com"], "about:blank")[1] is False
 
 
-def test_the_redactor_hides_filled_values_from_then_on() -> None:
+async def test_the_redactor_hides_filled_values_from_then_on() -> None:
     from podbay_nodeagent.computer_fill import REDACTED, Filler
+    from podbay_nodeagent.fill_memory import Filled, FillMemory
+
+    async def nothing_recorded(sandbox_id: str) -> Filled:
+        return Filled()
 
     filler = Filler.__new__(Filler)  # only its memory of filled values is used here
-    filler._filled = {}
-    redact = filler.redactor("sbx_a")
+    filler.fills = FillMemory(nothing_recorded)
+    redact = await filler.redactor("sbx_a")
     secret = 'p"w\\1'
     msg = json.dumps({"id": 3, "result": {"value": secret}})
     assert redact(msg) == msg  # nothing filled yet
-    filler._filled.setdefault("sbx_a", set()).add(secret)
+    filler.fills.add("sbx_a", secret, "#pw")
     assert secret not in redact(msg) and json.dumps(secret)[1:-1] not in redact(msg) and REDACTED in redact(msg)
     assert redact(b"binary " + secret.encode()) == b"binary " + secret.encode()  # CDP is text; bytes pass
-    assert filler.redactor("sbx_b")(msg) == msg  # another sandbox's stream is untouched
+    assert (await filler.redactor("sbx_b"))(msg) == msg  # another sandbox's stream is untouched
 
 
 def test_a_bad_mouse_action_is_an_invalid_request_naming_the_field() -> None:

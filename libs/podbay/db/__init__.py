@@ -2,7 +2,11 @@
 
 Migrations are plain SQL files in ``migrations/`` named ``NNNN_name.sql``; ``migrate`` applies each one
 once, in order, inside a transaction, under an advisory lock so concurrent starters do not race.
-asyncpg errors are converted to ``podbay.errors`` with ``raise ... from``.
+asyncpg errors are converted to ``podbay.errors`` with ``raise ... from``:
+
+    PodbayError
+    ├── Unavailable       503 unavailable      retryable (the server did not answer within the start-up window)
+    └── DatabaseRefused   503 database_refused (the server answered and refused the login: not retried)
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from importlib import resources
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from podbay.errors import Unavailable
+from podbay.errors import PodbayError, Unavailable
 
-__all__ = ["connect_pool", "migrate", "MIGRATION_LOCK_ID", "transaction"]
+__all__ = ["connect_pool", "DatabaseRefused", "migrate", "MIGRATION_LOCK_ID", "transaction"]
 
 log = logging.getLogger("podbay.db")
 
@@ -40,14 +44,38 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     except ``migrate``'s, which it releases itself."""
 
 
+class DatabaseRefused(PodbayError):
+    """PostgreSQL answered and refused the login: wrong password, no such role or database, no ``pg_hba.conf``
+    entry, no CONNECT privilege. Not retryable: waiting does not change the DSN (``PODBAY_PG_DSN``)."""
+
+    code = "database_refused"
+    http_status = 503
+
+
+#: Errors that waiting does not cure (SQLSTATE 28000, 28P01, 3D000, 42501). Everything else that
+#: ``create_pool`` raises (connection refused, "the database system is starting up" 57P03, too many
+#: connections) may pass while the server starts, and is retried.
+_REFUSED: tuple[type[BaseException], ...] = (
+    asyncpg.InvalidAuthorizationSpecificationError,  # includes InvalidPasswordError; no such role; pg_hba
+    asyncpg.InvalidCatalogNameError,  # no such database
+    asyncpg.InsufficientPrivilegeError,  # CONNECT revoked
+)
+_TRANSIENT = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    return isinstance(exc, _TRANSIENT) and not isinstance(exc, _REFUSED)
+
+
 async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, timeout_s: float = 30.0) -> asyncpg.Pool:
     """Open a pool (jsonb decoded to Python, no reset query at release: ``_keep_session``), retrying while the
-    server starts; ``Unavailable`` after ``timeout_s``."""
+    server starts (connection refused, starting up); ``Unavailable`` after ``timeout_s``. ``DatabaseRefused`` at
+    the first refused login (wrong password, no such role or database), which no retry would cure."""
     try:
         async for attempt in AsyncRetrying(
             stop=stop_after_delay(timeout_s),
             wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type((OSError, asyncpg.PostgresError, asyncpg.InterfaceError)),
+            retry=retry_if_exception(_worth_retrying),
             reraise=True,
         ):
             with attempt:
@@ -55,7 +83,12 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, timeo
                                                  reset=_keep_session)
                 assert pool is not None
                 return pool
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except _REFUSED as exc:
+        raise DatabaseRefused(
+            f"PostgreSQL at {_redact(dsn)} refused the login: {exc} (check the user, password and database "
+            "in PODBAY_PG_DSN)"
+        ) from exc
+    except _TRANSIENT as exc:
         raise Unavailable(f"PostgreSQL at {_redact(dsn)} did not answer: {exc}") from exc
     raise AssertionError("unreachable")
 

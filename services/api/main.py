@@ -4,6 +4,10 @@
     podbay-api migrate                         apply database migrations and exit
     podbay-api create-key --tenant T --name N  create tenant T if needed and print {"tenant_id", "key_id", "key"}
     podbay-api openapi                         print the OpenAPI document
+
+``create-key`` and ``migrate`` connect to ``PODBAY_PG_DSN``. When it is set neither in the environment nor in
+``PODBAY_CONFIG_FILE``, they use the PostgreSQL of the dev stack that ``podbay up`` runs on this data dir (the
+DSN it recorded in ``DATA_DIR/stack.json``, as ``podbay status`` finds the stack), saying so on stderr.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import sys
 import uvloop
 
 from podbay import db
-from podbay.config import ConfigError, get_settings
+from podbay.config import ConfigError, Settings, get_settings
+from podbay.devstack.supervisor import STATE_FILE, stack_env
 from podbay.errors import PodbayError
 from podbay.telemetry import setup_logging
 
@@ -27,9 +32,21 @@ from .serving import serve
 __all__ = ["main"]
 
 
+def _admin_dsn(settings: Settings) -> str:
+    """The DSN ``create-key`` and ``migrate`` use: ``PODBAY_PG_DSN`` when configured (environment or file),
+    else the running dev stack's (its ``stack.json`` in ``data_dir``; a note on stderr), else the default."""
+    if "pg_dsn" in settings.model_fields_set:
+        return settings.pg_dsn
+    dsn = stack_env(settings).get("PODBAY_PG_DSN")
+    if not dsn:
+        return settings.pg_dsn
+    print(f"podbay-api: PODBAY_PG_DSN is not set; using the dev stack's PostgreSQL "
+          f"(from {settings.data_dir / STATE_FILE})", file=sys.stderr)
+    return dsn
+
+
 async def _create_key(tenant: str, name: str) -> dict[str, str]:
-    settings = get_settings()
-    pool = await db.connect_pool(settings.pg_dsn, min_size=1, max_size=2)
+    pool = await db.connect_pool(_admin_dsn(get_settings()), min_size=1, max_size=2)
     try:
         await db.migrate(pool)
         async with pool.acquire() as conn, conn.transaction():
@@ -41,7 +58,7 @@ async def _create_key(tenant: str, name: str) -> dict[str, str]:
 
 
 async def _migrate() -> list[str]:
-    pool = await db.connect_pool(get_settings().pg_dsn, min_size=1, max_size=2)
+    pool = await db.connect_pool(_admin_dsn(get_settings()), min_size=1, max_size=2)
     try:
         return await db.migrate(pool)
     finally:

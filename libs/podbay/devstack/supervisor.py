@@ -54,7 +54,7 @@ from podbay.devstack.stack import (
     unmount_node_stores,
 )
 
-__all__ = ["PartStatus", "PartRecord", "StackState", "up", "down", "status", "read_state", "stack_env"]
+__all__ = ["PartStatus", "PartRecord", "StackState", "STATE_FILE", "up", "down", "status", "read_state", "stack_env"]
 
 STATE_FILE = "stack.json"
 LOCK_FILE = "stack.lock"

@@ -130,7 +130,8 @@ async def _serve(stop: asyncio.Event) -> None:
     driver = await VmDriver.create(settings, store)
     manager = SandboxManager(settings, pool, bus, relay, store, driver, net)
     objstore_cm = open_store(settings)
-    manager.suspend_ops = SuspendOps(manager, await objstore_cm.__aenter__())
+    manager.objects = await objstore_cm.__aenter__()
+    manager.suspend_ops = SuspendOps(manager, manager.objects)
     manager.templates = await driver.import_templates(pool)
     manager.templates.update(await driver.load_built_templates(pool))
     if not manager.templates:

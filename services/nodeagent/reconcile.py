@@ -68,7 +68,7 @@ async def reconcile(mgr: SandboxManager) -> None:
                 log.info("sandbox %s: waiting for its %s command to be redelivered", sid, r["op_kind"] or "fork")
             elif r["state"] == "starting":
                 async with mgr.lock(sid):
-                    await mgr._create_locked(CreateSandboxCmd(
+                    await mgr.creates.create_locked(CreateSandboxCmd(
                         operation_id=r["op_id"] or "", sandbox_id=sid, tenant_id=r["tenant_id"],
                         template=r["template"], template_digest=r["template_digest"],
                         generation=r["generation"], resources=res, hostname=r["hostname"]),

@@ -21,7 +21,7 @@ from .template import MACHINE, TEMPLATES, TemplateSnapshot
 from .vmdriver import TemplateImage
 
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .registry import VmRegistry
 
 __all__ = ["fetch_promoted"]
 
@@ -32,7 +32,7 @@ log = logging.getLogger("podbay.nodeagent.template_fetch")
 _locks: dict[tuple[str, str, str], asyncio.Lock] = {}
 
 
-async def fetch_promoted(m: SandboxManager, name: str, digest: str) -> TemplateImage | None:
+async def fetch_promoted(m: VmRegistry, name: str, digest: str) -> TemplateImage | None:
     """Build ``digest`` of ``name`` from object storage into this node's store, or None when it was never
     promoted. Raises ``NotFound`` when this node lacks the build of the root it was made on (or the build was
     made for another machine), ``SnapshotCorrupt`` or ``StorageError`` when an object is missing, corrupt or
@@ -51,7 +51,7 @@ async def fetch_promoted(m: SandboxManager, name: str, digest: str) -> TemplateI
             except NotFound as exc:
                 raise NotFound(f"template {name!r} build {digest[:12]} was built on {root[0]!r} build "
                                f"{root[1][:12]}, which node {m.node_id} does not hold") from exc
-            res = await fetch_template(m.pool, m.suspend_ops.store, m.settings, name, digest, dest,
+            res = await fetch_template(m.pool, m.objects, m.settings, name, digest, dest,
                                        root_dir=root_img.snapshot.dir)
             log.info("template %s (%s) fetched from object storage: %d of %d chunks downloaded (%.1f MiB)",
                      name, digest[:12], res.chunks_downloaded, res.chunks, res.downloaded_bytes / 2**20)

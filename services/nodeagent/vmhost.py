@@ -1,10 +1,11 @@
-"""The VMs a node agent runs, and what its operation modules may ask of their owner.
+"""The VMs a node agent runs, and what its operation modules may ask of the registry that owns them.
 
 :class:`RunningVm` and :class:`HibernatedVm` are the registry's entries. :class:`VmHost` is the interface the
-operation modules (migrate.py, snapshots.py, suspend.py, warm.py) are written against: the node's shared parts and the
-registry's public methods. :class:`services.nodeagent.sandboxes.SandboxManager` is the one implementation;
-a module that takes a ``VmHost`` imports this module, not the manager, so the manager can build it without
-an import cycle, and a unit test can hand it a fake.
+operation modules (create.py, pause.py, delete.py, migrate.py, snapshots.py, suspend.py, warm.py) are written
+against: the node's shared parts and the registry's public methods. :class:`services.nodeagent.registry.VmRegistry`
+implements it (services/nodeagent/sandboxes.py wires the operations on top of it); a module that takes a
+``VmHost`` imports this module, not the registry's implementation, so the operation modules need none of each
+other, and a unit test can hand them a fake.
 """
 
 from __future__ import annotations
@@ -60,16 +61,21 @@ class HibernatedVm:
 
 class Snapshots(Protocol):
     """What another operation module may ask of the node's snapshot handlers (services/nodeagent/snapshots.py
-    implements it); a suspend takes its full snapshot through it."""
+    implements it); a suspend takes its full snapshot through it, a delete discards them through it."""
 
     async def take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
         """Take snapshot ``snapshot_id`` (its row ``creating``; the caller holds the sandbox's lock): an error
         message, or None once it is ``ready``."""
         ...
 
+    async def discard(self, sandbox_id: str) -> None:
+        """Remove a deleted sandbox's snapshot files and mark its snapshots deleted (pinned promoted ones
+        stay)."""
+        ...
+
 
 class VmHost(Protocol):
-    """The node's VMs and shared parts, as an operation module sees them (``SandboxManager`` implements it)."""
+    """The node's VMs and shared parts, as an operation module sees them (``VmRegistry`` implements it)."""
 
     settings: Settings
     pool: asyncpg.Pool
@@ -96,6 +102,10 @@ class VmHost(Protocol):
         """The sandbox's lock: every operation on one sandbox holds it."""
         ...
 
+    def forget_lock(self, sandbox_id: str) -> None:
+        """Drop the lock of a sandbox that is gone from this node for good (deleted)."""
+        ...
+
     async def template(self, name: str, digest: str) -> TemplateImage:
         """The build ``digest`` of template ``name`` (``NotFound`` when no store holds it)."""
         ...
@@ -113,7 +123,7 @@ class VmHost(Protocol):
     async def bring_up(self, sandbox_id: str, generation: int, resources: Resources, hostname: str, tenant_id: str,
                        *, template: str, template_digest: str, snapshot_dir: Path | None, operation_id: str,
                        event: str, kind: str, boot_disk: Path | None = None, data: dict[str, object] | None = None,
-                       from_state: str = "starting") -> bool:
+                       from_state: str = "starting", disk_bytes: int | None = None) -> bool:
         """Start the sandbox's VM from a snapshot (or ``boot_disk``), run the after-restore hygiene, record it
         running with ``event`` and adopt it; on failure the sandbox is failed. True when it runs."""
         ...
@@ -121,6 +131,11 @@ class VmHost(Protocol):
     async def mark_failed(self, sandbox_id: str, generation: int, reason: str, *, operation_id: str | None = None,
                           from_states: tuple[str, ...] = ("starting", "running", "paused")) -> None:
         """Record the sandbox ``failed`` with ``reason`` (fenced by ``from_states`` and ``generation``)."""
+        ...
+
+    async def continue_vm(self, vm: RunningVm) -> None:
+        """Let a stopped VM run, connect its channel if it has none, and give the guest the time and any
+        pending network settings."""
         ...
 
     async def wake_hibernated(self, sandbox_id: str) -> None:

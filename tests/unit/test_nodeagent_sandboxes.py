@@ -1,5 +1,6 @@
-"""The node agent's create, pause and resume, delete and VM registry (services/nodeagent/sandboxes.py) against a
-fake VMM, a fake guest and a fake database (tests/unit/fakes_nodeagent.py). The same operations on real VMs:
+"""The node agent's create, pause and resume, delete and VM registry (services/nodeagent/create.py, pause.py,
+delete.py and registry.py, through sandboxes.py's ``SandboxManager`` that wires them) against a fake VMM, a fake
+guest and a fake database (tests/unit/fakes_nodeagent.py). The same operations on real VMs:
 tests/e2e/test_sandbox_api.py, test_lease.py, test_vm_death.py."""
 
 from __future__ import annotations

@@ -378,7 +378,7 @@ class TemplateBuilder:
             if d.name in keep or d.name.startswith("."):
                 continue
             await asyncio.to_thread(shutil.rmtree, d, True)
-            self.m._older_templates.pop((name, d.name), None)
+            self.m.forget_template_build(name, d.name)
             gone.append(d.name)
         if gone:
             log.info("template %s: removed %d build(s) nothing uses: %s", name, len(gone),

@@ -8,6 +8,9 @@
     │   ├── InvalidVolumePath 400  invalid_volume_path (not absolute, or shadows a system directory)
     │   └── VolumeTooLarge    400  volume_too_large  (over the node's limit; ``details.max_bytes``)
     ├── Unauthorized          401  unauthorized
+    ├── Forbidden             403  forbidden  (the caller is known but may not do this)
+    │   └── NotWritable       403  not_writable (a file write the guest refused: read-only or pseudo file system
+    │                                           such as /proc or /sys, or no permission; ``details.path``)
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
     │   ├── InvalidState      409  invalid_state (carries the current state)
@@ -51,6 +54,7 @@ __all__ = [
     "LimitExceeded",
     "Unauthorized",
     "Forbidden",
+    "NotWritable",
     "NotFound",
     "Conflict",
     "InvalidState",
@@ -134,6 +138,14 @@ class Forbidden(PodbayError):
 
     code = "forbidden"
     http_status = 403
+
+
+class NotWritable(Forbidden):
+    """A file write inside a sandbox that cannot succeed: the path lies on a read-only or pseudo file system
+    (``/proc``, ``/sys``: its directory takes no new files) or the sandbox user may not write it
+    (``details.path``)."""
+
+    code = "not_writable"
 
 
 class NotFound(PodbayError):
@@ -270,6 +282,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         IdempotencyKeyReused,
         Unauthorized,
         Forbidden,
+        NotWritable,
         NotFound,
         Conflict,
         InvalidState,

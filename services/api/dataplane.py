@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from podbay.contracts import subjects
-from podbay.contracts.api import ExecRequest, ExecResult, FileInfo, FileList
+from podbay.contracts.api import ErrorBody, ExecRequest, ExecResult, FileInfo, FileList
 from podbay.contracts.states import SandboxCommand, check_allowed
 from podbay.contracts.messages import Event
 from podbay.errors import NotFound, Unavailable
@@ -224,11 +224,16 @@ async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep,
                         params={"path": path}, stream_response=True)
 
 
-@router.put("/files", response_model=FileInfo)
+@router.put("/files", response_model=FileInfo, responses={403: {
+    "model": ErrorBody,
+    "description": "`not_writable`: the guest refused the write (a read-only or pseudo file system such as "
+                   "/proc or /sys, or no permission); `details.path` names the file."}})
 async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep,
                      mode: str = Query("0644", pattern=r"^0?[0-7]{3,4}$")) -> Response:
     """Write the raw request body to ``path`` (atomically: temp file then rename; missing parent directories
-    are made); answers its ``FileInfo``."""
+    are made); answers its ``FileInfo``. 403 ``not_writable`` when the guest refuses the write: ``/proc/version``
+    and other files of ``/proc`` and ``/sys`` (no file can be made beside them), a read-only file system, or
+    a file the sandbox's user may not write. 400 ``invalid_request`` for a directory or a device."""
     base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.write", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="PUT",
                         params={"path": path, "mode": mode}, stream_body=True)

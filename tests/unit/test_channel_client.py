@@ -15,7 +15,7 @@ from podbay.channel import frames
 from podbay.channel.client import ChannelClosed, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, Timeout
+from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable, Timeout
 
 Handler = Callable[["FakeGuest", int, dict[str, Any]], Awaitable[None]]
 
@@ -416,6 +416,37 @@ async def test_write_stops_when_the_guest_fails_early(guest: FakeGuest, ch: Gues
         await never.wait()
         yield b"y"
 
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.ERROR, sid, {"code": "not_found", "message": "no such file"})
+
     guest.handlers["write"] = write
+    guest.handlers["stat"] = stat
     with pytest.raises(NotFound):
         await ch.write_file("/missing/f", source())
+
+
+async def test_a_write_to_an_existing_file_that_is_not_found_is_not_writable(
+        guest: FakeGuest, ch: GuestChannel) -> None:
+    # guestd's temp file beside /proc/version cannot be made (ENOENT), yet /proc/version is there.
+    async def write(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.ERROR, sid, {"code": "not_found", "message": "/proc/version: No such file or directory"})
+
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.RESULT, sid, _stat(args["path"]))
+
+    guest.handlers["write"] = write
+    guest.handlers["stat"] = stat
+    with pytest.raises(NotWritable) as info:
+        await ch.write_file("/proc/version", b"x")
+    assert info.value.code == "not_writable" and info.value.http_status == 403
+    assert "/proc/version is not writable" in info.value.message and "No such file" not in info.value.message
+    assert info.value.details == {"path": "/proc/version", "guest_code": "permission_denied"}
+
+
+async def test_a_write_refused_for_permission_is_not_writable(guest: FakeGuest, ch: GuestChannel) -> None:
+    async def write(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send_json(FrameType.ERROR, sid, {"code": "permission_denied", "message": "/etc/shadow: Permission denied"})
+
+    guest.handlers["write"] = write
+    with pytest.raises(NotWritable, match="/etc/shadow is not writable: /etc/shadow: Permission denied"):
+        await ch.write_file("/etc/shadow", b"x")

@@ -22,7 +22,7 @@ from podbay.channel import frames
 from podbay.channel.client import ChannelClosed, ExecProcess, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound
+from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="guestd tests switch users and need root")
 
@@ -264,6 +264,16 @@ async def test_write_with_parents_makes_missing_directories(ch: GuestChannel, tm
     st = await ch.write_file(str(tmp_path / "a" / "b" / "f"), b"x", user="nobody", parents=True)
     assert (tmp_path / "a" / "b" / "f").read_bytes() == b"x" and st["uid"] == 65534
     assert (tmp_path / "a").stat().st_uid == 65534 and (tmp_path / "a" / "b").stat().st_uid == 65534
+
+
+async def test_a_write_to_proc_version_is_not_writable(ch: GuestChannel, tmp_path: Path) -> None:
+    # /proc takes no new names, so the temp file beside /proc/version fails with ENOENT: the answer must
+    # say the file is not writable, not that it does not exist.
+    with pytest.raises(NotWritable, match="/proc/version is not writable") as info:
+        await ch.write_file("/proc/version", b"x", parents=True)
+    assert info.value.details["path"] == "/proc/version" and "No such file" not in info.value.message
+    with pytest.raises(NotFound):  # a file truly missing stays not found
+        await ch.write_file(str(tmp_path / "missing-dir" / "f"), b"x")
 
 
 async def test_stat_list_mkdir_remove(ch: GuestChannel, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@
     [e.name for e in await ch.list_dir("/tmp")]
 
 Errors as for every request (``podbay.channel.transport``): NotFound, InvalidRequest (is_a_directory,
-not_a_directory), Conflict (exists), GuestError, Timeout, ChannelClosed.
+not_a_directory), Conflict (exists), GuestError, Timeout, ChannelClosed; a write the guest refuses is
+NotWritable (403 ``not_writable``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from podbay.contracts.channel import (
     RemoveRequest,
     RemoveResult,
 )
-from podbay.errors import GuestError
+from podbay.errors import GuestError, NotFound, NotWritable, PodbayError
 
 __all__ = ["FileOps"]
 
@@ -72,7 +73,30 @@ class FileOps(Transport):
         """Write a file atomically (temp file + rename; ``append`` writes in place) -> FileStat dict.
         With ``parents`` the guest first makes missing parent directories (a guest older than that option
         ignores it). Raises NotFound (missing parent), InvalidRequest (is_a_directory, not_a_directory, an
-        existing path that is not a regular file), GuestError (permission_denied, ...), Timeout."""
+        existing path that is not a regular file), NotWritable (permission denied, read-only file system, or
+        an existing file whose directory takes no new files: ``/proc``, ``/sys``), GuestError, Timeout."""
+        try:
+            return await self._write_file(path, data, mode, append=append, user=user, parents=parents,
+                                          xattrs=xattrs)
+        except NotFound as exc:
+            # guestd writes a temp file beside the target, then renames it. On /proc and /sys the temp file
+            # cannot be made (ENOENT: those directories take no new names), so "not found" comes back for a
+            # file that is there. Only a stat tells the two apart; it runs on this error path alone.
+            try:
+                await self.stat(path)
+            except PodbayError:
+                raise exc from None
+            raise NotWritable(f"{path} is not writable: its file system takes no new files there (a pseudo "
+                              "file system such as /proc or /sys)",
+                              details={"path": path, "guest_code": "permission_denied"}) from exc
+        except GuestError as exc:
+            if exc.details.get("guest_code") != "permission_denied":
+                raise
+            raise NotWritable(f"{path} is not writable: {exc.message}",
+                              details={"path": path, "guest_code": "permission_denied"}) from exc
+
+    async def _write_file(self, path: str, data: bytes | AsyncIterable[bytes], mode: int, *, append: bool,
+                          user: str | int | None, parents: bool, xattrs: dict[str, str] | None) -> dict[str, Any]:
         args: dict[str, Any] = {"path": path, "mode": mode, "append": append}
         if parents:
             args["parents"] = True

@@ -45,6 +45,18 @@ NO_CAPACITY_RESPONSE: dict[str, Any] = {
     "headers": {"Retry-After": {"description": "With `no_capacity`: seconds to wait before trying again.",
                                 "schema": {"type": "integer"}}},
 }
+#: OpenAPI: the client errors a create answers (besides 503 ``NO_CAPACITY_RESPONSE``), each as ``ErrorBody``.
+CREATE_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "`invalid_request`: resources the template's snapshot cannot restore "
+                                             "with; `invalid_volume_path`."},
+    404: {"model": ErrorBody, "description": "`not_found`: unknown template or volume."},
+    409: {"model": ErrorBody, "description": "`volume_in_use`: a volume is attached read-write elsewhere."},
+    422: {"model": ErrorBody, "description": "`invalid_disk_size`: `disk_mib` below the template's disk or over "
+                                             "`PODBAY_SANDBOX_MAX_DISK_MIB` (`details`: `disk_mib`, "
+                                             "`template_disk_mib` or `max_disk_mib`); `idempotency_key_reused`: the "
+                                             "key came with another body; `validation_error`: a body the model "
+                                             "refuses (`details.errors`)."},
+}
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
 
@@ -57,7 +69,7 @@ def _answer(response: Response, outcome: tuple[SandboxInfo, bool]) -> SandboxInf
 
 
 @router.post("/sandboxes", status_code=201, response_model=SandboxInfo,
-             responses={202: {"model": SandboxInfo}, 503: NO_CAPACITY_RESPONSE})
+             responses={202: {"model": SandboxInfo}, **CREATE_ERROR_RESPONSES, 503: NO_CAPACITY_RESPONSE})
 async def create_sandbox(
     body: SandboxCreate, ctx: CtxDep, who: PrincipalDep, response: Response,
     wait: bool = Query(True, description="Wait until the sandbox runs (bounded)."),
@@ -77,6 +89,7 @@ async def create_sandbox(
 
     Errors: 404 ``not_found`` (unknown template or volume), 400 ``invalid_request`` (resources the template's
     snapshot cannot restore with), 400 ``invalid_volume_path``, 409 ``volume_in_use`` (services/api/volume_service.py),
+    422 ``invalid_disk_size`` (``disk_mib`` below the template's disk or over ``PODBAY_SANDBOX_MAX_DISK_MIB``),
     503 ``no_capacity`` with ``Retry-After`` (no node had room within the scheduler's
     retry window, ``PODBAY_PLACEMENT_RETRY_S``; the sandbox is ``failed``), 500 ``sandbox_failed`` (with the
     reason), 503 ``unavailable``. With ``?wait=false`` the same outcomes show on the operation

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from podbay.config import Settings
 from podbay.contracts.api import SandboxCreate
 from podbay.contracts.channel import ExecExit, ExecSpec
 from podbay.errors import Unprocessable
 from podbay.sdk import _calls as calls
+from podbay_api.app import create_app
 from podbay_api.sandbox_service import InvalidDiskSize, check_disk_mib
 from podbay_nodeagent.diskgrow import GROW_SCRIPT, DiskGrowError, grow_root
 
@@ -99,3 +101,12 @@ def test_grow_script_waits_for_the_new_capacity_then_resizes() -> None:
     out = subprocess.run(["sh", "-n", "-c", GROW_SCRIPT], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "/sys/block/vda/size" in GROW_SCRIPT and "resize2fs /dev/vda" in GROW_SCRIPT
+
+
+def test_the_create_route_documents_invalid_disk_size() -> None:
+    # The API's OpenAPI document (docs/openapi.json) is what client generators read: a create's 422
+    # invalid_disk_size must be there, in the error shape the API answers with.
+    responses = create_app(Settings()).openapi()["paths"]["/v1/sandboxes"]["post"]["responses"]
+    assert "invalid_disk_size" in responses["422"]["description"]
+    assert responses["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+    assert {"400", "404", "409", "503"} <= set(responses)

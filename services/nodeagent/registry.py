@@ -64,7 +64,8 @@ log = logging.getLogger("podbay.nodeagent.registry")
 
 
 class VmRegistry:
-    """Owns the VMs of one node. ``vms`` maps sandbox id to ``RunningVm``."""
+    """Owns the VMs of one node (``vms``: sandbox id to ``RunningVm``; ``hibernated``: to ``HibernatedVm``) and
+    the node's shared parts; implements ``VmHost`` once the layer above sets ``snapshots``."""
 
     def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: Bus, relay: Relay, store: NodeStore,
                  driver: VmDriver, net: SandboxNetwork) -> None:

@@ -5,8 +5,8 @@ both start the services the same way: each by its console script next to ``sys.e
 (``podbay-api``, ``podbay-scheduler``, ``podbay-nodeagent``, ``podbay-snapshotter``, ``podbay-warmpool``; and
 ``podbay-gateway`` from its own virtualenv, see :func:`gateway_executable`), with
 its configuration as ``PODBAY_*`` environment variables, its output in ``<log_dir>/<name>.log``, and
-start-up finished only when ``GET http://127.0.0.1:<port>/healthz`` answers 200. Servers start first, then
-the services one by one in :data:`SERVICES` order (the API first: it applies the migrations).
+start-up finished only when ``GET http://127.0.0.1:<port>/healthz`` answers 200. The servers start first, all
+at once (none needs another); then the API, which applies the migrations; then every other service at once.
 
 Replicas: ``PODBAY_API_REPLICAS``, ``PODBAY_SCHEDULER_REPLICAS`` and ``PODBAY_WARMPOOL_REPLICAS`` (default 1; or
 ``Stack(replicas={...})``) start that many processes of the service. The first is ``api`` (``scheduler``,
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -414,6 +414,26 @@ def guest_ca_for(data_dir: Path, env: dict[str, str]) -> Path | None:
     return path
 
 
+def _run_together(jobs: dict[str, Callable[[], None]], on_ready: Callable[[str], None] | None) -> None:
+    """Run each job in a thread of its own; call ``on_ready(name)`` from this thread as each one finishes.
+
+    Returns once every job has ended, so nothing is still starting when the caller cleans up after a failure;
+    then raises the first failure in ``jobs`` order.
+    """
+    errors: dict[str, BaseException] = {}
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="stack-start") as pool:
+        futures = {pool.submit(job): name for name, job in jobs.items()}
+        for done in as_completed(futures):
+            name = futures[done]
+            if (exc := done.exception()) is not None:
+                errors[name] = exc
+            elif on_ready is not None:
+                on_ready(name)
+    for name in jobs:
+        if name in errors:
+            raise errors[name]
+
+
 #: Seconds a server of a stack that is not durable (tests) gets to stop after its signal before SIGKILL.
 THROWAWAY_SERVER_GRACE_S = 2.0
 
@@ -539,7 +559,6 @@ class Stack(NodeOps):
     def start_servers(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Start (or adopt the external) NATS, PostgreSQL and S3, and build :attr:`env`. A multi-node stack
         refuses external servers on a loopback address: its node namespaces could not reach them."""
-        sdir = self.data_dir / "servers"
         ext = self.external
         if self.network is not None:
             for name, url in (("nats", ext.nats_url), ("postgres", ext.pg_dsn), ("s3", ext.s3_url)):
@@ -547,41 +566,58 @@ class Stack(NodeOps):
                 if host in ("localhost", "::1") or host.startswith("127."):
                     raise StackError(f"external {name} server at {host} is not reachable from the node namespaces "
                                      "of a multi-node stack; give an address they can reach", details={"part": name})
+        # The servers do not need one another: each starts (or is probed) in a thread of its own, so the
+        # stack waits for the slowest (PostgreSQL's initdb) instead of for their sum.
+        jobs: dict[str, Callable[[], None]] = {"nats": self._start_nats, "postgres": self._start_postgres,
+                                               "s3": self._start_s3}
+        self.credential_key = credential_key_for(self.data_dir, self.base_env)
+        self.internal_token = self.internal_token or internal_token_for(self.data_dir, self.base_env)
+        # The credential key: PODBAY_CREDENTIAL_KEY from the caller, else made once and kept in
+        # data_dir/credential.key (mode 0600). An OpenBao server only for PODBAY_CREDENTIAL_BACKEND=openbao.
+        if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") == "openbao":
+            jobs["openbao"] = self._start_openbao
+        try:
+            _run_together(jobs, on_ready)
+        finally:
+            # Completion order put them in any order; stop (reverse order) and status expect this one.
+            order = [*SERVER_NAMES, "openbao"]
+            self.servers = {n: self.servers[n] for n in sorted(self.servers, key=order.index)}
+        self.env = self._service_env()
+
+    def _start_nats(self) -> None:
+        ext = self.external
         if ext.nats_url:
             self._probe_external("nats", srv.probe_nats(ext.nats_url))
             self.nats_url = ext.nats_url
-        else:
-            nats = srv.start_nats(sdir / "nats", self.ports.nats, log_dir=self.log_dir, **self._server_kwargs("nats"))
-            self.servers["nats"], self.nats_url = nats, nats.url
-        self._notify(on_ready, "nats")
+            return
+        nats = srv.start_nats(self.data_dir / "servers" / "nats", self.ports.nats, log_dir=self.log_dir,
+                              **self._server_kwargs("nats"))
+        self.servers["nats"], self.nats_url = nats, nats.url
+
+    def _start_postgres(self) -> None:
+        ext = self.external
         if ext.pg_dsn:
             self._probe_external("postgres", srv.probe_postgres(ext.pg_dsn))
             self.pg_dsn = ext.pg_dsn
-        else:
-            pg = srv.start_postgres(sdir / "postgres", self.ports.pg, log_dir=self.log_dir, durable=self.durable,
-                                    **self._server_kwargs("postgres"))
-            self.servers["postgres"], self.pg_dsn = pg, pg.dsn
-        self._notify(on_ready, "postgres")
+            return
+        pg = srv.start_postgres(self.data_dir / "servers" / "postgres", self.ports.pg, log_dir=self.log_dir,
+                                durable=self.durable, **self._server_kwargs("postgres"))
+        self.servers["postgres"], self.pg_dsn = pg, pg.dsn
+
+    def _start_s3(self) -> None:
+        ext = self.external
         if ext.s3_url:
             keys = (ext.s3_access_key or "", ext.s3_secret_key or "")
             self._probe_external("s3", srv.probe_s3(ext.s3_url, *keys, bucket=self.s3_bucket))
             self.s3_url, self.s3_keys = ext.s3_url, keys
-        else:
-            s3 = srv.start_s3(sdir / "s3", self.ports.s3, log_dir=self.log_dir, bucket=self.s3_bucket,
-                              **self._server_kwargs("s3"))
-            self.servers["s3"], self.s3_url, self.s3_keys = s3, s3.url, (s3.access_key, s3.secret_key)
-        self._notify(on_ready, "s3")
-        self._start_credentials(on_ready)
-        self.env = self._service_env()
-
-    def _start_credentials(self, on_ready: Callable[[str], None] | None) -> None:
-        """The credential key (``PODBAY_CREDENTIAL_KEY`` from the caller, else generated once and kept in
-        ``data_dir/credential.key``, mode 0600) and, for ``PODBAY_CREDENTIAL_BACKEND=openbao`` without an
-        external ``PODBAY_OPENBAO_ADDR``, an OpenBao dev server (in memory: its secrets end with it)."""
-        self.credential_key = credential_key_for(self.data_dir, self.base_env)
-        self.internal_token = self.internal_token or internal_token_for(self.data_dir, self.base_env)
-        if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") != "openbao":
             return
+        s3 = srv.start_s3(self.data_dir / "servers" / "s3", self.ports.s3, log_dir=self.log_dir,
+                          bucket=self.s3_bucket, **self._server_kwargs("s3"))
+        self.servers["s3"], self.s3_url, self.s3_keys = s3, s3.url, (s3.access_key, s3.secret_key)
+
+    def _start_openbao(self) -> None:
+        """For ``PODBAY_CREDENTIAL_BACKEND=openbao``: the external ``PODBAY_OPENBAO_ADDR``, probed, or else an
+        OpenBao dev server (in memory: its secrets end with it)."""
         addr, token = self.base_env.get("PODBAY_OPENBAO_ADDR", ""), self.base_env.get("PODBAY_OPENBAO_TOKEN", "")
         if addr:
             self._probe_external("openbao", probe_openbao(addr, token))
@@ -591,19 +627,24 @@ class Stack(NodeOps):
         bao = start_openbao(self.data_dir / "servers" / "openbao", port, log_dir=self.log_dir)
         self.servers["openbao"] = bao
         self.openbao_port, self.openbao_addr, self.openbao_token = port, bao.addr, bao.token
-        self._notify(on_ready, "openbao")
 
     def start_services(self, on_ready: Callable[[str], None] | None = None) -> None:
-        """Start each service in :data:`SERVICES` order, waiting for its ``/healthz`` before the next."""
+        """Start the API (every replica) and wait for its ``/healthz``, then start all the other services at
+        once and wait for each. The API goes first because it applies the migrations; the others need only
+        the servers, and each declares the streams it uses itself."""
         counts = replica_counts(self.base_env, self.replicas)
+        groups: list[list[ServiceProcess]] = [[], []]
         for spec in SERVICES:
             if self.node_ids and spec.name in NODE_SERVICES:
                 procs = [self._service(spec, node_id=n) for n in self.node_ids]
             else:
                 procs = [self._service(spec, i) for i in range(1, counts.get(spec.name, 1) + 1)]
-            for svc in procs:
+            groups[0 if spec.name == "api" else 1] += procs
+        for group in groups:
+            for svc in group:
                 self.services[svc.name] = svc
                 svc.start()
+            for svc in group:
                 svc.wait_healthy(self.start_timeout_s)
                 self._notify(on_ready, svc.name)
 

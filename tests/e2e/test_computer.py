@@ -3,17 +3,18 @@
 The template is built once per module from ``templates/browser/Dockerfile`` with 1024 MiB, FROM
 ``templates/chromium/Dockerfile`` (whose slow install comes from the host's build cache, cache_dir/layers,
 after the first build on a machine; the browser's build boots its disk once with that memory), and one
-sandbox of it serves the tests: its snapshot already holds a running Chromium with CDP on guest port 9222. A page is served in the
-sandbox by another process (``python3 -m http.server``). Checked: a screenshot is a PNG of the browser's
-window size; Playwright (the Python package, no browser of its own) connects over CDP through the API's
-port edge and reads the page's title; mouse and keyboard input through the API reach the page; a sandbox
-of a template without a browser answers 409 ``no_browser``. Credential fill: the node types a stored
-credential into a password field of a login page served in the sandbox (the page sees its length and
-character sum), while the agent's CDP stream shows it redacted and a scan of the guest's process
-environments, command lines and files (outside the swap file) finds none of it; a page of another origin,
-an unknown or out-of-scope credential and a missing selector are refused and type nothing, each audited; the
-API's screenshot shows the password field's box before the fill and masks it (opaque black) after it, and
-leaves the other field alone.
+sandbox of it serves the tests: its snapshot already holds a running Chromium with CDP on guest port 9222. A
+page is served in the sandbox by another process (``python3 -m http.server``). The tests share one Playwright
+connection (the Python package, no browser of its own) to the sandbox's tab, over CDP through the API's port
+edge, and each page load is one the checks need: under TCG a connection and a page load each cost seconds to
+tens of seconds. Checked: a screenshot is a PNG of the browser's window size; Playwright reads the page's
+title; mouse and keyboard input through the API reach the page; a sandbox of a template without a browser
+answers 409 ``no_browser``. Credential fill: the node types a stored credential into a password field of a
+page served in the sandbox (the page sees its length and character sum), while the agent's CDP stream shows it
+redacted and a scan of the guest's process environments, command lines and files (outside the swap file) finds
+none of it; a page of another origin, an unknown or out-of-scope credential and a missing selector are refused
+and type nothing, each audited; the API's screenshot shows the password field's box before the fill and masks
+it (opaque black) after it, and leaves the other field alone.
 """
 
 from __future__ import annotations
@@ -34,10 +35,15 @@ from podbay.sdk import Client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
+#: The one page of the tests: a text field and a key log for the input checks, and a login form for the fill
+#: (``#seen`` shows the length and character sum of what the password field received).
 PAGE = """<!doctype html><html><head><title>podbay computer e2e</title></head>
 <body style="margin:0"><input id="q" style="position:absolute;left:0;top:0;width:400px;height:40px">
 <div id="keys" style="position:absolute;top:60px"></div>
+<div style="position:absolute;top:100px"><input id="user"><input id="pw" type="password"><div id="seen"></div></div>
 <script>document.addEventListener("keydown", e => { document.getElementById("keys").textContent += e.key + ","; });
+document.getElementById("pw").addEventListener("input", e => { const v = e.target.value;
+  document.getElementById("seen").textContent = v.length + ":" + [...v].reduce((a, c) => a + c.charCodeAt(0), 0); });
 </script></body></html>
 """
 
@@ -94,17 +100,45 @@ def site(stack: Any, sandbox: str) -> str:
     return "http://127.0.0.1:8000/"
 
 
-LOGIN = """<!doctype html><html><head><title>login</title></head><body>
-<input id="user"><input id="pw" type="password"><div id="seen"></div>
-<script>document.getElementById("pw").addEventListener("input", e => { const v = e.target.value;
-  document.getElementById("seen").textContent = v.length + ":" + [...v].reduce((a, c) => a + c.charCodeAt(0), 0); });
-</script></body></html>
-"""
+def _other_origin(site: str) -> str:
+    """The same page from another origin (``localhost`` instead of ``127.0.0.1``): the same server."""
+    return site.replace("127.0.0.1", "localhost")
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Any]:
+    """Playwright's sync API, started once for the module (it cannot be started twice at a time)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def tab(stack: Any, sandbox: str, playwright: Any) -> Iterator[Any]:
+    """The sandbox's browser tab as an agent drives it: a Playwright ``Page`` of a connection over CDP through
+    the API's port edge, shared by the tests (each connection costs seconds under TCG). Closing the connection
+    disconnects; the sandbox's browser keeps running."""
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
+        browser = playwright.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
+    try:
+        page = browser.contexts[0].pages[0]
+        page.set_default_timeout(120_000)  # a bound, not a timing assertion: Chromium runs under TCG
+        yield page
+    finally:
+        browser.close()
+
+
 SECRET = "pb-fill-Secret-7c1e9a42d0"
 # Run in the guest with the secret in two halves (so this scan's own command line does not hold it):
-# prints the places outside the swap file where the whole value is found.
+# prints the places outside the swap file (/swapfile) where the whole value is found. The files are searched
+# by one grep (every regular file under the tops, whatever its size; -r follows no symbolic link found on
+# the way, as os.walk does not), which reads the value from its stdin, so that no process's command line,
+# environment or file holds it (one process in C: in a Python walk, every file's open and read is
+# interpreted, which TCG makes slow). grep's errors are hits too (a scan that could not look must not pass),
+# but for a file removed while it ran.
 SCAN = r"""
-import os, sys
+import os, subprocess, sys
 needle = (sys.argv[1] + sys.argv[2]).encode()
 hits = []
 for pid in os.listdir("/proc"):
@@ -115,15 +149,13 @@ for pid in os.listdir("/proc"):
                     hits.append(f"/proc/{pid}/{part}")
             except OSError:
                 pass
-for top in ("/etc", "/home", "/root", "/tmp", "/srv", "/var", "/opt", "/run"):
-    for d, _, files in os.walk(top):
-        for f in files:
-            p = os.path.join(d, f)
-            try:
-                if os.path.isfile(p) and not os.path.islink(p) and os.path.getsize(p) < 64 << 20 and needle in open(p, "rb").read():
-                    hits.append(p)
-            except OSError:
-                pass
+tops = ["/etc", "/home", "/root", "/tmp", "/srv", "/var", "/opt", "/run"]
+r = subprocess.run(["grep", "-r", "-l", "-a", "-F", "-f", "-", "--", *[t for t in tops if os.path.isdir(t)]],
+                   input=needle + b"\n", capture_output=True)
+hits += r.stdout.decode(errors="replace").splitlines()
+if r.returncode not in (0, 1):
+    hits += [f"grep: {e}" for e in r.stderr.decode(errors="replace").splitlines()
+             if not e.endswith("No such file or directory")] or [f"grep exited {r.returncode}"]
 print("\n".join(hits))
 """
 
@@ -146,46 +178,32 @@ def _all_mask(png: bytes, box: Any) -> bool:
     return all(img.getpixel((x, y)) == (0, 0, 0) for x in xs for y in ys)
 
 
-def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str) -> None:
-    from playwright.sync_api import sync_playwright
-
+def test_screenshot_is_a_png_of_the_viewport_size(stack: Any, sandbox: str, tab: Any) -> None:
     with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
         png = c.screenshot(sandbox)
-        with sync_playwright() as p:  # the page's own idea of its viewport (the window less its frame)
-            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
-            try:
-                size = browser.contexts[0].pages[0].evaluate("[innerWidth, innerHeight]")
-            finally:
-                browser.close()
+    size = tab.evaluate("[innerWidth, innerHeight]")  # the page's own idea of its viewport (the window less its frame)
     assert _png_size(png) == tuple(size) and size[0] == 1280  # --window-size=1280,720
     assert png.endswith(b"IEND\xaeB`\x82")  # whole: the last chunk is there
 
 
-def test_playwright_reads_the_title_and_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str) -> None:
-    # One test, one navigation: a page load under TCG costs tens of seconds, and the input checks need the
-    # page that Playwright has just loaded anyway.
-    from playwright.sync_api import sync_playwright
-
+def test_playwright_reads_the_title_and_mouse_and_keyboard_reach_the_page(stack: Any, sandbox: str, site: str,
+                                                                         tab: Any) -> None:
+    # One navigation: a page load under TCG costs tens of seconds, and the input checks need the page that
+    # Playwright has just loaded anyway. From the other origin, where the fill test's refusal of a wrong
+    # origin finds the tab next.
     with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
-        ep = c.cdp(sandbox)
+        ep = c.cdp(sandbox)  # the endpoint that ``tab`` connected to
         assert ep.url.startswith("ws://") and "/devtools/browser/" in ep.url and ep.port == 9222
-        with sync_playwright() as p:
-            browser = p.chromium.connect_over_cdp(ep.url, timeout=120_000)
-            try:
-                page = browser.contexts[0].pages[0] if browser.contexts[0].pages else browser.contexts[0].new_page()
-                page.set_default_timeout(120_000)  # a bound, not a timing assertion: Chromium runs under TCG
-                page.goto(site)
-                assert page.title() == "podbay computer e2e"
+        tab.goto(_other_origin(site))
+        assert tab.title() == "podbay computer e2e"
 
-                assert c.mouse(sandbox, "click", 100, 20).events == 3  # move, press, release: focus the input
-                assert c.keyboard(sandbox, text="hello").events == 1
-                c.keyboard(sandbox, keys=["Shift+a", "Enter"])
-                assert c.mouse(sandbox, "scroll", 100, 100, delta_y=50).events == 1
-                assert c.mouse(sandbox, "drag", 10, 10, to_x=200, to_y=30, steps=4).events == 7
-                assert page.input_value("#q") == "helloA"
-                assert page.text_content("#keys") == "Shift,A,Enter,"
-            finally:
-                browser.close()  # over CDP: disconnects, the sandbox's browser keeps running
+        assert c.mouse(sandbox, "click", 100, 20).events == 3  # move, press, release: focus the input
+        assert c.keyboard(sandbox, text="hello").events == 1
+        c.keyboard(sandbox, keys=["Shift+a", "Enter"])
+        assert c.mouse(sandbox, "scroll", 100, 100, delta_y=50).events == 1
+        assert c.mouse(sandbox, "drag", 10, 10, to_x=200, to_y=30, steps=4).events == 7
+        assert tab.input_value("#q") == "helloA"
+        assert tab.text_content("#keys") == "Shift,A,Enter,"
 
 
 def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:
@@ -197,49 +215,41 @@ def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:
         assert r.status_code == 422, r.text
 
 
-def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str, site: str) -> None:
-    from playwright.sync_api import sync_playwright
-
+def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str, site: str, tab: Any) -> None:
     with api_client(stack) as h:
-        r = h.put(f"/v1/sandboxes/{sandbox}/files", params={"path": "/srv/site/login.html"}, content=LOGIN.encode())
-        assert r.status_code == 200, r.text
         for name, extra in (("site-pw", {}), ("other-pw", {"sandboxes": ["sbx_someoneelse"]})):
             r = h.post("/v1/credentials", json={"name": name, "value": SECRET, "hosts": ["127.0.0.1"], **extra})
             assert r.status_code == 201, r.text
-        with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
-            browser = p.chromium.connect_over_cdp(c.cdp(sandbox).url, timeout=120_000)
-            try:
-                page = browser.contexts[0].pages[0]
-                page.set_default_timeout(120_000)
-                page.goto(site.replace("127.0.0.1", "localhost") + "login.html")  # same server, another origin
+        with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
+            if tab.url != _other_origin(site):  # where the Playwright test leaves the tab; alone, load it
+                tab.goto(_other_origin(site))
 
-                def fill(credential: str, selector: str) -> Any:
-                    return h.post(f"/v1/sandboxes/{sandbox}/computer/fill",
-                                  json={"credential": credential, "selector": selector})
+            def fill(credential: str, selector: str) -> Any:
+                return h.post(f"/v1/sandboxes/{sandbox}/computer/fill",
+                              json={"credential": credential, "selector": selector})
 
-                r = fill("site-pw", "#pw")
-                assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
-                page.goto(site + "login.html")
-                for cred, sel, status, code in (("nope", "#pw", 404, "credential_not_found"),
-                                                ("other-pw", "#pw", 403, "credential_out_of_scope"),
-                                                ("site-pw", "#missing", 422, "selector_not_found")):
-                    r = fill(cred, sel)
-                    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
-                assert page.text_content("#seen") == ""  # nothing was typed by any refusal
-                before = c.screenshot(sandbox)  # no fill yet: nothing masked
-                r = fill("site-pw", "#pw")
-                assert r.status_code == 200, r.text
-                assert r.json()["origin"] == "http://127.0.0.1:8000" and SECRET not in r.text
-                expected = f"{len(SECRET)}:{sum(map(ord, SECRET))}"
-                assert page.text_content("#seen") == expected  # the page received the value
-                assert page.input_value("#pw") == "[redacted by podbay]"  # the agent's CDP stream does not
-                after = c.screenshot(sandbox)
-                pw, user = page.locator("#pw").bounding_box(), page.locator("#user").bounding_box()
-                assert pw is not None and user is not None
-                assert not _all_mask(before, pw)  # unmasked before the fill: the field's white box
-                assert _all_mask(after, pw) and not _all_mask(after, user)  # masked after it; the user field not
-            finally:
-                browser.close()
+            r = fill("site-pw", "#pw")  # same server, another origin
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+            assert tab.text_content("#seen") == ""
+            tab.goto(site)
+            for cred, sel, status, code in (("nope", "#pw", 404, "credential_not_found"),
+                                            ("other-pw", "#pw", 403, "credential_out_of_scope"),
+                                            ("site-pw", "#missing", 422, "selector_not_found")):
+                r = fill(cred, sel)
+                assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+            assert tab.text_content("#seen") == ""  # nothing was typed by any refusal
+            before = c.screenshot(sandbox)  # no fill yet: nothing masked
+            r = fill("site-pw", "#pw")
+            assert r.status_code == 200, r.text
+            assert r.json()["origin"] == "http://127.0.0.1:8000" and SECRET not in r.text
+            expected = f"{len(SECRET)}:{sum(map(ord, SECRET))}"
+            assert tab.text_content("#seen") == expected  # the page received the value
+            assert tab.input_value("#pw") == "[redacted by podbay]"  # the agent's CDP stream does not
+            after = c.screenshot(sandbox)
+            pw, user = tab.locator("#pw").bounding_box(), tab.locator("#user").bounding_box()
+            assert pw is not None and user is not None
+            assert not _all_mask(before, pw)  # unmasked before the fill: the field's white box
+            assert _all_mask(after, pw) and not _all_mask(after, user)  # masked after it; the user field not
         half = len(SECRET) // 2
         r = h.post(f"/v1/sandboxes/{sandbox}/exec", json={"argv": ["python3", "-c", SCAN, SECRET[:half],
                                                                      SECRET[half:]]})

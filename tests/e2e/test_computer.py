@@ -12,9 +12,9 @@ title; mouse and keyboard input through the API reach the page; a sandbox of a t
 answers 409 ``no_browser``. Credential fill: the node types a stored credential into a password field of a
 page served in the sandbox (the page sees its length and character sum), while the agent's CDP stream shows it
 redacted and a scan of the guest's process environments, command lines and files (outside the swap file) finds
-none of it; a page of another origin, an unknown or out-of-scope credential and a missing selector are refused
-and type nothing, each audited; the API's screenshot shows the password field's box before the fill and masks
-it (opaque black) after it, and leaves the other field alone.
+none of it; a page of another origin, an unknown, out-of-scope or expired credential and a missing selector
+are refused and type nothing, each audited; the API's screenshot shows the password field's box before the
+fill and masks it (opaque black) after it, and leaves the other field alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import io
 import json
 import math
 import struct
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +219,9 @@ def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:
 
 def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str, site: str, tab: Any) -> None:
     with api_client(stack) as h:
-        for name, extra in (("site-pw", {}), ("other-pw", {"sandboxes": ["sbx_someoneelse"]})):
+        expires = datetime.now(UTC) + timedelta(seconds=2)  # expired by the time it is used (waited for below)
+        for name, extra in (("site-pw", {}), ("other-pw", {"sandboxes": ["sbx_someoneelse"]}),
+                            ("old-pw", {"expires_at": expires.isoformat()})):
             r = h.post("/v1/credentials", json={"name": name, "value": SECRET, "hosts": ["127.0.0.1"], **extra})
             assert r.status_code == 201, r.text
         with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
@@ -232,8 +236,10 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
             assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
             assert tab.text_content("#seen") == ""
             tab.goto(site)
+            time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds() + 0.5))
             for cred, sel, status, code in (("nope", "#pw", 404, "credential_not_found"),
                                             ("other-pw", "#pw", 403, "credential_out_of_scope"),
+                                            ("old-pw", "#pw", 403, "credential_expired"),
                                             ("site-pw", "#missing", 422, "selector_not_found")):
                 r = fill(cred, sel)
                 assert r.status_code == status and r.json()["error"]["code"] == code, r.text
@@ -257,6 +263,6 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
         assert r.json()["stdout"].strip() == "", r.json()["stdout"]
         rows = h.get("/v1/audit", params={"action": "credential.fill", "sandbox_id": sandbox}).json()["entries"]
         reasons = sorted(str(e["detail"].get("reason", e["decision"])) for e in rows)
-        assert reasons == ["allow", "credential_not_found", "credential_out_of_scope", "origin_not_allowed",
-                           "selector_not_found"], rows
+        assert reasons == ["allow", "credential_expired", "credential_not_found", "credential_out_of_scope",
+                           "origin_not_allowed", "selector_not_found"], rows
         assert SECRET not in json.dumps(rows)

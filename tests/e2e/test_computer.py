@@ -8,13 +8,15 @@ page is served in the sandbox by another process (``python3 -m http.server``). T
 connection (the Python package, no browser of its own) to the sandbox's tab, over CDP through the API's port
 edge, and each page load is one the checks need: under TCG a connection and a page load each cost seconds to
 tens of seconds. Checked: a screenshot is a PNG of the browser's window size; Playwright reads the page's
-title; mouse and keyboard input through the API reach the page; a sandbox of a template without a browser
-answers 409 ``no_browser``. Credential fill: the node types a stored credential into a password field of a
-page served in the sandbox (the page sees its length and character sum), while the agent's CDP stream shows it
-redacted and a scan of the guest's process environments, command lines and files (outside the swap file) finds
-none of it; a page of another origin, an unknown, out-of-scope or expired credential and a missing selector
-are refused and type nothing, each audited; the API's screenshot shows the password field's box before the
-fill and masks it (opaque black) after it, and leaves the other field alone.
+title; mouse and keyboard input through the API reach the page; a fork of the sandbox is a browser of its own
+(the child's tab starts with the parent's script state, a change in the child leaves the parent's tab alone,
+and both answer CDP); a sandbox of a template without a browser answers 409 ``no_browser``. Credential fill:
+the node types a stored credential into a password field of a page served in the sandbox (the page sees its
+length and character sum), while the agent's CDP stream shows it redacted and a scan of the guest's process
+environments, command lines and files (outside the swap file) finds none of it; a page of another origin, an
+unknown, out-of-scope or expired credential and a missing selector are refused and type nothing, each audited;
+the API's screenshot shows the password field's box before the fill and masks it (opaque black) after it, and
+leaves the other field alone.
 """
 
 from __future__ import annotations
@@ -206,6 +208,27 @@ def test_playwright_reads_the_title_and_mouse_and_keyboard_reach_the_page(stack:
         assert c.mouse(sandbox, "drag", 10, 10, to_x=200, to_y=30, steps=4).events == 7
         assert tab.input_value("#q") == "helloA"
         assert tab.text_content("#keys") == "Shift,A,Enter,"
+
+
+def test_a_fork_is_a_browser_of_its_own(stack: Any, sandbox: str, tab: Any, playwright: Any) -> None:
+    # Before the fill test: a child forked after a fill would hold the value in its page memory.
+    tab.evaluate("window.__pb = 'parent'")
+    with Client(stack.api_url, stack.api_key, timeout_s=300) as c:
+        children = c.fork_sandbox(sandbox).children
+        assert len(children) == 1 and children[0].state == "running", children
+        child = children[0].sandbox_id
+        try:
+            browser = playwright.chromium.connect_over_cdp(c.cdp(child).url, timeout=120_000)
+            try:
+                page = browser.contexts[0].pages[0]
+                assert page.url == tab.url and page.evaluate("window.__pb") == "parent"  # the tab as forked
+                page.evaluate("window.__pb = 'child'")
+                assert page.evaluate("window.__pb") == "child"
+                assert tab.evaluate("window.__pb") == "parent"  # the parent's browser is another one
+            finally:
+                browser.close()
+        finally:
+            c.delete_sandbox(child)
 
 
 def test_a_sandbox_without_a_browser_is_refused(stack: Any) -> None:

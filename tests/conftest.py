@@ -27,9 +27,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from podbay.config import Settings
@@ -41,8 +43,11 @@ from podbay.devstack.stack import THROWAWAY_SERVER_GRACE_S, External, Stack, Sta
 _TESTS = Path(__file__).parent
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark tests by folder (``integration``, ``e2e``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``."""
+    """Mark tests by folder (``integration``, ``e2e``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``; run the
+    modules that share ``multinode_stack`` one after the other."""
+    _order_multinode_modules(config, items)
     skip_e2e = os.environ.get("PODBAY_SKIP_E2E") == "1"
     for item in items:
         path = Path(str(item.fspath))
@@ -169,12 +174,115 @@ def stack(test_root: Path) -> Iterator[Stack]:
         kill_strays(data_dir)
 
 
+#: Test modules that use ``multinode_stack`` and run last of them (they kill or partition a node; whatever the
+#: fixture finds after them, nothing else has to run on that stack).
+_MULTINODE_LAST = ("test_node_loss.py",)
+_MULTINODE_USERS = pytest.StashKey[list[str]]()
+
+
+def _order_multinode_modules(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules that use ``multinode_stack`` one after the other, where the first of them is, with
+    :data:`_MULTINODE_LAST` last; record their order, so that the fixture stops its stack after the last."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(str(item.path), []).append(item)
+    users = [m for m, its in by_module.items() if any("multinode_stack" in getattr(i, "fixturenames", ()) for i in its)]
+    users.sort(key=lambda m: Path(m).name in _MULTINODE_LAST)  # a stable sort: the others keep their order
+    config.stash[_MULTINODE_USERS] = users
+    if len(users) < 2:
+        return
+    first = items.index(by_module[users[0]][0])
+    group = [i for m in users for i in by_module[m]]
+    grouped = set(group)
+    rest = [i for i in items if i not in grouped]
+    items[:] = rest[:first] + group + rest[first:]
+
+
+class _SharedMultinode:
+    """The two-node stack that consecutive modules share (see :func:`multinode_stack`)."""
+
+    def __init__(self, test_root: Path) -> None:
+        self.test_root = test_root
+        self.stack: Stack | None = None
+
+    def start(self) -> Stack:
+        """A fresh two-node stack (see :func:`multinode_stack` for its settings)."""
+        # A directory (so a PostgreSQL cluster and node rows) of its own: nothing of a stack the fixture gave
+        # up on carries over.
+        data_dir = Path(tempfile.mkdtemp(prefix="m", dir=self.test_root))  # short: UNIX socket paths below it
+        os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
+        node_env = {"PODBAY_NODE_MEMORY_MIB": "2048", "PODBAY_NODE_VCPUS": "8"}
+        running = Stack(
+            data_dir=data_dir,
+            log_dir=data_dir / "logs",
+            cache_dir=Settings().cache_dir,
+            ports=StackPorts.free(),
+            durable=False,
+            node_ids=["node-a", "node-b"],
+            node_env={"node-a": dict(node_env), "node-b": dict(node_env)},
+            base_env={**os.environ,
+                      "PODBAY_NODE_HEARTBEAT_S": os.environ.get("PODBAY_NODE_HEARTBEAT_S", "1"),
+                      "PODBAY_NODE_HEARTBEAT_TTL_S": os.environ.get("PODBAY_NODE_HEARTBEAT_TTL_S", "4"),
+                      "PODBAY_NODE_LOST_GRACE_S": os.environ.get("PODBAY_NODE_LOST_GRACE_S", "3")},
+        )
+        self.stack = running
+        running.start()
+        running.create_api_key("dev", "dev")
+        return running
+
+    def stop(self) -> None:
+        """Purge the stack (VMs, stores, namespaces, veths, bridge), if there is one."""
+        running, self.stack = self.stack, None
+        if running is not None:
+            running.stop(purge=True)
+            kill_strays(running.data_dir)
+
+    def as_new(self, timeout_s: float = 30.0) -> bool:
+        """Whether the stack is as a fresh one would be, waiting up to ``timeout_s`` seconds for deletions and
+        heartbeats to settle: every process runs, every link is up, and ``GET /v1/nodes`` shows both nodes
+        ``ready``, live, schedulable, never lost, with no sandbox running or paused."""
+        st = self.stack
+        if st is None or not all(p.alive() for p in [*st.servers.values(), *st.services.values()]):
+            return False
+        for node in st.node_ids:
+            st.restore_link(node)  # a test that failed between its cut and its restore
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                r = httpx.get(f"{st.api_url}/v1/nodes", headers={"authorization": f"Bearer {st.api_key}"}, timeout=10)
+                nodes = r.json()["nodes"] if r.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, KeyError):
+                nodes = []
+            if sorted(n["id"] for n in nodes) == sorted(st.node_ids) and all(
+                    n["state"] == "ready" and n["live"] and n["schedulable"] and n["lost_at"] is None
+                    and n["running"] == 0 and n["paused"] == 0 for n in nodes):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def _shared_multinode(test_root: Path) -> Iterator[_SharedMultinode]:
+    shared = _SharedMultinode(test_root)
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
 @pytest.fixture(scope="module")
-def multinode_stack(test_root: Path) -> Iterator[Stack]:
+def multinode_stack(request: pytest.FixtureRequest, _shared_multinode: _SharedMultinode) -> Iterator[Stack]:
     """A stack with two nodes, ``node-a`` and ``node-b``, each in its own network namespace with its own node
     agent, snapshotter and gateway (:mod:`podbay.devstack.netns`), plus an API key; its own servers listen on
-    the host bridge address. Module scope: started once per test module, purged (VMs, stores, namespaces,
-    veths, bridge) at its end.
+    the host bridge address.
+
+    Shared by the modules that use it, which run one after the other (``pytest_collection_modifyitems``;
+    ``test_node_loss.py`` last): a module gets the previous module's stack when that one left it as a fresh
+    stack would be (every process running, both nodes ready, live and never lost, no sandbox left), else a
+    new stack in a directory of its own (the old one purged), so that a drained or lost node of one module
+    never reaches the next. After the last of these modules, the stack is purged (VMs, stores, namespaces,
+    veths, bridge).
 
     Each node offers 2048 MiB and 8 vCPUs (``PODBAY_NODE_MEMORY_MIB``/``PODBAY_NODE_VCPUS``). The heartbeat
     TTL is 4 s and the lost-node grace 3 s unless ``PODBAY_NODE_HEARTBEAT_TTL_S``/``PODBAY_NODE_LOST_GRACE_S``
@@ -186,28 +294,16 @@ def multinode_stack(test_root: Path) -> Iterator[Stack]:
     - ``cut_link(node_id)`` / ``restore_link(node_id)``: take the node's veth down / up (a partition);
     - ``network.node(node_id).address``: the node's address; ``node_services(node_id)``: its processes.
     """
-    # A directory (so a PostgreSQL cluster and node rows) per module: a drained or lost node of one module
-    # must not start the next one drained or lost.
-    data_dir = Path(tempfile.mkdtemp(prefix="m", dir=test_root))  # short: UNIX socket paths below it
-    os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
-    node_env = {"PODBAY_NODE_MEMORY_MIB": "2048", "PODBAY_NODE_VCPUS": "8"}
-    running = Stack(
-        data_dir=data_dir,
-        log_dir=data_dir / "logs",
-        cache_dir=Settings().cache_dir,
-        ports=StackPorts.free(),
-        durable=False,
-        node_ids=["node-a", "node-b"],
-        node_env={"node-a": dict(node_env), "node-b": dict(node_env)},
-        base_env={**os.environ,
-                  "PODBAY_NODE_HEARTBEAT_S": os.environ.get("PODBAY_NODE_HEARTBEAT_S", "1"),
-                  "PODBAY_NODE_HEARTBEAT_TTL_S": os.environ.get("PODBAY_NODE_HEARTBEAT_TTL_S", "4"),
-                  "PODBAY_NODE_LOST_GRACE_S": os.environ.get("PODBAY_NODE_LOST_GRACE_S", "3")},
-    )
+    shared = _shared_multinode
     try:
-        running.start()
-        running.create_api_key("dev", "dev")
-        yield running
-    finally:
-        running.stop(purge=True)
-        kill_strays(data_dir)
+        if not shared.as_new():
+            shared.stop()
+            shared.start()
+        assert shared.stack is not None
+        yield shared.stack
+    except BaseException:
+        shared.stop()
+        raise
+    users = request.config.stash.get(_MULTINODE_USERS, [])
+    if not users or users[-1] == str(request.path):
+        shared.stop()

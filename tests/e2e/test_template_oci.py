@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from e2e_http import api_client, new_sandbox, sh
 
+from podbay.config import Settings
 from podbay.errors import PodbayError
 from podbay.sdk import Client
 
@@ -65,20 +66,37 @@ def test_build_from_an_oci_image_without_python(stack: Any, tmp_path: Path) -> N
 
         tpl = c.build_template("e2e-oci", DOCKERFILE, ctx)
         assert tpl.parent is not None and tpl.parent.startswith("oci-")
-        assert tpl.config is not None and tpl.config.env["GREETING"] == "from-image"
-        assert tpl.config.env["STAGE"] == "two" and tpl.config.workdir == "/srv/work"
-        listed = {t["name"] for t in h.get("/v1/templates").json()["templates"]}
-        assert {"e2e-oci", tpl.parent} <= listed
-        with new_sandbox(h, "e2e-oci") as sid:
-            assert sh(h, sid, "cat /built.txt") == "built in busybox-only\n"
-            assert sh(h, sid, "echo $GREETING $STAGE; pwd") == "from-image two\n/srv/work\n"
-            # The image has no Python of its own: guestd runs from podbay's runtime.
-            assert sh(h, sid, "test -e /usr/bin/python3 || echo no-python; ls /opt/podbay/rt/bin") == \
-                "no-python\npython3.11\ntini\n"
-            r = h.put(f"/v1/sandboxes/{sid}/files", params={"path": "/srv/work/note.txt"}, content=b"hello oci\n")
-            assert r.status_code in (200, 201, 204), r.text
-            assert sh(h, sid, "cat /srv/work/note.txt") == "hello oci\n"
-        # A second build FROM the same image reuses its template (no boot): same parent, every step cached.
-        again = c.build_template("e2e-oci", DOCKERFILE, ctx)
-        assert again.parent == tpl.parent and again.digest == tpl.digest
-        assert h.delete("/v1/templates/e2e-oci").status_code in (200, 204)
+        try:
+            _check_the_template(c, h, tpl, ctx)
+        finally:
+            _forget_root_template(tpl.parent)
+
+
+def _forget_root_template(name: str) -> None:
+    """Remove root template ``name`` (and its image) from the host's build cache. The image made above has a
+    new digest each run, so no later run can use it; left there, the node agent of every later stack on this
+    host would copy it into its store at start (about 190 MiB and half a second each)."""
+    cache = Settings().cache_dir
+    for d in [*(cache / "templates").glob(f"{name}-*"), *(cache / "images").glob(f"{name}-*")]:
+        shutil.rmtree(d, ignore_errors=True)
+    (cache / "templates" / f".{name}.lock").unlink(missing_ok=True)
+
+
+def _check_the_template(c: Client, h: Any, tpl: Any, ctx: Path) -> None:
+    assert tpl.config is not None and tpl.config.env["GREETING"] == "from-image"
+    assert tpl.config.env["STAGE"] == "two" and tpl.config.workdir == "/srv/work"
+    listed = {t["name"] for t in h.get("/v1/templates").json()["templates"]}
+    assert {"e2e-oci", tpl.parent} <= listed
+    with new_sandbox(h, "e2e-oci") as sid:
+        assert sh(h, sid, "cat /built.txt") == "built in busybox-only\n"
+        assert sh(h, sid, "echo $GREETING $STAGE; pwd") == "from-image two\n/srv/work\n"
+        # The image has no Python of its own: guestd runs from podbay's runtime.
+        assert sh(h, sid, "test -e /usr/bin/python3 || echo no-python; ls /opt/podbay/rt/bin") == \
+            "no-python\npython3.11\ntini\n"
+        r = h.put(f"/v1/sandboxes/{sid}/files", params={"path": "/srv/work/note.txt"}, content=b"hello oci\n")
+        assert r.status_code in (200, 201, 204), r.text
+        assert sh(h, sid, "cat /srv/work/note.txt") == "hello oci\n"
+    # A second build FROM the same image reuses its template (no boot): same parent, every step cached.
+    again = c.build_template("e2e-oci", DOCKERFILE, ctx)
+    assert again.parent == tpl.parent and again.digest == tpl.digest
+    assert h.delete("/v1/templates/e2e-oci").status_code in (200, 204)

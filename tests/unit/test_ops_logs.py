@@ -125,6 +125,13 @@ def test_httpx_request_lines_are_quieted_but_podbay_lines_are_not(monkeypatch: p
     saved = root.handlers[:], root.level
     for name in ("httpx", "httpcore", "uvicorn.access", "nats", "botocore", "aiobotocore", "qemu.qmp", "asyncio"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)  # restored after
+    # Earlier tests in the same process may have set a child logger's level or disabled it (a dictConfig does):
+    # the check is about what setup_logging does, so start these from their defaults.
+    for name in ("httpx", "httpcore.connection", "podbay", "podbay.nodeagent", "podbay.nodeagent.ports"):
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+    for name in ("httpcore.connection", "podbay", "podbay.nodeagent", "podbay.nodeagent.ports"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     monkeypatch.setenv("PODBAY_LOG_FORMAT", "text")
     buf = io.StringIO()
     try:

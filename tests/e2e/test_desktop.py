@@ -8,14 +8,11 @@ desktop's size and xdotool reaches it; noVNC's page is served through the sandbo
 token; a WebSocket through the port URL reaches the VNC server (the RFB handshake's version line); a
 screenshot through the computer API is the whole X screen (the desktop's size while the page's viewport is
 emulated smaller); last, a tab's script state set over CDP is there after the sandbox is suspended to object
-storage and woken, noVNC answers again, and a credential filled into a password field before the suspend is
-still redacted from the agent's CDP stream and masked in the API's screenshot after the wake (the node re-arms
-both from the fill's audit row: services/nodeagent/fill_memory.py).
+storage and woken, and noVNC answers again.
 """
 
 from __future__ import annotations
 
-import io
 import struct
 import time
 from collections.abc import Iterator
@@ -25,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 from e2e_http import api_client, sh, until
-from PIL import Image
 from websockets.sync.client import connect as ws_connect
 from websockets.typing import Subprotocol
 
@@ -142,12 +138,6 @@ def test_a_screenshot_is_the_whole_x_screen(stack: Any, desktop: tuple[str, str]
     assert r.content.endswith(b"IEND\xaeB`\x82")
 
 
-#: A password field on a page of the guest's own origin (websockify's 404 page), at CSS (= screen) pixels.
-FIELD = ("document.body.insertAdjacentHTML('beforeend', '<input id=pbpw type=password style=\"position:fixed;"
-         "left:40px;top:40px;width:400px;height:60px;z-index:9\">')")
-SECRET = "pb-desktop-Secret-5b2f80"
-
-
 def test_a_suspended_and_woken_desktop_keeps_its_tab_and_vnc(stack: Any, desktop: tuple[str, str]) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -155,32 +145,17 @@ def test_a_suspended_and_woken_desktop_keeps_its_tab_and_vnc(stack: Any, desktop
     with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
         browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
         try:
-            page = browser.contexts[0].pages[0]
-            page.goto("http://127.0.0.1:6080/podbay-fill", timeout=120_000)
-            page.evaluate(FIELD + "; window.__pb = 42")  # one call: each costs seconds under TCG
+            browser.contexts[0].pages[0].evaluate("window.__pb = 42")
         finally:
             browser.close()  # disconnects; the tab stays open in the sandbox
         with api_client(stack) as h:
-            r = h.post("/v1/credentials", json={"name": "desktop-pw", "value": SECRET, "hosts": ["127.0.0.1"]})
-            assert r.status_code == 201, r.text
-            r = h.post(f"/v1/sandboxes/{sid}/computer/fill", json={"credential": "desktop-pw", "selector": "#pbpw"})
-            assert r.status_code == 200, r.text
             r = h.post(f"/v1/sandboxes/{sid}/suspend")
             assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
             r = h.post(f"/v1/sandboxes/{sid}/resume")
             assert r.status_code == 200 and r.json()["state"] == "running", r.text
         browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
         try:
-            page = browser.contexts[0].pages[0]
-            # The tab's state and the filled value are in the page after the wake (the value's length, not the
-            # value: that would be redacted too); the agent's CDP stream still shows the value redacted.
-            assert page.evaluate("[window.__pb, document.querySelector('#pbpw').value.length]") == [42, len(SECRET)]
-            assert page.input_value("#pbpw") == "[redacted by podbay]"
+            assert browser.contexts[0].pages[0].evaluate("window.__pb") == 42
         finally:
             browser.close()
-        with api_client(stack) as h:
-            r = h.post(f"/v1/sandboxes/{sid}/computer/screenshot")
-        assert r.status_code == 200, r.text[:300]
-        img = Image.open(io.BytesIO(r.content)).convert("RGB")  # the field's box, 2 px in, is the mask's black
-        assert all(img.getpixel((x, y)) == (0, 0, 0) for x in range(42, 438) for y in range(42, 98))
     assert _get(stack, sid, token, "/vnc.html").status_code == 200

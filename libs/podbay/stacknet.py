@@ -114,10 +114,32 @@ def _choose(tag: str, used: list[ipaddress.IPv4Network]) -> str:
     raise StackNetError(f"no /{_BLOCK_PREFIX} of {SANDBOX_POOL} is free on this host: set PODBAY_SANDBOX_CIDR")
 
 
-def sandbox_cidr(settings: Settings) -> str:
+def _recorded_networks(own_tag: str, registry: Path) -> list[ipaddress.IPv4Network]:
+    """The sandbox networks other stacks on this host recorded (their ``network.json``, found through the
+    stack registry). A stack with no sandbox running has no tap, so host addresses alone miss its block, and
+    two tags can hash to the same start block. Unreadable records are skipped."""
+    nets: list[ipaddress.IPv4Network] = []
+    try:
+        entries = list(registry.iterdir())
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return nets
+    for entry in entries:
+        if entry.name.startswith(".") or entry.name == own_tag:
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data_dir = Path(entry.read_text().strip())
+            net = ipaddress.ip_network(str(json.loads((data_dir / STATE_FILE).read_text())["sandbox_cidr"]))
+            if isinstance(net, ipaddress.IPv4Network):
+                nets.append(net)
+    return nets
+
+
+def sandbox_cidr(settings: Settings, *, registry: Path | None = None) -> str:
     """The stack's sandbox network: ``settings.sandbox_cidr`` when set, else the block recorded in
     ``DATA_DIR/network.json``, chosen and recorded on first use (under a file lock, so the node agent and the
-    gateway starting at once agree). Blocking (reads host addresses once). Raises :class:`StackNetError`."""
+    gateway starting at once agree) among the blocks that neither a host address nor another registered
+    stack's record (``registry``, default :data:`STACKS_DIR`) uses. Blocking (reads host addresses once).
+    Raises :class:`StackNetError`."""
     if settings.sandbox_cidr:
         return settings.sandbox_cidr
     data_dir = settings.data_dir
@@ -130,7 +152,8 @@ def sandbox_cidr(settings: Settings) -> str:
             ipaddress.ip_network(cidr)
             return cidr
         tag = stack_tag(data_dir)
-        cidr = _choose(tag, _host_networks())
+        used = _host_networks() + _recorded_networks(tag, STACKS_DIR if registry is None else registry)
+        cidr = _choose(tag, used)
         tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps({"tag": tag, "sandbox_cidr": cidr}))
         os.replace(tmp, path)

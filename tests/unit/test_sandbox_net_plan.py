@@ -90,6 +90,26 @@ def test_the_chosen_sandbox_network_avoids_blocks_in_use_on_the_host(tmp_path: P
         sandbox_cidr(Settings(data_dir=tmp_path / "full"))
 
 
+def test_the_chosen_sandbox_network_avoids_another_registered_stack_s_block(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two tags can hash to the same start block (8d67a and bd6ba did), and a stack with no sandbox running
+    # shows no tap: the other stack's record is what says its block is taken.
+    import podbay.stacknet as stacknet
+
+    monkeypatch.setattr(stacknet, "_host_networks", lambda: [])
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    first = stacknet._choose(stack_tag(mine), [])
+    other.mkdir()
+    (other / "network.json").write_text(json.dumps({"tag": stack_tag(other), "sandbox_cidr": first}))
+    registry = tmp_path / "stacks"
+    registry.mkdir()
+    (registry / stack_tag(other)).write_text(str(other))
+    (registry / "ffff0").write_text(str(tmp_path / "gone"))  # a record without a data directory is skipped
+    chosen = sandbox_cidr(Settings(data_dir=mine), registry=registry)
+    assert chosen != first
+    assert not ipaddress.ip_network(chosen).overlaps(ipaddress.ip_network(first))
+
+
 def test_lowest_free_index_and_exhaustion() -> None:
     assert lowest_free(set(), 4) == 0
     assert lowest_free({0, 1, 3}, 4) == 2

@@ -11,7 +11,7 @@ import pytest
 
 from podbay.devstack.openbao import probe_openbao
 from podbay.devstack.procs import run_sync
-from podbay.devstack.stack import Stack
+from podbay.devstack.stack import Stack, credential_key_for, internal_token_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,21 +31,23 @@ def _bare_stack(data_dir: Path, **env: str) -> Stack:
 
 
 def test_the_key_is_made_once_per_data_dir(tmp_path: Path) -> None:
+    # What Stack.start_servers does for the key (the servers themselves are not needed here).
     first = _bare_stack(tmp_path)
-    first._start_credentials(None)
+    first.credential_key = credential_key_for(first.data_dir, first.base_env)
     again = _bare_stack(tmp_path)
-    again._start_credentials(None)
+    again.credential_key = credential_key_for(again.data_dir, again.base_env)
     assert first.credential_key == again.credential_key
     given = _bare_stack(tmp_path, PODBAY_CREDENTIAL_KEY="x" * 44)
-    given._start_credentials(None)
+    given.credential_key = credential_key_for(given.data_dir, given.base_env)
     assert given.credential_key == "x" * 44  # the operator's key wins over the saved one
-    assert first.servers == {}  # the pg backend needs no server
 
 
 def test_openbao_backend_starts_a_dev_server(tmp_path: Path) -> None:
     s = _bare_stack(tmp_path, PODBAY_CREDENTIAL_BACKEND="openbao")
     try:
-        s._start_credentials(None)
+        s.credential_key = credential_key_for(s.data_dir, s.base_env)
+        s.internal_token = internal_token_for(s.data_dir, s.base_env)
+        s._start_openbao()
         assert "openbao" in s.servers and s.servers["openbao"].alive()
         env = s._service_env()
         assert env["PODBAY_OPENBAO_ADDR"] == s.openbao_addr and env["PODBAY_OPENBAO_TOKEN"] == s.openbao_token

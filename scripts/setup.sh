@@ -59,8 +59,11 @@ elif ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
-  run "apt-get update" as_root apt-get update
-  run "apt-get install ${missing[*]}" as_root apt-get install -y --no-install-recommends "${missing[@]}"
+  # A fresh machine's own package timers (unattended-upgrades, apt-daily) may hold dpkg's lock for a while:
+  # wait for it rather than fail.
+  apt_wait=(-o DPkg::Lock::Timeout=600)
+  run "apt-get update" as_root apt-get "${apt_wait[@]}" update
+  run "apt-get install ${missing[*]}" as_root apt-get "${apt_wait[@]}" install -y --no-install-recommends "${missing[@]}"
   # The prometheus package is here for promtool only: do not leave a server it just installed running.
   if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
     as_root systemctl disable --now prometheus >/dev/null 2>&1 || true

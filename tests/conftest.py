@@ -174,9 +174,9 @@ def stack(test_root: Path) -> Iterator[Stack]:
         kill_strays(data_dir)
 
 
-#: Test modules that use ``multinode_stack`` and run last of them (they kill or partition a node; whatever the
-#: fixture finds after them, nothing else has to run on that stack).
-_MULTINODE_LAST = ("test_node_loss.py",)
+#: Test modules that use ``multinode_stack`` and run last of them, in this order (they drain, kill or partition
+#: a node; whatever the fixture finds after them, nothing else has to run on that stack).
+_MULTINODE_LAST = ("test_desktop_nodes.py", "test_node_loss.py")
 _MULTINODE_USERS = pytest.StashKey[list[str]]()
 
 
@@ -187,7 +187,8 @@ def _order_multinode_modules(config: pytest.Config, items: list[pytest.Item]) ->
     for item in items:
         by_module.setdefault(str(item.path), []).append(item)
     users = [m for m, its in by_module.items() if any("multinode_stack" in getattr(i, "fixturenames", ()) for i in its)]
-    users.sort(key=lambda m: Path(m).name in _MULTINODE_LAST)  # a stable sort: the others keep their order
+    # A stable sort: the others keep their order, before those of _MULTINODE_LAST.
+    users.sort(key=lambda m: _MULTINODE_LAST.index(Path(m).name) + 1 if Path(m).name in _MULTINODE_LAST else 0)
     config.stash[_MULTINODE_USERS] = users
     if len(users) < 2:
         return

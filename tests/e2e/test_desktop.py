@@ -7,54 +7,35 @@ cache_dir/layers). One sandbox serves the tests: its snapshot holds Xvfb, matchb
 desktop's size and xdotool reaches it; noVNC's page is served through the sandbox's port URL with its traffic
 token; a WebSocket through the port URL reaches the VNC server (the RFB handshake's version line); a
 screenshot through the computer API is the whole X screen (the desktop's size while the page's viewport is
-emulated smaller); last, a tab's script state set over CDP is there after the sandbox is suspended to object
-storage and woken, and noVNC answers again.
+emulated smaller, and the override is cleared after); last, a tab's script state set over CDP is there after the
+sandbox is suspended to object storage and woken, noVNC answers again, and a credential filled into a password
+field before the suspend is still redacted from the agent's CDP stream and masked in the API's screenshot after
+the wake (the node re-arms both from the fill's audit row: services/nodeagent/fill_memory.py). The desktop on
+another node and its fork: test_desktop_nodes.py.
 """
 
 from __future__ import annotations
 
+import io
 import struct
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from desktop_support import NOVNC_PORT, SCREEN, build_desktop, novnc_get, novnc_path, rfb_hello
 from e2e_http import api_client, sh, until
-from websockets.sync.client import connect as ws_connect
-from websockets.typing import Subprotocol
+from PIL import Image
 
 from podbay.sdk import Client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
-#: What the RUN steps need: Debian's mirror (the guest's apt sources), over HTTP.
-EGRESS = {"allow": [{"domain": "deb.debian.org", "ports": [80]}]}
-#: As the browser template (templates/browser/Dockerfile says why).
-DESKTOP_MEMORY_MIB = 1024
-#: Room for the desktop's packages on chromium's disk (templates/desktop/Dockerfile).
-DESKTOP_DISK_MIB = 3072
-#: Xvfb's screen (templates/desktop/start-desktop.sh) and noVNC's guest port.
-SCREEN = (1280, 720)
-NOVNC_PORT = 6080
-
 
 @pytest.fixture(scope="module")
 def desktop_template(stack: Any) -> str:
-    def show(e: Any) -> None:
-        print(e.model_dump_json(exclude_none=True), flush=True)
-
-    with Client(stack.api_url, stack.api_key, timeout_s=1800) as c:
-        c.build_template("chromium", TEMPLATES / "chromium" / "Dockerfile", TEMPLATES / "chromium", egress=EGRESS,
-                         on_event=show)
-        t0 = time.monotonic()
-        tpl = c.build_template("desktop", TEMPLATES / "desktop" / "Dockerfile", TEMPLATES, egress=EGRESS,
-                               ready_port=NOVNC_PORT, memory_mib=DESKTOP_MEMORY_MIB, disk_mib=DESKTOP_DISK_MIB, on_event=show)
-        print(f"desktop build: {time.monotonic() - t0:.1f} s", flush=True)  # a figure for the docs, not a check
-    assert tpl.memory_mib == DESKTOP_MEMORY_MIB
-    return str(tpl.name)
+    return build_desktop(stack)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +50,7 @@ def desktop(stack: Any, desktop_template: str) -> Iterator[tuple[str, str]]:
             r = h.get(f"/v1/sandboxes/{sid}/ports/{NOVNC_PORT}/url")
             assert r.status_code == 200, r.text
             token = str(r.json()["token"])
-            until("noVNC answers through the port URL", lambda: _get(stack, sid, token, "/vnc.html").status_code
+            until("noVNC answers through the port URL", lambda: novnc_get(stack, sid, token, "/vnc.html").status_code
                   == 200, 120)
             print(f"desktop sandbox: created and noVNC answering in {time.monotonic() - t0:.1f} s", flush=True)
             yield sid, token
@@ -85,15 +66,6 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int(w), int(h)
 
 
-def _port_path(sid: str) -> str:
-    return f"/ports/{NOVNC_PORT}-{sid.replace('_', '-')}"
-
-
-def _get(stack: Any, sid: str, token: str, path: str) -> httpx.Response:
-    return httpx.get(f"{stack.api_url}{_port_path(sid)}{path}", headers={"x-podbay-access-token": token},
-                     timeout=120)
-
-
 def test_the_display_has_the_desktop_size_and_xdotool_reaches_it(stack: Any, desktop: tuple[str, str]) -> None:
     sid, _ = desktop
     with api_client(stack) as h:
@@ -104,19 +76,16 @@ def test_the_display_has_the_desktop_size_and_xdotool_reaches_it(stack: Any, des
 
 def test_the_novnc_page_is_served_through_the_port_url(stack: Any, desktop: tuple[str, str]) -> None:
     sid, token = desktop
-    r = _get(stack, sid, token, "/vnc.html")
+    r = novnc_get(stack, sid, token, "/vnc.html")
     assert r.status_code == 200 and "noVNC" in r.text, r.text[:500]
-    assert _get(stack, sid, token, "/core/rfb.js").status_code == 200  # the client's code too
-    assert httpx.get(f"{stack.api_url}{_port_path(sid)}/vnc.html", timeout=120).status_code in (401, 403)
+    assert novnc_get(stack, sid, token, "/core/rfb.js").status_code == 200  # the client's code too
+    assert httpx.get(f"{stack.api_url}{novnc_path(sid)}/vnc.html", timeout=120).status_code in (401, 403)
 
 
 def test_a_vnc_websocket_through_the_port_url_starts_the_rfb_handshake(stack: Any, desktop: tuple[str, str]) -> None:
     sid, token = desktop
-    url = stack.api_url.replace("http://", "ws://") + f"{_port_path(sid)}/websockify"
-    with ws_connect(url, additional_headers={"x-podbay-access-token": token}, subprotocols=[Subprotocol("binary")],
-                    open_timeout=60) as ws:
-        hello = ws.recv(timeout=60)
-    assert isinstance(hello, bytes) and hello.startswith(b"RFB 003.00"), hello
+    hello = rfb_hello(stack, sid, token)
+    assert hello.startswith(b"RFB 003.00"), hello
 
 
 def test_a_screenshot_is_the_whole_x_screen(stack: Any, desktop: tuple[str, str]) -> None:
@@ -127,10 +96,15 @@ def test_a_screenshot_is_the_whole_x_screen(stack: Any, desktop: tuple[str, str]
         browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
         try:  # the page's viewport made smaller than the screen: a picture of the page would be 640x360
             page = browser.contexts[0].pages[0]
-            browser.contexts[0].new_cdp_session(page).send("Emulation.setDeviceMetricsOverride", {
-                "width": 640, "height": 360, "deviceScaleFactor": 1, "mobile": False})
-            with api_client(stack) as h:
-                r = h.post(f"/v1/sandboxes/{sid}/computer/screenshot")
+            cdp = browser.contexts[0].new_cdp_session(page)
+            cdp.send("Emulation.setDeviceMetricsOverride", {"width": 640, "height": 360, "deviceScaleFactor": 1,
+                                                            "mobile": False})
+            try:
+                with api_client(stack) as h:
+                    r = h.post(f"/v1/sandboxes/{sid}/computer/screenshot")
+            finally:
+                # The override outlives this connection: left on, it would shrink the page in the next test.
+                cdp.send("Emulation.clearDeviceMetricsOverride")
         finally:
             browser.close()
     assert r.status_code == 200 and r.headers["x-podbay-screenshot-source"] == "display", r.text[:300]
@@ -138,24 +112,48 @@ def test_a_screenshot_is_the_whole_x_screen(stack: Any, desktop: tuple[str, str]
     assert r.content.endswith(b"IEND\xaeB`\x82")
 
 
-def test_a_suspended_and_woken_desktop_keeps_its_tab_and_vnc(stack: Any, desktop: tuple[str, str]) -> None:
+#: A password field on a page of the guest's own origin (websockify's 404 page), at CSS (= screen) pixels.
+FIELD = ("document.body.insertAdjacentHTML('beforeend', '<input id=pbpw type=password style=\"position:fixed;"
+         "left:40px;top:40px;width:400px;height:60px;z-index:9\">')")
+SECRET = "pb-desktop-Secret-5b2f80"
+
+
+def test_a_suspended_and_woken_desktop_keeps_its_tab_vnc_and_fill_redaction(stack: Any,
+                                                                            desktop: tuple[str, str]) -> None:
     from playwright.sync_api import sync_playwright
 
     sid, token = desktop
     with Client(stack.api_url, stack.api_key, timeout_s=300) as c, sync_playwright() as p:
         browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
         try:
-            browser.contexts[0].pages[0].evaluate("window.__pb = 42")
+            page = browser.contexts[0].pages[0]
+            page.goto("http://127.0.0.1:6080/podbay-fill", timeout=120_000)
+            # One call (each costs seconds under TCG). The viewport is the whole screen, so the field's CSS
+            # pixels are the screen's pixels the mask check reads below.
+            assert page.evaluate(FIELD + "; window.__pb = 42; [innerWidth, innerHeight]") == list(SCREEN)
         finally:
             browser.close()  # disconnects; the tab stays open in the sandbox
         with api_client(stack) as h:
+            r = h.post("/v1/credentials", json={"name": "desktop-pw", "value": SECRET, "hosts": ["127.0.0.1"]})
+            assert r.status_code == 201, r.text
+            r = h.post(f"/v1/sandboxes/{sid}/computer/fill", json={"credential": "desktop-pw", "selector": "#pbpw"})
+            assert r.status_code == 200, r.text
             r = h.post(f"/v1/sandboxes/{sid}/suspend")
             assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
             r = h.post(f"/v1/sandboxes/{sid}/resume")
             assert r.status_code == 200 and r.json()["state"] == "running", r.text
         browser = p.chromium.connect_over_cdp(c.cdp(sid).url, timeout=120_000)
         try:
-            assert browser.contexts[0].pages[0].evaluate("window.__pb") == 42
+            page = browser.contexts[0].pages[0]
+            # The tab's state and the filled value are in the page after the wake (the value's length, not the
+            # value: that would be redacted too); the agent's CDP stream still shows the value redacted.
+            assert page.evaluate("[window.__pb, document.querySelector('#pbpw').value.length]") == [42, len(SECRET)]
+            assert page.input_value("#pbpw") == "[redacted by podbay]"
         finally:
             browser.close()
-    assert _get(stack, sid, token, "/vnc.html").status_code == 200
+        with api_client(stack) as h:
+            r = h.post(f"/v1/sandboxes/{sid}/computer/screenshot")
+        assert r.status_code == 200, r.text[:300]
+        img = Image.open(io.BytesIO(r.content)).convert("RGB")  # the field's box, 2 px in, is the mask's black
+        assert all(img.getpixel((x, y)) == (0, 0, 0) for x in range(42, 438) for y in range(42, 98))
+    assert novnc_get(stack, sid, token, "/vnc.html").status_code == 200

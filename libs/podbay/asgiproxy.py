@@ -107,13 +107,15 @@ async def deny(scope: Scope, receive: Receive, send: Send, status: int, headers:
 async def relay_websocket(scope: Scope, receive: Receive, send: Send, uri: str, extra: dict[str, str], *,
                           sock: socket.socket | None = None, drop: frozenset[str] = HOP_BY_HOP,
                           on_open: Callable[[], None] | None = None,
-                          to_client: Callable[[str | bytes], str | bytes] | None = None) -> dict[str, int]:
+                          to_client: Callable[[str | bytes], str | bytes | None] | None = None,
+                          to_upstream: Callable[[str | bytes], list[str | bytes]] | None = None) -> dict[str, int]:
     """Open ``uri`` with the client's subprotocols, origin and end-to-end headers (plus ``extra``), accept the
     ASGI client with the subprotocol the upstream chose, and relay messages both ways until one side closes.
     An upstream that refuses the handshake is answered as :func:`deny` does (502 ``port_not_open`` when
     its HTTP status says so, the status otherwise). ``to_client``: applied to every message on its way to the
-    client (the node's redaction of filled credentials in CDP). Returns ``{"in": bytes, "out": bytes}``
-    relayed."""
+    client (the node's redaction of filled credentials in CDP and masking of screenshots; None drops the
+    message); ``to_upstream``: turns each client message into the messages sent upstream, in order (the
+    node's probe before a CDP screenshot). Returns ``{"in": bytes, "out": bytes}`` relayed."""
     headers = {**{k: v for k, v in forwarded_headers(scope, drop=drop | _WS_OWN)}, **extra}
     origin = dict(scope.get("headers", [])).get(b"origin")
     counts = {"in": 0, "out": 0}
@@ -142,12 +144,13 @@ async def relay_websocket(scope: Scope, receive: Receive, send: Send, uri: str, 
     await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
     if on_open is not None:
         on_open()
-    await _pump(upstream, receive, send, counts, to_client)
+    await _pump(upstream, receive, send, counts, to_client, to_upstream)
     return counts
 
 
 async def _pump(upstream: ClientConnection, receive: Receive, send: Send, counts: dict[str, int],
-                to_client: Callable[[str | bytes], str | bytes] | None = None) -> None:
+                to_client: Callable[[str | bytes], str | bytes | None] | None = None,
+                to_upstream: Callable[[str | bytes], list[str | bytes]] | None = None) -> None:
     async def client_to_upstream() -> None:
         while True:
             msg: Message = await receive()
@@ -155,18 +158,19 @@ async def _pump(upstream: ClientConnection, receive: Receive, send: Send, counts
                 await upstream.close(code=int(msg.get("code", 1000)) if msg.get("code") in range(1000, 5000)
                                      and msg.get("code") not in (1005, 1006, 1015) else 1000)
                 return
-            if msg.get("bytes") is not None:
-                counts["in"] += len(msg["bytes"])
-                await upstream.send(msg["bytes"])
-            elif msg.get("text") is not None:
-                counts["in"] += len(msg["text"])
-                await upstream.send(msg["text"])
+            data = msg["bytes"] if msg.get("bytes") is not None else msg.get("text")
+            if data is None:
+                continue
+            counts["in"] += len(data)
+            for out in (to_upstream(data) if to_upstream is not None else [data]):
+                await upstream.send(out)
 
     async def upstream_to_client() -> None:
         try:
-            async for data in upstream:
-                if to_client is not None:
-                    data = to_client(data)
+            async for got in upstream:
+                data = to_client(got) if to_client is not None else got
+                if data is None:
+                    continue
                 counts["out"] += len(data)
                 if isinstance(data, bytes):
                     await send({"type": "websocket.send", "bytes": data})

@@ -20,8 +20,8 @@ From the first fill on, the node remembers the value for the sandbox (:mod:`.fil
 sandbox is on this node, re-armed from the ``allow`` audit rows of the sandbox and its ancestors wherever it runs
 next) and :meth:`Filler.redactor` replaces it (and its JSON-escaped spelling) by ``[redacted by podbay]`` in
 every CDP message relayed to the agent through the ports proxy, for connections opened before or after the
-fill, and the API's screenshots mask the sandbox's password fields and the fields fills typed into
-(:mod:`.computer`). The ``allow`` row is written after the checks and before the value is revealed and typed,
+fill; the API's screenshots mask the sandbox's password fields and the fields fills typed into
+(:mod:`.computer`), and so do the screenshots the agent takes over CDP (:mod:`.cdp_mask`). The ``allow`` row is written after the checks and before the value is revealed and typed,
 so no value reaches a page without its record (a typing that then fails leaves an ``allow`` row: redaction of a
 value that is not there costs nothing). The value is in the page's memory from then on (the trust model in
 docs/credentials.md says what that means).
@@ -45,6 +45,7 @@ from podbay.contracts.egress import name_matches
 from podbay.credentials import Sealed, open_store
 from podbay.errors import Forbidden, GuestError, NotFound, PodbayError, Unavailable, Unprocessable
 
+from .cdp_mask import RelayFilter, ScreenshotMasker
 from .computer import Computer
 
 if TYPE_CHECKING:
@@ -118,6 +119,18 @@ class Filler:
                         data = data.replace(spelling, REDACTED)
             return data
         return redact
+
+    async def relay_filter(self, sandbox_id: str) -> RelayFilter:
+        """The transforms of one WebSocket relayed to ``sandbox_id``'s guest by the ports proxy: the agent's
+        screenshots masked after a fill (:class:`.cdp_mask.ScreenshotMasker`), then every message to the agent
+        redacted (:meth:`redactor`, which arms the sandbox's filled set: ``Unavailable`` when it cannot be)."""
+        redact = await self.redactor(sandbox_id)
+        masker = ScreenshotMasker(lambda: self.fills.selectors(sandbox_id))
+
+        def to_client(data: str | bytes) -> str | bytes | None:
+            masked = masker.to_client(data)
+            return None if masked is None else redact(masked)
+        return RelayFilter(to_upstream=masker.to_upstream, to_client=to_client)
 
     async def _audit(self, tenant_id: str, sandbox_id: str, cred_id: str | None, decision: str,
                      detail: dict[str, Any]) -> int:

@@ -216,5 +216,5 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         return await diff_snapshots(manager.store, sandbox_id, snapshot_a, snapshot_b)
 
     # Guest ports (the API edge's last hop): outermost, so no middleware above buffers or wraps its streams.
-    app.add_middleware(PortsProxy, manager=manager, redactor=filler.redactor)
+    app.add_middleware(PortsProxy, manager=manager, relay_filter=filler.relay_filter)
     return app

@@ -51,6 +51,7 @@ from podbay.errors import PodbayError, Unavailable
 from .netfilter import PORTS_MARK
 
 if TYPE_CHECKING:
+    from .cdp_mask import RelayFilter
     from .sandboxes import SandboxManager
 
 __all__ = ["PortsProxy", "PREFIX", "PATH_HEADER", "HOST_HEADER", "Listener", "parse_proc_net_tcp", "listening_ports",
@@ -170,12 +171,13 @@ class PortsProxy:
     every other request goes to ``app``."""
 
     def __init__(self, app: ASGIApp, manager: SandboxManager,
-                 redactor: Callable[[str], Awaitable[Callable[[str | bytes], str | bytes]]] | None = None) -> None:
+                 relay_filter: Callable[[str], Awaitable[RelayFilter]] | None = None) -> None:
         self.app = app
         self.manager = manager
-        # sandbox id -> a transform of WebSocket messages to the client (credential fill's redaction), awaited
-        # before the connection is relayed; Unavailable refuses it (503) rather than relay it unredacted
-        self.redactor = redactor
+        # sandbox id -> the transforms of a WebSocket's messages (credential fill's redaction and screenshot
+        # masks), awaited before the connection is relayed; Unavailable refuses it (503) rather than relay it
+        # unredacted
+        self.relay_filter = relay_filter
         self.token = manager.settings.internal_token.encode()
         self.http = guest_http_client()
 
@@ -252,7 +254,7 @@ class PortsProxy:
     async def _ws(self, scope: Scope, receive: Receive, send: Send, guest: str, port: int, path: str) -> None:
         sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
         try:
-            to_client = await self.redactor(sandbox_id) if self.redactor is not None else None
+            filt = await self.relay_filter(sandbox_id) if self.relay_filter is not None else None
         except Unavailable as exc:
             await deny(scope, receive, send, *json_error(503, exc.code, exc.message))
             return
@@ -265,7 +267,8 @@ class PortsProxy:
         # The URI names the Host of the handshake only: the socket is connected to the guest already.
         masked = dict(scope.get("headers", [])).get(HOST_HEADER.encode(), b"").decode("latin-1")
         await relay_websocket(scope, receive, send, f"ws://{masked or f'{guest}:{port}'}{path}", {}, sock=sock,
-                              to_client=to_client)
+                              to_client=filt.to_client if filt is not None else None,
+                              to_upstream=filt.to_upstream if filt is not None else None)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -16,7 +16,7 @@ length and character sum), while the agent's CDP stream shows it redacted and a 
 environments, command lines and files (outside the swap file) finds none of it; a page of another origin, an
 unknown, out-of-scope or expired credential and a missing selector are refused and type nothing, each audited;
 the API's screenshot shows the password field's box before the fill and masks it (opaque black) after it, and
-leaves the other field alone.
+leaves the other field alone; so does a screenshot the agent takes itself over CDP (Playwright's).
 """
 
 from __future__ import annotations
@@ -268,6 +268,7 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
                 assert r.status_code == status and r.json()["error"]["code"] == code, r.text
             assert tab.text_content("#seen") == ""  # nothing was typed by any refusal
             before = c.screenshot(sandbox)  # no fill yet: nothing masked
+            agent_before = tab.screenshot()  # the agent's own, over CDP through the port edge
             r = fill("site-pw", "#pw")
             assert r.status_code == 200, r.text
             assert r.json()["origin"] == "http://127.0.0.1:8000" and SECRET not in r.text
@@ -279,6 +280,11 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
             assert pw is not None and user is not None
             assert not _all_mask(before, pw)  # unmasked before the fill: the field's white box
             assert _all_mask(after, pw) and not _all_mask(after, user)  # masked after it; the user field not
+            # The agent's own screenshot over CDP (Playwright's Page.captureScreenshot) is masked by the node's
+            # relay from the fill on, too (services/nodeagent/cdp_mask.py).
+            agent_after = tab.screenshot()
+            assert not _all_mask(agent_before, pw)
+            assert _all_mask(agent_after, pw) and not _all_mask(agent_after, user)
         half = len(SECRET) // 2
         r = h.post(f"/v1/sandboxes/{sandbox}/exec", json={"argv": ["python3", "-c", SCAN, SECRET[:half],
                                                                      SECRET[half:]]})

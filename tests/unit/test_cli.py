@@ -172,6 +172,17 @@ def test_empty_or_malformed_ids_and_paths_are_refused_before_sending(fake_api: F
     assert fake_api.requests == []
 
 
+def test_an_unreachable_api_is_one_error_line_that_points_at_status(clean_env: None) -> None:
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(app, ["--api-url", f"http://127.0.0.1:{port}", "--api-key", "k", "sandbox", "get",
+                                      "sb-x"])
+    assert_error_line(result, "unavailable", 1)
+    assert "cannot reach the podbay API" in result.stderr and "`podbay status` tells" in result.stderr
+
+
 def test_a_malformed_config_file_is_one_error_line(clean_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text("{broken")
@@ -289,8 +300,13 @@ def test_template_build_refused_dockerfile_exits_2_with_its_code(fake_api: FakeA
 def test_env_prints_exports(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(app, ["--api-url", "http://h:1", "--api-key", "k'ey", "env"])
     assert result.stdout.splitlines() == ["export PODBAY_API_URL=http://h:1", "export PODBAY_API_KEY='k'\"'\"'ey'"]
+    assert result.exit_code == 0
     monkeypatch.setenv("PODBAY_API_URL", "http://from-env:2")
-    assert CliRunner().invoke(app, ["env"]).stdout == "export PODBAY_API_URL=http://from-env:2\n"
+    result = CliRunner().invoke(app, ["env"])  # no key anywhere: the URL alone, a warning, exit 1
+    assert result.stdout == "export PODBAY_API_URL=http://from-env:2\n"
+    assert result.exit_code == 1 and "no API key is configured" in result.stderr
+    result = CliRunner().invoke(app, ["env", "--e2b"])
+    assert "E2B_API_KEY" not in result.stdout and result.exit_code == 1 and "podbay up" in result.stderr
 
 
 @dataclass

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from podbay.errors import PodbayError
+from podbay.sdk._http import UNREACHABLE
 from podbay.sdk import Client
 
 __all__ = [
@@ -157,7 +158,10 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except (typer.Exit, typer.Abort, TyperException):  # typer's own exits and usage errors
             raise
         except PodbayError as exc:
-            fail(exc.message, exc.code, exit_code_for(exc))
+            message = exc.message
+            if exc.code == "unavailable" and message.startswith(UNREACHABLE):
+                message += "; is a stack running? `podbay status` tells, `podbay up` starts one"
+            fail(message, exc.code, exit_code_for(exc))
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except BrokenPipeError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 import typer
 
@@ -20,7 +21,11 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
 
     With `--e2b`: `E2B_API_URL` (the API's `/e2b`), `E2B_SANDBOX_URL` (the API, which routes envd traffic
     by the `E2b-Sandbox-Id` header) and `E2B_API_KEY` (the podbay key in its `e2b_` alias form, which E2B SDKs that check a key's shape
-    accept) (docs/e2b.md)."""
+    accept) (docs/e2b.md).
+
+    Without a key configured (no stack started with `podbay up` on this account, no `PODBAY_API_KEY`, no
+    `--api-key`), the URL exports are printed alone, with a warning on stderr, and the exit status is 1: an
+    `eval` of them leaves the key unset."""
     st = state(ctx)
     cfg = load_client_config(st.api_url, st.api_key)
     base = cfg.api_url.rstrip("/")
@@ -29,7 +34,11 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
         print(f"export E2B_SANDBOX_URL={shlex.quote(base)}")
         if cfg.api_key:
             print(f"export E2B_API_KEY={shlex.quote(to_e2b_key(cfg.api_key))}")
-        return
-    print(f"export PODBAY_API_URL={shlex.quote(cfg.api_url)}")
-    if cfg.api_key:
-        print(f"export PODBAY_API_KEY={shlex.quote(cfg.api_key)}")
+    else:
+        print(f"export PODBAY_API_URL={shlex.quote(cfg.api_url)}")
+        if cfg.api_key:
+            print(f"export PODBAY_API_KEY={shlex.quote(cfg.api_key)}")
+    if not cfg.api_key:
+        print("warning: no API key is configured, so none is exported: start a stack with `podbay up` (it writes "
+              "the client config), or set PODBAY_API_KEY or --api-key", file=sys.stderr)
+        raise typer.Exit(1)

@@ -47,6 +47,7 @@ __all__ = [
     "retry_delay",
     "BROKEN_CONNECTION",
     "EventReader",
+    "UNREACHABLE",
 ]
 
 #: Default bound, in seconds, on connecting and on waiting for an answer. Above the API's default
@@ -54,6 +55,10 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 90.0
 
 USER_AGENT = "podbay-sdk/0.1"
+
+#: How an :class:`~podbay.errors.Unavailable` for a connection that never reached the API begins (the CLI
+#: adds a hint to it).
+UNREACHABLE = "cannot reach the podbay API"
 
 _BY_STATUS: dict[int, type[PodbayError]] = {
     400: InvalidRequest,
@@ -152,11 +157,11 @@ def network_errors(base_url: str) -> Iterator[None]:
     except httpx.TimeoutException as exc:
         url = _url_of(exc, base_url)
         if isinstance(exc, httpx.ConnectTimeout):
-            raise Unavailable(f"cannot reach the podbay API at {url}: connect timed out") from exc
+            raise Unavailable(f"{UNREACHABLE} at {url}: connect timed out") from exc
         raise Timeout(f"the podbay API at {url} did not answer in time ({type(exc).__name__})") from exc
     except (httpx.ConnectError, httpx.ProxyError, httpx.UnsupportedProtocol) as exc:
         url = _url_of(exc, base_url)
-        raise Unavailable(f"cannot reach the podbay API at {url}: {exc or type(exc).__name__}") from exc
+        raise Unavailable(f"{UNREACHABLE} at {url}: {exc or type(exc).__name__}") from exc
     except httpx.TransportError as exc:
         # Connected, then the answer broke off (the API, or the node behind it, went away mid-request):
         # "cannot reach" would send the reader to check an address that works.

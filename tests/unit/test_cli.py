@@ -172,6 +172,14 @@ def test_empty_or_malformed_ids_and_paths_are_refused_before_sending(fake_api: F
     assert fake_api.requests == []
 
 
+def test_exec_of_a_missing_program_exits_127_as_a_shell_would(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-x")
+    result = run(fake_api, "exec", "sb-x", "--", "/no/such/binary")
+    assert_error_line(result, "not_found", 127)
+    assert "/no/such/binary: No such file or directory" in result.stderr
+    assert_error_line(run(fake_api, "exec", "sb-nope", "--", "/no/such/binary"), "not_found", 2)  # no sandbox
+
+
 def test_an_unreachable_api_is_one_error_line_that_points_at_status(clean_env: None) -> None:
     import socket
     with socket.socket() as s:  # a port nothing listens on

@@ -7,7 +7,8 @@ port) and runs a few fake commands:
 - ``["cat"]`` prints its stdin; ``["env"]`` prints ``K=V`` lines; ``["err", msg]`` writes msg to stderr;
 - ``["exit", n]`` exits with ``n``; ``["killed"]`` exits with -9; ``["hang"]`` times out (exit -9);
 - streaming only: ``["gated"]`` writes ``first``, waits for ``FakeApi.gate`` (set by the test), then
-  writes ``second``; ``["fail"]`` sends an ``error`` event; ``["cut"]`` ends without ``exit``.
+  writes ``second``; ``["fail"]`` sends an ``error`` event; ``["cut"]`` ends without ``exit``; a program
+  under ``/no/such/`` sends guestd's ``not_found`` error for a missing program.
 
 Special sandbox ids: ``plain-404`` answers a non-JSON 404; ``sb-paused`` refuses exec with 409;
 ``sb-slow`` answers a waiting delete with 202 (the server's wait ran out).
@@ -300,6 +301,10 @@ def build_app(fake: FakeApi) -> FastAPI:
             if argv == ["fail"]:
                 yield line(type="stdout", data="before\n")
                 yield line(type="error", error={"code": "guest_error", "message": "guest went away"})
+                return
+            if argv and str(argv[0]).startswith("/no/such/"):  # as guestd when the program does not exist
+                yield line(type="error", error={"code": "not_found",
+                                                "message": f"{argv[0]}: No such file or directory"})
                 return
             if argv == ["cut"]:
                 yield line(type="stdout", data="half")

@@ -8,12 +8,17 @@ from typing import IO
 import typer
 
 from podbay.cli._common import client, fail, handle_errors, parse_pairs
+from podbay.errors import PodbayError
 from podbay.sdk._calls import STDIN_MAX_BYTES
 
 __all__ = ["exec_command", "exit_status"]
 
 #: The exit status of a command that timed out, as ``timeout(1)`` reports it.
 TIMED_OUT_STATUS = 124
+
+
+#: The exit status when the guest cannot start the program, by the error's code (POSIX shells' 127 and 126).
+_SPAWN_STATUS = {"not_found": 127, "permission_denied": 126}
 
 
 def exit_status(exit_code: int) -> int:
@@ -64,20 +69,29 @@ def exec_command(
     Local stdin is forwarded (up to 16 MiB of UTF-8) when it is not a terminal. Output is text: UTF-8
     arrives unchanged, bytes that are not UTF-8 show as U+FFFD; use `podbay files read` for binary data.
 
-    The exit status is the command's: 128+N when killed by signal N, 124 when it timed out.
+    The exit status is the command's: 128+N when killed by signal N, 124 when it timed out, 127 when the
+    program was not found and 126 when it could not be executed (as a shell's).
     """
     command: list[str] | str = " ".join(cmd) if shell else cmd
     stdin = None if no_stdin else _local_stdin()
-    events = client(ctx).exec_stream(
-        sandbox_id, command, env=parse_pairs(env, "--env"), cwd=cwd, user=user, stdin=stdin, timeout_s=timeout
-    )
-    for event in events:
-        if event.type == "stdout" and event.data:
-            _write(sys.stdout, event.data)
-        elif event.type == "stderr" and event.data:
-            _write(sys.stderr, event.data)
-        elif event.type == "exit":
-            if event.timed_out:
-                after = f" after {timeout:g} s" if timeout else ""
-                fail(f"the command timed out{after}", "timeout", TIMED_OUT_STATUS)
-            raise typer.Exit(exit_status(event.exit_code if event.exit_code is not None else 1))
+    pairs = parse_pairs(env, "--env")
+    try:
+        for event in client(ctx).exec_stream(sandbox_id, command, env=pairs, cwd=cwd, user=user, stdin=stdin,
+                                             timeout_s=timeout):
+            if event.type == "stdout" and event.data:
+                _write(sys.stdout, event.data)
+            elif event.type == "stderr" and event.data:
+                _write(sys.stderr, event.data)
+            elif event.type == "exit":
+                if event.timed_out:
+                    after = f" after {timeout:g} s" if timeout else ""
+                    fail(f"the command timed out{after}", "timeout", TIMED_OUT_STATUS)
+                raise typer.Exit(exit_status(event.exit_code if event.exit_code is not None else 1))
+    except PodbayError as exc:
+        # The guest could not start the program itself (its message names it: "<program>: No such file or
+        # directory"): exit as a shell would, 127 (not found) or 126 (not executable), so that a script tells
+        # it from a refused request (2) and from the program's own status.
+        status = _SPAWN_STATUS.get(exc.code) if not shell and exc.message.startswith(f"{cmd[0]}: ") else None
+        if status is None:
+            raise
+        fail(exc.message, exc.code, status)

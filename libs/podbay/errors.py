@@ -336,7 +336,14 @@ def validation_message(error: Any) -> str:
     """One line for one entry of pydantic's ``ValidationError.errors()``: ``"<loc>: <msg>"``, or the message
     alone for a check of the whole model (empty ``loc``, or only ``body``). pydantic prefixes what a validator
     raised as ``ValueError`` with ``"Value error, "`` (pydantic-core's ``value_error`` type); that is dropped,
-    so the reader sees the validator's own sentence."""
+    so the reader sees the validator's own sentence. A body that is not JSON at all reads as such, with the
+    decoder's reason and where it stopped."""
+    if error.get("type") == "json_invalid":
+        # FastAPI's own entry for a body that does not parse: its loc is ("body", <character offset>) and its
+        # ctx.error the decoder's reason.
+        where = [p for p in error.get("loc", ()) if isinstance(p, int)]
+        why = str((error.get("ctx") or {}).get("error") or "JSON decode error")
+        return f"the request body is not valid JSON: {why}" + (f" (at character {where[0]})" if where else "")
     msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
     loc = [str(p) for p in error.get("loc", ())]
     if loc[:1] == ["body"]:

@@ -436,7 +436,7 @@ class QemuVmm(Vmm):
                                    details={"cmd": cmd, "qmp_class": exc.error_class}) from exc
         except (StateError, QMPError, EOFError, OSError) as exc:
             if not self.is_alive(vm):
-                raise VmGone(f"QEMU {vm.pid} is gone ({cmd})", details={"vm_dir": str(vm.dir)}) from exc
+                raise VmGone(f"QEMU {vm.pid} of {vm.dir.name} is gone ({cmd})", details={"vm": vm.dir.name}) from exc
             raise VmOperationError(f"QMP {cmd}: {exc!r}", details={"cmd": cmd}) from exc
 
     async def _spawn(self, config: VmConfig, paths: VmPaths, *, incoming: bool,
@@ -789,10 +789,12 @@ class QemuVmm(Vmm):
             pid = int(paths.pidfile.read_text().strip())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError) as exc:
-            raise VmGone(f"no running QEMU for {vm_dir}", details={"vm_dir": str(vm_dir)}) from exc
+            # Named by the VM directory's name (the sandbox's id), not its path: the message reaches API clients
+            # (a sandbox's failure_reason), which have no business with the node's paths.
+            raise VmGone(f"no running QEMU for {vm_dir.name}", details={"vm": vm_dir.name}) from exc
         # The pid may have been reused by an unrelated process after QEMU died.
         if str(paths.qmp).encode() not in cmdline:
-            raise VmGone(f"pid {pid} is not the QEMU of {vm_dir}", details={"vm_dir": str(vm_dir)})
+            raise VmGone(f"pid {pid} is not the QEMU of {vm_dir.name}", details={"vm": vm_dir.name})
         return await self._connect(paths, pid, None, config, _QMP_CONNECT_TIMEOUT_S)
 
     async def pause(self, vm: VmProcess) -> None:

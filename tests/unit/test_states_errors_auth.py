@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel
 
 from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import InvalidState, NotFound, PodbayError, SandboxFailed, Unprocessable, error_from_wire
@@ -101,7 +102,8 @@ async def test_authenticate_caches_verified_keys_only() -> None:
 def test_a_refusal_reads_as_english() -> None:
     with pytest.raises(InvalidState) as info:
         check_allowed(SandboxCommand.FILES, SandboxState.PAUSED)
-    assert str(info.value) == "cannot read or write files of a sandbox that is paused"
+    assert str(info.value) == ("cannot read or write files of a sandbox that is paused; resume it first "
+                               "(POST /v1/sandboxes/{id}/resume, `podbay sandbox resume ID`)")
     with pytest.raises(InvalidState) as info:
         check_allowed(SandboxCommand.PAUSE, SandboxState.DELETED)
     assert str(info.value) == "cannot pause a sandbox that is deleted"
@@ -124,3 +126,26 @@ def test_validation_messages_read_as_the_validator_wrote_them() -> None:
     # FastAPI's locations start with where the value came from; a body field is named alone.
     assert validation_message({"loc": ("body", "size"), "msg": "too big"}) == "size: too big"
     assert validation_message({"loc": ("query", "wait"), "msg": "bad"}) == "query.wait: bad"
+
+
+class _CreateBody(BaseModel):
+    template: str
+
+
+async def test_a_body_that_is_not_json_reads_as_such_with_where_it_stopped() -> None:
+    import httpx
+    from fastapi import FastAPI
+
+    from podbay_api.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/sandboxes")
+    async def create(body: _CreateBody) -> dict[str, str]:
+        return {"template": body.template}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as c:
+        r = await c.post("/v1/sandboxes", content=b'{"template": }', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+    assert r.json()["error"]["message"] == "the request body is not valid JSON: Expecting value (at character 13)"

@@ -71,7 +71,10 @@ def check_allowed(command: SandboxCommand, state: SandboxState | str) -> None:
     """Raise ``InvalidState`` (HTTP 409, ``details.state``) unless ``command`` is allowed in ``state``."""
     st = SandboxState(state)
     if st not in ALLOWED[command]:
+        # A paused or suspended sandbox is one call away from serving the command: say which.
+        hint = ("; resume it first (POST /v1/sandboxes/{id}/resume, `podbay sandbox resume ID`)"
+                if st in (S.PAUSED, S.SUSPENDED) and S.RUNNING in ALLOWED[command] else "")
         raise InvalidState(
-            f"cannot {_PHRASES.get(command, command.value)} a sandbox that is {st.value}",
+            f"cannot {_PHRASES.get(command, command.value)} a sandbox that is {st.value}{hint}",
             details={"state": st.value, "command": command.value},
         )

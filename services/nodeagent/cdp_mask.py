@@ -37,8 +37,8 @@ from typing import Any
 
 from PIL import Image
 
-from .computer import MASK_MARGIN_PX, MAX_MASKED_FIELDS, PASSWORD_FIELDS
-from .computer_screen import paint_masks
+from .computer import MASK_MARGIN_PX, MAX_MASKED_FIELDS, PASSWORD_FIELDS, guest_number
+from .computer_screen import paint_masks, to_png
 
 __all__ = ["PROBE_ID_BASE", "RelayFilter", "ScreenshotMasker"]
 
@@ -79,22 +79,19 @@ def _probe_expression(selectors: list[str]) -> str:
             " return {w: innerWidth, sx: scrollX, sy: scrollY, r: out}; })()")
 
 
-def _num(v: Any, default: float = 0.0) -> float:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
-
-
 def picture_boxes(probe: dict[str, Any], params: dict[str, Any], width_px: int) -> list[tuple[float, float, float,
                                                                                                 float]]:
     """The probe's boxes in the pixels of a picture ``width_px`` wide taken with ``params`` (the command's:
     ``clip`` ``{x, y, width, height}`` in CSS pixels, else the viewport), each widened by MASK_MARGIN_PX. A clip
     and a scrolled page give two placements per box (see the module docstring)."""
-    sx, sy = _num(probe.get("sx")), _num(probe.get("sy"))
+    sx, sy = guest_number(probe.get("sx")), guest_number(probe.get("sy"))
     clip = params.get("clip") if isinstance(params.get("clip"), dict) else None
     if clip is not None:
-        css_w = _num(clip.get("width"))
-        origins = {(_num(clip.get("x")), _num(clip.get("y"))), (_num(clip.get("x")) - sx, _num(clip.get("y")) - sy)}
+        css_w = guest_number(clip.get("width"))
+        cx, cy = guest_number(clip.get("x")), guest_number(clip.get("y"))
+        origins = {(cx, cy), (cx - sx, cy - sy)}
     else:
-        css_w = _num(probe.get("w"))
+        css_w = guest_number(probe.get("w"))
         origins = {(0.0, 0.0), (-sx, -sy)}  # the viewport; the document from its top (captureBeyondViewport)
     scale = width_px / css_w if css_w > 0 else 1.0
     m = MASK_MARGIN_PX
@@ -102,7 +99,7 @@ def picture_boxes(probe: dict[str, Any], params: dict[str, Any], width_px: int) 
     for r in probe.get("r") or []:
         if not isinstance(r, list) or len(r) != 4:
             continue
-        left, top, right, bottom = (_num(v) for v in r)
+        left, top, right, bottom = (guest_number(v) for v in r)
         for ox, oy in origins:
             boxes.append(((left - ox) * scale - m, (top - oy) * scale - m, (right - ox) * scale + m,
                           (bottom - oy) * scale + m))
@@ -120,11 +117,10 @@ def mask_picture(data_b64: str, params: dict[str, Any], probe: dict[str, Any]) -
     except (OSError, binascii.Error, Image.DecompressionBombError) as exc:
         raise ValueError(f"not a {fmt} picture: {exc}") from exc
     paint_masks(img, picture_boxes(probe, params, img.width))
-    out = io.BytesIO()
     if fmt == "PNG":
-        img.save(out, format="PNG", compress_level=1)
-    else:
-        img.save(out, format=fmt, quality=int(_num(params.get("quality"), 80)))
+        return base64.b64encode(to_png(img)).decode("ascii")
+    out = io.BytesIO()
+    img.save(out, format=fmt, quality=int(guest_number(params.get("quality")) or 80))
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 

@@ -57,7 +57,8 @@ from .ports import connect_guest, guest_http_client
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
-__all__ = ["Computer", "CdpSession", "add_computer_routes", "key_events"]
+__all__ = ["Computer", "CdpSession", "add_computer_routes", "key_events", "guest_number", "MASK_MARGIN_PX",
+           "MAX_MASKED_FIELDS", "PASSWORD_FIELDS"]
 
 log = logging.getLogger("podbay.nodeagent.computer")
 
@@ -87,7 +88,7 @@ MAX_MASKED_FIELDS = 200
 MASK_MARGIN_PX = 2
 
 
-def _num(v: Any) -> float:
+def guest_number(v: Any) -> float:
     """A finite number from the guest's JSON, else 0."""
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
@@ -247,9 +248,9 @@ class Computer:
         viewport sits on the X screen (``Browser.getWindowForTarget``: the window's place, its frame taken
         as being above the viewport; none under ``--kiosk``)."""
         metrics = await cdp.call("Page.getLayoutMetrics")
-        css_w = _num((metrics.get("cssVisualViewport") or {}).get("clientWidth"))
-        dev_w = _num((metrics.get("visualViewport") or {}).get("clientWidth"))
-        css_h = _num((metrics.get("cssVisualViewport") or {}).get("clientHeight"))
+        css_w = guest_number((metrics.get("cssVisualViewport") or {}).get("clientWidth"))
+        dev_w = guest_number((metrics.get("visualViewport") or {}).get("clientWidth"))
+        css_h = guest_number((metrics.get("cssVisualViewport") or {}).get("clientHeight"))
         scale = dev_w / css_w if css_w > 0 and dev_w > 0 else 1.0  # device pixels per CSS pixel
         ox = oy = 0.0
         if on_screen:
@@ -257,9 +258,9 @@ class Computer:
                 b = (await cdp.call("Browser.getWindowForTarget")).get("bounds") or {}
             except GuestError:
                 b = {}
-            frame_x = max(0.0, _num(b.get("width")) - css_w * scale) / 2
-            ox = _num(b.get("left")) + frame_x
-            oy = _num(b.get("top")) + max(0.0, _num(b.get("height")) - css_h * scale - frame_x)
+            frame_x = max(0.0, guest_number(b.get("width")) - css_w * scale) / 2
+            ox = guest_number(b.get("left")) + frame_x
+            oy = guest_number(b.get("top")) + max(0.0, guest_number(b.get("height")) - css_h * scale - frame_x)
         root = (await cdp.call("DOM.getDocument", {"depth": 0})).get("root", {}).get("nodeId")
         nodes: list[int] = []
         for sel in (PASSWORD_FIELDS, *sorted(selectors)):
@@ -276,7 +277,7 @@ class Computer:
                 continue  # not rendered (display: none): nothing to mask
             if not isinstance(quad, list) or len(quad) != 8:
                 continue
-            xs, ys = [_num(v) * scale + ox for v in quad[0::2]], [_num(v) * scale + oy for v in quad[1::2]]
+            xs, ys = [guest_number(v) * scale + ox for v in quad[0::2]], [guest_number(v) * scale + oy for v in quad[1::2]]
             m = MASK_MARGIN_PX
             boxes.append((min(xs) - m, min(ys) - m, max(xs) + m, max(ys) + m))
         return boxes

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from podbay.errors import PodbayError
-from podbay.sdk._http import UNREACHABLE
 from podbay.sdk import Client
+from podbay.sdk._http import UNREACHABLE
 
 __all__ = [
     "with_progress",

@@ -140,6 +140,12 @@ class Snapshotter:
             try:
                 await self.promote_one(r["id"])
             except Exception as exc:
+                # The list is read before the promotions run; a snapshot deleted meanwhile (its sandbox
+                # deleted, or retention) is no failure, and its files may already be gone.
+                state = await self.pool.fetchval("SELECT state FROM snapshots WHERE id=$1", r["id"])
+                if state in (None, "deleted"):
+                    log.info("cadence promotion of %s skipped: the snapshot was deleted meanwhile", r["id"])
+                    continue
                 log.warning("cadence promotion of %s failed: %s", r["id"], exc)
                 await self.fail(r["id"], str(exc))
         return len(rows)

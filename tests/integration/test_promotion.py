@@ -6,6 +6,7 @@ these tests need no VM; tests/e2e/test_suspend.py covers the same paths with rea
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -216,6 +218,7 @@ async def test_gc_deletes_unreferenced_chunks_and_orphans_but_keeps_referenced_o
 _PROMOTE_IN_CHILD = """
 import asyncio, sys
 from pathlib import Path
+from typing import Any
 from podbay import db
 from podbay.config import Settings
 from podbay.objstore import open_store
@@ -295,3 +298,32 @@ async def test_disk_snapshots_are_promoted_on_their_cadence(
     await pool.execute("UPDATE snapshots SET created_at = now() + interval '1 second' WHERE id=$1", ids[0])
     assert await snapshotter.cadence_once() == 1  # the interval passed and a newer disk snapshot is local
     assert await pool.fetchval("SELECT promotion FROM snapshots WHERE id=$1", ids[0]) == "promoted"
+
+
+async def test_a_snapshot_deleted_before_its_cadence_promotion_is_skipped_not_failed(
+        pool: asyncpg.Pool, store: ObjectStore, settings: Settings, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from podbay_snapshotter.main import Snapshotter
+
+    node = "node-cadence-deleted"
+    s = settings.model_copy(update={"data_dir": tmp_path, "node_id": node, "promote_disk_interval_s": 300.0})
+    await pool.execute("INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel) VALUES ($1,'x',1,1,'tcg')"
+                       " ON CONFLICT DO NOTHING", node)
+    tenant, sandbox = await _sandbox(pool)
+    snap = new_id("snap")
+    await pool.execute("INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, generation)"
+                       " VALUES ($1,$2,$3,$4,'disk','ready',1)", snap, tenant, sandbox, node)
+    # No files on the node either: the sandbox's delete removed them after the cadence listed the snapshot.
+
+    class DeletedMeanwhile(Snapshotter):
+        async def promote_one(self, snapshot_id: str) -> Any:
+            await pool.execute("UPDATE snapshots SET state='deleted' WHERE id=$1", snapshot_id)
+            return await super().promote_one(snapshot_id)
+
+    snapshotter = DeletedMeanwhile(s, pool, None, store, _NoRelay())  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="podbay.snapshotter"):
+        assert await snapshotter.cadence_once() == 1
+    row = await pool.fetchrow("SELECT promotion, promotion_error FROM snapshots WHERE id=$1", snap)
+    assert (row["promotion"], row["promotion_error"]) == ("local", None)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "deleted meanwhile" in caplog.text

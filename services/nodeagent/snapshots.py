@@ -89,6 +89,15 @@ class SnapshotOps:
             return None
         if snap["state"] != "creating":
             return f"snapshot is {snap['state']}"
+        if (sandbox_id in m.hibernated and row["node_id"] == m.node_id and row["generation"] == generation
+                and row["state"] in ("paused", "suspending")):
+            # A long-paused sandbox's RAM was released (its QEMU exited): restore it, still paused, to take
+            # the snapshot from a VM as for any paused one. Its release timer lets it go again afterwards.
+            try:
+                await m.wake_hibernated(sandbox_id)
+            except Exception as exc:
+                log.exception("restoring released sandbox %s for snapshot %s failed", sandbox_id, snapshot_id)
+                return await self._fail_snapshot(snapshot_id, f"the sandbox's released RAM could not be restored: {exc}")
         vm = m.vms.get(sandbox_id)
         if row["node_id"] != m.node_id or row["generation"] != generation or vm is None or \
                 row["state"] not in ("running", "paused", "suspending"):

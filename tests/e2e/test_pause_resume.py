@@ -101,3 +101,57 @@ def test_long_paused_sandbox_releases_its_ram_and_resumes_intact(stack: Any) -> 
             assert os.path.exists(vm_dir / "qemu.pid")
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_released_paused_sandbox_can_be_snapshotted_and_forked(stack: Any) -> None:
+    """A long-paused sandbox whose RAM was released (QEMU gone) still takes disk and full snapshots and forks:
+    the node restores it, still paused, for the snapshot. Before, each was refused with 409 (seen in the soak)."""
+    from pathlib import Path
+
+    children: list[str] = []
+    with _client(stack) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
+        try:
+            _sh(c, sid, "echo kept > /root/kept.txt")
+            vm_dir = next(Path(stack.data_dir).glob(f"nodes/*/store/sandboxes/{sid}"))
+            qemu_pid = int((vm_dir / "qemu.pid").read_text())
+            assert c.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+
+            def released() -> bool:
+                try:
+                    alive = b"qemu" in Path(f"/proc/{qemu_pid}/cmdline").read_bytes()
+                except OSError:
+                    alive = False
+                return not alive and (vm_dir / "hib" / "state").exists() and not (vm_dir / "ram").exists()
+
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not released():
+                time.sleep(0.5)
+            assert released()
+
+            snaps = {}
+            for kind in ("disk", "full"):
+                r = c.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": kind})
+                assert r.status_code == 201, r.text
+                assert r.json()["state"] == "ready", r.json()
+                snaps[kind] = r.json()["id"]
+            assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"  # still paused for its owner
+
+            r = c.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1})
+            assert r.status_code == 200, r.text
+            children = [ch["sandbox_id"] for ch in r.json()["children"]]
+            assert _sh(c, children[0], "cat /root/kept.txt") == "kept\n"
+
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            _sh(c, sid, "echo later > /root/kept.txt")
+            r = c.post(f"/v1/sandboxes/{sid}/restore", json={"snapshot_id": snaps["full"]})
+            assert r.status_code in (200, 202), r.text
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and c.get(f"/v1/sandboxes/{sid}").json()["state"] != "running":
+                time.sleep(0.5)
+            assert _sh(c, sid, "cat /root/kept.txt") == "kept\n"
+        finally:
+            for child in children:
+                c.delete(f"/v1/sandboxes/{child}")
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -112,8 +112,9 @@ async def _reattach(mgr: SandboxManager, sandbox_id: str, generation: int, tenan
                 log.info("sandbox %s was left stopped (%s) by an interrupted operation: continuing it",
                          sandbox_id, status)
                 await handle.resume()
-            channel = await GuestChannel.connect(handle.channel_path, timeout_s=10.0)
-            await channel.ping(timeout_s=5.0)
+            # A slow answer on a loaded node is no lost VM: the same bound as a restore's before discarding it.
+            channel = await GuestChannel.connect(handle.channel_path, timeout_s=mgr.settings.restore_timeout_s)
+            await channel.ping(timeout_s=mgr.settings.restore_timeout_s)
             if pending is not None:
                 await channel.after_restore(net=pending)
                 pending = None

@@ -280,7 +280,9 @@ class VmRegistry:
         vm.paused_at = None
         await vm.handle.resume()
         if vm.channel is None or vm.channel.closed:
-            vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=10.0)
+            # A guest just restored translates its code anew under TCG: on a loaded node its HELLO takes as long
+            # as a restore's does (the soak saw 10 s run out at a load average of 22).
+            vm.channel = await GuestChannel.connect(vm.handle.channel_path, timeout_s=self.settings.restore_timeout_s)
         await vm.channel.after_restore(time_ns=time.time_ns(), net=vm.net_pending)
         vm.net_pending = None
 

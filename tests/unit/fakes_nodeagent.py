@@ -273,12 +273,15 @@ class FakeGuest:
         self.failures: dict[str, BaseException] = {}
         self.channels: list[FakeChannel] = []
         self.crng_reseeded = True
+        #: each connect's ``timeout_s``, in order
+        self.connect_timeouts: list[float] = []
         #: called at each connect, before it answers (a test's way to change the world meanwhile)
         self.on_connect: Callable[[], None] | None = None
 
     async def connect(self, socket_path: Path, *, timeout_s: float = 10.0) -> FakeChannel:
         vm_dir = socket_path.parent.parent.name  # <vm_dir>/run/channel.sock
         self.calls.append((vm_dir, "connect"))
+        self.connect_timeouts.append(timeout_s)
         if self.on_connect is not None:
             self.on_connect()
         exc = self.failures.pop("connect", None)

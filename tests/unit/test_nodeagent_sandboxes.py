@@ -156,6 +156,18 @@ async def test_a_hibernated_sandbox_is_restored_paused_then_continued_on_resume(
     assert not (node.vm_dir(SBX) / "hib").exists() and node.net.open_fds() == []
 
 
+async def test_the_resume_of_a_hibernated_sandbox_waits_for_its_guest_as_long_as_a_restore(node: Node) -> None:
+    # A just-restored guest on a loaded node can take longer than 10 s to say HELLO (seen in the soak).
+    node.settings.restore_timeout_s = 47.0
+    await _running(node)
+    await node.manager.pause(_op("op_pause"))
+    assert await node.manager.hibernate(SBX)
+    await settle()
+    await node.manager.resume(_op("op_resume"))
+    assert node.db.state(SBX) == "running"
+    assert node.guest.connect_timeouts[-1] == 47.0
+
+
 # ------------------------------------------------------------------------------------------------- delete
 
 

@@ -151,9 +151,11 @@ class Settings(BaseSettings):
                                       "runs is still its own (node and generation) and stops those that are not.")
     accel: Literal["auto", "kvm", "tcg"] = Field("auto", description="VMM acceleration.")
     kvm_probe_timeout_s: float = Field(8.0)
-    boot_timeout_s: float = Field(90.0)
-    restore_timeout_s: float = Field(30.0)
-    restore_retries: int = Field(2)
+    boot_timeout_s: float = Field(90.0, description="Node agent: how long a guest booted from its disk (a template "
+                                  "build) has to answer on its channel.")
+    restore_timeout_s: float = Field(30.0, description="Node agent: bound on one restore attempt, and how long a "
+                                     "restored, resumed or reattached guest has to answer on its channel.")
+    restore_retries: int = Field(2, description="Node agent: restore attempts after the first that failed.")
     restore_concurrency: int = Field(0, ge=0, description="Restores (and boots) a node runs at a time until the "
                                      "guest answers; 0 means one per host core.")
     qemu_binary: str = Field("qemu-system-x86_64")

@@ -87,16 +87,19 @@ def snapshot_losses(known: dict[str, Snap], listed: dict[str, Snap], keep: dict[
     """Compare the snapshots a sandbox listed before (``known``) with those it lists now.
 
     A known snapshot that is no longer listed is explained by retention when at least ``keep[kind]`` newer
-    ones of its kind are listed (the node keeps the newest K disk and M full snapshots), or by a suspend
-    since the last listing when it was not promoted (a suspend frees the node's local copies). Anything else
-    is lost. Returns ``(lost ids, retired by retention, dropped by a suspend)``.
+    ones of its kind were seen, listed now or at the last listing (the node keeps the newest K disk and M full
+    snapshots, and may reclaim this one as soon as those exist, even if a suspend drops the newer, unpromoted
+    ones before this listing), or by a suspend since the last listing when it was not promoted (a suspend
+    frees the node's local copies). Each vanished snapshot needs its own explanation. Anything else is lost.
+    Returns ``(lost ids, retired by retention, dropped by a suspend)``.
     """
     lost: list[str] = []
     retired = dropped = 0
+    seen = {**known, **listed}
     for sid, snap in known.items():
         if sid in listed:
             continue
-        newer = sum(1 for s in listed.values() if s.kind == snap.kind and s.created_at > snap.created_at)
+        newer = sum(1 for s in seen.values() if s.kind == snap.kind and s.created_at > snap.created_at)
         if newer >= keep.get(snap.kind, 1):
             retired += 1
         elif suspended and snap.promotion != "promoted":

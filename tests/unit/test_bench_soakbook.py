@@ -36,6 +36,18 @@ def test_a_suspend_explains_only_unpromoted_snapshots() -> None:
     assert snapshot_losses(known, {}, KEEP, suspended=False) == (["local", "s3"], 0, 0)
 
 
+def test_retention_before_a_suspend_is_explained_by_the_newer_ones_the_suspend_dropped() -> None:
+    # The soak saw this: retention reclaimed a promoted full snapshot ("old") once M newer ones existed, then
+    # a suspend dropped those newer, unpromoted ones before the next listing, which shows only the suspend's.
+    known = {"old": _snap("full", 1, "promoted"), "n1": _snap("full", 2), "n2": _snap("full", 3)}
+    listed = {"susp": _snap("full", 9, "promoted")}
+    lost, retired, dropped = snapshot_losses(known, listed, {"disk": 2, "full": 2}, suspended=True)
+    assert lost == []
+    assert retired + dropped == 3
+    # Without the newer ones ever seen, the promoted one is still lost.
+    assert snapshot_losses({"old": known["old"]}, listed, {"disk": 2, "full": 2}, suspended=True)[0] == ["old"]
+
+
 def test_the_mix_draws_only_operations_the_state_allows() -> None:
     mix, rng = parse_mix(DEFAULT_MIX), random.Random(1)
     for state in ("running", "paused", "suspended"):

@@ -3,6 +3,7 @@ before ``up``, readiness that requires our own process alive, and ``down`` with 
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -275,8 +276,27 @@ def test_free_ports_are_distinct_below_the_ephemeral_range_and_skip_a_taken_one(
     try:
         holder.bind(("0.0.0.0", ports[0]))  # noqa: S104
         holder.listen()
-        # The taken port is the first candidate drawn: it is skipped, not returned.
+        # The taken port is the first candidate drawn: it is skipped, not returned. (The process's record of
+        # ports already handed out is emptied first, or it would skip them all.)
+        monkeypatch.setattr(procs, "_HANDED_OUT", set())
         monkeypatch.setattr(procs.random, "sample", lambda _pop, _k: [ports[0], *ports[1:4]])
         assert free_ports(3) == ports[1:4]
     finally:
         holder.close()
+
+
+def test_free_ports_never_hands_out_a_port_twice_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stack picks its services' ports, then its servers' own listeners while those services are not yet
+    # listening: drawn in the same order, the second pick must not return the first one's ports again.
+    from podbay.devstack import procs
+
+    lo, _hi = procs._ephemeral_range()
+    if lo <= 11000:
+        pytest.skip("the ephemeral range leaves no room below it: the kernel's pick is used")
+    order = random.Random(7).sample(range(procs._PICK_FLOOR, lo), 400)
+    monkeypatch.setattr(procs.random, "sample", lambda _pop, _k: list(order))
+    first = free_ports(8)
+    second = free_ports(8)
+    assert not set(first) & set(second)
+    assert len(set(second)) == 8
+    assert all(p < lo for p in second)

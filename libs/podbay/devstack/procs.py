@@ -16,6 +16,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -71,6 +72,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+#: Every port :func:`free_ports` has handed out in this process. A stack chooses its services' ports first and
+#: its servers' own listeners (weed's master, volume, filer and gRPC ports, OpenBao, replicas) later, while
+#: those services are not yet listening; a port handed out once is never handed out again, so the later
+#: choice cannot take a port the earlier one reserved (seen: weed's master gRPC on the scheduler's port).
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()  # stacks start their servers on threads
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct TCP ports free on every address, chosen below the kernel's ephemeral range.
 
@@ -80,14 +89,25 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     hands out ports below the range on its own, so those collide only with explicit binds. Each candidate is
     bound on ``0.0.0.0`` (so no address holds it) with SO_REUSEADDR (as servers bind), and all stay bound until
     every port is chosen, so none repeats. Falls back to the kernel's pick when the range leaves no room.
+    No port is handed out twice in one process (:data:`_HANDED_OUT`), even after its probe closed.
     ``host`` is kept for callers; the check covers every address."""
+    with _HANDED_OUT_LOCK:
+        ports = _pick_ports(count, host)
+        _HANDED_OUT.update(ports)
+        return ports
+
+
+def _pick_ports(count: int, host: str) -> list[int]:
     lo, _hi = _ephemeral_range()
     socks: list[socket.socket] = []
+    skipped: list[socket.socket] = []  # kernel picks already handed out, held so they are not picked again
     try:
         if lo - _PICK_FLOOR >= 1000:
             for port in random.sample(range(_PICK_FLOOR, lo), min(lo - _PICK_FLOOR, 64 * count + 64)):
                 if len(socks) == count:
                     break
+                if port in _HANDED_OUT:
+                    continue
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
@@ -98,11 +118,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                 socks.append(sock)
         while len(socks) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(sock)
             sock.bind((host, 0))
+            (skipped if int(sock.getsockname()[1]) in _HANDED_OUT else socks).append(sock)
         return [int(s.getsockname()[1]) for s in socks]
     finally:
-        for sock in socks:
+        for sock in (*socks, *skipped):
             sock.close()
 
 

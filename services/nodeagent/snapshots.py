@@ -26,8 +26,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import ForkCmd, Resources, RestoreCmd, SnapshotCmd
@@ -60,6 +61,26 @@ def _allocated_bytes(path: Path) -> int:
         if p.is_file():
             total += p.stat().st_blocks * 512
     return total
+
+
+
+def _beyond_retention(rows: Sequence[Mapping[str, Any]], keep: Mapping[str, int]) -> list[str]:
+    """The ids retention reclaims from ``rows`` (``id``, ``kind`` ``disk``/``full``, ``promotion``; newest
+    first, only the reclaimable ones): all but the newest ``keep[kind]`` of each kind, sparing the newest
+    promoted one of a kind whose kept ones include none promoted (the durable copy; see ``retain``)."""
+    seen: dict[str, int] = {}
+    durable: set[str] = set()  # kinds whose newest promoted snapshot is kept
+    drop: list[str] = []
+    for r in rows:
+        kind = r["kind"]
+        seen[kind] = seen.get(kind, 0) + 1
+        promoted = r["promotion"] == "promoted"
+        if seen[kind] <= keep[kind] or (promoted and kind not in durable):
+            if promoted:
+                durable.add(kind)
+        else:
+            drop.append(r["id"])
+    return drop
 
 
 class SnapshotOps:
@@ -139,10 +160,14 @@ class SnapshotOps:
         return None
 
     async def retain(self, sandbox_id: str) -> list[str]:
-        """Keep the newest K disk and M full snapshots (``retain_disk_snapshots``/``retain_full_snapshots``);
-        reclaim the rest unless still referenced: the source of a fork child that is not gone yet, or the
-        parent of a snapshot being taken, or any snapshot while the sandbox is being rolled back. Returns
-        the ids reclaimed."""
+        """Keep the newest K disk and M full snapshots (``retain_disk_snapshots``/``retain_full_snapshots``),
+        and the newest promoted one of each kind as well when none of those is promoted; reclaim the rest
+        unless still referenced: the source of a fork child that is not gone yet, or the parent of a snapshot
+        being taken, or any snapshot while the sandbox is being rolled back. Returns the ids reclaimed.
+
+        Why the promoted one is kept: the M newest may all be node-local, and a node loss restores only from
+        a promoted full snapshot (services/scheduler/nodeloss.py); a suspend also drops the unpromoted ones.
+        Reclaiming the sandbox's only durable snapshot for newer local ones would lose it with the node."""
         m = self.m
         keep = {"disk": m.settings.retain_disk_snapshots, "full": m.settings.retain_full_snapshots}
         async with m.pool.acquire() as conn, conn.transaction():
@@ -150,19 +175,14 @@ class SnapshotOps:
             if state == "starting":
                 return []  # a rollback may be reading one of them
             rows = await conn.fetch(
-                "SELECT s.id, s.kind FROM snapshots s WHERE s.sandbox_id=$1 AND s.state='ready'"
+                "SELECT s.id, s.kind, s.promotion FROM snapshots s WHERE s.sandbox_id=$1 AND s.state='ready'"
                 " AND NOT EXISTS (SELECT 1 FROM sandboxes c WHERE c.source_snapshot_id = s.id"
                 "                 AND c.state NOT IN ('deleted', 'failed'))"
                 " AND NOT EXISTS (SELECT 1 FROM snapshots p WHERE p.parent_id = s.id AND p.state = 'creating')"
                 " AND s.promotion <> 'promoting'"  # the snapshotter is reading its files
                 " AND NOT s.pinned"  # kept until deleted itself (E2B's create_snapshot)
                 " ORDER BY s.created_at DESC", sandbox_id)
-            seen = {"disk": 0, "full": 0}
-            drop: list[str] = []
-            for r in rows:
-                seen[r["kind"]] += 1
-                if seen[r["kind"]] > keep[r["kind"]]:
-                    drop.append(r["id"])
+            drop = _beyond_retention(rows, keep)
             if drop:
                 await conn.execute("UPDATE snapshots SET state='deleted' WHERE id = ANY($1::text[])", drop)
         for sid in drop:

@@ -3,6 +3,7 @@
 - a counter process and a file survive suspend and resume (same pid, count goes on); no QEMU is left
   while suspended and the snapshot's objects are in the bucket;
 - a second suspend of an idle sandbox uploads a small fraction of the first snapshot;
+- retention keeps the suspend's promoted full snapshot beside the newest node-local ones;
 - a corrupt chunk in the bucket makes the resume refuse with ``snapshot_corrupt`` and leaves the sandbox
   suspended; once the object is whole again the resume works;
 - the resume lands on a second node agent (own data directory and node id) while the first is stopped,
@@ -187,6 +188,24 @@ def test_second_suspend_of_an_idle_sandbox_uploads_a_small_fraction(stack: Any) 
         assert second["id"] != first["id"]
         total = sum(f["size"] for f in asyncio.run(_manifest(stack, first["id"]))["files"])
         assert second["uploaded_bytes"] < 0.10 * total, (first, second, total)
+
+
+
+def test_newer_local_full_snapshots_never_reclaim_the_only_promoted_one(stack: Any) -> None:
+    # Defaults keep 3 full snapshots (PODBAY_RETAIN_FULL_SNAPSHOTS); the suspend's promoted one is kept as a
+    # fourth, since the three newer ones are node-local and a node loss restores only from a promoted one.
+    with _client(stack) as c, new_sandbox(c) as sid:
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").status_code == 200
+        durable = _suspend_snapshot(c, sid)
+        assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+        newer = []
+        for _ in range(3):
+            r = c.post(f"/v1/sandboxes/{sid}/snapshots", json={"kind": "full"})
+            assert r.status_code == 201, r.text
+            newer.append(r.json()["id"])
+        full = [s for s in c.get(f"/v1/sandboxes/{sid}/snapshots").json()["snapshots"] if s["kind"] == "full"]
+        assert [s["id"] for s in full] == [*reversed(newer), durable["id"]]
+        assert full[-1]["promotion"] == "promoted"
 
 
 def test_a_corrupt_chunk_is_refused_and_the_sandbox_stays_suspended(stack: Any) -> None:

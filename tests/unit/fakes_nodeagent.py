@@ -505,10 +505,11 @@ class FakeDb:
         if sql.startswith("SELECT id FROM warm_slots WHERE id = ANY"):
             return [{"id": i} for i in args[0] if self.warm_slots.get(i, {}).get("state")
                     in ("preparing", "ready", "claimed")]
-        if sql.startswith("SELECT s.id, s.kind FROM snapshots s WHERE s.sandbox_id=$1 AND s.state='ready'"):
+        if sql.startswith("SELECT s.id, s.kind, s.promotion FROM snapshots s WHERE s.sandbox_id=$1 AND s.state='ready'"):
             ready = [s for s in self.snapshots.values() if s["sandbox_id"] == args[0] and s["state"] == "ready"
-                     and not s.get("pinned")]
-            return [{"id": s["id"], "kind": s["kind"]} for s in sorted(ready, key=lambda s: -s["order"])]
+                     and not s.get("pinned") and s["promotion"] != "promoting"]
+            return [{"id": s["id"], "kind": s["kind"], "promotion": s["promotion"]}
+                    for s in sorted(ready, key=lambda s: -s["order"])]
         raise AssertionError(f"FakeDb does not know this query: {sql}")
 
     def _warm_started(self, slot_id: str, generation: int, node: str, operation_id: str, *_: Any) -> datetime | None:

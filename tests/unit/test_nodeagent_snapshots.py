@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from podbay.contracts.messages import CreateSandboxCmd, Resources, RestoreCmd, SnapshotCmd
 from podbay.lifecycle import Verb
+from podbay_nodeagent.snapshots import _beyond_retention
 from podbay_nodeagent.vmm import VmTimeout
 
 from fakes_nodeagent import DIGEST, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
@@ -104,3 +105,32 @@ async def test_retention_keeps_the_newest_full_snapshots(node: Node) -> None:
     assert [s["state"] for s in node.db.snapshots.values()] == ["deleted", "ready", "ready"]
     assert not node.manager.store.snapshot_dir(SBX, "snap_1").exists()
     assert node.manager.store.snapshot_dir(SBX, "snap_3").exists()
+
+
+async def test_retention_keeps_the_newest_promoted_snapshot_beside_newer_local_ones(node: Node) -> None:
+    # The durable copy: a node loss restores only from a promoted full snapshot, so M newer node-local ones
+    # do not make the promoted one reclaimable (they die with the node; a suspend drops them).
+    node.settings.retain_full_snapshots = 2
+    await _running(node)
+    await _snapshot(node, "snap_1")
+    node.db.snapshots["snap_1"]["promotion"] = "promoted"
+    for snap_id in ("snap_2", "snap_3", "snap_4"):
+        await _snapshot(node, snap_id)
+    states = {i: s["state"] for i, s in node.db.snapshots.items()}
+    assert states == {"snap_1": "ready", "snap_2": "deleted", "snap_3": "ready", "snap_4": "ready"}
+    assert node.manager.store.snapshot_dir(SBX, "snap_1").exists()
+    assert not node.manager.store.snapshot_dir(SBX, "snap_2").exists()
+
+    # once a newer one is promoted and kept, the older promoted one is an ordinary old snapshot
+    node.db.snapshots["snap_4"]["promotion"] = "promoted"
+    await _snapshot(node, "snap_5")
+    assert node.db.snapshots["snap_1"]["state"] == "deleted" and node.db.snapshots["snap_3"]["state"] == "deleted"
+    assert [i for i, s in node.db.snapshots.items() if s["state"] == "ready"] == ["snap_4", "snap_5"]
+
+
+def test_retention_spares_the_newest_promoted_one_of_each_kind_only() -> None:
+    rows = [{"id": "d3", "kind": "disk", "promotion": "local"}, {"id": "f3", "kind": "full", "promotion": "local"},
+            {"id": "d2", "kind": "disk", "promotion": "promoted"}, {"id": "f2", "kind": "full", "promotion": "local"},
+            {"id": "d1", "kind": "disk", "promotion": "promoted"}, {"id": "f1", "kind": "full", "promotion": "failed"}]
+    assert _beyond_retention(rows, {"disk": 1, "full": 1}) == ["f2", "d1", "f1"]
+    assert _beyond_retention(rows, {"disk": 2, "full": 3}) == ["d1"]

@@ -163,6 +163,13 @@ class Settings(BaseSettings):
                                  "each QEMU's translation buffer (`-accel tcg,tb-size=`), in MiB: the host memory "
                                  "a busy guest's translated code can hold (QEMU 7.2's own default, 1 GiB, becomes "
                                  "resident as a guest runs). 0 = QEMU's default. KVM guests have none.")
+    guest_aslr: Literal["auto", "on", "off"] = Field("auto", description="Address space layout randomisation "
+                                                     "of the processes inside guests (the guest kernel's "
+                                                     "`kernel.randomize_va_space`), set in each template before "
+                                                     "its snapshot: `auto` keeps it on under KVM and turns it off "
+                                                     "under TCG, where QEMU 7.2 ties translated code to virtual "
+                                                     "addresses and every exec would translate the loader and "
+                                                     "libc anew. Part of the template's key.")
     vmm_confine: bool = Field(True, description="Run each QEMU inside bubblewrap as VMM_USER with no capabilities "
                               "(docs/DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "

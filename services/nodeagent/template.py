@@ -50,6 +50,7 @@ __all__ = [
     "TemplateSnapshot",
     "TemplateError",
     "prepare_template",
+    "guest_aslr",
     "wait_guest_ready",
     "template_main",
     "GUESTD_CONSOLE_MARKER",
@@ -94,6 +95,8 @@ class TemplateSnapshot(BaseModel):
     machine: str = Field("", description="The device set it was booted with (MACHINE); '' before NICs.")
     parent: str | None = Field(None, description="The template a build made this one FROM (build/); None for base.")
     config: ImageConfig | None = Field(None, description="Defaults of exec in its sandboxes (ENV, WORKDIR, USER).")
+    guest_aslr: bool = Field(True, description="Whether its guest randomises process address spaces "
+                             "(``kernel.randomize_va_space`` 2, the kernel's default) or not (0; see guest_aslr()).")
 
     @classmethod
     def load(cls, directory: Path) -> TemplateSnapshot:
@@ -163,20 +166,38 @@ async def wait_guest_ready(vmm: Vmm, vm: VmProcess, timeout_s: float) -> str:
 #: What :func:`prime_guest` does before the snapshot; part of the key, so a change rebuilds the snapshot.
 PRIME = "prime1"
 
+#: The guest kernel's ASLR switch (Documentation/admin-guide/sysctl/kernel.rst, ``randomize_va_space``).
+ASLR_SYSCTL = "/proc/sys/kernel/randomize_va_space"
+
 #: The placeholder network a template is primed with (RFC 5737 TEST-NET-1: never routed); every restore's
 #: hygiene replaces it with the sandbox's own.
 _PRIME_ADDRESS, _PRIME_GATEWAY = "192.0.2.2", "192.0.2.1"
 
 
-async def prime_guest(vm: VmProcess, name: str, timeout_s: float) -> None:
+def guest_aslr(settings: Settings, accel: Accel) -> bool:
+    """Whether guests of templates built with ``settings`` under ``accel`` randomise their processes' address
+    spaces (``Settings.guest_aslr``; ``auto``: under KVM only).
+
+    Why not under TCG: QEMU 7.2 looks translated code up by the guest's virtual address as well as the physical
+    one (x86 system emulation has no position-independent translation blocks before QEMU 8), so with ASLR every
+    exec maps the loader and libc somewhere new and translates their start-up code again. The trade is defence
+    in depth inside the guest (a process's layout is predictable to an exploit of that process); the sandbox's
+    boundary is the VM, which this does not touch, and root in a guest can turn it back on."""
+    if settings.guest_aslr == "auto":
+        return accel == "kvm"
+    return settings.guest_aslr == "on"
+
+
+async def prime_guest(vm: VmProcess, name: str, timeout_s: float, *, aslr: bool = True) -> None:
     """Run the after-restore hygiene once in the template's guest before it is snapshotted, with throwaway
     values (hostname ``name``, a seed, the clock, the placeholder network, a CA whose key is dropped at
     once) and one exec of ``true``. What that leaves in guest memory is then in every restore: the NIC up
     (virtio-net's receive ring filled), the trust store's pristine copy made and its files in the page
     cache, the exec path's files cached. Measured under TCG (``create.py --phases cold``, 100 creates, two
     runs each): cold creates p50 404-434 ms against 500-519 ms from an unprimed template. Every restore sets
-    all of these again (``after_restore``), so no placeholder survives into a sandbox. No-op without the
-    channel client.
+    all of these again (``after_restore``), so no placeholder survives into a sandbox. With ``aslr`` False
+    the guest's ``kernel.randomize_va_space`` becomes 0 (:func:`guest_aslr`), before the exec, so that
+    every sandbox's processes start at the same addresses. No-op without the channel client.
     """
     client = _channel_client()
     if client is None:
@@ -190,6 +211,10 @@ async def prime_guest(vm: VmProcess, name: str, timeout_s: float) -> None:
         await ch.after_restore(hostname=name, seed=os.urandom(64), time_ns=time.time_ns(),
                                net=GuestNet(address=_PRIME_ADDRESS, prefix_len=30, gateway=_PRIME_GATEWAY,
                                             dns=[_PRIME_GATEWAY], ca_cert_pem=cert_pem.decode()))
+        if not aslr:
+            _out, err, exit_ = await ch.run(ExecSpec(argv=["sh", "-c", f"echo 0 > {ASLR_SYSCTL}"]))
+            if exit_.exit_code != 0:
+                raise RuntimeError(f"turning the guest's ASLR off exited {exit_.exit_code}: {err[-200:]!r}")
         _out, err, exit_ = await ch.run(ExecSpec(argv=["true"]))
         if exit_.exit_code != 0:
             raise RuntimeError(f"priming exec of `true` exited {exit_.exit_code}: {err[-200:]!r}")
@@ -205,9 +230,12 @@ async def prime_guest(vm: VmProcess, name: str, timeout_s: float) -> None:
 MACHINE = "net2-vol4"
 
 
-def snapshot_key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int) -> str:
-    """The key (sha256 hex) of ``image``'s booted snapshot: every input its device state depends on."""
-    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz, MACHINE, PRIME])
+def snapshot_key(image: BaseImage, qver: str, accel: str, memory_mib: int, vcpus: int, tsc_khz: int, *,
+                 aslr: bool = True) -> str:
+    """The key (sha256 hex) of ``image``'s booted snapshot: every input its device and guest state depend on
+    (``aslr``: :func:`guest_aslr`)."""
+    src = json.dumps([image.digest, qver, accel, memory_mib, vcpus, tsc_khz, MACHINE, PRIME,
+                      *([] if aslr else ["aslr0"])])
     return hashlib.sha256(src.encode()).hexdigest()
 
 
@@ -252,7 +280,7 @@ async def prepare_template(
             raise TemplateError("accel", str(exc)) from exc
         report("accel", 1.0)
         mem, cpus = settings.sandbox_memory_mib, settings.sandbox_vcpus
-        key = snapshot_key(image, qver, accel, mem, cpus, tsc)
+        key = snapshot_key(image, qver, accel, mem, cpus, tsc, aslr=guest_aslr(settings, accel))
         final = root / f"{name}-{key[:16]}"
         meta = final / "template.json"
         if meta.exists() and not force:
@@ -311,7 +339,8 @@ async def boot_and_snapshot(
         report(step, 1.0)
         step = "prime"
         report(step, 0.0)
-        await prime_guest(vm, name, settings.boot_timeout_s)
+        aslr = guest_aslr(settings, accel)
+        await prime_guest(vm, name, settings.boot_timeout_s, aslr=aslr)
         report(step, 1.0)
         step = "snapshot"
         report(step, 0.0)
@@ -327,7 +356,7 @@ async def boot_and_snapshot(
             state=final / "state", ram=final / "ram", disk=final / "disk.img", memory_mib=config.memory_mib,
             vcpus=config.vcpus, tsc_khz=tsc, image_digest=image.digest, qemu_version=qver, accel=accel,
             boot_s=round(boot_s, 3), paused_ms=round(snap.paused_ms, 3),
-            created_at=_dt.datetime.now(_dt.UTC).isoformat(), machine=MACHINE,
+            created_at=_dt.datetime.now(_dt.UTC).isoformat(), machine=MACHINE, guest_aslr=aslr,
         )
         (tmp / "template.json").write_text(tpl.model_dump_json(indent=2))
         log_path.write_text(f"template {name} ready via {how} in {boot_s:.2f} s; snapshot paused "

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent.template import TemplateSnapshot, prepare_template
+from podbay_nodeagent.template import TemplateSnapshot, guest_aslr, prepare_template
 from podbay_nodeagent.vmm import QemuVmm, VmGone, VmProcess
 
 pytestmark = [
@@ -79,6 +79,18 @@ async def test_the_template_snapshot_is_primed(vm: VmProcess) -> None:
     assert code == 0, out
     count, *rest = out.decode().split()
     assert int(count) >= 1 and rest == ["orig", "base"], out
+
+
+
+async def test_the_guest_randomises_process_layouts_as_its_template_says(template: TemplateSnapshot,
+                                                                         vm: VmProcess) -> None:
+    """``Settings.guest_aslr`` (``auto``: off under TCG, on under KVM) reached the snapshot: without ASLR every
+    process maps libc at the same address, which is what lets TCG reuse its translations across execs."""
+    assert template.guest_aslr is guest_aslr(Settings(), template.accel)
+    out, code = await _run(vm, ["cat", "/proc/sys/kernel/randomize_va_space"])
+    assert (out.decode().strip(), code) == ("2" if template.guest_aslr else "0", 0)
+    maps = [(await _run(vm, ["grep", "-m1", "libc", "/proc/self/maps"]))[0] for _ in range(2)]
+    assert maps[0] and (maps[0] == maps[1]) is (not template.guest_aslr), maps
 
 
 async def test_full_snapshot_then_restore_the_copy(vmm: QemuVmm, vm: VmProcess, tmp_path: Path) -> None:

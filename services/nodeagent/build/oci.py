@@ -47,7 +47,7 @@ from podbay.errors import PodbayError, Unprocessable
 
 from ..accel import host_tsc_khz, qemu_version, resolve_accel
 from ..image import ASSETS_DIR, BaseImage, ProgressFn, build_base_image, debootstrap_tarball, guestd_sources
-from ..template import TemplateSnapshot, boot_and_snapshot, locked, snapshot_key
+from ..template import TemplateSnapshot, boot_and_snapshot, guest_aslr, locked, snapshot_key
 from ..vmm import Vmm
 
 __all__ = ["OciImage", "OciError", "image_ref", "prepare_oci_template", "oci_template_name", "RUNTIME_RECIPE"]
@@ -352,7 +352,8 @@ async def prepare_oci_template(ref: str, context: Path, settings: Settings, vmm:
     name = oci_template_name(img.digest)
     accel = await resolve_accel(settings, image.kernel, image.initrd)
     qver, tsc = qemu_version(settings.qemu_binary), host_tsc_khz()
-    key = snapshot_key(image, qver, accel, settings.sandbox_memory_mib, settings.sandbox_vcpus, tsc)
+    key = snapshot_key(image, qver, accel, settings.sandbox_memory_mib, settings.sandbox_vcpus, tsc,
+                       aslr=guest_aslr(settings, accel))
     final = settings.cache_dir / "templates" / f"{name}-{key[:16]}"
     async with locked(settings.cache_dir / "templates" / f".{name}.lock"):
         if (final / "template.json").exists():

@@ -3,9 +3,11 @@
 
 The guest is restored from the base template with the VM config every sandbox gets (``TemplateSnapshot.vm_config``)
 and runs a short slice of the density benchmark's busy workload (tests/bench/density.py): compiles and imports,
-a file tree walk, then fresh processes in a loop (each process's code sits at new addresses under ASLR, so each
-is translated anew). Unbounded, this workload grows the buffer past 100 MiB in well under a minute; bounded, it
-fills the buffer to the bound (checked, so the test shows the workload reached it) and no further.
+a file tree walk, then fresh processes in a loop. The workload first turns the guest's ASLR back on (root in a
+guest may; templates under TCG have it off, ``PODBAY_GUEST_ASLR``), so each process's code sits at new addresses
+and is translated anew: the bound must hold whatever the guest does. Unbounded, this workload grows the buffer
+past 100 MiB in well under a minute; bounded, it fills the buffer to the bound (checked, so the test shows the
+workload reached it) and no further.
 
 Needs root, QEMU and the template (built on first use). Skipped where the template runs under KVM.
 """
@@ -20,7 +22,7 @@ import pytest
 
 from podbay.config import Settings
 from podbay.vmmem import tcg_buffer_mib
-from podbay_nodeagent.template import prepare_template
+from podbay_nodeagent.template import ASLR_SYSCTL, prepare_template
 from podbay_nodeagent.vmm import QemuVmm
 
 pytestmark = [
@@ -35,6 +37,7 @@ pytestmark = [
 QEMU_FIXED_ANON_MIB = 64
 
 WORKLOAD = (
+    f"echo 2 > {ASLR_SYSCTL} && "
     "python3 -c 'import compileall; compileall.compile_dir(\"/usr/lib/python3.11/json\", quiet=1, force=True)' "
     "&& python3 -c 'import argparse, asyncio, decimal, email.parser, http.client, json, logging, sqlite3, "
     "subprocess, urllib.request, xml.etree.ElementTree, zipfile' "

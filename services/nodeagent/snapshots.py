@@ -63,7 +63,6 @@ def _allocated_bytes(path: Path) -> int:
     return total
 
 
-
 def _beyond_retention(rows: Sequence[Mapping[str, Any]], keep: Mapping[str, int]) -> list[str]:
     """The ids retention reclaims from ``rows`` (``id``, ``kind`` ``disk``/``full``, ``promotion``; newest
     first, only the reclaimable ones): all but the newest ``keep[kind]`` of each kind, sparing the newest

@@ -280,7 +280,8 @@ async def prepare_template(
             raise TemplateError("accel", str(exc)) from exc
         report("accel", 1.0)
         mem, cpus = settings.sandbox_memory_mib, settings.sandbox_vcpus
-        key = snapshot_key(image, qver, accel, mem, cpus, tsc, aslr=guest_aslr(settings, accel))
+        aslr = guest_aslr(settings, accel)
+        key = snapshot_key(image, qver, accel, mem, cpus, tsc, aslr=aslr)
         final = root / f"{name}-{key[:16]}"
         meta = final / "template.json"
         if meta.exists() and not force:
@@ -292,16 +293,19 @@ async def prepare_template(
                 vmm = QemuVmm(confinement=confine.from_settings(settings))
             except confine.ConfinementError as exc:
                 raise TemplateError("boot", exc.message) from exc
-        return await boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm)
+        return await boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm,
+                                       aslr=aslr)
 
 
 async def boot_and_snapshot(
     name: str, settings: Settings, image: BaseImage, accel: Accel, qver: str, tsc: int, key: str,
-    final: Path, report: ProgressFn, vmm: Vmm, *, memory_mib: int | None = None, vcpus: int | None = None,
+    final: Path, report: ProgressFn, vmm: Vmm, *, aslr: bool, memory_mib: int | None = None,
+    vcpus: int | None = None,
 ) -> TemplateSnapshot:
     """Boot ``image`` once, wait for guestd, prime the guest (:func:`prime_guest`) and take its full snapshot
-    into ``final`` (created whole by rename). ``memory_mib``/``vcpus``: the guest's (default: the settings'
-    sandbox defaults). Raises :class:`TemplateError` naming the step that failed, with the console's tail in
+    into ``final`` (created whole by rename). ``aslr``: the guest's ASLR, as ``key`` was made with
+    (:func:`guest_aslr` for a new template, the parent's for a layer on one). ``memory_mib``/``vcpus``: the
+    guest's (default: the settings' sandbox defaults). Raises :class:`TemplateError` naming the step that failed, with the console's tail in
     its log."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
     log_path = settings.cache_dir / "logs" / f"template-{name}-{stamp}-{os.getpid()}.log"
@@ -339,7 +343,6 @@ async def boot_and_snapshot(
         report(step, 1.0)
         step = "prime"
         report(step, 0.0)
-        aslr = guest_aslr(settings, accel)
         await prime_guest(vm, name, settings.boot_timeout_s, aslr=aslr)
         report(step, 1.0)
         step = "snapshot"

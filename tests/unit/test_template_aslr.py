@@ -90,3 +90,44 @@ def test_priming_with_aslr_leaves_the_kernel_default(monkeypatch: pytest.MonkeyP
 def test_a_guest_that_refuses_is_a_failed_priming(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="ASLR"):
         _prime(monkeypatch, _Channel(fail="randomize_va_space"), aslr=False)
+
+
+@pytest.mark.parametrize("parent_aslr", [True, False])
+def test_a_resized_root_layer_keeps_its_parents_aslr_whatever_the_settings(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          parent_aslr: bool) -> None:
+    # The layer's key derives from the parent's, which was made with the parent's ASLR; booting the layer
+    # with the current setting instead would store a guest state its key does not say.
+    from podbay_nodeagent.build import resources
+    from podbay_nodeagent.build.layers import LayerCache
+    from podbay_nodeagent.template import MACHINE, TemplateSnapshot
+
+    d = tmp_path / "base"
+    d.mkdir()
+    (d / "disk.img").write_bytes(b"")
+    parent = TemplateSnapshot(
+        name="base", key="k" * 64, dir=d, kernel=d / "vmlinuz", initrd=d / "initrd.img", state=d / "state",
+        ram=d / "ram", disk=d / "disk.img", memory_mib=256, vcpus=1, tsc_khz=1, image_digest="img",
+        qemu_version="7.2", accel="tcg", boot_s=1.0, paused_ms=1.0, created_at="2026-01-01T00:00:00Z",
+        machine=MACHINE, guest_aslr=parent_aslr)
+    seen: dict[str, Any] = {}
+
+    async def fake_boot(*_a: Any, aslr: bool, **_kw: Any) -> None:
+        seen["aslr"] = aslr
+        raise RuntimeError("stop before the commit")
+
+    async def frozen_copy(dest: Path) -> None:
+        dest.write_bytes(b"")
+
+    async def say(_text: str) -> None:
+        pass
+
+    monkeypatch.setattr(resources, "boot_and_snapshot", fake_boot)
+    monkeypatch.setattr(resources, "grow_disk", lambda _disk, _size: None)
+    settings = Settings(guest_aslr="off" if parent_aslr else "on")
+    with pytest.raises(RuntimeError, match="stop before"):
+        asyncio.run(resources.resized_root(
+            LayerCache(tmp_path / "layers"), tmp_path / "work", settings, None, "web",  # type: ignore[arg-type]
+            parent, resources.Resources(memory_mib=512, vcpus=1, disk_bytes=4096, boot=True), "l" * 64,
+            frozen_copy, say))
+    assert seen == {"aslr": parent_aslr}

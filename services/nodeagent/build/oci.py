@@ -352,14 +352,15 @@ async def prepare_oci_template(ref: str, context: Path, settings: Settings, vmm:
     name = oci_template_name(img.digest)
     accel = await resolve_accel(settings, image.kernel, image.initrd)
     qver, tsc = qemu_version(settings.qemu_binary), host_tsc_khz()
-    key = snapshot_key(image, qver, accel, settings.sandbox_memory_mib, settings.sandbox_vcpus, tsc,
-                       aslr=guest_aslr(settings, accel))
+    aslr = guest_aslr(settings, accel)
+    key = snapshot_key(image, qver, accel, settings.sandbox_memory_mib, settings.sandbox_vcpus, tsc, aslr=aslr)
     final = settings.cache_dir / "templates" / f"{name}-{key[:16]}"
     async with locked(settings.cache_dir / "templates" / f".{name}.lock"):
         if (final / "template.json").exists():
             tpl = TemplateSnapshot.load(final)
         else:
-            tpl = await boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm)
+            tpl = await boot_and_snapshot(name, settings, image, accel, qver, tsc, key, final, report, vmm,
+                                        aslr=aslr)
         if tpl.config is None:
             tpl = tpl.model_copy(update={"config": img.template_config()})
             with contextlib.suppress(OSError):

@@ -157,7 +157,7 @@ async def resized_root(layers: LayerCache, work_root: Path, settings: Settings, 
         await say(f"booting {parent.name}'s disk with {res.memory_mib} MiB and {res.vcpus} vCPUs")
         await boot_and_snapshot(name, settings, root_image(parent, key, disk, work_root), parent.accel,
                                 parent.qemu_version, parent.tsc_khz, key, snap_dir, lambda _s, _f: None, vmm,
-                                memory_mib=res.memory_mib, vcpus=res.vcpus)
+                                aslr=parent.guest_aslr, memory_mib=res.memory_mib, vcpus=res.vcpus)
         took = time.monotonic() - t
         await asyncio.to_thread(_commit, layers, snap_dir, key,
                                 {"step": f"RESIZE {res.memory_mib} MiB {res.vcpus} vCPUs {res.disk_bytes // MIB} MiB",

@@ -1,20 +1,32 @@
 """A build's ``template_builds`` row never stays ``running`` with no build behind it (which would refuse every
 later build of the name), against a real PostgreSQL: the node records a build's end even when its task is
 cancelled while recording it (services/nodeagent/build/http.py ``record_outcome``), and the API fails a row
-whose node is gone before it refuses a new build (services/api/templates.py ``fail_stale_build``)."""
+whose node is gone before it refuses a new build (services/api/templates.py ``fail_stale_build``); and a
+build's row is finished before its stream's last event is sent, so a caller that lists the builds on ``done``
+finds it ``succeeded``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import asyncpg
 import httpx
 import pytest
 
-from podbay.contracts.templates import BuildState
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from podbay.contracts.templates import BuildEvent, BuildSpec, BuildState, FromRef, NodeBuildRequest, TemplateDetail
+from podbay.errors import Unprocessable
 from podbay.outbox import new_id
 from podbay_api.templates import fail_stale_build
-from podbay_nodeagent.build.http import record_outcome
+from podbay_nodeagent.build.http import add_build_routes, record_outcome
 
 
 async def test_outcome_recorded_through_repeated_cancellation(pool: asyncpg.Pool) -> None:
@@ -70,3 +82,63 @@ async def test_fresh_or_unconfirmed_build_is_left_running(pool: asyncpg.Pool, no
     async with httpx.AsyncClient() as http:
         assert await fail_stale_build(pool, http, "token", name) is False
     assert await pool.fetchval("SELECT state FROM template_builds WHERE id=$1", build_id) == "running"
+
+
+class _SlowPool:
+    """The real pool, whose writes land only after a delay: a terminal event sent before the write is seen."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def execute(self, *args: Any) -> str:
+        await asyncio.sleep(0.5)
+        return str(await self._pool.execute(*args))
+
+
+class _Builder:
+    """A builder whose build succeeds at once (or fails with ``error``), with no VM."""
+
+    def __init__(self, name: str, error: Exception | None) -> None:
+        self.name, self.error = name, error
+
+    def check_parent(self, spec: BuildSpec) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def claim(self, name: str) -> Iterator[None]:
+        yield
+
+    def resolve(self, req: Any) -> list[Any]:
+        return []
+
+    async def build(self, req: Any, steps: list[Any], emit: Any) -> TemplateDetail:
+        if self.error is not None:
+            raise self.error
+        return TemplateDetail(name=self.name, digest="d" * 64, memory_mib=512, vcpus=1,
+                              created_at=datetime.now(UTC))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_the_row_is_finished_before_the_last_event_is_sent(pool: asyncpg.Pool, tmp_path: Path,
+                                                                 fails: bool) -> None:
+    build_id, name = new_id("bld"), f"order-{new_id('t')[-8:].lower()}"
+    await pool.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile) VALUES"
+                       " ($1, $2, 'tnt', 'node', 'FROM base')", build_id, name)
+    error = Unprocessable("no such thing") if fails else None
+    manager = SimpleNamespace(builder=_Builder(name, error), pool=_SlowPool(pool), store=SimpleNamespace(root=tmp_path))
+    app = FastAPI()
+    add_build_routes(app, manager)  # a namespace of the three things the endpoint uses
+    [endpoint] = [r.endpoint for r in app.routes if isinstance(r, APIRoute) and r.path.endswith("/build")]
+    params = NodeBuildRequest(build_id=build_id, name=name,
+                              spec=BuildSpec(base=FromRef(kind="template", ref="base"))).model_dump_json()
+    resp = await endpoint(params=params, context=None)
+    last: BuildEvent | None = None
+    async for line in resp.body_iterator:  # read as a caller does, event by event
+        last = BuildEvent.model_validate_json(line)
+        if last.type in ("done", "failed"):
+            break
+    assert last is not None and last.type == ("failed" if fails else "done")
+    row = await pool.fetchrow("SELECT state, digest FROM template_builds WHERE id=$1", build_id)
+    assert row["state"] == ("failed" if fails else "succeeded"), row
+    assert row["digest"] == (None if fails else "d" * 64)
+    await resp.body_iterator.aclose()

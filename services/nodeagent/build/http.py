@@ -106,26 +106,30 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
             async def run() -> None:
                 state, digest = BuildState.FAILED, None
                 error: dict[str, object] | None = {"code": "interrupted", "message": "the caller went away"}
+                last: BuildEvent | None = None
                 try:
                     detail = await builder.build(req, steps, emit)
                     state, digest = BuildState.SUCCEEDED, detail.digest
-                    await queue.put(BuildEvent(type="done", template=detail))
+                    last = BuildEvent(type="done", template=detail)
                 except PodbayError as exc:
                     error = exc.to_wire()["error"]
                     d = exc.details
                     step = d.get("step")  # a template's own steps are names ("prime"), a Dockerfile's numbers
-                    await queue.put(BuildEvent(type="failed", step=step if isinstance(step, int) else None,
-                                               exit_code=d.get("exit_code"),
-                                               code=exc.code, message=exc.message,
-                                               output_tail=d.get("output_tail")))
+                    last = BuildEvent(type="failed", step=step if isinstance(step, int) else None,
+                                      exit_code=d.get("exit_code"), code=exc.code, message=exc.message,
+                                      output_tail=d.get("output_tail"))
                     if not isinstance(exc, StepFailed):
                         log.warning("build %s of %s failed: %s", p.build_id, p.name, exc.message)
                 except Exception as exc:
                     log.exception("build %s of %s failed", p.build_id, p.name)
                     error = {"code": "build_failed", "message": repr(exc)}
-                    await queue.put(BuildEvent(type="failed", code="build_failed", message=repr(exc)))
+                    last = BuildEvent(type="failed", code="build_failed", message=repr(exc))
                 finally:
+                    # The row is finished before the terminal event is sent: a caller that lists the builds
+                    # as soon as it reads ``done`` must find this one ``succeeded``, not still ``running``.
                     await record_outcome(manager.pool, p.build_id, state, digest, error)
+                    if last is not None:
+                        await queue.put(last)
                     await queue.put(None)
 
             task = asyncio.create_task(run(), name=f"build-{p.build_id}")

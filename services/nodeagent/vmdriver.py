@@ -24,7 +24,7 @@ from podbay.config import Settings
 
 from . import confine
 from .store import NodeStore
-from .template import MACHINE, TemplateSnapshot
+from .template import MACHINE, TemplateSnapshot, guest_aslr
 from .vmm import QemuVmm, VmProcess, Vmm, reflink_or_copy
 
 __all__ = ["TemplateImage", "VmHandle", "VmDriver"]
@@ -111,9 +111,13 @@ class VmDriver:
         return cls(settings, store, QemuVmm(confinement=await asyncio.to_thread(confine.from_settings, settings)))
 
     def _cached_templates(self) -> dict[str, Path]:
-        """Newest built snapshot directory per template name in the build cache."""
+        """The snapshot directory to use per template name in the build cache: of the builds this machine can
+        load, the newest of those made with this node's settings (memory, vCPUs, the guest's ASLR), else the
+        newest. The cache keeps a build per set of inputs, and a build made again is only reused, not
+        rewritten, so the newest file is not always the build the settings ask for (switching
+        ``PODBAY_GUEST_ASLR`` back to a value built before would otherwise keep the other build)."""
         root = self.settings.cache_dir / "templates"
-        best: dict[str, tuple[float, Path]] = {}
+        best: dict[str, tuple[tuple[bool, float], Path]] = {}
         if not root.exists():
             return {}
         for meta in root.glob("*/template.json"):
@@ -126,10 +130,16 @@ class VmDriver:
                 continue
             if tpl.machine != MACHINE:
                 continue  # booted with other devices: its device state would not load on this machine
-            mtime = meta.stat().st_mtime
-            if tpl.name not in best or mtime > best[tpl.name][0]:
-                best[tpl.name] = (mtime, meta.parent)
+            rank = (self._as_configured(tpl), meta.stat().st_mtime)
+            if tpl.name not in best or rank > best[tpl.name][0]:
+                best[tpl.name] = (rank, meta.parent)
         return {name: p for name, (_, p) in best.items()}
+
+    def _as_configured(self, tpl: TemplateSnapshot) -> bool:
+        """Whether ``tpl`` was built as this node's settings would build it now."""
+        s = self.settings
+        return (tpl.memory_mib == s.sandbox_memory_mib and tpl.vcpus == s.sandbox_vcpus
+                and tpl.guest_aslr == guest_aslr(s, tpl.accel))
 
     def _import(self, name: str, src: Path) -> TemplateImage:
         tpl = TemplateSnapshot.load(src)

@@ -217,6 +217,9 @@ class Settings(BaseSettings):
                                    "its start (restore, hygiene, first exec) until it waits, so refills take only "
                                    "the CPU that claims, creates and running sandboxes leave; back to 0 once the "
                                    "slot waits.")
+    warm_refill_delay_s: float = Field(1.0, ge=0, le=30, description="Warm pools: after a claim, the refill "
+                                       "starts no restore for this long, so the new sandbox's first command does "
+                                       "not share the node with one (0: at once).")
     warm_interval_s: float = Field(2.0, gt=0, description="Warm pools: how often targets are recomputed and "
                                    "slots checked (refills also start at once after a claim).")
     warm_demand_window_s: float = Field(60.0, gt=0, description="Warm pools: creates counted as recent demand.")

@@ -117,6 +117,8 @@ class WarmPool:
         # The node's measured memory (set by the agent once its MemoryWatch exists): refills follow it.
         self.memory: MemoryWatch | None = None
         self._kick = asyncio.Event()
+        # No restore starts before this (loop time): the refill gives way to a claimed sandbox's first command.
+        self._hold_until = 0.0
         self._subs: list[object] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -256,9 +258,26 @@ class WarmPool:
 
     def after_claim(self) -> None:
         """Relay the ``started`` event and refill the pool: called once the claim's answer is on its way, so
-        neither competes with it for the CPU."""
+        neither competes with it for the CPU. The refill's restores wait ``warm_refill_delay_s`` more: a
+        create is mostly followed at once by the sandbox's first command, and a restore beside it (its
+        QMP, channel and hygiene in this agent, the new QEMU's faults) made that command ~25-28 ms instead
+        of ~18-20 (measured under TCG, a pool of 2, exec right after the create against 1.5 s later). A
+        pool down to less than half its target refills at once: then the next creates need slots more."""
         self.m.relay.kick()
+        now = asyncio.get_running_loop().time()
+        if now >= self._hold_until:  # claims within a hold do not extend it: a steady stream still refills
+            self._hold_until = now + self.m.settings.warm_refill_delay_s
         self.kick()
+
+    async def _hold_off(self, stop: asyncio.Event | None) -> None:
+        """Wait until the refill may restore again (see ``after_claim``), or ``stop``."""
+        loop = asyncio.get_running_loop()
+        while (left := self._hold_until - loop.time()) > 0 and not (stop is not None and stop.is_set()):
+            if stop is None:
+                await asyncio.sleep(left)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=left)
 
     # ------------------------------------------------------------------ refill and health
 
@@ -299,6 +318,12 @@ class WarmPool:
                 target = await self._target(name)
                 if self._count(name) >= target:
                     break
+                if self._count(name) * 2 >= target:
+                    await self._hold_off(stop)
+                    if stop is not None and stop.is_set():
+                        break
+                    if self._count(name) >= await self._target(name):
+                        break
                 if not await self._has_room(tpl):
                     log.info("warm pool %s: node memory is full at %d of %d slots", name, self._count(name), target)
                     break
@@ -363,8 +388,9 @@ class WarmPool:
             # env and access token are set here, with a seed of its own (the CRNG is reseeded, so its
             # /dev/urandom already differs from every other guest restored from the template). The claim
             # then only fixes the clock, which stood still while the slot waited. Doing this (and one
-            # exec) here also faults those guest paths in from the RAM file, which costs ~40-70 ms each on
-            # first use under TCG.
+            # exec) here also faults those guest paths in from the RAM file and has TCG translate them,
+            # which costs ~40-130 ms each on first use under TCG (more execs here were measured and did
+            # not make the first command faster).
             hygiene = await channel.after_restore(hostname=slot_hostname(slot_id), seed=os.urandom(64),
                                                   time_ns=time.time_ns(), env={"PODBAY_SANDBOX_ID": slot_id},
                                                   access_token=secrets.token_urlsafe(32),

@@ -3,6 +3,8 @@ database (tests/unit/fakes_nodeagent.py). On real VMs: tests/e2e/test_warm_pool.
 
 from __future__ import annotations
 
+import asyncio
+
 from podbay.contracts.messages import WarmClaim
 from podbay.lifecycle import Verb
 from podbay_nodeagent.warm import WarmPool, slot_hostname
@@ -106,6 +108,48 @@ async def test_refill_fills_to_the_target_and_discards_the_surplus(node: Node) -
     assert len(pool.slots) == 1
     assert sorted(r["state"] for r in node.db.warm_slots.values()) == ["ready", "retired"]
     assert len(node.vmm.alive()) == 1
+
+
+async def test_after_a_claim_the_refill_restores_nothing_until_the_delay_passed(node: Node) -> None:
+    """The refill gives way to a claimed sandbox's first command (``warm_refill_delay_s``): while held, a pool
+    at half its target or more restores nothing, and a stop ends the wait; once the delay passed it fills."""
+    pool = WarmPool(node.manager)
+    node.db.warm_targets[TEMPLATE] = 1
+    await pool.refill_once()
+    (first,) = pool.slots
+    node.db.warm_targets[TEMPLATE] = 2
+    node.settings.warm_refill_delay_s = 30.0
+    pool.after_claim()
+    stop = asyncio.Event()
+    refill = asyncio.create_task(pool.refill_once(stop))
+    await asyncio.sleep(0.3)
+    assert not refill.done() and list(pool.slots) == [first] and pool.preparing == {}
+    stop.set()
+    await asyncio.wait_for(refill, 5)
+    assert list(pool.slots) == [first] and list(node.db.warm_slots) == [first]
+
+    held_until = pool._hold_until
+    pool.after_claim()  # claims within a hold do not extend it
+    assert pool._hold_until == held_until
+    node.settings.warm_refill_delay_s = 0.2
+    pool._hold_until = 0.0
+    pool.after_claim()
+    await asyncio.wait_for(pool.refill_once(asyncio.Event()), 10)
+    assert len(pool.slots) == 2
+
+
+async def test_a_pool_below_half_its_target_refills_without_waiting(node: Node) -> None:
+    pool = WarmPool(node.manager)
+    node.db.warm_targets[TEMPLATE] = 2
+    node.settings.warm_refill_delay_s = 30.0
+    pool.after_claim()
+    # Empty: the first slot comes at once; at 1 of 2 the hold applies again.
+    refill = asyncio.create_task(pool.refill_once(stop := asyncio.Event()))
+    await asyncio.sleep(0.3)
+    assert len(pool.slots) == 1 and not refill.done()
+    stop.set()
+    await asyncio.wait_for(refill, 5)
+    assert len(pool.slots) == 1
 
 
 async def test_a_slot_vm_that_runs_or_dies_while_waiting_is_discarded(node: Node) -> None:

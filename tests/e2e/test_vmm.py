@@ -81,7 +81,6 @@ async def test_the_template_snapshot_is_primed(vm: VmProcess) -> None:
     assert int(count) >= 1 and rest == ["orig", "base"], out
 
 
-
 async def test_the_guest_randomises_process_layouts_as_its_template_says(template: TemplateSnapshot,
                                                                          vm: VmProcess) -> None:
     """``Settings.guest_aslr`` (``auto``: off under TCG, on under KVM) reached the snapshot: without ASLR every

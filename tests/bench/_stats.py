@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarise", "report", "stop_on_sigterm"]
+__all__ = ["summarise", "report", "stop_on_sigterm", "start_dirty_holder", "start_stall_logger", "longest_stall"]
 
 
 def stop_on_sigterm() -> None:
@@ -57,3 +57,44 @@ def start_dirty_holder(client: Any, sandbox_id: str, dirty_mib: int) -> None:
         f"setsid python3 -c 'b = bytearray({dirty_mib} << 20)\n"
         "for i in range(0, len(b), 4096): b[i] = 1\n"
         "import time\nwhile True: time.sleep(1)' </dev/null >/dev/null 2>&1 &")}).raise_for_status()
+
+
+#: Writes a page of its own 16 MiB every step (as a guest that works does) and appends to ``path`` each gap in
+#: its guest's monotonic clock over 4 ms beyond the 1 ms naps it takes every 64 steps. A guest's clock stands
+#: still while QEMU has it stopped, so what it records is the time its vCPU could not run while the guest
+#: counted as running: a write fault blocked on the host (a page under write-back or in a range being
+#: reflinked), or a host CPU that was busy elsewhere.
+_STALL_LOGGER = """
+import sys, time
+b = bytearray(16 << 20)
+out = open(sys.argv[1], "a", buffering=1)
+i, prev = 0, time.monotonic()
+while True:
+    b[(i * 4096) % len(b)] = i & 255
+    i += 1
+    nap = 0.001 if i % 64 == 0 else 0.0
+    if nap:
+        time.sleep(nap)
+    now = time.monotonic()
+    if now - prev - nap > 0.004:
+        out.write("%.2f\\n" % ((now - prev - nap) * 1000))
+    prev = now
+"""
+
+STALL_LOG = "/tmp/podbay-bench-stalls"
+
+
+def start_stall_logger(client: Any, sandbox_id: str) -> None:
+    """Start :data:`_STALL_LOGGER` in the guest, detached, logging to :data:`STALL_LOG`. ``client``: an
+    ``httpx.Client`` on the API."""
+    client.put(f"/v1/sandboxes/{sandbox_id}/files", params={"path": "/tmp/podbay-bench-stalls.py"},
+               content=_STALL_LOGGER.encode()).raise_for_status()
+    client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"shell": (
+        f"setsid python3 /tmp/podbay-bench-stalls.py {STALL_LOG} </dev/null >/dev/null 2>&1 &")}).raise_for_status()
+
+
+def longest_stall(client: Any, sandbox_id: str, *, reset: bool = True) -> float:
+    """The longest gap (ms) the stall logger recorded since the last reset, 0.0 for none; then resets it."""
+    r = client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"shell": (
+        f"cat {STALL_LOG} 2>/dev/null" + (f"; : > {STALL_LOG}" if reset else ""))}).raise_for_status().json()
+    return max((float(x) for x in r["stdout"].split()), default=0.0)

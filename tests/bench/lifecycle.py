@@ -10,6 +10,14 @@ a fork of the running sandbox (no ``snapshot_id``, so the node takes a full snap
 measures it (the snapshot's ``paused_ms``, from QMP ``stop`` to ``cont``), ``--runs`` forks of one child each
 (issue "first command in 25 ms, forks in 150 ms"). The guest first dirties ``--dirty-mib`` MiB of memory (64).
 
+Then the same forks again with a process in the parent that writes memory without pause and logs every gap
+in its own clock (``tests/bench/_stats.py``, ``start_stall_logger``): ``fork_parent_paused_busy`` is the
+pause of such a busy parent, ``fork_parent_stall`` the longest gap while a fork call ran, and
+``idle_parent_stall`` the longest over one second without an operation just before it. The guest's clock
+stands still while QEMU has it stopped, so the gaps are the times it was held while it counted as running (a
+write blocked on the host by the snapshot's write-back or reflink, or no free host CPU): a busy parent is
+held for about ``fork_parent_paused_busy`` plus ``fork_parent_stall``.
+
 With ``--stack`` the benchmark starts a stack of its own (as ``create.py`` does) instead of using the running
 one.
 """
@@ -28,14 +36,16 @@ from podbay.clientconfig import load_client_config
 
 try:
     from tests.bench._benchstack import own_stack
-    from tests.bench._stats import report, start_dirty_holder, stop_on_sigterm, summarise
+    from tests.bench._stats import (longest_stall, report, start_dirty_holder, start_stall_logger,
+                                   stop_on_sigterm, summarise)
 except ImportError:  # run as a script from the repository root
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _benchstack import own_stack  # type: ignore[no-redef]
-    from _stats import report, start_dirty_holder, stop_on_sigterm, summarise  # type: ignore[no-redef]
+    from _stats import (longest_stall, report, start_dirty_holder,  # type: ignore[no-redef]
+                        start_stall_logger, stop_on_sigterm, summarise)
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -64,11 +74,24 @@ def main() -> None:
     report(results, args.json_path)
 
 
+def _fork_parent(c: httpx.Client, sid: str) -> float:
+    """Fork one child of the running ``sid`` without a snapshot id, delete the child; returns the parent's
+    ``paused_ms`` in the full snapshot the node took for it."""
+    _, body = _timed(lambda: c.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1}))
+    snaps = c.get(f"/v1/sandboxes/{sid}/snapshots").raise_for_status().json()["snapshots"]
+    taken = next(s for s in snaps if s["id"] == body["snapshot_id"])
+    for child in body["children"]:
+        c.delete(f"/v1/sandboxes/{child['sandbox_id']}")
+    return float(taken["paused_ms"])
+
+
 def _run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     cfg = load_client_config()
     m: dict[str, list[float]] = {k: [] for k in ("pause", "resume", "disk_snapshot_held", "disk_snapshot",
                                                  "full_snapshot_paused", "full_snapshot", "rollback", "fork_1",
-                                                 "fork_10", "fork_10_per_child", "fork_parent_paused")}
+                                                 "fork_10", "fork_10_per_child", "fork_parent_paused",
+                                                 "fork_parent_paused_busy", "fork_parent_stall",
+                                                 "idle_parent_stall")}
     with httpx.Client(base_url=cfg.api_url, headers={"authorization": f"Bearer {cfg.api_key}"}, timeout=600) as c:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).raise_for_status().json()["id"]
         try:
@@ -103,12 +126,15 @@ def _run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             for _ in range(args.runs):
                 # No snapshot_id: the node stops the running parent for a full snapshot of its own, and
                 # records how long it held it in that snapshot's paused_ms.
-                _, body = _timed(lambda: c.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1}))
-                snaps = c.get(f"/v1/sandboxes/{sid}/snapshots").raise_for_status().json()["snapshots"]
-                taken = next(s for s in snaps if s["id"] == body["snapshot_id"])  # noqa: B023
-                m["fork_parent_paused"].append(float(taken["paused_ms"]))
-                for child in body["children"]:
-                    c.delete(f"/v1/sandboxes/{child['sandbox_id']}")
+                m["fork_parent_paused"].append(_fork_parent(c, sid))
+            start_stall_logger(c, sid)
+            time.sleep(2)
+            for _ in range(args.runs):
+                longest_stall(c, sid)
+                time.sleep(1)
+                m["idle_parent_stall"].append(longest_stall(c, sid))
+                m["fork_parent_paused_busy"].append(_fork_parent(c, sid))
+                m["fork_parent_stall"].append(longest_stall(c, sid))
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
     return {k: summarise(v) for k, v in m.items()}

@@ -60,10 +60,9 @@ def start_dirty_holder(client: Any, sandbox_id: str, dirty_mib: int) -> None:
 
 
 #: Writes a page of its own 16 MiB every step (as a guest that works does) and appends to ``path`` each gap in
-#: its guest's monotonic clock over 4 ms beyond the 1 ms naps it takes every 64 steps. A guest's clock stands
-#: still while QEMU has it stopped, so what it records is the time its vCPU could not run while the guest
-#: counted as running: a write fault blocked on the host (a page under write-back or in a range being
-#: reflinked), or a host CPU that was busy elsewhere.
+#: its guest's monotonic clock over 4 ms beyond the 1 ms naps it takes every 64 steps: the times its work made
+#: no progress, whatever held it (a stop of the guest shows in part: under TCG its clock neither stands still
+#: nor keeps pace across one; a write fault blocked on the host; a host CPU busy elsewhere).
 _STALL_LOGGER = """
 import sys, time
 b = bytearray(16 << 20)

@@ -12,11 +12,11 @@ measures it (the snapshot's ``paused_ms``, from QMP ``stop`` to ``cont``), ``--r
 
 Then the same forks again with a process in the parent that writes memory without pause and logs every gap
 in its own clock (``tests/bench/_stats.py``, ``start_stall_logger``): ``fork_parent_paused_busy`` is the
-pause of such a busy parent, ``fork_parent_stall`` the longest gap while a fork call ran, and
-``idle_parent_stall`` the longest over one second without an operation just before it. The guest's clock
-stands still while QEMU has it stopped, so the gaps are the times it was held while it counted as running (a
-write blocked on the host by the snapshot's write-back or reflink, or no free host CPU): a busy parent is
-held for about ``fork_parent_paused_busy`` plus ``fork_parent_stall``.
+pause of such a busy parent, ``fork_parent_stall`` the longest gap its process saw while a fork call ran, and
+``idle_parent_stall`` the longest over one second without an operation just before it. A gap is what the
+parent's own work feels, whatever held it: the pause in part (across a QMP ``stop`` under TCG the guest's
+clock neither stands still nor keeps pace: stops of 300 ms showed as gaps of 95-201 ms), writes blocked on the
+host by the snapshot's write-back or reflink while the guest counted as running, and a host CPU busy elsewhere.
 
 With ``--stack`` the benchmark starts a stack of its own (as ``create.py`` does) instead of using the running
 one.

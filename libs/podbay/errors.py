@@ -148,6 +148,14 @@ class NotWritable(Forbidden):
     code = "not_writable"
 
 
+class PermissionDenied(Forbidden):
+    """The guest refused for want of permission (EACCES, EPERM, EROFS: docs/channel.md ``permission_denied``):
+    a program that is not executable, a file or directory the sandbox user may not read or change. The guest's
+    code stays in ``details.guest_code``."""
+
+    code = "permission_denied"
+
+
 class NotFound(PodbayError):
     code = "not_found"
     http_status = 404
@@ -283,6 +291,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         Unauthorized,
         Forbidden,
         NotWritable,
+        PermissionDenied,
         NotFound,
         Conflict,
         InvalidState,

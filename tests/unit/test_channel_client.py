@@ -15,7 +15,7 @@ from podbay.channel import frames
 from podbay.channel.client import ChannelClosed, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable, Timeout
+from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable, PermissionDenied, Timeout
 
 Handler = Callable[["FakeGuest", int, dict[str, Any]], Awaitable[None]]
 
@@ -127,7 +127,7 @@ async def test_ping_and_hello_info(guest: FakeGuest, ch: GuestChannel) -> None:
         ("invalid", InvalidRequest),
         ("is_a_directory", InvalidRequest),
         ("not_a_directory", InvalidRequest),
-        ("permission_denied", GuestError),
+        ("permission_denied", PermissionDenied),
         ("io_error", GuestError),
     ],
 )

@@ -22,7 +22,7 @@ from podbay.channel import frames
 from podbay.channel.client import ChannelClosed, ExecProcess, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable
+from podbay.errors import Conflict, InvalidRequest, NotFound, NotWritable, PermissionDenied
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="guestd tests switch users and need root")
 
@@ -571,7 +571,7 @@ async def test_exec_missing_or_unrunnable_program(ch: GuestChannel, tmp_path: Pa
     script = tmp_path / "not-executable"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o644)
-    with pytest.raises(GuestError) as info:
+    with pytest.raises(PermissionDenied) as info:  # 403, as the CLI's 126: not the guest's failure
         await ch.run(ExecSpec(argv=[str(script)]))
     assert info.value.details["guest_code"] == "permission_denied"
     with pytest.raises(NotFound):  # looked up in the child's PATH, not guestd's

@@ -30,7 +30,7 @@ from podbay.contracts.channel import (
     RemoveRequest,
     RemoveResult,
 )
-from podbay.errors import GuestError, NotFound, NotWritable, PodbayError
+from podbay.errors import GuestError, NotFound, NotWritable, PermissionDenied, PodbayError
 
 __all__ = ["FileOps"]
 
@@ -42,7 +42,7 @@ class FileOps(Transport):
 
     async def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
         """Stream a file's bytes in chunks (at most 64 KiB each). Raises NotFound, InvalidRequest
-        (is_a_directory), GuestError (permission_denied, ...) or Timeout when the guest stalls for
+        (is_a_directory), PermissionDenied, GuestError (io_error, ...) or Timeout when the guest stalls for
         ``request_timeout_s``."""
         stream = self.open_stream(Op.READ, {"path": path, "offset": offset, "length": length})
         try:
@@ -89,9 +89,7 @@ class FileOps(Transport):
             raise NotWritable(f"{path} is not writable: its file system takes no new files there (a pseudo "
                               "file system such as /proc or /sys)",
                               details={"path": path, "guest_code": "permission_denied"}) from exc
-        except GuestError as exc:
-            if exc.details.get("guest_code") != "permission_denied":
-                raise
+        except PermissionDenied as exc:
             raise NotWritable(f"{path} is not writable: {exc.message}",
                               details={"path": path, "guest_code": "permission_denied"}) from exc
 

@@ -35,6 +35,7 @@ from podbay.errors import (
     NoCapacity,
     NotFound,
     NotWritable,
+    PermissionDenied,
     PodbayError,
     SnapshotCorrupt,
     StaleGeneration,
@@ -95,4 +96,5 @@ __all__ = [
     "NoCapacity",
     "StaleGeneration",
     "GuestError",
+    "PermissionDenied",
 ]

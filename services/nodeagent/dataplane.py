@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, SnapshotDiff
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = ["create_dataplane_app"]
 
+log = logging.getLogger("podbay.nodeagent.dataplane")
+
 MAX_CAPTURE_BYTES = 16 << 20
 
 
@@ -63,6 +67,14 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     @app.exception_handler(PodbayError)
     async def _err(_: Request, exc: PodbayError) -> JSONResponse:
         return JSONResponse(exc.to_wire(), status_code=exc.http_status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The API (its client) hung up mid-upload: an ordinary event, not a fault of the node. The guest's
+        # write is atomic (a temp file renamed at the end), so nothing half-written is left.
+        log.info("a caller hung up during its request")
+        return JSONResponse({"error": {"code": "client_disconnected", "message": "client disconnected"}},
+                            status_code=400)
 
     # Plain ASGI (podbay.httpmetrics), not ``@app.middleware("http")``: every exec and file call passes here
     # after the API, and Starlette's per-request task and stream hand-off cost about a millisecond each.
@@ -105,7 +117,8 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         dt = time.perf_counter() - t
         HOP_SECONDS.labels("nodeagent", "guest_exec").observe(dt)
         return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
-                          exit_code=ex.exit_code, duration_ms=dt * 1000, timed_out=ex.timed_out)
+                          exit_code=ex.exit_code, duration_ms=dt * 1000, timed_out=ex.timed_out,
+                          output_truncated=ex.output_truncated)
 
     @app.post(base + "/exec/stream")
     async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request) -> StreamingResponse:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from podbay import AsyncSandbox, Sandbox
-from podbay.errors import NotFound
+from podbay.errors import NotFound, PermissionDenied
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.e2e
 def test_sync_sdk(stack: Any) -> None:
     with Sandbox.create(template="base", api_url=stack.api_url, api_key=stack.api_key) as sb:
         r = sb.exec(["python3", "-c", "print(6*7)"])
-        assert r.stdout == "42\n" and r.exit_code == 0
+        assert r.stdout == "42\n" and r.exit_code == 0 and not r.output_truncated
+        big = sb.exec("head -c 17000000 /dev/zero | tr '\\0' a")  # past the 16 MiB a run keeps
+        assert big.exit_code == 0 and big.output_truncated and big.stdout == "a" * (16 << 20)
         events = []
         for ev in sb.exec_stream(["sh", "-c", "echo a; sleep 1; echo b"]):
             events.append((time.monotonic(), ev))
@@ -31,6 +33,9 @@ def test_sync_sdk(stack: Any) -> None:
         sb.files.write("/tmp/a.txt", b"hi")
         assert sb.files.read("/tmp/a.txt") == b"hi"
         sid = sb.id
+        with pytest.raises(PermissionDenied) as denied:  # 403, not a guest failure
+            sb.exec(["/etc/passwd"])
+        assert denied.value.http_status == 403 and denied.value.details["guest_code"] == "permission_denied"
     with pytest.raises(NotFound):
         Sandbox.connect("sbx_nope", api_url=stack.api_url, api_key=stack.api_key)
     info = [s for s in Sandbox.list(api_url=stack.api_url, api_key=stack.api_key) if s.id == sid]
@@ -77,6 +82,11 @@ def test_cli_user_journey(stack: Any, tmp_path: Path) -> None:
         r = _cli(stack, "files", "read", sid, "/nope")
         assert r.returncode != 0 and r.stderr.startswith(b"error: ") and b"not_found" in r.stderr
         assert b"Traceback" not in r.stderr
+        # A program the guest cannot start: as a shell, 127 when it is missing, 126 when it is not executable.
+        r = _cli(stack, "exec", sid, "--", "/no/such/program")
+        assert r.returncode == 127 and b"(not_found)" in r.stderr, r.stderr
+        r = _cli(stack, "exec", sid, "--", "/etc/passwd")
+        assert r.returncode == 126 and b"/etc/passwd: Permission denied (permission_denied)" in r.stderr, r.stderr
     finally:
         r = _cli(stack, "sandbox", "rm", sid)
     assert r.returncode == 0, r.stderr

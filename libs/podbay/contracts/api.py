@@ -176,6 +176,8 @@ class ExecResult(BaseModel):
     exit_code: int = Field(description="The process's exit code; -N when killed by signal N.")
     duration_ms: float
     timed_out: bool = False
+    output_truncated: bool = Field(False, description="stdout or stderr went past the 16 MiB each that a run "
+                                   "to completion keeps; the rest was read and dropped (``/exec/stream`` has all).")
 
 
 class ExecEvent(BaseModel):

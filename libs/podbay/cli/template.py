@@ -14,6 +14,7 @@ from pathlib import Path
 
 from podbay.cli._common import client, fail, handle_errors, print_json, print_record, print_table
 from podbay.contracts.templates import BuildEvent, TemplateDetail
+from podbay.sdk._templates import TemplateBuildFailed
 
 __all__ = ["template_app", "operation_app", "build_via_api"]
 
@@ -81,9 +82,14 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
                 fail(f"--egress-allow {item!r} is not HOST:PORT", "invalid_request", 2)
             rules.append({"domain": host, "ports": [int(port)]})
         egress = {"allow": rules}
-    tpl = client(ctx).build_template(name, file, ctx_dir, build_args=args, ready_cmd=ready_cmd,
-                                     ready_port=ready_port, egress=egress, memory_mib=memory_mib, vcpus=vcpus,
-                                     disk_mib=disk_mib, on_event=_show)
+    try:
+        tpl = client(ctx).build_template(name, file, ctx_dir, build_args=args, ready_cmd=ready_cmd,
+                                         ready_port=ready_port, egress=egress, memory_mib=memory_mib, vcpus=vcpus,
+                                         disk_mib=disk_mib, on_event=_show)
+    except TemplateBuildFailed as exc:
+        # The request was accepted and the build ran; a step of it failed (docs/cli.md: exit 1, as for a
+        # failure that is not the caller's request; 2 stays for the refusals of bad input).
+        fail(exc.message, exc.code, 1)
     if as_json:
         print_json(tpl)
     else:

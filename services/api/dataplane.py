@@ -151,10 +151,24 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
         return Response(body, status_code=resp.status_code, headers=out_headers)
     out_headers.pop("content-length", None)
 
+    ndjson = (resp.headers.get("content-type") or "").startswith("application/x-ndjson")
+
     async def relay() -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
+        except httpx.HTTPError as exc:
+            # The node went away mid-answer (it crashed or restarted). The status line is sent, so the client
+            # learns it from the body: an NDJSON stream (exec) ends with an ``error`` event, as when the node
+            # itself reports a failure. A byte stream (a file) must not end as if complete: the error goes on,
+            # and the server breaks the connection off, which the client sees as a short answer.
+            log.warning("node data plane %s broke off its answer: %r", url, exc)
+            if not ndjson:
+                raise
+            yield (json.dumps({"type": "error", "error": {
+                "code": Unavailable.code,
+                "message": f"the sandbox's node broke off the answer ({type(exc).__name__}); the command may "
+                           "still be running in the guest"}}) + "\n").encode()
         finally:
             await resp.aclose()
             HOP_SECONDS.labels("api", "node").observe(time.perf_counter() - t)

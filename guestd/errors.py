@@ -1,7 +1,7 @@
 """Errors of guestd operations: each becomes one ERROR frame ``{"code", "message"}`` on its stream.
 
 Codes (docs/channel.md): not_found, exists, permission_denied, invalid, is_a_directory, not_a_directory,
-io_error, cancelled, internal.
+no_space, io_error, cancelled, internal.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ _ERRNO_CODES = {
     errno.ENOTEMPTY: "invalid",
     errno.ELOOP: "invalid",
     errno.ENOEXEC: "invalid",
+    errno.ENOSPC: "no_space",
+    errno.EDQUOT: "no_space",
 }
 
 

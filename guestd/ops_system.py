@@ -102,16 +102,58 @@ class System(abc.ABC):
         raise NotImplementedError
 
 
+HOSTS = "/etc/hosts"
+#: Debian's address for the machine's own name when it has no fixed one (the installer's ``127.0.1.1`` line).
+SELF_ADDRESS = "127.0.1.1"
+
+
+def hosts_with_hostname(hosts: str, name: str) -> str:
+    """``/etc/hosts`` text with the machine's own name on the ``127.0.1.1`` line (replaced, or added at the
+    end), so that the sandbox's hostname resolves (``sudo``, ``hostname -f``) without DNS. Other lines stay."""
+    line = f"{SELF_ADDRESS}\t{name}"
+    out, done = [], False
+    for existing in hosts.splitlines():
+        if existing.split("#", 1)[0].split()[:1] == [SELF_ADDRESS]:
+            if not done:
+                out.append(line)
+                done = True
+            continue
+        out.append(existing)
+    if not done:
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``path`` whole (a temp file renamed over it, mode 0644), so a reader never sees it half
+    written; a failure is logged, not raised (the hostname itself is already set)."""
+    tmp = f"{path}.podbay-tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("%s: %s", path, exc)
+
+
 class RealSystem(System):
     """The calls for real, inside a VM (needs root)."""
 
     def set_hostname(self, name: str) -> None:
         socket.sethostname(name)
+        _replace_file("/etc/hostname", name + "\n")
         try:
-            with open("/etc/hostname", "w", encoding="utf-8") as fh:
-                fh.write(name + "\n")
-        except OSError as exc:
-            log.warning("/etc/hostname: %s", exc)
+            with open(HOSTS, encoding="utf-8") as fh:
+                hosts = fh.read()
+        except OSError:
+            hosts = ""
+        new = hosts_with_hostname(hosts, name)
+        if new != hosts:
+            _replace_file(HOSTS, new)
 
     def add_entropy(self, seed: bytes) -> bool:
         fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)

@@ -254,6 +254,14 @@ class GuestError(PodbayError):
     http_status = 502
 
 
+class NoSpace(PodbayError):
+    """The guest's file system (or a volume) is full (ENOSPC, EDQUOT: docs/channel.md ``no_space``); nothing
+    half-written is left. HTTP 507 Insufficient Storage (RFC 4918)."""
+
+    code = "no_space"
+    http_status = 507
+
+
 class SandboxFailed(PodbayError):
     code = "sandbox_failed"
     http_status = 500
@@ -302,6 +310,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         NoCapacity,
         StaleGeneration,
         GuestError,
+        NoSpace,
         SandboxFailed,
         SnapshotCorrupt,
         StorageError,

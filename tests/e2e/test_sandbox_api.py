@@ -147,6 +147,22 @@ def test_exec_stream_yields_output_as_produced(stack: Any) -> None:
             assert out[5].startswith(f"pip {bundled} from ") and f"/pip-{bundled}-" in out[5], out[5]
             assert out[6].startswith("gcc ") and out[7].startswith("GNU Make")
             assert out[8:] == ["UTC", "Etc/UTC", "LANG=C.UTF-8", "root"], out
+            # The sandbox's own name resolves (sudo looks it up and complained on stderr when it did not), and
+            # /etc/hostname is the ordinary file it is on Debian.
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={
+                "shell": "sudo -n true; getent hosts $(hostname); hostname -f; stat -c %a /etc/hostname",
+                "user": "user"})
+            assert r.json()["exit_code"] == 0 and r.json()["stderr"] == "", r.text
+            hostname = c.get(f"/v1/sandboxes/{sid}").json()["hostname"]
+            assert r.json()["stdout"].split() == ["127.0.1.1", hostname, hostname, "644"], r.text
+            # A full file system is 507 no_space, and the partial file is gone.
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": "mkdir -p /mnt/tiny &&"
+                                                                   " mount -t tmpfs -o size=1m tmpfs /mnt/tiny"})
+            assert r.json()["exit_code"] == 0, r.text
+            r = c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/mnt/tiny/big"}, content=b"x" * (2 << 20))
+            assert r.status_code == 507 and r.json()["error"]["code"] == "no_space", r.text[:300]
+            listing = c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": "ls -a /mnt/tiny"}).json()["stdout"]
+            assert listing.split() == [".", ".."], listing
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
 

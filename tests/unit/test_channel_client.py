@@ -15,7 +15,8 @@ from podbay.channel import frames
 from podbay.channel.client import ChannelClosed, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, NotWritable, PermissionDenied, Timeout
+from podbay.errors import (Conflict, GuestError, InvalidRequest, NoSpace, NotFound, NotWritable, PermissionDenied,
+                           Timeout)
 
 Handler = Callable[["FakeGuest", int, dict[str, Any]], Awaitable[None]]
 
@@ -128,6 +129,7 @@ async def test_ping_and_hello_info(guest: FakeGuest, ch: GuestChannel) -> None:
         ("is_a_directory", InvalidRequest),
         ("not_a_directory", InvalidRequest),
         ("permission_denied", PermissionDenied),
+        ("no_space", NoSpace),
         ("io_error", GuestError),
     ],
 )

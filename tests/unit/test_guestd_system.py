@@ -202,3 +202,27 @@ async def test_guestd_runs_from_the_guest_image_layout(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(10)
     assert not list(lib.rglob("__pycache__"))
+
+
+def test_the_hostname_goes_on_the_127_0_1_1_line_of_etc_hosts() -> None:
+    """sudo and ``hostname -f`` resolve the machine's own name; a sandbox's name is new at every restore."""
+    from guestd.ops_system import hosts_with_hostname
+
+    template = "127.0.0.1\tlocalhost\n127.0.1.1\tpodbay\n\n# IPv6\n::1 localhost ip6-localhost\n"
+    out = hosts_with_hostname(template, "sbx-1a2b")
+    assert out == "127.0.0.1\tlocalhost\n127.0.1.1\tsbx-1a2b\n\n# IPv6\n::1 localhost ip6-localhost\n"
+    assert hosts_with_hostname(out, "sbx-3c4d").count("127.0.1.1") == 1  # replaced, never added again
+    assert hosts_with_hostname("127.0.0.1 localhost\n", "sbx-x") == "127.0.0.1 localhost\n127.0.1.1\tsbx-x\n"
+    assert hosts_with_hostname("", "sbx-x") == "127.0.1.1\tsbx-x\n"
+    # a commented-out line and a second 127.0.1.1 line: the comment stays, the duplicate goes
+    assert hosts_with_hostname("#127.0.1.1 old\n127.0.1.1 a\n127.0.1.1 b\n", "n") == "#127.0.1.1 old\n127.0.1.1\tn\n"
+
+
+def test_a_full_file_system_is_no_space() -> None:
+    import errno
+
+    from guestd.errors import from_oserror
+
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        err = from_oserror(OSError(code, os.strerror(code), "/tmp/big"))
+        assert err.code == "no_space" and err.message.startswith("/tmp/big: ")

@@ -10,7 +10,8 @@ with ``podbay.contracts.channel``, DATA beyond the flow-control window or a floo
 that request, frames for unknown streams are counted and dropped, and unary requests have timeouts.
 
 Errors: a guest ERROR becomes ``NotFound`` (not_found), ``Conflict`` (exists), ``InvalidRequest`` (invalid,
-is_a_directory, not_a_directory), ``PermissionDenied`` (permission_denied) or ``GuestError`` (any other code); the code is in ``details["guest_code"]``;
+is_a_directory, not_a_directory), ``PermissionDenied`` (permission_denied), ``NoSpace`` (no_space) or
+``GuestError`` (any other code); the code is in ``details["guest_code"]``;
 a malformed answer is ``GuestError``; a lost connection fails every pending request with ``ChannelClosed``
 (a retryable ``GuestError``), after which ``connect`` may be called again; a request timeout is ``Timeout``.
 """
@@ -30,7 +31,8 @@ from pydantic import BaseModel, ValidationError
 from podbay.channel import frames
 from podbay.channel.frames import Frame, FrameType
 from podbay.contracts.channel import ChannelErrorBody, GuestInfo, Op
-from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, PermissionDenied, PodbayError, Timeout
+from podbay.errors import (Conflict, GuestError, InvalidRequest, NoSpace, NotFound, PermissionDenied, PodbayError,
+                           Timeout)
 
 __all__ = ["Transport", "Stream", "ChannelClosed", "validate"]
 
@@ -54,6 +56,7 @@ _ERROR_CLASSES: dict[str, type[PodbayError]] = {
     "is_a_directory": InvalidRequest,
     "not_a_directory": InvalidRequest,
     "permission_denied": PermissionDenied,
+    "no_space": NoSpace,
 }
 
 

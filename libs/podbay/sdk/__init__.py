@@ -34,6 +34,7 @@ from podbay.errors import (
     InvalidState,
     NoCapacity,
     NotFound,
+    NoSpace,
     NotWritable,
     PermissionDenied,
     PodbayError,
@@ -97,4 +98,5 @@ __all__ = [
     "StaleGeneration",
     "GuestError",
     "PermissionDenied",
+    "NoSpace",
 ]

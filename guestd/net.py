@@ -23,6 +23,8 @@ import os
 import socket
 import struct
 
+from .atomic import write_atomic
+
 __all__ = ["configure_net", "install_ca", "nic_name", "SANDBOX_CA_PATH", "EXTRA_CA_PATH", "BUNDLE_PATH",
            "PRISTINE_BUNDLE_PATH"]
 
@@ -101,7 +103,7 @@ def configure_net(address: str, prefix_len: int, gateway: str, dns: list[str]) -
                 raise
     finally:
         s.close()
-    _write_atomic(RESOLV_CONF, "".join(f"nameserver {d}\n" for d in dns).encode(), 0o644)
+    write_atomic(RESOLV_CONF, "".join(f"nameserver {d}\n" for d in dns).encode(), 0o644)
     return name
 
 
@@ -113,7 +115,7 @@ def install_ca(cert_pem: str | None, extra_pem: str | None = None) -> None:
     for path, text in ((EXTRA_CA_PATH, extra_pem), (SANDBOX_CA_PATH, cert_pem)):
         if text:
             pem = text.strip().encode() + b"\n"
-            _write_atomic(path, pem, 0o644)
+            write_atomic(path, pem, 0o644)
             added += pem
         else:
             try:
@@ -126,20 +128,11 @@ def install_ca(cert_pem: str | None, extra_pem: str | None = None) -> None:
                 original = fh.read()
         except FileNotFoundError:
             original = b""
-        _write_atomic(PRISTINE_BUNDLE_PATH, original, 0o644)
+        write_atomic(PRISTINE_BUNDLE_PATH, original, 0o644)
     with open(PRISTINE_BUNDLE_PATH, "rb") as fh:
         original = fh.read()
     if original and not original.endswith(b"\n"):
         original += b"\n"
     os.makedirs(os.path.dirname(BUNDLE_PATH), exist_ok=True)
-    _write_atomic(BUNDLE_PATH, original + added, 0o644)
+    write_atomic(BUNDLE_PATH, original + added, 0o644)
 
-
-def _write_atomic(path: str, data: bytes, mode: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)

@@ -31,6 +31,7 @@ from typing import Any
 
 from podbay.channel.frames import VERSION
 
+from .atomic import write_atomic
 from .errors import OpError, from_oserror
 from .server import Stream
 
@@ -124,36 +125,22 @@ def hosts_with_hostname(hosts: str, name: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _replace_file(path: str, text: str) -> None:
-    """Write ``path`` whole (a temp file renamed over it, mode 0644), so a reader never sees it half
-    written; a failure is logged, not raised (the hostname itself is already set)."""
-    tmp = f"{path}.podbay-tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.fchmod(fd, 0o644)
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("%s: %s", path, exc)
-
-
 class RealSystem(System):
     """The calls for real, inside a VM (needs root)."""
 
     def set_hostname(self, name: str) -> None:
         socket.sethostname(name)
-        _replace_file("/etc/hostname", name + "\n")
+        # Replaced whole (mode 0644), not rewritten in place: a process of a fork child may be resolving names.
+        # A failure is logged, not raised: the hostname itself is set.
         try:
+            write_atomic("/etc/hostname", (name + "\n").encode(), 0o644)
             with open(HOSTS, encoding="utf-8") as fh:
                 hosts = fh.read()
-        except OSError:
-            hosts = ""
-        new = hosts_with_hostname(hosts, name)
-        if new != hosts:
-            _replace_file(HOSTS, new)
+            new = hosts_with_hostname(hosts, name)
+            if new != hosts:
+                write_atomic(HOSTS, new.encode(), 0o644)
+        except OSError as exc:
+            log.warning("hostname files: %s", exc)
 
     def add_entropy(self, seed: bytes) -> bool:
         fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
@@ -185,13 +172,7 @@ class RealSystem(System):
     def set_access_token(self, token: str) -> None:
         # Written beside and renamed over, so a reader never sees half a token; root-only, like a key file.
         os.makedirs(os.path.dirname(ACCESS_TOKEN_PATH), mode=0o755, exist_ok=True)
-        tmp = ACCESS_TOKEN_PATH + ".new"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, token.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, ACCESS_TOKEN_PATH)
+        write_atomic(ACCESS_TOKEN_PATH, token.encode(), 0o600)
 
     def configure_net(self, net: dict[str, Any]) -> str:
         from . import net as guest_net

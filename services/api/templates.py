@@ -293,10 +293,14 @@ async def _finish(ctx: ApiContext, build_id: str, error: dict[str, Any]) -> None
 @router.get("/templates/{name}/builds", response_model=BuildList)
 async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
     """The caller's builds of template ``name``, newest first (at most 50): how a build whose stream was cut
-    ended."""
+    ended. 404 ``not_found`` when there is no such template and the caller has no build of that name (a first
+    build that is still running has a build row before the template has its own, so it is listed)."""
     rows = await ctx.pool.fetch(
         "SELECT id, name, state, parent, digest, error, created_at, finished_at FROM template_builds"
         " WHERE name=$1 AND tenant_id=$2 ORDER BY created_at DESC LIMIT 50", name, who.tenant_id)
+    if not rows and await ctx.pool.fetchval(
+            "SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", name) is None:
+        raise NotFound(f"template {name!r} does not exist", details={"template": name})
     return BuildList(builds=[BuildInfo(**dict(r)) for r in rows])
 
 

@@ -123,6 +123,11 @@ def test_network_policy_of_sandbox_and_template(stack: Stack, acme: Tenant) -> N
             r = http.put(f"/v1/sandboxes/{sbx}/network", json=bad)
             assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", (bad, r.text)
         assert http.get(f"/v1/templates/{tpl}-missing/network").status_code == 404
+        # Builds of a template that does not exist: 404, not an empty list; a template with no build of the
+        # caller's: an empty list.
+        r = http.get(f"/v1/templates/{tpl}-missing/builds")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        assert http.get(f"/v1/templates/{tpl}/builds").json() == {"builds": []}
         assert http.get("/v1/sandboxes/sbx_nope/network").status_code == 404
         entries = http.get("/v1/audit", params={"sandbox_id": sbx}).json()["entries"]
         assert [e["action"] for e in entries] == ["sandbox.network"]

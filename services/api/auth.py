@@ -70,6 +70,18 @@ async def create_key(conn: asyncpg.Connection, tenant_id: str, name: str, *, act
     return key_id, key
 
 
+async def revoke_keys_named(conn: asyncpg.Connection, tenant_id: str, name: str) -> list[str]:
+    """Revoke ``tenant_id``'s live keys named ``name`` (one ``api_key.revoke`` audit row each, actor
+    ``system``), in the caller's transaction; returns their ids. Running API processes refuse them once their
+    verification cache runs out (``AUTH_CACHE_S``): this is the operator's path, which has no bus."""
+    rows = await conn.fetch("UPDATE api_keys SET revoked_at=now() WHERE tenant_id=$1 AND name=$2"
+                            " AND revoked_at IS NULL RETURNING id, prefix", tenant_id, name)
+    for row in rows:
+        await record(conn, tenant_id=tenant_id, actor="system", action="api_key.revoke", target=row["id"],
+                     detail={"name": name, "prefix": row["prefix"], "reason": "replaced"})
+    return [str(r["id"]) for r in rows]
+
+
 # Verified keys, by their hash, for a few seconds: saves a PostgreSQL round trip on the hot path (exec,
 # files). A revocation drops the key from this process's cache at once and tells every other API process
 # (core NATS, ``subjects.API_KEY_REVOKED``), so that a revoked key is refused on its next request; should

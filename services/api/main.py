@@ -2,7 +2,9 @@
 
     podbay-api [serve]                         serve on PODBAY_API_HOST:PODBAY_API_PORT (and :PODBAY_API_H2_PORT)
     podbay-api migrate                         apply database migrations and exit
-    podbay-api create-key --tenant T --name N  create tenant T if needed and print {"tenant_id", "key_id", "key"}
+    podbay-api create-key --tenant T --name N [--replace]
+                                               create tenant T if needed and print {"tenant_id", "key_id", "key",
+                                               "revoked"}; --replace revokes T's live keys named N first
     podbay-api openapi                         print the OpenAPI document
 
 ``create-key`` and ``migrate`` connect to ``PODBAY_PG_DSN``. When it is set neither in the environment nor in
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 import uvloop
 
@@ -26,7 +29,7 @@ from podbay.errors import PodbayError
 from podbay.telemetry import setup_logging
 
 from .app import create_app
-from .auth import create_key, ensure_tenant
+from .auth import create_key, ensure_tenant, revoke_keys_named
 from .serving import serve
 
 __all__ = ["main"]
@@ -45,14 +48,18 @@ def _admin_dsn(settings: Settings) -> str:
     return dsn
 
 
-async def _create_key(tenant: str, name: str) -> dict[str, str]:
+async def _create_key(tenant: str, name: str, replace: bool) -> dict[str, Any]:
+    """Mint a key named ``name`` for ``tenant`` (created if needed); with ``replace``, first revoke the tenant's
+    live keys of that name in the same transaction (``podbay up`` mints its dev key so: one live dev key per
+    stack, not one more per start). Returns ``{"tenant_id", "key_id", "key", "revoked": [key ids]}``."""
     pool = await db.connect_pool(_admin_dsn(get_settings()), min_size=1, max_size=2)
     try:
         await db.migrate(pool)
         async with pool.acquire() as conn, conn.transaction():
             tenant_id = await ensure_tenant(conn, tenant)
+            revoked = await revoke_keys_named(conn, tenant_id, name) if replace else []
             key_id, key = await create_key(conn, tenant_id, name)
-        return {"tenant_id": tenant_id, "key_id": key_id, "key": key}
+        return {"tenant_id": tenant_id, "key_id": key_id, "key": key, "revoked": revoked}
     finally:
         await pool.close()
 
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ck = sub.add_parser("create-key")
     ck.add_argument("--tenant", required=True)
     ck.add_argument("--name", default="default")
+    ck.add_argument("--replace", action="store_true", help="revoke the tenant's live keys of this name first")
     args = parser.parse_args(argv)
     try:
         settings = get_settings()
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("api", settings.log_level)
     try:
         if args.cmd == "create-key":
-            print(json.dumps(uvloop.run(_create_key(args.tenant, args.name))))
+            print(json.dumps(uvloop.run(_create_key(args.tenant, args.name, args.replace))))
             return
         if args.cmd == "migrate":
             print(json.dumps({"applied": uvloop.run(_migrate())}))

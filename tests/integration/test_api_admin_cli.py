@@ -3,6 +3,7 @@ dev stack's database through its ``stack.json``, as ``podbay status`` finds the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from podbay.devstack.stack import StackPorts
@@ -68,3 +70,36 @@ def test_a_configured_dsn_wins_over_the_dev_stack(pg_dsn: str, tmp_path: Path, w
                           text=True, timeout=120, env=env)
     assert done.returncode == 1 and done.stdout == ""
     assert "(database_refused)" in done.stderr and "dev stack" not in done.stderr
+
+
+def test_replace_revokes_the_live_keys_of_that_name_only(pg_dsn: str, tmp_path: Path) -> None:
+    """``podbay up`` mints its dev key with ``--replace``: one live dev key per data directory, not one more per
+    start. Keys of another name stay live."""
+    env = _env(tmp_path / "data", PODBAY_PG_DSN=pg_dsn)
+
+    def mint(name: str, *extra: str) -> dict[str, object]:
+        done = subprocess.run([API, "create-key", "--tenant", "admin-cli-replace", "--name", name, *extra],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
+    first, other = mint("dev"), mint("ops")
+    assert first["revoked"] == []
+    second = mint("dev", "--replace")
+    assert second["revoked"] == [first["key_id"]]
+    third = mint("dev", "--replace")
+    assert third["revoked"] == [second["key_id"]]
+
+    async def live() -> list[str]:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT id FROM api_keys WHERE tenant_id=$1 AND revoked_at IS NULL ORDER BY id",
+                                    third["tenant_id"])
+            audit = await conn.fetchval("SELECT count(*) FROM audit_log WHERE target=ANY($1::text[])"
+                                        " AND action='api_key.revoke'", [first["key_id"], second["key_id"]])
+            assert audit == 2
+            return [r["id"] for r in rows]
+        finally:
+            await conn.close()
+
+    assert sorted(asyncio.run(live())) == sorted([third["key_id"], other["key_id"]])

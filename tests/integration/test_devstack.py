@@ -115,6 +115,12 @@ def test_up_status_down_with_a_second_up_and_a_stale_state(dev_settings: Setting
     fresh = supervisor.read_state(dev_settings)
     assert fresh is not None and fresh.supervisor_pid != state.supervisor_pid
     assert not any(same_process(old.pid, old.start_ticks) for old in state.parts if old.pid)
+    # Each start replaces the dev key: one live dev key per data directory, the first start's is refused.
+    fresh_key = json.loads(Path(os.environ["PODBAY_CONFIG"]).read_text())["api_key"]
+    assert fresh_key != config["api_key"]
+    url = f"{fresh.api_url}/v1/sandboxes"
+    assert httpx.get(url, headers={"authorization": f"Bearer {config['api_key']}"}).status_code == 401
+    assert httpx.get(url, headers={"authorization": f"Bearer {fresh_key}"}).status_code == 200
 
     assert supervisor.down(dev_settings) == 0
     assert supervisor.status(dev_settings) == []

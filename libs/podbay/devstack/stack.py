@@ -648,12 +648,15 @@ class Stack(NodeOps):
                 svc.wait_healthy(self.start_timeout_s)
                 self._notify(on_ready, svc.name)
 
-    def create_api_key(self, tenant: str = "dev", name: str = "dev") -> str:
-        """Run ``podbay-api create-key --tenant T --name N``; stores and returns the key (``pb_...``).
+    def create_api_key(self, tenant: str = "dev", name: str = "dev", *, replace: bool = False) -> str:
+        """Run ``podbay-api create-key --tenant T --name N`` (with ``--replace`` when ``replace``: the tenant's
+        live keys of that name are revoked first); stores and returns the key (``pb_...``).
 
         Raises :class:`StackError` when the command fails or prints no ``{"key": ...}`` JSON line.
         """
         argv = [str(self.bin_dir / "podbay-api"), "create-key", "--tenant", tenant, "--name", name]
+        if replace:
+            argv.append("--replace")
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=120, check=False)
         for line in reversed(done.stdout.splitlines()):
             try:

@@ -1,7 +1,8 @@
 """``podbay up | down | status``: the all-in-one dev stack, supervised.
 
 ``up`` starts NATS, PostgreSQL and S3, then every service (see :mod:`podbay.devstack.stack`), creates a
-development API key with ``podbay-api create-key --tenant dev --name dev`` and saves ``{api_url, api_key}``
+development API key with ``podbay-api create-key --tenant dev --name dev --replace`` (revoking the dev key of
+the last start: one live dev key per data directory) and saves ``{api_url, api_key}``
 with :func:`podbay.clientconfig.save_client_config`. In the foreground it prints each service's log lines
 prefixed with its name, restarts a part that dies (with back-off), and on Ctrl-C, SIGTERM or SIGHUP stops
 everything in reverse order (SIGTERM, SIGKILL after a grace period). With ``detach=True`` it re-runs itself
@@ -273,7 +274,8 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
 
         try:
             stack.start(on_ready=ready)
-            stack.create_api_key("dev", "dev")
+            # One live dev key per data directory: each start replaces the one the last start saved.
+            stack.create_api_key("dev", "dev", replace=True)
             path = save_client_config(ClientConfig(api_url=stack.api_url, api_key=stack.api_key))
         except _StopRequested:
             stack.stop(grace_s=5.0)

@@ -59,19 +59,27 @@ def _read_file(path: Path) -> dict[str, str]:
     return data
 
 
-def load_client_config(api_url: str | None = None, api_key: str | None = None) -> ClientConfig:
-    """Explicit arguments win, then the environment, then the config file, then ``http://127.0.0.1:8080``.
+def load_client_config(api_url: str | None = None, api_key: str | None = None, *,
+                       prefer_file: bool = False) -> ClientConfig:
+    """Explicit arguments win, then the environment, then the config file, then ``http://127.0.0.1:8080``;
+    with ``prefer_file`` the config file comes before the environment (``podbay env``: what ``podbay up``
+    saved last, so that ``eval "$(podbay env)"`` replaces a key a restart revoked).
 
-    The file is read only when the URL or the key is still missing. Raises ``podbay.errors.InvalidRequest``
-    (naming the file and the problem) for a config file that exists but is unreadable or malformed, and for
-    a URL that is not an absolute http(s) URL with a host.
+    The file is read only when the URL or the key is still missing (always with ``prefer_file``). Raises
+    ``podbay.errors.InvalidRequest`` (naming the file and the problem) for a config file that exists but is
+    unreadable or malformed, and for a URL that is not an absolute http(s) URL with a host.
     """
-    url = api_url or os.environ.get("PODBAY_API_URL")
-    key = api_key or os.environ.get("PODBAY_API_KEY")
-    file_cfg = _read_file(config_path()) if not (url and key) else {}
-    url = url or file_cfg.get("api_url") or "http://127.0.0.1:8080"
-    key = key or file_cfg.get("api_key")
-    return ClientConfig(api_url=_checked_url(url).rstrip("/"), api_key=key)
+    if prefer_file:
+        file_cfg = _read_file(config_path())
+        url = api_url or file_cfg.get("api_url") or os.environ.get("PODBAY_API_URL")
+        key = api_key or file_cfg.get("api_key") or os.environ.get("PODBAY_API_KEY")
+    else:
+        url = api_url or os.environ.get("PODBAY_API_URL")
+        key = api_key or os.environ.get("PODBAY_API_KEY")
+        file_cfg = _read_file(config_path()) if not (url and key) else {}
+        url = url or file_cfg.get("api_url")
+        key = key or file_cfg.get("api_key")
+    return ClientConfig(api_url=_checked_url(url or "http://127.0.0.1:8080").rstrip("/"), api_key=key)
 
 
 def _checked_url(url: str) -> str:

@@ -20,6 +20,7 @@ from podbay import servercli
 from podbay.cli.exec_cmd import _write as exec_write
 from podbay.cli.exec_cmd import exit_status
 from podbay.cli.main import app
+from podbay.clientconfig import load_client_config
 
 
 def run(fake: FakeApi | None, *args: str, input: str | bytes | None = None) -> Result:
@@ -460,6 +461,25 @@ def test_template_build_passes_output_and_exit_code(
 
 def test_exit_status() -> None:
     assert [exit_status(c) for c in (0, 3, -9, -15, 256)] == [0, 3, 137, 143, 0]
+
+
+def test_env_exports_the_config_file_over_a_stale_environment(clean_env: None, monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """After a restart replaced the dev key, ``eval "$(podbay env)"`` in a shell that exported the old one must
+    export the new one (docs/cli.md); flags still win over both."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"api_url": "http://127.0.0.1:8080", "api_key": "pb_new"}))
+    monkeypatch.setenv("PODBAY_CONFIG", str(cfg))
+    monkeypatch.setenv("PODBAY_API_URL", "http://127.0.0.1:8080")
+    monkeypatch.setenv("PODBAY_API_KEY", "pb_revoked")
+    result = CliRunner().invoke(app, ["env"])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines() == ["export PODBAY_API_URL=http://127.0.0.1:8080", "export PODBAY_API_KEY=pb_new"]
+    assert "PODBAY_API_KEY in the environment differs" in result.stderr and "PODBAY_API_URL" not in result.stderr
+    result = CliRunner().invoke(app, ["--api-key", "pb_flag", "env"])
+    assert result.stdout.splitlines()[1] == "export PODBAY_API_KEY=pb_flag" and "differs" not in result.stderr
+    # Other commands keep the environment first.
+    assert load_client_config().api_key == "pb_revoked"
 
 
 def test_env_e2b_prints_the_e2b_variables(clean_env: None) -> None:

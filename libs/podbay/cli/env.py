@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
 import typer
 
 from podbay.cli._common import handle_errors, state
-from podbay.clientconfig import load_client_config
+from podbay.clientconfig import config_path, load_client_config
 from podbay.contracts.e2b import to_e2b_key
 
 __all__ = ["env"]
@@ -23,11 +24,20 @@ def env(ctx: typer.Context, e2b: bool = typer.Option(
     by the `E2b-Sandbox-Id` header) and `E2B_API_KEY` (the podbay key in its `e2b_` alias form, which E2B SDKs that check a key's shape
     accept) (docs/e2b.md).
 
+    The values come from `--api-url`/`--api-key`, else the config file `podbay up` writes, else
+    `PODBAY_API_URL`/`PODBAY_API_KEY`: the file before the environment, so that after a restart (which
+    replaces the dev key) `eval "$(podbay env)"` exports the new key over the one the shell holds; a
+    warning on stderr names each exported value that replaces the environment's.
+
     Without a key configured (no stack started with `podbay up` on this account, no `PODBAY_API_KEY`, no
     `--api-key`), the URL exports are printed alone, with a warning on stderr, and the exit status is 1: an
     `eval` of them leaves the key unset."""
     st = state(ctx)
-    cfg = load_client_config(st.api_url, st.api_key)
+    cfg = load_client_config(st.api_url, st.api_key, prefer_file=True)
+    for var, flag, value in (("PODBAY_API_URL", st.api_url, cfg.api_url), ("PODBAY_API_KEY", st.api_key, cfg.api_key)):
+        if not flag and os.environ.get(var) and value and os.environ[var].rstrip("/") != value:
+            print(f"warning: {var} in the environment differs from the config file {config_path()}; "
+                  "exporting the file's", file=sys.stderr)
     base = cfg.api_url.rstrip("/")
     if e2b:
         print(f"export E2B_API_URL={shlex.quote(base + '/e2b')}")

@@ -217,6 +217,12 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
     for attempt in range(2):
         try:
             async with ctx.pool.acquire() as conn, conn.transaction():
+                # The parent's row, shared-locked with the build's row written: a removal of the parent
+                # (which locks it for update and refuses while a build FROM it runs) either comes first and
+                # this finds no parent, or comes after and finds this build running.
+                if await conn.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL FOR SHARE",
+                                       parent) is None:
+                    raise NotFound(f"FROM names template {parent!r}, which does not exist", details={"from": parent})
                 await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
                                    " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name,
                                    who.tenant_id, node["id"], recipe, spec.base.ref, policy)
@@ -309,7 +315,8 @@ async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response
     """Remove a built template (with its tags), or with ``name:tag`` only that tag (its build is reclaimed
     once nothing else references it). 404 ``not_found``, ``template_tag_not_found``; 422 ``validation_error``
     (a bad name or tag); 409 ``conflict`` when it is built in, or sandboxes (not deleted) or a warm pool use
-    it, or another template's current build is FROM it; for a tag, when sandboxes use its build."""
+    it, or another template's current build or a running build is FROM it; for a tag, when sandboxes use its
+    build."""
     try:
         base, tag = split_template_ref(name)
     except ValueError as exc:
@@ -326,7 +333,7 @@ async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response
 async def remove_template(ctx: ApiContext, who: Principal, name: str) -> None:
     """Soft-delete template ``name`` (``deleted_at``; audited): the one removal behind ``DELETE
     /v1/templates/{name}`` and E2B's ``DELETE /templates/{id}``. Raises ``NotFound``, ``Conflict`` (built
-    in, or in use by sandboxes not deleted, a warm pool, or templates built FROM it)."""
+    in, or in use by sandboxes not deleted, a warm pool, templates built FROM it, or running builds FROM it)."""
     if name in BUILTIN:
         raise Conflict(f"template {name!r} is built in and cannot be removed", details={"template": name})
     async with ctx.pool.acquire() as conn, conn.transaction():
@@ -336,14 +343,18 @@ async def remove_template(ctx: ApiContext, who: Principal, name: str) -> None:
         users = await conn.fetchval("SELECT count(*) FROM sandboxes WHERE template=$1 AND state <> 'deleted'", name)
         pool = await conn.fetchval("SELECT 1 FROM warm_pools WHERE template=$1 AND max_size > 0", name)
         children = await conn.fetch("SELECT name FROM templates WHERE parent=$1 AND deleted_at IS NULL", name)
-        if users or pool or children:
+        building = [r["name"] for r in await conn.fetch(
+            "SELECT name FROM template_builds WHERE parent=$1 AND state='running'", name)]
+        if users or pool or children or building:
             why = ", ".join(filter(None, [f"{users} sandbox(es)" if users else "",
                                           "a warm pool (set its size to 0 first)" if pool else "",
                                           "templates built FROM it: " + ", ".join(r["name"] for r in children)
-                                          if children else ""]))
+                                          if children else "",
+                                          "builds FROM it that are running: " + ", ".join(building)
+                                          if building else ""]))
             raise Conflict(f"template {name!r} is in use by {why}",
                            details={"template": name, "sandboxes": users, "pool": bool(pool),
-                                    "children": [r["name"] for r in children]})
+                                    "children": [r["name"] for r in children], "building": building})
         await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
         await conn.execute("DELETE FROM template_tags WHERE name=$1", name)  # a later build starts untagged
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)

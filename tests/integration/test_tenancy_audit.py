@@ -245,3 +245,18 @@ def test_warm_create_keeps_policy_placeholders_and_audit_event(stack: Stack, acm
 
 def _json(value: object) -> dict[str, object]:
     return json.loads(value) if isinstance(value, str) else value  # type: ignore[return-value]
+
+
+def test_a_template_is_not_removed_while_a_build_from_it_runs(stack: Stack, acme: Tenant) -> None:
+    """A running build FROM a template holds it: removing it would leave the build's result with a parent
+    that does not exist."""
+    tpl, _ = template_and_sandbox(stack, acme, state="deleted")
+    build = f"bld_{secrets.token_hex(8)}"
+    sql(stack, "INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent) VALUES"
+        " ($1, $2, $3, 'node-x', 'FROM podbay/x', $4)", build, f"{tpl}-child", acme.tenant_id, tpl)
+    with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"}) as op:
+        r = op.delete(f"/v1/templates/{tpl}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
+        assert r.json()["error"]["details"]["building"] == [f"{tpl}-child"] and "running" in r.json()["error"]["message"]
+        sql(stack, "UPDATE template_builds SET state='failed', finished_at=now() WHERE id=$1", build)
+        assert op.delete(f"/v1/templates/{tpl}").status_code == 204

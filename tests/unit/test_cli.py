@@ -463,6 +463,20 @@ def test_exit_status() -> None:
     assert [exit_status(c) for c in (0, 3, -9, -15, 256)] == [0, 3, 137, 143, 0]
 
 
+def test_fork_prints_children_still_starting_and_fails_only_on_failed_ones(fake_api: FakeApi) -> None:
+    fake_api.add_sandbox("sb-parent")
+    fake_api.fork_outcomes = [("running", None), ("starting", None)]
+    result = run(fake_api, "sandbox", "fork", "sb-parent", "--count", "2")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == ["sb-child0", "sb-child1"]
+    assert "sb-child1 is still starting" in result.stderr and "None" not in result.stderr
+    fake_api.fork_outcomes = [("running", None), ("failed", "no node has room"), ("failed", None)]
+    result = run(fake_api, "sandbox", "fork", "sb-parent", "--count", "3")
+    assert result.exit_code == 1 and result.stdout.splitlines() == ["sb-child0"]
+    assert result.stderr.splitlines() == ["error: child sb-child1 is failed: no node has room",
+                                          "error: child sb-child2 is failed"]
+
+
 def test_env_exports_the_config_file_over_a_stale_environment(clean_env: None, monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     """After a restart replaced the dev key, ``eval "$(podbay env)"`` in a shell that exported the old one must

@@ -62,6 +62,7 @@ class FakeApi:
     dirs: set[tuple[str, str]] = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
     pools: dict[str, PoolInfo] = field(default_factory=dict)
+    fork_outcomes: list[tuple[str, str | None]] = field(default_factory=list)
 
     def last(self, path_suffix: str = "") -> Logged:
         return [r for r in self.requests if r.path.endswith(path_suffix)][-1]
@@ -73,6 +74,7 @@ class FakeApi:
         self.dirs.clear()
         self.gate.clear()
         self.pools.clear()
+        self.fork_outcomes = []
 
     def add_sandbox(self, sandbox_id: str | None = None, state: str = "running") -> SandboxInfo:
         now = datetime.now(UTC)
@@ -176,6 +178,14 @@ def build_app(fake: FakeApi) -> FastAPI:
         info = box(sandbox_id)
         info.state, info.node_id = "suspended", None
         return JSONResponse(info.model_dump(mode="json"))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork")
+    async def fork(sandbox_id: str) -> Response:
+        """Children in the states the test set in ``fork_outcomes`` (``(state, failure_reason)`` each)."""
+        box(sandbox_id)
+        children = [{"sandbox_id": f"sb-child{i}", "state": state, "failure_reason": reason}
+                    for i, (state, reason) in enumerate(fake.fork_outcomes)]
+        return JSONResponse({"snapshot_id": "snap-fork", "operation_id": "op-fork-1", "children": children})
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume(sandbox_id: str, wait: bool = True, fallback: bool = False) -> Response:

@@ -155,19 +155,25 @@ def fork(
                                       "of the sandbox's read-write volumes (default: a read-only view)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Start children of a sandbox; prints each child's id (failed ones on stderr, exit 1 if any failed)."""
+    """Start children of a sandbox; prints each child's id, exit 1 if any failed (named on stderr with its
+    reason). A child the API answered for while it was still starting (the fork's wait ran out, e.g. while a
+    node agent restarted) has not failed: its id is printed, with a note on stderr."""
     result = client(ctx).fork_sandbox(sandbox_id, count, snapshot_id, schedules=schedules,
                                       volumes="copy" if copy_volumes else None)
     if as_json:
         print_json(result)
     failed = 0
     for child in result.children:
-        if child.state == "running":
+        if child.state in ("running", "pending", "starting"):
             if not as_json:
                 print(child.sandbox_id)
+            if child.state != "running":
+                print(f"note: child {child.sandbox_id} is still {child.state}; `podbay sandbox get "
+                      f"{child.sandbox_id}` shows when it runs", file=sys.stderr)
         else:
             failed += 1
-            print(f"error: child {child.sandbox_id} is {child.state}: {child.failure_reason}", file=sys.stderr)
+            reason = f": {child.failure_reason}" if child.failure_reason else ""
+            print(f"error: child {child.sandbox_id} is {child.state}{reason}", file=sys.stderr)
     if failed:
         raise typer.Exit(1)
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from podbay.buildcontext import (
+    ContextError,
     ContextTooLarge,
+    DockerIgnore,
     MissingSource,
     check_context,
     pack_context,
@@ -141,6 +143,35 @@ def test_pack_and_unpack_round_trip(tmp_path: Path) -> None:
     out = tmp_path / "out"
     unpack_context(pack_context(src), out)
     assert (out / "app" / "x.txt").read_text() == "hi"
+
+
+def test_pack_leaves_out_what_dockerignore_excludes_as_docker_does(tmp_path: Path) -> None:
+    src = tmp_path / "ctx"
+    for rel in ("app/main.py", "app/x.pyc", "top.pyc", "app/__pycache__/m.pyc", "build/out.o", "build/keep.txt",
+                "docs/a1.md", "docs/z.md"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    (src / "venv" / "bin").mkdir(parents=True)
+    (src / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")  # a virtualenv's absolute link
+    (src / "rel-link").symlink_to("app/main.py")
+    (src / ".dockerignore").write_text("# build outputs\n*.pyc\n**/__pycache__\n/venv/\nbuild\n"
+                                       "!build/keep.txt\ndocs/[a-c]*.md\n")
+    out = tmp_path / "out"
+    unpack_context(pack_context(src), out)
+    got = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
+    # `*.pyc` is anchored at the root (Docker's rule, not git's), so app/x.pyc stays.
+    assert got == [".dockerignore", "app/main.py", "app/x.pyc", "build/keep.txt", "docs/z.md", "rel-link"]
+    assert (out / "rel-link").is_symlink() and os.readlink(out / "rel-link") == "app/main.py"
+
+
+def test_an_absolute_link_in_the_context_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    src = tmp_path / "ctx"
+    src.mkdir()
+    (src / "link").symlink_to("/etc/hostname")
+    with pytest.raises(ContextError, match="dockerignore"):
+        unpack_context(pack_context(src), tmp_path / "out")
+    with pytest.raises(ContextError, match="unclosed"):
+        DockerIgnore("a[b\n")
 
 
 def test_start_key_follows_the_command_its_context_and_readiness() -> None:

@@ -287,6 +287,34 @@ def test_template_build_streams_steps_and_prints_the_template(fake_api: FakeApi,
     assert b"COPY app.txt /app.txt" in body and b'name="context"' in body
 
 
+def _build_row(state: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"id": "bld_fake", "name": "base", "state": state, "error": error,
+            "created_at": datetime.now(UTC).isoformat()}
+
+
+def test_a_build_whose_stream_broke_off_is_followed_to_its_end(fake_api: FakeApi, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``podbay down`` or an API restart cuts the stream while the node finishes the build: the client follows
+    the build's row and answers as the stream would have."""
+    monkeypatch.setattr("podbay.sdk._templates.FOLLOW_POLL_S", 0.01)
+    (tmp_path / "Dockerfile").write_text("FROM base\nRUN echo BREAK\n")
+    fake_api.build_rows = [[_build_row("running")], [_build_row("running")], [_build_row("succeeded")]]
+    result = run(fake_api, "template", "build", "base", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert "base" in result.stdout and not fake_api.build_rows[1:]  # polled until it ended
+    assert "following build bld_fake" in result.stderr
+    fake_api.build_rows = [[_build_row("failed", {"code": "interrupted", "message": "the node agent restarted"})]]
+    result = run(fake_api, "template", "build", "base", str(tmp_path))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == "error: the node agent restarted (interrupted)"
+    monkeypatch.setattr("podbay.sdk._templates.FOLLOW_S", 0.2)
+    fake_api.build_rows = [[_build_row("running")]]
+    result = run(fake_api, "template", "build", "base", str(tmp_path))
+    assert result.exit_code == 1
+    last = result.stderr.splitlines()[-1]
+    assert last.endswith("(unavailable)") and "bld_fake" in last and "had not ended" in last
+
+
 def test_template_build_failure_exits_nonzero_with_the_step(fake_api: FakeApi, tmp_path: Path) -> None:
     (tmp_path / "Dockerfile").write_text("FROM podbay/base\nRUN FAIL\n")
     result = run(fake_api, "template", "build", "web", str(tmp_path))

@@ -94,3 +94,12 @@ async def test_files_round_trip(fake_api: FakeApi) -> None:
         assert (await sb.files.mkdir("/dir", parents=False)).type == "dir"
         assert fake_api.last("/mkdir").query == {"path": "/dir", "parents": "false"}
         assert {e.name for e in await sb.files.list("/")} == {"b", "c", "d", "dir"}
+
+
+async def test_a_build_whose_stream_broke_off_is_followed(fake_api: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("podbay.sdk._templates.FOLLOW_POLL_S", 0.01)
+    row = {"id": "bld_fake", "name": "base", "created_at": "2026-12-04T00:00:00Z"}
+    fake_api.build_rows = [[{**row, "state": "running"}], [{**row, "state": "succeeded"}]]
+    async with AsyncClient(fake_api.url, API_KEY) as c:
+        tpl = await c.build_template("base", "FROM base\nRUN echo BREAK\n")
+    assert tpl.name == "base"

@@ -63,6 +63,8 @@ class FakeApi:
     gate: threading.Event = field(default_factory=threading.Event)
     pools: dict[str, PoolInfo] = field(default_factory=dict)
     fork_outcomes: list[tuple[str, str | None]] = field(default_factory=list)
+    #: Rows of ``GET /v1/templates/{name}/builds``, each answer taking the next (the last one stays).
+    build_rows: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def last(self, path_suffix: str = "") -> Logged:
         return [r for r in self.requests if r.path.endswith(path_suffix)][-1]
@@ -75,6 +77,7 @@ class FakeApi:
         self.gate.clear()
         self.pools.clear()
         self.fork_outcomes = []
+        self.build_rows = []
 
     def add_sandbox(self, sandbox_id: str | None = None, state: str = "running") -> SandboxInfo:
         now = datetime.now(UTC)
@@ -273,9 +276,19 @@ def build_app(fake: FakeApi) -> FastAPI:
 
         async def lines() -> AsyncIterator[bytes]:
             for ev in events:
+                if b"BREAK" in body and ev["type"] != "step":
+                    raise RuntimeError("the stream breaks off")  # the server closes the connection mid-body
                 yield (json.dumps(ev) + "\n").encode()
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-podbay-build-id": "bld_fake"})
+
+    @app.get("/v1/templates/{name}/builds")
+    async def builds(name: str) -> dict[str, Any]:
+        rows = fake.build_rows[0] if fake.build_rows else []
+        if len(fake.build_rows) > 1:
+            fake.build_rows.pop(0)
+        return {"builds": rows}
 
     def runnable(sandbox_id: str) -> None:
         if box(sandbox_id).state != "running":

@@ -297,16 +297,41 @@ class AsyncClient:
         """As the sync ``Client.build_template``."""
         call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress,
                                memory_mib, vcpus, disk_mib)
-        async with self._stream(call) as resp:
-            async for line in resp.aiter_lines():
-                ev = _tpl.parse_line(line)
-                if ev is None:
-                    continue
-                if on_event is not None:
-                    on_event(ev)
-                if (done := _tpl.outcome(ev)) is not None:
-                    return done
-        raise PodbayError(f"the build of {name!r} ended without an outcome")
+        build_id: str | None = None
+        try:
+            async with self._stream(call) as resp:
+                build_id = resp.headers.get(_tpl.BUILD_ID_HEADER)
+                async for line in resp.aiter_lines():
+                    ev = _tpl.parse_line(line)
+                    if ev is None:
+                        continue
+                    if on_event is not None:
+                        on_event(ev)
+                    if (done := _tpl.outcome(ev)) is not None:
+                        return done
+            cause: PodbayError = PodbayError(f"the build of {name!r} ended without an outcome")
+        except Unavailable as exc:
+            cause = exc
+        if build_id is None:
+            raise cause
+        if on_event is not None:
+            on_event(_tpl.following_event(build_id, cause))
+        return await self._follow_build(name, build_id, cause)
+
+    async def _follow_build(self, name: str, build_id: str, cause: PodbayError) -> TemplateDetail:
+        """See ``Client._follow_build``."""
+        deadline = asyncio.get_running_loop().time() + _tpl.FOLLOW_S
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                build = next((b for b in await self.list_builds(name.split(":", 1)[0]) if b.id == build_id), None)
+                if build is not None and build.state != "running":
+                    done = _tpl.followed(build, await self.list_templates())
+                    if done is not None:
+                        return done
+            except Unavailable:
+                pass  # the API is still restarting
+            await asyncio.sleep(_tpl.FOLLOW_POLL_S)
+        raise _tpl.not_ended(name, build_id, cause) from cause
 
     async def list_builds(self, name: str) -> builtins.list[BuildInfo]:
         """The caller's builds of template ``name``, newest first: state, digest, error."""

@@ -311,16 +311,43 @@ class Client:
         step failed: ``details`` has step, exit_code, output_tail) or the API's typed 4xx errors."""
         call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress,
                                memory_mib, vcpus, disk_mib)
-        with self._stream(call) as resp:
-            for line in resp.iter_lines():
-                ev = _tpl.parse_line(line)
-                if ev is None:
-                    continue
-                if on_event is not None:
-                    on_event(ev)
-                if (done := _tpl.outcome(ev)) is not None:
-                    return done
-        raise PodbayError(f"the build of {name!r} ended without an outcome")
+        build_id: str | None = None
+        try:
+            with self._stream(call) as resp:
+                build_id = resp.headers.get(_tpl.BUILD_ID_HEADER)
+                for line in resp.iter_lines():
+                    ev = _tpl.parse_line(line)
+                    if ev is None:
+                        continue
+                    if on_event is not None:
+                        on_event(ev)
+                    if (done := _tpl.outcome(ev)) is not None:
+                        return done
+            cause: PodbayError = PodbayError(f"the build of {name!r} ended without an outcome")
+        except Unavailable as exc:
+            cause = exc
+        if build_id is None:
+            raise cause
+        if on_event is not None:
+            on_event(_tpl.following_event(build_id, cause))
+        return self._follow_build(name, build_id, cause)
+
+    def _follow_build(self, name: str, build_id: str, cause: PodbayError) -> TemplateDetail:
+        """A build whose stream broke off or ended without an outcome (``cause``) may still end on its node: its row, polled for up to
+        ``_templates.FOLLOW_S`` (API errors while the API restarts are retried), answers as the stream would
+        have. Raises ``TemplateBuildFailed`` (its code, e.g. ``interrupted``) or ``Unavailable`` (not ended)."""
+        deadline = time.monotonic() + _tpl.FOLLOW_S
+        while time.monotonic() < deadline:
+            try:
+                build = next((b for b in self.list_builds(name.split(":", 1)[0]) if b.id == build_id), None)
+                if build is not None and build.state != "running":
+                    done = _tpl.followed(build, self.list_templates())
+                    if done is not None:
+                        return done
+            except Unavailable:
+                pass  # the API is still restarting
+            time.sleep(_tpl.FOLLOW_POLL_S)
+        raise _tpl.not_ended(name, build_id, cause) from cause
 
     def list_builds(self, name: str) -> builtins.list[BuildInfo]:
         """The caller's builds of template ``name``, newest first: state, digest, error."""

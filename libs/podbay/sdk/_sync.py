@@ -333,9 +333,10 @@ class Client:
         return self._follow_build(name, build_id, cause)
 
     def _follow_build(self, name: str, build_id: str, cause: PodbayError) -> TemplateDetail:
-        """A build whose stream broke off or ended without an outcome (``cause``) may still end on its node: its row, polled for up to
-        ``_templates.FOLLOW_S`` (API errors while the API restarts are retried), answers as the stream would
-        have. Raises ``TemplateBuildFailed`` (its code, e.g. ``interrupted``) or ``Unavailable`` (not ended)."""
+        """A build whose stream broke off or ended without an outcome (``cause``) may still end on its node:
+        its row, polled every ``_templates.FOLLOW_POLL_S`` s for up to ``_templates.FOLLOW_S`` s (API errors
+        while the API restarts are retried), answers as the stream would have. Returns the template; raises
+        ``TemplateBuildFailed`` (the row's code, e.g. ``interrupted``) or ``Unavailable`` (not ended)."""
         deadline = time.monotonic() + _tpl.FOLLOW_S
         while time.monotonic() < deadline:
             try:

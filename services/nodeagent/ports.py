@@ -61,6 +61,8 @@ log = logging.getLogger("podbay.nodeagent.ports")
 
 PREFIX = "/internal/ports/"
 CONNECT_TIMEOUT_S = 5.0
+#: Bound of reading the guest's listening sockets to explain a refused connection (seconds).
+LISTENERS_TIMEOUT_S = 2.0
 #: Request header with the guest's path and query (``/a/b?c=d``), as the client sent them.
 PATH_HEADER = "x-podbay-port-path"
 #: Request header with the ``Host`` the guest sees instead of the client's (E2B's ``maskRequestHost``).
@@ -101,6 +103,16 @@ def parse_proc_net_tcp(text: str, *, ipv6: bool) -> list[Listener]:
         if 0 < port <= 65535:
             out.append(Listener(port=port, address=addr, family="ipv6" if ipv6 else "ipv4"))
     return out
+
+
+def not_open_message(port: int, listeners: list[Listener]) -> str:
+    """What a client is told when the guest refused the connection to ``port``, given the guest's
+    ``listeners``: that only loopback addresses listen on it (and how to fix that), or that nothing does."""
+    local = sorted({item["address"] for item in listeners if item["port"] == port})
+    if local and all(ipaddress.ip_address(a).is_loopback for a in local):
+        return (f"port {port} listens only on {', '.join(local)} in the sandbox, which is not reachable from "
+                f"outside it; bind the server to 0.0.0.0 (or ::) instead")
+    return f"nothing listens on port {port} in the sandbox (connection refused)"
 
 
 async def listening_ports(channel: Any) -> list[Listener]:
@@ -236,8 +248,7 @@ class PortsProxy:
         try:
             resp = await self.http.send(req, stream=True)
         except httpx.ConnectError as exc:
-            await deny(scope, receive, send, *json_error(
-                502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
+            await deny(scope, receive, send, *json_error(502, "port_not_open", await self._not_open(scope, port)))
             log.debug("port %s of %s: %r", port, guest, exc)
             return
         except httpx.TimeoutException:
@@ -261,14 +272,26 @@ class PortsProxy:
         try:
             sock = await connect_guest(guest, port)
         except (OSError, TimeoutError):
-            await deny(scope, receive, send, *json_error(
-                502, "port_not_open", f"nothing listens on port {port} in the sandbox (connection refused)"))
+            await deny(scope, receive, send, *json_error(502, "port_not_open", await self._not_open(scope, port)))
             return
         # The URI names the Host of the handshake only: the socket is connected to the guest already.
         masked = dict(scope.get("headers", [])).get(HOST_HEADER.encode(), b"").decode("latin-1")
         await relay_websocket(scope, receive, send, f"ws://{masked or f'{guest}:{port}'}{path}", {}, sock=sock,
                               to_client=filt.to_client if filt is not None else None,
                               to_upstream=filt.to_upstream if filt is not None else None)
+
+    async def _not_open(self, scope: Scope, port: int) -> str:
+        """The message of a refused connection. A server bound to the guest's loopback only (``127.0.0.1``,
+        ``::1``: a common default of dev servers) refuses the proxy as surely as no server at all, so the
+        guest's listening sockets are read (bounded by :data:`LISTENERS_TIMEOUT_S`) to say which it is."""
+        sandbox_id = scope["path"][len(PREFIX):].partition("/")[0]
+        try:
+            listeners = await asyncio.wait_for(
+                listening_ports(self.manager.channel(sandbox_id, None)), LISTENERS_TIMEOUT_S)
+        except (PodbayError, TimeoutError, OSError) as exc:
+            log.debug("listening ports of %s: %r", sandbox_id, exc)
+            listeners = []
+        return not_open_message(port, listeners)
 
     async def aclose(self) -> None:
         await self.http.aclose()

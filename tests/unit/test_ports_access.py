@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from podbay_api import ports_access as pa
 from podbay_nodeagent.netfilter import render_ruleset
-from podbay_nodeagent.ports import parse_proc_net_tcp
+from podbay_nodeagent.ports import Listener, not_open_message, parse_proc_net_tcp
 
 
 def test_a_sandbox_id_has_a_host_label_without_underscores_and_back() -> None:
@@ -73,6 +73,17 @@ def test_listening_sockets_are_parsed_from_proc_net_tcp() -> None:
             "   1: 00000000000000000000000001000000:0050 00000000000000000000000000000000:0000 0A 0\n")
     assert parse_proc_net_tcp(tcp6, ipv6=True) == [{"port": 8080, "address": "::", "family": "ipv6"},
                                                    {"port": 80, "address": "::1", "family": "ipv6"}]
+
+
+def test_a_refused_port_names_a_loopback_only_listener() -> None:
+    loopback = [Listener(port=3000, address="127.0.0.1", family="ipv4"),
+                Listener(port=3000, address="::1", family="ipv6"), Listener(port=8000, address="0.0.0.0", family="ipv4")]
+    msg = not_open_message(3000, loopback)
+    assert "listens only on 127.0.0.1, ::1" in msg and "0.0.0.0" in msg
+    assert not_open_message(4000, loopback) == "nothing listens on port 4000 in the sandbox (connection refused)"
+    # Any address beyond loopback: the refusal is something else than the binding, so no hint.
+    both = [Listener(port=5000, address="127.0.0.1", family="ipv4"), Listener(port=5000, address="::", family="ipv6")]
+    assert not_open_message(5000, both).startswith("nothing listens")
 
 
 def test_only_the_port_proxy_opens_connections_into_a_tap() -> None:

@@ -4,6 +4,7 @@ create body, the node's build request, the SDK's delete, the CLI's listing)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -20,6 +21,7 @@ from podbay.contracts.templates import (
 )
 from podbay.errors import InvalidRequest
 from podbay.sdk._calls import delete_template_call
+from podbay.sdk._templates import build_call
 
 
 @pytest.mark.parametrize(("ref", "want"), [
@@ -52,6 +54,13 @@ def test_create_body_and_node_request_take_a_tag() -> None:
     with pytest.raises(ValidationError):
         NodeBuildRequest(build_id="b", name="web:v2", spec=spec)  # the name travels without its tag
     assert delete_template_call("web:v2").path == "/v1/templates/web%3Av2"
+
+
+@pytest.mark.parametrize("ref", ["web:V2", "web:", "Web", "web:v2:v3"])
+def test_a_bad_reference_is_the_same_error_on_build_and_removal(ref: str, tmp_path: Path) -> None:
+    for call in (lambda: delete_template_call(ref), lambda: build_call(ref, "FROM base\n", tmp_path, None)):
+        with pytest.raises(InvalidRequest, match="invalid template"):
+            call()
 
 
 def test_listing_marks_tags_of_other_builds() -> None:

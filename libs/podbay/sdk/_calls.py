@@ -191,6 +191,17 @@ def check_id(value: str, what: str = "sandbox id") -> str:
     return value
 
 
+def check_template_ref(ref: str) -> str:
+    """Return ``ref`` if it is a template name or ``name:tag`` (``split_template_ref``'s rules). Raises
+    ``InvalidRequest`` otherwise, before anything is sent, so a bad reference is the same error whether it is
+    built or removed."""
+    try:
+        split_template_ref(ref)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid template {ref!r}: {exc}") from exc
+    return ref
+
+
 def check_path(path: str) -> str:
     """Return ``path`` if it is an absolute guest path of at most ``PATH_MAX_CHARS`` characters without NUL.
 
@@ -525,8 +536,9 @@ def build_template_call(name: str, dockerfile: str, context: bytes,
     """``POST /v1/templates`` (multipart: ``name``, ``dockerfile``, ``build_args`` JSON, ``ready_cmd``,
     ``ready_port``, ``egress`` (an ``EgressPolicy`` for the RUN steps), ``memory_mib``, ``vcpus``,
     ``disk_mib`` (the template's resources; absent: the FROM template's), ``context`` tarball) -> NDJSON
-    ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long."""
-    form = {"name": name, "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))}
+    ``BuildEvent`` lines. No read timeout: a RUN step may print nothing for long. ``InvalidRequest`` before
+    anything is sent when ``name`` is not a template name or ``name:tag``."""
+    form = {"name": check_template_ref(name), "dockerfile": dockerfile, "build_args": json.dumps(dict(build_args or {}))}
     if ready_cmd is not None:
         form["ready_cmd"] = ready_cmd
     if ready_port is not None:
@@ -552,10 +564,7 @@ def list_builds_call(name: str) -> Call[builtins.list[BuildInfo]]:
 def delete_template_call(name: str) -> Call[None]:
     """``DELETE /v1/templates/{name}`` -> 204; ``name:tag`` removes only the tag. ``InvalidRequest`` before
     anything is sent when ``name`` is not a template name or ``name:tag``."""
-    try:
-        split_template_ref(name)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"invalid template {name!r}: {exc}") from exc
+    check_template_ref(name)
     return Call("DELETE", f"/v1/templates/{quote(name, safe='')}", _none)
 
 

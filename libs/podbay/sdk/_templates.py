@@ -49,6 +49,7 @@ def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
                vcpus: int | None = None, disk_mib: int | None = None) -> calls.Call[None]:
     """The request: ``dockerfile`` is its text, or a path to it (a ``Path``, or a ``str`` naming a file);
     ``context`` a directory (None: an empty context); resources as :func:`calls.build_template_call`."""
+    calls.check_template_ref(name)  # before the context is packed
     if isinstance(dockerfile, Path) or ("\n" not in dockerfile and Path(dockerfile).is_file()):
         text = Path(dockerfile).read_text()
     else:

@@ -30,7 +30,7 @@ __all__ = ["SANDBOX_COLS", "GUEST_ENV_SQL", "sandbox_info", "load_sandbox", "aud
 
 #: The columns :func:`sandbox_info` reads.
 SANDBOX_COLS = (
-    "id, tenant_id, template, state, desired_state, node_id, generation, memory_mib, vcpus, disk_mib, "
+    "id, tenant_id, template, template_digest, state, desired_state, node_id, generation, memory_mib, vcpus, disk_mib, "
     "hostname, failure_reason, metadata, created_at, updated_at, lease_s, lease_expires_at, lease_action"
 )
 
@@ -52,6 +52,7 @@ def sandbox_info(row: asyncpg.Record | dict[str, Any], operation_id: str | None 
     return SandboxInfo(
         id=row["id"],
         template=row["template"],
+        template_digest=row.get("template_digest"),
         state=row["state"],
         desired_state=row["desired_state"],
         node_id=row["node_id"],

@@ -95,10 +95,15 @@ def test_dockerfile_build_each_effect_cached_rebuild_and_versions(stack: Any, tm
             assert tpl2.digest != tpl.digest
             with new_sandbox(h, "e2e-web") as sid2:
                 assert sh(h, sid2, "cat /home/agent/last.txt") == "second\n"
+                assert h.get(f"/v1/sandboxes/{sid2}").json()["template_digest"] == tpl2.digest
                 assert sh(h, sid2, "cat /srv/run.txt") == "hello from run\n"
             # The tag still names the first version: a create of it gets that build (a cold restore).
             with new_sandbox(h, "e2e-web:v1") as sid3:
                 assert sh(h, sid3, "cat /home/agent/last.txt") == "first\n"
+                # Each sandbox names the build it runs, whatever the template's current one is now.
+                got = {s: h.get(f"/v1/sandboxes/{s}").json() for s in (sid, sid3)}
+                assert [(got[s]["template"], got[s]["template_digest"]) for s in (sid, sid3)] == [
+                    ("e2e-web", tpl.digest), ("e2e-web", tpl.digest)], got
             r = h.post("/v1/sandboxes", json={"template": "e2e-web:v9"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "template_tag_not_found", r.text
             r = h.post("/v1/sandboxes", json={"template": "e2e-web:V1"})

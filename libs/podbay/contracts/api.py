@@ -96,6 +96,9 @@ class LeaseUpdate(_In):
 class SandboxInfo(BaseModel):
     id: str
     template: str
+    template_digest: str | None = Field(None, description="The template build the sandbox was created from (its "
+                                        "content digest, as ``GET /v1/templates`` lists it, tags included): a later "
+                                        "rebuild of the template does not change it.")
     state: str
     desired_state: str = Field(description="What the sandbox should become: ``running`` while it is wanted, whatever "
                                "its state (a paused or suspended sandbox is wanted; it runs again when resumed), "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
+import stat
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from datetime import datetime, UTC
@@ -247,6 +250,29 @@ def test_files_commands_round_trip(fake_api: FakeApi, tmp_path: Path) -> None:
     assert fake_api.last("/files").query == {"path": "/d", "recursive": "true"}
     absent = run(fake_api, "files", "write", "sb-f", "/x", str(tmp_path / "absent"))
     assert_error_line(absent, "usage", 2)
+
+
+def test_files_read_to_a_link_a_fifo_or_stdout_never_replaces_them(fake_api: FakeApi, tmp_path: Path) -> None:
+    fake_api.add_sandbox("sb-o")
+    fake_api.files[("sb-o", "/f")] = (b"remote bytes", 0o644)
+    target = tmp_path / "target"
+    target.write_bytes(b"old")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert run(fake_api, "files", "read", "sb-o", "/f", "-o", str(link)).exit_code == 0
+    assert link.is_symlink() and target.read_bytes() == b"remote bytes"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert run(fake_api, "files", "read", "sb-o", "/f", "-o", str(fifo)).exit_code == 0
+    reader.join(10)
+    assert got == [b"remote bytes"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "target"]  # no .part left
+    dash = run(fake_api, "files", "read", "sb-o", "/f", "-o", "-")
+    assert dash.exit_code == 0 and dash.stdout_bytes == b"remote bytes"
+    assert not Path("-").exists()
 
 
 def test_files_stat_shows_octal_mode_and_iso_mtime(fake_api: FakeApi) -> None:

@@ -59,21 +59,33 @@ def read(
     ctx: typer.Context,
     sandbox_id: str = _ID,
     remote: str = _REMOTE,
-    output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file instead of stdout."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file instead of stdout "
+                                       "('-': stdout)."),
 ) -> None:
-    """Download REMOTE: raw bytes to stdout, or to a file with -o (replaced only when complete)."""
-    if output is None:
+    """Download REMOTE: raw bytes to stdout, or to a file with -o (replaced only when complete; a symlink's
+    target is written, and a device or FIFO is written into, never replaced)."""
+    if output is None or str(output) == "-":
         client(ctx).read_file_into(sandbox_id, remote, sys.stdout.buffer)
         sys.stdout.buffer.flush()
         return
     if not output.name or output.is_dir():
         # Path("") is "."; a directory cannot be replaced by the download either.
         raise InvalidRequest(f"-o {str(output)!r} is not a file path")
-    partial = output.with_name(output.name + ".part")
+    # The link stays a link, as with `cp` or a shell's `>`: replacing it would cut it from its target.
+    target = output.resolve() if output.is_symlink() else output
+    if target.exists() and not target.is_file():
+        # /dev/null, a FIFO, a terminal: renaming a finished download over it (as root) would replace the
+        # device itself; written into, it behaves as a shell's `>` does.
+        if target.is_dir():
+            raise InvalidRequest(f"-o {str(output)!r} leads to a directory, not a file")
+        with target.open("wb") as dest:
+            client(ctx).read_file_into(sandbox_id, remote, dest)
+        return
+    partial = target.with_name(target.name + ".part")
     try:
         with partial.open("wb") as dest:
             client(ctx).read_file_into(sandbox_id, remote, dest)
-        os.replace(partial, output)
+        os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
 

@@ -51,7 +51,7 @@ from .drain import drain_node
 from .load import node_loads
 from .nodeloss import NodeLossWatcher
 from .pending import PendingSweeper, fail_unplaced
-from .placement import NoCapacity, Request, choose_node, ready_nodes, with_volumes
+from .placement import NoCapacity, Request, choose_node, ready_nodes, unready_reason, with_volumes
 from .wake import wake_command
 
 __all__ = ["main"]
@@ -121,6 +121,8 @@ class Scheduler:
                     if volume_node is not None and not candidates:
                         raise NoCapacity(f"node {volume_node}, which holds the sandbox's volumes, is not live "
                                          "and ready")
+                    if not candidates and (why := unready_reason(nodes, states)) is not None:
+                        raise NoCapacity(why)
                     chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
                 except NoCapacity as exc:
                     if waited_s < self.settings.placement_retry_s and not last_try:

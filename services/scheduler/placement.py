@@ -90,6 +90,17 @@ class NodeLoad:
         return self.heartbeat.memory_mib - self.memory_used_mib
 
 
+def unready_reason(live: list[NodeHeartbeat], states: dict[str, str]) -> str | None:
+    """Why no live node takes placements when live ones exist but none is ``ready`` (``"no live node takes new
+    sandboxes: node-1 is draining"``), else None. A node left ``draining`` by a failed drain, or ``drained``,
+    takes placements again after ``POST /v1/nodes/{id}/undrain``."""
+    held = sorted(f"{hb.node_id} is {states.get(hb.node_id, 'unknown')}" for hb in live
+                  if states.get(hb.node_id) != "ready")
+    if not held or len(held) < len(live):
+        return None
+    return f"no live node takes new sandboxes: {', '.join(held)} (podbay node undrain NODE makes one ready again)"
+
+
 def ready_nodes(live: list[NodeHeartbeat], states: dict[str, str]) -> list[NodeHeartbeat]:
     """The live nodes that take placements: those whose ``nodes.state`` is ``ready`` (not ``draining``,
     ``drained`` or ``lost``; a heartbeat without a row is not placed on either)."""

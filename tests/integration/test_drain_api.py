@@ -64,6 +64,45 @@ def test_drain_of_an_empty_node_ends_drained_with_progress(stack: Stack) -> None
     assert [a["action"] for a in audit] == ["node.drain"]
 
 
+def test_undrain_takes_a_drained_or_stuck_node_back_and_refuses_a_running_drain_or_a_lost_node(
+        stack: Stack) -> None:
+    acme = new_tenant(stack, "acme")
+    stuck = _node(stack, "draining")  # what a drain that ended drain_incomplete leaves
+    with acme.http() as http:
+        r = http.post(f"/v1/nodes/{stuck}/undrain")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+    assert sql(stack, "SELECT state FROM nodes WHERE id=$1", stuck)[0]["state"] == "draining"
+    with _operator(stack) as op:
+        r = op.post(f"/v1/nodes/{stuck}/undrain")
+        assert r.status_code == 200 and r.json() == {"node_id": stuck, "state": "ready", "previous": "draining"}, r.text
+        assert sql(stack, "SELECT state FROM nodes WHERE id=$1", stuck)[0]["state"] == "ready"
+        assert [a["action"] for a in sql(stack, "SELECT action FROM audit_log WHERE target=$1", stuck)] == [
+            "node.undrain"]
+        r = op.post(f"/v1/nodes/{stuck}/undrain")  # already ready: answered as it is
+        assert r.status_code == 200 and r.json()["previous"] == "ready", r.text
+        drained = _node(stack, "drained")
+        assert op.post(f"/v1/nodes/{drained}/undrain").json()["previous"] == "drained"
+        lost = _node(stack, "lost")
+        r = op.post(f"/v1/nodes/{lost}/undrain")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state", r.text
+        assert sql(stack, "SELECT state FROM nodes WHERE id=$1", lost)[0]["state"] == "lost"
+        busy = _node(stack, "draining")
+        sql(stack, "INSERT INTO operations (id, tenant_id, kind, state, node_id) SELECT $1, id, 'drain', 'running',"
+                   " $2 FROM tenants LIMIT 1", f"op-{busy}", busy)
+        r = op.post(f"/v1/nodes/{busy}/undrain")
+        assert r.status_code == 409 and r.json()["error"]["details"]["operation_id"] == f"op-{busy}", r.text
+        assert sql(stack, "SELECT state FROM nodes WHERE id=$1", busy)[0]["state"] == "draining"
+        assert op.post("/v1/nodes/no-such-node/undrain").status_code == 404
+    env = {**_base_env(), "PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": stack.api_key}
+    again = _node(stack, "drained")
+    out = subprocess.run([sys.executable, "-m", "podbay.cli.main", "node", "undrain", again], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout == f"{again}: ready\n", out.stderr
+    out = subprocess.run([sys.executable, "-m", "podbay.cli.main", "node", "undrain", lost], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stderr.strip().endswith("(invalid_state)"), out.stderr
+
+
 def test_cli_drain_waits_and_reports(stack: Stack) -> None:
     node = _node(stack)
     env = {"PODBAY_API_URL": stack.api_url, "PODBAY_API_KEY": stack.api_key}

@@ -210,6 +210,17 @@ def test_only_live_nodes_in_state_ready_take_placements() -> None:
     assert ready_nodes([], {"a": "ready"}) == []
 
 
+def test_a_stack_whose_live_nodes_are_all_drained_or_draining_says_so_and_how_to_undo_it() -> None:
+    from podbay_scheduler.placement import unready_reason
+
+    why = unready_reason([_hb("b"), _hb("a")], {"a": "draining", "b": "drained"})
+    assert why is not None and why.startswith("no live node takes new sandboxes: a is draining, b is drained")
+    assert "podbay node undrain" in why
+    # One ready node: its absence from the candidates has another reason (room, template), said elsewhere.
+    assert unready_reason([_hb("a"), _hb("b")], {"a": "draining", "b": "ready"}) is None
+    assert unready_reason([], {}) is None  # no live node at all: "no node is alive" stays right
+
+
 # --- admission by measured memory -----------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
-"""``podbay node list`` and ``podbay node drain``: the nodes as the control plane sees them, and moving every
-sandbox off one before maintenance (operator tenant only)."""
+"""``podbay node list``, ``podbay node drain`` and ``podbay node undrain``: the nodes as the control plane sees
+them, moving every sandbox off one before maintenance, and taking it back into placement after (operator tenant
+only)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,12 @@ def drain(
         fail(err.get("message", "the drain failed"), err.get("code", "drain_incomplete"), 1)
     if not as_json:
         print(f"{node_id}: drained")
+
+
+@app.command("undrain")
+@handle_errors
+def undrain(ctx: typer.Context, node_id: str = typer.Argument(..., metavar="NODE")) -> None:
+    """Take NODE back into placement (ready) after maintenance, or after a drain that ended with
+    drain_incomplete and left it draining. Refused while its drain still runs, and for a lost node."""
+    done = client(ctx).undrain_node(node_id)
+    print(f"{node_id}: ready" + ("" if done.previous != "ready" else " (it was)"))

@@ -29,6 +29,7 @@ __all__ = [
     "SandboxList",
     "OperationInfo",
     "DrainStarted",
+    "NodeUndrained",
     "ExecRequest",
     "ExecResult",
     "ExecEvent",
@@ -149,6 +150,15 @@ class DrainStarted(BaseModel):
     operation_id: str
     node_id: str
     state: Literal["draining", "drained"]
+
+
+class NodeUndrained(BaseModel):
+    """``POST /v1/nodes/{id}/undrain`` (200): the node takes new sandboxes again; ``previous`` was its state
+    (``draining``, ``drained``, or ``ready`` when it already was)."""
+
+    node_id: str
+    state: Literal["ready"]
+    previous: Literal["ready", "draining", "drained"]
 
 
 class ExecRequest(_In):

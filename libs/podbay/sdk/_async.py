@@ -26,6 +26,7 @@ import httpx
 
 from podbay.contracts.api import (
     DrainStarted,
+    NodeUndrained,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -352,6 +353,10 @@ class AsyncClient:
     async def drain_node(self, node_id: str) -> DrainStarted:
         """See ``Client.drain_node``."""
         return await self._call(calls.drain_node_call(node_id))
+
+    async def undrain_node(self, node_id: str) -> NodeUndrained:
+        """See ``Client.undrain_node``."""
+        return await self._call(calls.undrain_node_call(node_id))
 
     async def list_pools(self) -> builtins.list[PoolInfo]:
         """See ``Client.list_pools``."""

@@ -25,6 +25,7 @@ from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.templates import BuildInfo, BuildList, TemplateDetail, TemplateDetailList, split_template_ref
 from podbay.contracts.api import (
     DrainStarted,
+    NodeUndrained,
     ExecRequest,
     ForkRequest,
     ForkResult,
@@ -588,3 +589,9 @@ def list_pools_call() -> Call[builtins.list[PoolInfo]]:
 def drain_node_call(node_id: str) -> Call[DrainStarted]:
     """``POST /v1/nodes/{id}/drain`` -> ``DrainStarted`` (operator tenant only; 403 ``forbidden`` otherwise)."""
     return Call("POST", f"/v1/nodes/{quote(check_id(node_id, 'node id'), safe='')}/drain", _model(DrainStarted))
+
+
+def undrain_node_call(node_id: str) -> Call[NodeUndrained]:
+    """``POST /v1/nodes/{id}/undrain`` -> ``NodeUndrained`` (operator tenant only; 403 ``forbidden`` otherwise,
+    409 ``invalid_state`` while its drain runs or for a lost node)."""
+    return Call("POST", f"/v1/nodes/{quote(check_id(node_id, 'node id'), safe='')}/undrain", _model(NodeUndrained))

@@ -27,6 +27,7 @@ import httpx
 
 from podbay.contracts.api import (
     DrainStarted,
+    NodeUndrained,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -373,6 +374,12 @@ class Client:
         """Start moving every sandbox off ``node_id`` (operator tenant only): running ones by live migration,
         paused ones paused; follow the returned operation with ``get_operation`` (``progress``)."""
         return self._call(calls.drain_node_call(node_id))
+
+    def undrain_node(self, node_id: str) -> NodeUndrained:
+        """Take a ``draining`` or ``drained`` node back into placement (operator tenant only): after
+        maintenance, or after a drain that ended ``drain_incomplete``. Raises ``Forbidden``, ``NotFound``, and
+        ``InvalidState`` while its drain runs or for a lost node."""
+        return self._call(calls.undrain_node_call(node_id))
 
     def list_pools(self) -> builtins.list[PoolInfo]:
         """Every warm pool: bounds, target, and per node ready, preparing, claimed and failing slots."""

@@ -161,6 +161,14 @@ class NodeUndrained(BaseModel):
     previous: Literal["ready", "draining", "drained"]
 
 
+#: Longest argument or environment string execve(2) takes, NUL included: Linux's MAX_ARG_STRLEN (32 pages of
+#: 4 KiB, include/uapi/linux/binfmts.h).
+EXEC_ARG_MAX_BYTES = 32 * 4096
+#: Arguments and environment together: a quarter of the default 8 MiB stack limit (execve(2), "Limits on size
+#: of arguments and environment"); the guest adds a few entries of its own.
+EXEC_ARGS_TOTAL_MAX_BYTES = 2 << 20
+
+
 class ExecRequest(_In):
     """``POST /v1/sandboxes/{id}/exec`` (and ``/exec/stream``).
 
@@ -180,6 +188,17 @@ class ExecRequest(_In):
     def _one_command(self) -> ExecRequest:
         if (self.argv is None) == (self.shell is None):
             raise ValueError("give exactly one of argv or shell")
+        # What execve(2) refuses with E2BIG, refused here as the client's error rather than the guest's.
+        strings = [*(self.argv or ["/bin/sh", "-c", self.shell or ""]), *(f"{k}={v}" for k, v in self.env.items())]
+        sizes = [len(x.encode()) + 1 for x in strings]
+        if (longest := max(sizes)) > EXEC_ARG_MAX_BYTES:
+            raise ValueError(f"an argument or environment entry of {longest - 1} bytes is longer than the "
+                             f"{EXEC_ARG_MAX_BYTES - 1} a Linux process accepts (MAX_ARG_STRLEN); pass large data "
+                             "as stdin or a file")
+        if sum(sizes) > EXEC_ARGS_TOTAL_MAX_BYTES:
+            raise ValueError(f"arguments and environment of {sum(sizes)} bytes in all exceed the "
+                             f"{EXEC_ARGS_TOTAL_MAX_BYTES} a Linux process accepts with the default 8 MiB stack "
+                             "(ARG_MAX); pass large data as stdin or a file")
         return self
 
 

@@ -83,9 +83,18 @@ def test_unreachable_api_exits_1(clean_env: None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-        result = CliRunner().invoke(app, ["--api-url", url, "sandbox", "list"])
+        result = CliRunner().invoke(app, ["--api-url", url, "--api-key", "k", "sandbox", "list"])
     assert_error_line(result, "unavailable", 1)
     assert url in result.stderr
+
+
+def test_no_api_key_anywhere_names_where_it_was_looked_for(clean_env: None, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "nonexistent.json"
+    monkeypatch.setenv("PODBAY_CONFIG", str(missing))
+    result = CliRunner().invoke(app, ["--api-url", "http://127.0.0.1:9", "sandbox", "list"])
+    assert_error_line(result, "unauthorized", 2)
+    assert f"{missing} does not exist" in result.stderr and "PODBAY_API_KEY" in result.stderr
 
 
 def test_exec_streams_and_passes_the_exit_code(fake_api: FakeApi) -> None:

@@ -24,7 +24,8 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
-from podbay.errors import PodbayError
+from podbay.clientconfig import config_path, load_client_config
+from podbay.errors import PodbayError, Unauthorized
 from podbay.sdk import Client
 from podbay.sdk._http import UNREACHABLE
 
@@ -70,6 +71,11 @@ def client(ctx: typer.Context) -> Client:
     """The SDK client for this invocation; closed when the command line finishes."""
     st = state(ctx)
     if st._client is None:
+        if not load_client_config(st.api_url, st.api_key).api_key:
+            # Said here, where the places looked in are known; the API could only say that no key came.
+            path = config_path()
+            raise Unauthorized(f"no API key: pass --api-key, set PODBAY_API_KEY, or run `podbay up`, which writes "
+                               f"{path}" + ("" if path.exists() else f" ({path} does not exist)"))
         st._client = Client(st.api_url, st.api_key)
         ctx.find_root().call_on_close(st._client.close)
     return st._client

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, model_validator
 
 from .egress import EgressPolicy
 from .templates import TEMPLATE_REF_RE
@@ -256,7 +256,8 @@ class PortList(BaseModel):
 class PortAccessUpdate(_In):
     """``PUT /v1/sandboxes/{id}/ports/{port}``."""
 
-    public: bool = Field(description="true: anyone with the URL reaches the port; false: it needs the sandbox's "
+    # Strict: a JSON true or false only ("yes" or 1 is a mistake to report, not a value to guess).
+    public: StrictBool = Field(description="true: anyone with the URL reaches the port; false: it needs the sandbox's "
                          "traffic token or an API key of its tenant (the default).")
 
 

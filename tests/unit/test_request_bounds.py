@@ -1,5 +1,6 @@
-"""``ExecRequest`` refuses at the boundary what execve(2) in the guest would refuse with E2BIG, so an
-over-long argument is the client's error (422 ``validation_error``), not the guest's (502)."""
+"""Request bodies refuse at the boundary what would go wrong later: ``ExecRequest`` what execve(2) in the
+guest would refuse with E2BIG, so an over-long argument is the client's error (422 ``validation_error``), not
+the guest's (502); a port's ``public`` anything but a JSON boolean."""
 
 from __future__ import annotations
 
@@ -25,3 +26,12 @@ def test_arguments_and_environment_beyond_arg_max_in_all_are_refused() -> None:
         ExecRequest(argv=["echo", *[chunk] * n])
     with pytest.raises(ValidationError, match="exactly one"):
         ExecRequest(argv=["true"], shell="true")
+
+
+def test_a_ports_public_setting_is_a_json_boolean_only() -> None:
+    from podbay.contracts.api import PortAccessUpdate
+
+    assert PortAccessUpdate.model_validate_json('{"public": true}').public is True
+    for bad in ('"yes"', '1', '"true"', 'null'):
+        with pytest.raises(ValidationError):
+            PortAccessUpdate.model_validate_json(f'{{"public": {bad}}}')

@@ -131,3 +131,11 @@ def test_sandbox_events_are_scoped_to_the_sandbox() -> None:
 
     assert asyncio.run(go()) == ["paused"]
     assert seen[-1].url.params.get_list("sandbox") == ["sbx_1"] and seen[-1].url.params["type"] == "paused"
+
+
+def test_a_type_podbay_does_not_emit_gets_a_note_naming_the_types(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_events.note_unknown_types(["paused", "schedule.fired"])
+    assert capsys.readouterr().err == ""
+    cli_events.note_unknown_types(["bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("note: podbay emits no event of type 'bogus'") and "created, started" in err

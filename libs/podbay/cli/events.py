@@ -17,7 +17,7 @@ import typer
 
 from podbay.cli._common import client, handle_errors, print_json, print_table
 from podbay.clientconfig import config_path
-from podbay.contracts.events import EventOut
+from podbay.contracts.events import EVENT_TYPES, EventOut
 from podbay.errors import InvalidRequest
 
 __all__ = ["events", "webhook_app", "position_file", "read_position", "write_position"]
@@ -25,6 +25,15 @@ __all__ = ["events", "webhook_app", "position_file", "read_position", "write_pos
 webhook_app = typer.Typer(help="Webhooks: signed POSTs of your tenant's lifecycle events.", no_args_is_help=True)
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def note_unknown_types(types: list[str]) -> None:
+    """A note on stderr for each type podbay does not emit (``EVENT_TYPES``): the API accepts any well-formed
+    type, for types to come, so a typo would otherwise match nothing without a word."""
+    for t in types:
+        if t not in EVENT_TYPES:
+            print(f"note: podbay emits no event of type {t!r}, so it matches nothing (types: "
+                  f"{', '.join(EVENT_TYPES)})", file=sys.stderr)
 
 
 def position_file(name: str) -> Path:
@@ -72,6 +81,7 @@ def events(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """The tenant's lifecycle events in order, one line each: SEQ TIME SANDBOX TYPE STATE."""
+    note_unknown_types(types)
     pos_file = position_file(resume) if resume else None
     if after is None and pos_file is not None:
         after = read_position(pos_file)
@@ -91,6 +101,7 @@ def webhook_add(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Add a webhook; prints its id and signing secret (shown only now)."""
+    note_unknown_types(types)
     hook = client(ctx).webhooks.create(url, types)
     if as_json:
         print_json(hook)

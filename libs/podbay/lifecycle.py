@@ -40,13 +40,14 @@ import asyncpg
 
 from podbay.audit import record
 from podbay.contracts.states import ALLOWED, OperationState, SandboxCommand, SandboxState
-from podbay.errors import InvalidState
+from podbay.errors import Conflict, InvalidState
 from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import emit_sandbox_event
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
     "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot", "suspend",
+    "starting_from_snapshots",
     "LEASE_RENEWAL",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
@@ -493,7 +494,15 @@ async def suspend(
     operation, the ``suspending`` event (``data``: operation and snapshot ids, plus ``event_data``) and the
     ``sandbox.suspend`` audit record by ``actor``. ``fence``: also require ``generation`` and ``node_id`` (a
     caller that read the row without checking them). Returns :func:`apply`'s row, or None when the fence
-    refused (the snapshot row is then not written). Raises ``InvalidState`` as :func:`apply` does."""
+    refused (the snapshot row is then not written). Raises ``InvalidState`` as :func:`apply` does, and
+    ``Conflict`` (nothing written) while a sandbox is starting from one of this sandbox's snapshots (a fork
+    child whose command a node agent restart left to be redelivered): the suspend drops the node-local
+    snapshot files and rows, which that start still reads. The caller holds the sandbox's row lock, which a
+    fork takes too before it inserts its children, so none can appear between this check and the commit."""
+    starting = await starting_from_snapshots(conn, sandbox_id)
+    if starting is not None:
+        raise Conflict(f"sandbox {starting} is still starting from a snapshot of sandbox {sandbox_id}; "
+                       "retry the suspend shortly", details={"sandbox_id": sandbox_id, "starting_sandbox_id": starting})
     parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
                                  " ORDER BY created_at DESC LIMIT 1", sandbox_id)
     await conn.execute(
@@ -510,6 +519,16 @@ async def suspend(
     if row is None:  # someone moved the sandbox first: no snapshot will be taken
         await conn.execute("DELETE FROM snapshots WHERE id=$1", snapshot_id)
     return row
+
+
+async def starting_from_snapshots(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str) -> str | None:
+    """The id of a sandbox (pending, starting or resuming) that starts from one of ``sandbox_id``'s snapshots,
+    or None. Such a snapshot must outlive that start: the same states refuse deleting a snapshot in use
+    (services/api/e2b_snapshots.py)."""
+    found: str | None = await conn.fetchval(
+        "SELECT c.id FROM snapshots s JOIN sandboxes c ON c.source_snapshot_id = s.id WHERE s.sandbox_id=$1"
+        " AND c.state IN ('pending', 'starting', 'resuming') ORDER BY c.id LIMIT 1", sandbox_id)
+    return found
 
 
 async def forget_suspended_snapshot(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str) -> None:

@@ -315,8 +315,10 @@ async def _op_error(ctx: ApiContext, op_id: str) -> tuple[str | None, str | None
 
 async def suspend(ctx: ApiContext, who: Principal, sandbox_id: str, *, wait: bool) -> tuple[SandboxInfo, bool]:
     """Suspend a running or paused sandbox to object storage (see the module docstring); bounded by
-    ``suspend_timeout_s``. Raises ``InvalidState`` unless running or paused, ``SuspendFailed`` (the promotion
-    failed: the sandbox is ``paused`` and intact; ``details.operation_id``)."""
+    ``suspend_timeout_s``. Raises ``InvalidState`` unless running or paused, ``Conflict`` while a sandbox (a
+    fork child) is starting from one of its snapshots (``details.starting_sandbox_id``; nothing changed, retry
+    shortly), ``SuspendFailed`` (the promotion failed: the sandbox is ``paused`` and intact;
+    ``details.operation_id``)."""
     t0 = time.perf_counter()
     op_id, snap_id = new_id("op"), new_id("snap")
     async with ctx.pool.acquire() as conn, conn.transaction():

@@ -39,7 +39,9 @@ async def suspend_sandbox(sandbox_id: str, ctx: CtxDep, who: PrincipalDep, respo
     """Suspend a running or paused sandbox to object storage: a full snapshot is taken and promoted, then
     the VM and the node's files are freed (state ``suspended``; it costs no node resources).
 
-    Errors: 409 ``invalid_state`` unless running or paused; 409 ``suspend_failed`` (the promotion failed:
+    Errors: 409 ``invalid_state`` unless running or paused; 409 ``conflict`` while a sandbox (a fork child)
+    is still starting from one of its snapshots (``details.starting_sandbox_id``; retry shortly: the suspend
+    would drop the snapshot that start reads); 409 ``suspend_failed`` (the promotion failed:
     the sandbox is ``paused`` and intact; ``details.operation_id``). 202 with ``operation_id`` when
     ``wait=false`` or the bound ran out.
     """

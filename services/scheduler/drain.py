@@ -41,6 +41,7 @@ from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat, PlaceSandbox, Resources, SandboxOpCmd
 from podbay.contracts.states import SandboxState
+from podbay.errors import Conflict
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.outbox import new_id
 
@@ -235,10 +236,14 @@ async def _move_by_suspend(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row:
         if cur is None or cur["node_id"] != cmd.node_id or cur["state"] not in _MOVABLE:
             prog.failed.append({"sandbox_id": sid, "reason": "it changed state while the drain moved it"})
             return
-        await lifecycle.suspend(conn, sid, tenant_id=tenant, state=cur["state"], node_id=cmd.node_id,
-                                generation=cur["generation"], operation_id=op_id, snapshot_id=snap_id,
-                                actor="scheduler", fence=True, event_data={"drain": cmd.operation_id},
-                                audit_detail={"drain": cmd.operation_id})
+        try:
+            await lifecycle.suspend(conn, sid, tenant_id=tenant, state=cur["state"], node_id=cmd.node_id,
+                                    generation=cur["generation"], operation_id=op_id, snapshot_id=snap_id,
+                                    actor="scheduler", fence=True, event_data={"drain": cmd.operation_id},
+                                    audit_detail={"drain": cmd.operation_id})
+        except Conflict as exc:
+            prog.failed.append({"sandbox_id": sid, "reason": str(exc)})
+            return
     was_paused = cur["state"] == SandboxState.PAUSED
     if kick:
         kick()

@@ -139,3 +139,5 @@ def test_a_type_podbay_does_not_emit_gets_a_note_naming_the_types(capsys: pytest
     cli_events.note_unknown_types(["bogus"])
     err = capsys.readouterr().err
     assert err.startswith("note: podbay emits no event of type 'bogus'") and "created, started" in err
+    cli_events.note_unknown_types(["NOPE"])  # malformed: the request's own error says so, alone
+    assert capsys.readouterr().err == ""

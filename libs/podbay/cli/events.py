@@ -17,7 +17,7 @@ import typer
 
 from podbay.cli._common import client, handle_errors, print_json, print_table
 from podbay.clientconfig import config_path
-from podbay.contracts.events import EVENT_TYPES, EventOut
+from podbay.contracts.events import EVENT_TYPE_PATTERN, EVENT_TYPES, EventOut
 from podbay.errors import InvalidRequest
 
 __all__ = ["events", "webhook_app", "position_file", "read_position", "write_position"]
@@ -29,9 +29,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 def note_unknown_types(types: list[str]) -> None:
     """A note on stderr for each type podbay does not emit (``EVENT_TYPES``): the API accepts any well-formed
-    type, for types to come, so a typo would otherwise match nothing without a word."""
+    type, for types to come, so a typo would otherwise match nothing without a word. A malformed type gets no
+    note: the request is refused with its own error."""
     for t in types:
-        if t not in EVENT_TYPES:
+        if t not in EVENT_TYPES and re.fullmatch(EVENT_TYPE_PATTERN, t):
             print(f"note: podbay emits no event of type {t!r}, so it matches nothing (types: "
                   f"{', '.join(EVENT_TYPES)})", file=sys.stderr)
 

@@ -98,6 +98,13 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between webhook attempts.")
     webhook_timeout_s: float = Field(10.0, gt=0, description="Bound on one webhook POST.")
     webhooks_enabled: bool = Field(True, description="Run the webhook deliverer in this API process.")
+    webhook_allow_private: bool = Field(False, description="Let webhooks reach loopback, link-local (cloud "
+                                        "metadata such as 169.254.169.254), private and other non-public "
+                                        "addresses. Off: `POST /v1/webhooks` refuses an IP literal that is not "
+                                        "globally routable or `localhost` (422 `validation_error`), and every "
+                                        "delivery resolves the host first and refuses such an address. Only "
+                                        "for single-tenant set-ups; `podbay up` turns it on unless the "
+                                        "environment or the config file sets it.")
     e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
                                    "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
     # ports (services/api/ports*.py): guest ports reached through the API's edge

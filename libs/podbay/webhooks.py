@@ -15,6 +15,13 @@ concurrently (one slow endpoint holds only its own events), each webhook gets up
 with exponential backoff, and the event is acked once every webhook is done (delivered or given up), so a
 crash mid-way redelivers it to another replica (at least once; dedupe by ``Podbay-Event-Id``). The outcome
 is recorded on the webhook row (``deliveries``, ``failures``, ``last_*``).
+
+Destinations: unless ``PODBAY_WEBHOOK_ALLOW_PRIVATE`` is on, a webhook may only reach public addresses, so a
+tenant cannot make the API POST into its own network (cloud metadata at 169.254.169.254, loopback services,
+private ranges). The API refuses such an IP literal or ``localhost`` at registration (``refused_host``), and
+the deliverer resolves the host before every attempt and refuses to connect when any address it resolves to
+is not public (``refused_addresses``): that covers names pointing inwards and webhooks registered before the
+check existed. Such a refusal is a failed delivery without retries, recorded in ``last_error``.
 """
 
 from __future__ import annotations
@@ -22,9 +29,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
+import re
+import socket
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import asyncpg
@@ -36,12 +47,94 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_af
 from podbay.bus import Bus, consume
 from podbay.contracts import subjects
 
-__all__ = ["SIGNATURE_HEADER", "sign", "signature_header", "verify_signature", "Deliverer", "DELIVERER_CONSUMER"]
+__all__ = ["SIGNATURE_HEADER", "sign", "signature_header", "verify_signature", "Deliverer", "DELIVERER_CONSUMER",
+           "ALLOW_PRIVATE_SETTING", "refused_host", "refused_addresses", "resolve_host"]
 
 log = logging.getLogger("podbay.webhooks")
 
 SIGNATURE_HEADER = "Podbay-Signature"
 DELIVERER_CONSUMER = "webhooks"
+
+#: The setting that lets webhooks reach non-public addresses; refusals name it.
+ALLOW_PRIVATE_SETTING = "PODBAY_WEBHOOK_ALLOW_PRIVATE"
+
+#: Resolves ``(host, port)`` to the IP addresses a connection could go to (see :func:`resolve_host`).
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+# Digits, hex and dots only: what inet_aton (and so the system resolver) may read as an IPv4 address in a
+# legacy spelling (``2130706433``, ``0x7f.1``, ``127.1``) that ipaddress does not parse.
+_LEGACY_IPV4 = re.compile(r"^[0-9a-fA-FxX.]+$")
+
+
+def _kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    for attr, kind in (("is_unspecified", "an unspecified"), ("is_loopback", "a loopback"),
+                       ("is_link_local", "a link-local"), ("is_multicast", "a multicast"),
+                       ("is_private", "a private"), ("is_reserved", "a reserved")):
+        if getattr(ip, attr):
+            return kind
+    return "a non-public"
+
+
+def _as_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
+    except ValueError:
+        pass
+    if _LEGACY_IPV4.match(host) and any(c.isdigit() for c in host):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    # ipaddress counts multicast ranges as global; a webhook has no business there either.
+    return ip.is_global and not ip.is_multicast
+
+
+def refused_host(host: str) -> str | None:
+    """Why a webhook may not go to ``host`` when non-public destinations are not allowed, else None.
+
+    ``host`` is a URL's host as ``httpx.URL(url).host`` gives it: a name or an IP literal, IPv6 without
+    brackets. Refused: ``localhost`` and names under ``.localhost``, and IP literals (legacy IPv4 spellings
+    such as ``2130706433`` included) that are not globally routable: loopback, link-local (169.254.169.254),
+    private, unique-local, shared (100.64.0.0/10), unspecified, multicast, reserved. Other names pass; they are
+    checked when a delivery resolves them (:func:`refused_addresses`). The reason names the host and the kind
+    of address, e.g. ``"169.254.169.254 is a link-local address"``. Never raises.
+    """
+    name = host.strip().rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return f"{host} is a loopback name"
+    ip = _as_ip(name)
+    if ip is not None and not _public(ip):
+        return f"{host} is {_kind(ip)} address"
+    return None
+
+
+def refused_addresses(host: str, addresses: Iterable[str]) -> str | None:
+    """Why a delivery may not connect to ``host`` resolved to ``addresses`` (IP strings), else None.
+
+    Refused when any address is not globally routable (see :func:`refused_host`); one bad address is enough,
+    since the connection may use any of them. The reason reads ``"hooks.example.com resolves to 10.0.0.5, a
+    private address"``; for an IP literal host, as :func:`refused_host`'s. Never raises.
+    """
+    for addr in addresses:
+        ip = _as_ip(addr)
+        if ip is None or not _public(ip):
+            kind = "an unparsable" if ip is None else _kind(ip)
+            if _as_ip(host) is not None:
+                return f"{host} is {kind} address"
+            return f"{host} resolves to {addr}, {kind} address"
+    return None
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The IP addresses ``host`` resolves to for a TCP connection to ``port`` (the event loop's getaddrinfo,
+    as the HTTP client's own connection does), without duplicates. Raises ``OSError`` (``socket.gaierror``)
+    when the name does not resolve."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -81,18 +174,28 @@ class _Retryable(Exception):
         self.status = status
 
 
+class _Refused(Exception):
+    """A destination the deliverer will not connect to (not a public address); not retried."""
+
+
 class Deliverer:
     """Delivers events to webhooks; ``run(stop)`` is its background task (see the module docstring).
 
     ``max_attempts`` POSTs per webhook and event, waiting ``backoff_s`` × 2^n (at most ``backoff_max_s``)
-    between them; each POST is bounded by ``timeout_s``.
+    between them; each POST is bounded by ``timeout_s``. Unless ``allow_private``, each attempt first resolves
+    the URL's host with ``resolver`` (default :func:`resolve_host`, bounded by ``timeout_s``) and refuses a
+    non-public address: no request is made, no retry follows, and the failure's reason is ``last_error``.
     """
 
     def __init__(self, pool: asyncpg.Pool, bus: Bus, *, max_attempts: int = 5, backoff_s: float = 1.0,
                  backoff_max_s: float = 60.0, timeout_s: float = 10.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, allow_private: bool = False,
+                 resolver: Resolver | None = None) -> None:
         self._pool = pool
         self._bus = bus
+        self._allow_private = allow_private
+        self._resolver = resolver or resolve_host
+        self._timeout_s = timeout_s
         self._max_attempts = max_attempts
         self._backoff_s = backoff_s
         self._backoff_max_s = backoff_max_s
@@ -152,6 +255,26 @@ class Deliverer:
             await asyncio.gather(*(self._deliver(h, body, payload, seq) for h in hooks))
         await msg.ack()
 
+    async def _check_destination(self, url: str) -> None:
+        """Raise ``_Refused`` when ``url``'s host is or resolves to a non-public address, ``_Retryable`` when it
+        does not resolve (DNS may be back later)."""
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise _Refused(f"invalid URL: {exc}") from exc
+        host = parsed.host
+        reason = refused_host(host)
+        if reason is None:
+            port = parsed.port or (443 if parsed.scheme == "https" else 80)
+            try:
+                addresses = await asyncio.wait_for(self._resolver(host, port), timeout=self._timeout_s)
+            except OSError as exc:  # socket.gaierror, and TimeoutError from wait_for
+                raise _Retryable(f"cannot resolve {host}: {type(exc).__name__}: {exc}"[:300], None) from exc
+            reason = refused_addresses(host, addresses)
+        if reason is not None:
+            raise _Refused(f"refused: {reason}, not a public one (set {ALLOW_PRIVATE_SETTING}=1 on the API to "
+                           "allow non-public destinations)")
+
     async def _deliver(self, hook: asyncpg.Record, body: bytes, payload: dict[str, Any], seq: int) -> None:
         attempts = 0
         status: int | None = None
@@ -164,6 +287,9 @@ class Deliverer:
                        SIGNATURE_HEADER: signature_header(hook["secret"], body),
                        "Podbay-Event-Id": str(payload.get("id", "")), "Podbay-Event-Seq": str(seq),
                        "Podbay-Event-Type": str(payload.get("type", "")), "Podbay-Webhook-Id": hook["id"]}
+            if not self._allow_private:
+                # Before every attempt: a name may be re-pointed between attempts.
+                await self._check_destination(hook["url"])
             try:
                 resp = await self._http.post(hook["url"], content=body, headers=headers)
             except httpx.HTTPError as exc:
@@ -180,6 +306,8 @@ class Deliverer:
                     status = await attempt()
         except _Retryable as exc:
             status, error = exc.status, str(exc)
+        except _Refused as exc:
+            error = str(exc)
         except RetryError as exc:  # not raised with reraise=True; kept for safety
             error = str(exc)
         ok = status is not None and 200 <= status < 300

@@ -78,7 +78,8 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.webhooks_enabled:
             deliverer = Deliverer(pool, bus, max_attempts=settings.webhook_max_attempts,
                                   backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s,
-                                  timeout_s=settings.webhook_timeout_s)
+                                  timeout_s=settings.webhook_timeout_s,
+                                  allow_private=settings.webhook_allow_private)
             hooks_task = asyncio.create_task(deliverer.run(hooks_stop), name="webhooks")
         # Schedules fire from the replica holding the `schedules` lease (schedules/firer.py).
         firer_task: asyncio.Task[None] | None = None

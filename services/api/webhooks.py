@@ -4,6 +4,10 @@ Delivery itself is ``podbay.webhooks.Deliverer``, run as a background task of ev
 ``app.py``): the API already holds the PostgreSQL pool and the NATS connection, replicas share one durable
 consumer so an event is delivered by one of them, and scaling the API scales delivery. Changes are audited
 (``webhook.create``, ``webhook.delete``); the secret never is.
+
+Unless ``PODBAY_WEBHOOK_ALLOW_PRIVATE`` is on, a URL whose host is ``localhost`` or an IP literal that is not
+public (loopback, link-local such as the cloud metadata address, private, ...) is refused with 422
+``validation_error``, as other malformed URLs are; names are checked again at every delivery, resolved.
 """
 
 from __future__ import annotations
@@ -12,18 +16,20 @@ import secrets
 from typing import Annotated
 
 import asyncpg
+import httpx
 from fastapi import APIRouter, Depends, Path
 
 from podbay.audit import record
 from podbay.contracts.events import WebhookCreate, WebhookCreated, WebhookInfo, WebhookList
-from podbay.errors import InvalidRequest, NotFound
+from podbay.errors import InvalidRequest, NotFound, Unprocessable
 from podbay.outbox import new_id
+from podbay.webhooks import ALLOW_PRIVATE_SETTING, refused_host
 
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
 
-__all__ = ["router", "MAX_WEBHOOKS"]
+__all__ = ["router", "MAX_WEBHOOKS", "check_destination"]
 
 router = APIRouter(prefix="/v1")
 
@@ -44,9 +50,27 @@ def _info(r: asyncpg.Record) -> WebhookInfo:
                        last_event_seq=r["last_event_seq"], last_attempt_at=r["last_attempt_at"])
 
 
+def check_destination(url: str, *, allow_private: bool) -> None:
+    """Refuse a webhook URL the API must not POST to: ``Unprocessable`` (422 ``validation_error``) with
+    ``details`` ``{"url", "host", "setting"}`` when ``url`` does not parse, or when ``allow_private`` is off and
+    its host is ``localhost`` or a non-public IP literal (:func:`podbay.webhooks.refused_host`)."""
+    try:
+        host = httpx.URL(url).host
+    except httpx.InvalidURL as exc:
+        raise Unprocessable(f"url: not a valid URL: {exc}", details={"url": url}) from exc
+    reason = None if allow_private else refused_host(host)
+    if reason is not None:
+        raise Unprocessable(
+            f"url: {reason}; webhooks may only go to public addresses (set {ALLOW_PRIVATE_SETTING}=1 on the API "
+            "to allow loopback and private destinations)",
+            details={"url": url, "host": host, "setting": ALLOW_PRIVATE_SETTING})
+
+
 @router.post("/webhooks", status_code=201, response_model=WebhookCreated)
 async def create_webhook(ctx: CtxDep, who: PrincipalDep, body: WebhookCreate) -> WebhookCreated:
-    """Add a webhook; the answer carries its signing ``secret``, shown this once. 400 past ``MAX_WEBHOOKS``."""
+    """Add a webhook; the answer carries its signing ``secret``, shown this once. 400 past ``MAX_WEBHOOKS``;
+    422 ``validation_error`` for a URL to a non-public address (see :func:`check_destination`)."""
+    check_destination(body.url, allow_private=ctx.settings.webhook_allow_private)
     hook_id = new_id("whk")
     secret = "whsec_" + secrets.token_hex(24)
     async with ctx.pool.acquire() as conn, conn.transaction():

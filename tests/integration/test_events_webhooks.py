@@ -1,6 +1,7 @@
 """Event subscribers against the real stack (NATS, PostgreSQL, the API process; no microVM): the event
 stream's tenant isolation, filters, follow and resume, the CLI's ``--resume``, and webhook delivery
-(signature, retry after a 500, one delivery with several deliverers)."""
+(signature, retry after a 500, one delivery with several deliverers, no delivery to non-public addresses
+unless ``PODBAY_WEBHOOK_ALLOW_PRIVATE``, which the test stack turns on for its loopback receivers)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,10 +26,11 @@ from access_helpers import Tenant, new_tenant, template_and_sandbox
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.contracts import subjects
+from podbay.devstack.procs import free_port, stop_process
 from podbay.devstack.stack import Stack
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.sdk import Client
-from podbay.webhooks import Deliverer, verify_signature
+from podbay.webhooks import ALLOW_PRIVATE_SETTING, Deliverer, resolve_host, verify_signature
 
 pytestmark = pytest.mark.integration
 
@@ -280,7 +284,8 @@ def test_several_deliverers_deliver_each_event_once(stack: Stack, acme: Tenant, 
         pool = await db.connect_pool(stack.pg_dsn, min_size=1, max_size=4)
         buses = [await connect_bus(stack.nats_url, name=f"test-deliverer-{i}") for i in range(2)]
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(Deliverer(pool, b, backoff_s=0.1).run(stop)) for b in buses]
+        # Like the stack's API, they may reach the loopback receiver.
+        tasks = [asyncio.create_task(Deliverer(pool, b, backoff_s=0.1, allow_private=True).run(stop)) for b in buses]
         try:
             await asyncio.to_thread(emit, stack, *[(sbx, t) for t in ["paused", "resumed"] * (n // 2)])
             deadline = time.monotonic() + 60
@@ -304,3 +309,106 @@ def test_several_deliverers_deliver_each_event_once(stack: Stack, acme: Tenant, 
     assert len(ids) == n and len(set(ids)) == n
     seqs = [json.loads(b)["seq"] for _, b, _ in receiver.requests]
     assert len(set(seqs)) == n
+
+
+@contextmanager
+def _api_without_private(stack: Stack, log: Path) -> Iterator[str]:
+    """A second ``podbay-api`` on the stack's servers with the production default (non-public webhook
+    destinations refused) and no deliverer or firer of its own (the stack's API delivers); yields its URL."""
+    port = free_port()
+    env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()),
+           ALLOW_PRIVATE_SETTING: "0", "PODBAY_WEBHOOKS_ENABLED": "0", "PODBAY_SCHEDULES_ENABLED": "0"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc, grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def public_only_api(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _api_without_private(stack, tmp_path_factory.mktemp("public-only-api") / "api.log") as url:
+        yield url
+
+
+def test_webhook_to_a_non_public_address_is_refused_unless_allowed(stack: Stack, acme: Tenant,
+                                                                   public_only_api: str) -> None:
+    with httpx.Client(base_url=public_only_api, headers={"authorization": f"Bearer {acme.key}"},
+                      timeout=30) as http:
+        for url, host in (("http://169.254.169.254/x", "169.254.169.254"), ("http://127.0.0.1:1/x", "127.0.0.1"),
+                          ("http://[::1]/x", "::1"), ("http://localhost/x", "localhost")):
+            r = http.post("/v1/webhooks", json={"url": url})
+            assert r.status_code == 422, (url, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "validation_error", err
+            assert host in err["message"] and ALLOW_PRIVATE_SETTING in err["message"], err
+            assert err["details"]["setting"] == ALLOW_PRIVATE_SETTING and err["details"]["host"] == host
+        assert http.get("/v1/webhooks").json()["webhooks"] == []  # nothing was stored
+        public = http.post("/v1/webhooks", json={"url": "https://hooks.example.com/podbay"})
+        assert public.status_code == 201, public.text
+        assert http.delete(f"/v1/webhooks/{public.json()['id']}").status_code == 200
+    # The stack's API has the setting on (a dev stack's receivers listen on loopback).
+    with acme.http() as http:
+        allowed = http.post("/v1/webhooks", json={"url": "http://127.0.0.1:1/x"})
+        assert allowed.status_code == 201, allowed.text
+        assert http.delete(f"/v1/webhooks/{allowed.json()['id']}").status_code == 200
+
+
+def test_delivery_to_a_name_resolving_to_loopback_is_refused_when_off(stack: Stack, acme: Tenant,
+                                                                      public_only_api: str,
+                                                                      receiver: Receiver) -> None:
+    port = int(receiver.url.split(":")[2].split("/")[0])
+    # A name the API cannot judge at registration; it points at loopback only when resolved, as an
+    # attacker's DNS name would. The last step is the system resolver's answer for "localhost".
+    name = "hooks.podbay.test"
+
+    async def resolver(host: str, p: int) -> list[str]:
+        return await resolve_host("localhost" if host == name else host, p)
+
+    with httpx.Client(base_url=public_only_api, headers={"authorization": f"Bearer {acme.key}"},
+                      timeout=30) as http:
+        r = http.post("/v1/webhooks", json={"url": f"http://{name}:{port}/hook"})
+        assert r.status_code == 201, r.text
+        hook_id = r.json()["id"]
+    event = {"id": "evt_ssrf", "type": "paused", "tenant_id": acme.tenant_id, "sandbox_id": "sbx_ssrf"}
+    acked: list[str] = []
+
+    async def done(**_: Any) -> None:
+        acked.append("done")
+
+    msg = SimpleNamespace(data=json.dumps(event).encode(), metadata=SimpleNamespace(sequence=SimpleNamespace(
+        stream=424242)), ack=done, nak=done, term=done)
+
+    async def run() -> None:
+        pool = await db.connect_pool(stack.pg_dsn, min_size=1, max_size=2)
+        bus = await connect_bus(stack.nats_url, name="test-refusing-deliverer")
+        try:
+            await Deliverer(pool, bus, max_attempts=3, backoff_s=0.01, resolver=resolver).handle(msg)  # type: ignore[arg-type]
+        finally:
+            await bus.close()
+            await pool.close()
+
+    asyncio.run(run())
+    assert acked == ["done"]
+    assert receiver.requests == []  # not one connection to the loopback receiver
+    with acme.http() as http:
+        hook = next(h for h in http.get("/v1/webhooks").json()["webhooks"] if h["id"] == hook_id)
+        http.delete(f"/v1/webhooks/{hook_id}")
+    assert (hook["deliveries"], hook["failures"], hook["last_status"], hook["last_attempts"]) == (0, 1, None, 1)
+    assert hook["last_event_seq"] == 424242
+    assert hook["last_error"].startswith(tuple(f"refused: {name} resolves to {a}, a loopback address"
+                                              for a in ("127.0.0.1", "::1"))), hook["last_error"]
+    assert ALLOW_PRIVATE_SETTING in hook["last_error"]

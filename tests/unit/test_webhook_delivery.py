@@ -26,9 +26,12 @@ def _run(statuses: list[int], max_attempts: int = 3) -> tuple[list[httpx.Request
         seen.append(req)
         return httpx.Response(statuses.pop(0) if statuses else 200)
 
+    async def public(host: str, port: int) -> list[str]:
+        return ["93.184.216.34"]  # "receiver" is a public host here, so the default destination check passes
+
     pool = FakePool()
     d = Deliverer(pool, bus=None, max_attempts=max_attempts, backoff_s=0.001, backoff_max_s=0.001,  # type: ignore[arg-type]
-                  transport=httpx.MockTransport(handler))
+                  transport=httpx.MockTransport(handler), resolver=public)
     hook = {"id": "whk_1", "url": "http://receiver/x", "secret": "whsec_s"}
     asyncio.run(d._deliver(hook, b'{"type":"paused"}', {"id": "evt_1", "type": "paused"}, 42))  # type: ignore[arg-type]
     return seen, pool.updates[-1]

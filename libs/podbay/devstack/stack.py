@@ -469,6 +469,9 @@ class Stack(NodeOps):
     node_ids: list[str] = field(default_factory=list)
     #: Extra environment per node id (e.g. ``PODBAY_NODE_MEMORY_MIB``), over :attr:`env`.
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: ``PODBAY_WEBHOOK_ALLOW_PRIVATE`` for the API unless ``base_env`` sets it: a dev or test stack is one
+    #: user's, whose webhook receivers listen on loopback or the LAN; production's default is off.
+    webhook_allow_private: bool = True
     network: NodeNetwork | None = None
 
     servers: dict[str, srv.ServerProcess] = field(default_factory=dict)
@@ -847,7 +850,8 @@ class Stack(NodeOps):
             ours["PODBAY_GUEST_CA_FILE"] = str(guest_ca)
         # A client key from the caller's shell means nothing to a service of another stack.
         base = {k: v for k, v in self.base_env.items() if k not in ("PODBAY_API_KEY", "PODBAY_CONFIG")}
-        return {**base, **ours}
+        defaults = {"PODBAY_WEBHOOK_ALLOW_PRIVATE": "1" if self.webhook_allow_private else "0"}
+        return {**defaults, **base, **ours}
 
     def _probe_external(self, name: str, probe: Coroutine[Any, Any, None]) -> None:
         try:

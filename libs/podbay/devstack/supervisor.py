@@ -246,6 +246,9 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
         data_dir=settings.data_dir, log_dir=settings.logs, cache_dir=settings.cache_dir,
         ports=StackPorts.from_settings(settings), external=_external(settings),
         node_ids=node_ids_for(settings.nodes) if settings.nodes > 1 else [],
+        # On unless the environment or the config file says otherwise (the stack is one user's).
+        webhook_allow_private=(settings.webhook_allow_private
+                               if "webhook_allow_private" in settings.model_fields_set else True),
     )  # fmt: skip
     me = os.getpid()
     state = StackState(

@@ -139,10 +139,10 @@ def test_a_port_that_starts_listening_later_is_reached(stack: Any, box: Any) -> 
 
 def test_a_server_on_the_guests_loopback_only_is_named_in_the_refusal(stack: Any, box: Any) -> None:
     c, sid, token = box
-    sh(c, sid, "(setsid python3 -m http.server 8002 --bind 127.0.0.1 --directory /tmp >/dev/null 2>&1 </dev/null &)")
+    sh(c, sid, "(setsid python3 -m http.server 8007 --bind 127.0.0.1 --directory /tmp >/dev/null 2>&1 </dev/null &)")
     until("the loopback server listens", lambda: any(
-        p["port"] == 8002 for p in c.get(f"/v1/sandboxes/{sid}/ports").json()["ports"]), 60)
-    r = _get(stack, 8002, sid, headers={"x-podbay-access-token": token, "accept": "application/json"})
+        p["port"] == 8007 for p in c.get(f"/v1/sandboxes/{sid}/ports").json()["ports"]), 60)
+    r = _get(stack, 8007, sid, headers={"x-podbay-access-token": token, "accept": "application/json"})
     assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_open", r.text
     assert "listens only on 127.0.0.1" in r.json()["error"]["message"], r.text
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
 
+from podbay.devstack.procs import free_port, stop_process
 from podbay.devstack.stack import Stack
 
 
@@ -60,3 +66,30 @@ def template_and_sandbox(stack: Stack, tenant: Tenant, state: str = "suspended")
     sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
         " vcpus, hostname) VALUES ($1, $2, $3, 'sha256:none', $4, $4, 256, 1, 'h')", sbx, tenant.tenant_id, tpl, state)
     return tpl, sbx
+
+
+@contextmanager
+def second_api(stack: Stack, log: Path, **env_over: str) -> Iterator[str]:
+    """Another ``podbay-api`` process on the stack's servers, with ``env_over`` on top of the stack's env;
+    yields its URL once ``/healthz`` answers, stops it at the end."""
+    port = free_port()
+    # A port of its own for the HTTP/2 listener too: the stack's env names the first API's.
+    env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()), **env_over}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc, grace_s=10)

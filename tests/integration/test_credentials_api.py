@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import subprocess
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, sql
+from access_helpers import Tenant, new_tenant, second_api, sql
 
 from podbay.credentials import CredentialUnreadable, OpenBaoCredentialStore, PgCredentialStore, Sealed, new_key
-from podbay.devstack.procs import free_port, stop_process
+from podbay.devstack.procs import free_port
 from podbay.devstack.stack import Stack
 
 pytestmark = pytest.mark.integration
@@ -170,38 +166,11 @@ def test_unreachable_openbao_is_a_storage_error() -> None:
         asyncio.run(store.seal("cred_x", "ten_x", "v"))
 
 
-@contextmanager
-def _second_api(stack: Stack, log: Path, **env_over: str) -> Iterator[str]:
-    """Another ``podbay-api`` process on the stack's servers, with ``env_over`` on top of the stack's env;
-    yields its URL once ``/healthz`` answers, stops it at the end."""
-    port = free_port()
-    # A port of its own for the HTTP/2 listener too: the stack's env names the first API's.
-    env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()), **env_over}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        yield url
-    finally:
-        stop_process(proc, grace_s=10)
-
-
 @pytest.fixture(scope="module")
 def bao_api(stack: Stack, openbao: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A second ``podbay-api`` on the stack's servers, configured with the OpenBao backend."""
     log = tmp_path_factory.mktemp("bao-api") / "api.log"
-    with _second_api(stack, log, PODBAY_CREDENTIAL_BACKEND="openbao", PODBAY_OPENBAO_ADDR=openbao[0],
+    with second_api(stack, log, PODBAY_CREDENTIAL_BACKEND="openbao", PODBAY_OPENBAO_ADDR=openbao[0],
                      PODBAY_OPENBAO_TOKEN=openbao[1]) as url:
         yield url
 
@@ -232,7 +201,7 @@ def test_an_unreachable_backend_answers_503(stack: Stack, acme: Tenant,
     """With OpenBao down, a create is 503 ``storage_error`` and leaves no row."""
     log = tmp_path_factory.mktemp("dead-bao-api") / "api.log"
     value = _secret()
-    with _second_api(stack, log, PODBAY_CREDENTIAL_BACKEND="openbao",
+    with second_api(stack, log, PODBAY_CREDENTIAL_BACKEND="openbao",
                      PODBAY_OPENBAO_ADDR=f"http://127.0.0.1:{free_port()}", PODBAY_OPENBAO_TOKEN="x") as url:
         r = httpx.post(f"{url}/v1/credentials", json=_body("unsealed", value),
                        headers={"authorization": f"Bearer {acme.key}"}, timeout=60)

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,12 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, template_and_sandbox
+from access_helpers import Tenant, new_tenant, second_api, template_and_sandbox
 
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.contracts import subjects
-from podbay.devstack.procs import free_port, stop_process
 from podbay.devstack.stack import Stack
 from podbay.outbox import Relay, emit_sandbox_event
 from podbay.sdk import Client
@@ -311,36 +309,13 @@ def test_several_deliverers_deliver_each_event_once(stack: Stack, acme: Tenant, 
     assert len(set(seqs)) == n
 
 
-@contextmanager
-def _api_without_private(stack: Stack, log: Path) -> Iterator[str]:
-    """A second ``podbay-api`` on the stack's servers with the production default (non-public webhook
-    destinations refused) and no deliverer or firer of its own (the stack's API delivers); yields its URL."""
-    port = free_port()
-    env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()),
-           ALLOW_PRIVATE_SETTING: "0", "PODBAY_WEBHOOKS_ENABLED": "0", "PODBAY_SCHEDULES_ENABLED": "0"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        yield url
-    finally:
-        stop_process(proc, grace_s=10)
-
-
 @pytest.fixture(scope="module")
 def public_only_api(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with _api_without_private(stack, tmp_path_factory.mktemp("public-only-api") / "api.log") as url:
+    # The production default (non-public destinations refused), no deliverer or firer of its own: the stack's
+    # API delivers.
+    with second_api(stack, tmp_path_factory.mktemp("public-only-api") / "api.log",
+                    **{ALLOW_PRIVATE_SETTING: "0", "PODBAY_WEBHOOKS_ENABLED": "0",
+                       "PODBAY_SCHEDULES_ENABLED": "0"}) as url:
         yield url
 
 

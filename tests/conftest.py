@@ -45,8 +45,11 @@ _TESTS = Path(__file__).parent
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark tests by folder (``integration``, ``e2e``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``; run the
-    modules that share ``multinode_stack`` one after the other."""
+    """Mark tests by folder (``integration``, ``e2e``, ``security``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``;
+    run the modules that share ``multinode_stack`` one after the other.
+
+    ``tests/security`` holds tests of one trust boundary each: they are marked ``security`` and, unless marked
+    ``e2e`` themselves (a module that needs microVMs sets ``pytestmark = pytest.mark.e2e``), ``integration``."""
     _order_multinode_modules(config, items)
     skip_e2e = os.environ.get("PODBAY_SKIP_E2E") == "1"
     for item in items:
@@ -54,6 +57,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for kind in ("integration", "e2e"):
             if (_TESTS / kind) in path.parents:
                 item.add_marker(getattr(pytest.mark, kind))
+        if (_TESTS / "security") in path.parents:
+            item.add_marker(pytest.mark.security)
+            if item.get_closest_marker("e2e") is None:
+                item.add_marker(pytest.mark.integration)
         if skip_e2e and item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.skip(reason="PODBAY_SKIP_E2E=1: end-to-end tests (real microVMs) skipped"))
 

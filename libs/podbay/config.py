@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from podbay.egress_ranges import parse_cidrs
 from podbay.errors import PodbayError
 
 __all__ = ["Settings", "get_settings", "default_data_dir", "default_cache_dir", "ConfigError", "CONFIG_FILE_ENV",
@@ -309,6 +310,15 @@ class Settings(BaseSettings):
                                              "TLS (private services; tests).")
     gateway_hosts_file: Path | None = Field(None, description="hosts(5)-format names the gateway's DNS answers "
                                             "before asking the host's resolver (air-gapped sites; tests).")
+    egress_operator_allow_cidrs: str = Field("", description="Operator only (node agent and gateway): "
+                                             "comma-separated CIDRs that sandboxes may reach although they lie in "
+                                             "an always-denied range (private, CGNAT, link-local, loopback, "
+                                             "reserved; docs/egress.md). Tenants' policies never open those "
+                                             "ranges; the stack's own addresses stay denied whatever this says.")
+    gateway_dns_rate_per_s: float = Field(50.0, gt=0, description="DNS queries per second a sandbox may send the "
+                                          "gateway (token bucket); beyond it queries are answered REFUSED.")
+    gateway_dns_burst: int = Field(100, ge=1, description="DNS queries a sandbox may send at once before "
+                                   "PODBAY_GATEWAY_DNS_RATE_PER_S applies (the token bucket's size).")
     guest_ca_file: Path | None = Field(None, description="PEM file of extra CA certificates every guest trusts "
                                        "(added to its trust store at each create, before the sandbox's own CA): "
                                        "a network that inspects TLS. `podbay up` sets it, when unset, to what the "
@@ -330,6 +340,12 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO")
     log_format: Literal["text", "json"] = Field("text", description="Service logs on stderr: readable text, or "
                                                 "one JSON object per line with sandbox/operation/node ids.")
+
+    @field_validator("egress_operator_allow_cidrs")
+    @classmethod
+    def _cidrs_parse(cls, value: str) -> str:
+        parse_cidrs(value)  # raises ValueError naming the bad entry
+        return value
 
     @field_validator("guest_ca_file", mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from typing import Any
 from podbay.config import Settings
 from podbay.contracts.egress import NetBinding
 from podbay.credentials import Sealed, open_store
+from podbay.egress_ranges import parse_cidrs
 from podbay.outbox import Relay
 from podbay.stacknet import gateway_denied_cidr
 
@@ -24,7 +25,7 @@ from .identity import DnsMemory, node_addresses, read_binding
 from .metrics import DECISIONS
 from .policy import Decision, always_denied, decide, decide_name, normalise_name
 from .resolve import Resolver
-from .shaping import CredentialRow
+from .shaping import CredentialRow, TokenBuckets
 from .store import GatewayStore, SandboxContext, UseVerdict
 
 __all__ = ["Peer", "Gateway"]
@@ -58,6 +59,10 @@ class Gateway:
         self.resolver = resolver or Resolver(settings.gateway_hosts_file)
         self.memory = memory or DnsMemory()
         self._sandbox_cidr = gateway_denied_cidr(settings)
+        #: Always-denied ranges the operator opened (never a tenant): PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS.
+        self.operator_allow = parse_cidrs(settings.egress_operator_allow_cidrs)
+        #: DNS queries per guest address (services/gateway/dnsserver.py).
+        self.dns_buckets = TokenBuckets(settings.gateway_dns_rate_per_s, settings.gateway_dns_burst)
         self.own_addrs: set[str] = set()  # filled by refresh_own_addresses() before serving
         self._generations: dict[str, tuple[str, int]] = {}
         self._dns_denials: dict[tuple[str, str], float] = {}  # (sandbox, name) -> monotonic s of last audit
@@ -106,7 +111,14 @@ class Gateway:
 
     def refuse_address(self, addr: str) -> Decision | None:
         """The always-denied check alone (before anything is known about the connection's protocol)."""
-        return always_denied(addr, own_addrs=self._own(), sandbox_cidr=self._sandbox_cidr)
+        return always_denied(addr, own_addrs=self._own(), sandbox_cidr=self._sandbox_cidr,
+                             operator_allow=self.operator_allow)
+
+    def reachable(self, addrs: list[str]) -> list[str]:
+        """The addresses of ``addrs`` a sandbox may connect to at all (:meth:`refuse_address` is None). The DNS
+        server answers with these only: a name that leads into a private range (DNS rebinding, internal names
+        of the node's network) does not lead a guest there, nor tell it what is there."""
+        return [a for a in addrs if self.refuse_address(a) is None]
 
     async def decide_named(self, peer: Peer, name: str | None, addr: str, port: int) -> Decision:
         """A TLS (SNI) or HTTP (Host) connection: the name must be allowed and ``addr`` must be one of its
@@ -119,14 +131,14 @@ class Gateway:
         if addr not in addrs:
             addrs = addrs + await self.resolver.resolve(norm)
         return decide(policy, name=norm, addr=addr, port=port, name_addrs=addrs, own_addrs=self._own(),
-                      sandbox_cidr=self._sandbox_cidr)
+                      sandbox_cidr=self._sandbox_cidr, operator_allow=self.operator_allow)
 
     async def decide_raw(self, peer: Peer, addr: str, port: int) -> Decision:
         """Other TCP: by CIDR rules, or by the name our DNS answered this guest with ``addr``."""
         policy = peer.ctx.policy if peer.ctx else None
         name = self.memory.name_of(peer.guest, addr)
         return decide(policy, name=name, addr=addr, port=port, name_addrs=None, own_addrs=self._own(),
-                      sandbox_cidr=self._sandbox_cidr)
+                      sandbox_cidr=self._sandbox_cidr, operator_allow=self.operator_allow)
 
     async def early_refusal(self, peer: Peer, addr: str, port: int) -> Decision | None:
         """A denial that holds whatever the guest sends next, so the connection can be closed before it sends

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-__all__ = ["CONNECTIONS", "DECISIONS", "CREDENTIAL_USES", "DNS_ANSWERS", "REDACTIONS"]
+__all__ = ["CONNECTIONS", "DECISIONS", "CREDENTIAL_USES", "DNS_ANSWERS", "DNS_RATE_LIMITED", "REDACTIONS"]
 
 CONNECTIONS = Counter(
     "podbay_gateway_connections_total",
@@ -25,6 +25,10 @@ DNS_ANSWERS = Counter(
     "podbay_gateway_dns_answers_total",
     "DNS answers given to sandboxes, by outcome (answer, nxdomain, empty, refused, formerr).",
     ["outcome"],
+)
+DNS_RATE_LIMITED = Counter(
+    "podbay_gateway_dns_rate_limited_total",
+    "DNS queries refused because their sandbox was over its rate (settings.gateway_dns_rate_per_s); no labels.",
 )
 REDACTIONS = Counter(
     "podbay_gateway_redactions_total",

@@ -2,8 +2,10 @@
 
 The semantics are those of :mod:`podbay.contracts.egress`: default deny; allowed when an ``allow`` rule
 matches and no ``deny`` rule does; a rule names a domain (exact or ``*.`` wildcard) or a CIDR, plus optional
-ports. Before any rule is read, :func:`always_denied` refuses loopback, link-local (the metadata address
-169.254.169.254 included), multicast, unspecified/broadcast, the node's own addresses and the sandbox network.
+ports. Before any rule is read, :func:`always_denied` refuses the sandbox network, the node bridges and the
+node's own addresses, then every range of :mod:`podbay.egress_ranges` (private, CGNAT, link-local with the
+metadata address 169.254.169.254, loopback, multicast, reserved; IPv6 equivalents) unless the operator's
+allow-list opens it: a tenant's ``0.0.0.0/0`` means the public internet.
 
 A name-based decision (TLS SNI, HTTP Host, DNS) is only as good as the address it leads to: a guest could
 send ``Host: allowed.example`` to any address. :func:`decide` therefore allows a name only when the
@@ -14,10 +16,11 @@ sandbox, or a fresh resolution); otherwise the decision is a denial with reason 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from podbay.contracts.egress import EgressPolicy, EgressRule, name_matches
+from podbay.egress_ranges import DENIED_RANGES, STACK_BRIDGE_POOL, IPAddress, IPNetwork, range_kind, unwrap
 
 __all__ = [
     "Decision",
@@ -31,21 +34,11 @@ __all__ = [
     "transform_headers",
 ]
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-#: Networks no sandbox may reach, whatever its policy (plus the node's own addresses and the sandbox CIDR).
-ALWAYS_DENIED_NETS: tuple[tuple[IPNetwork, str], ...] = (
-    (ipaddress.ip_network("127.0.0.0/8"), "loopback"),
-    (ipaddress.ip_network("::1/128"), "loopback"),
-    (ipaddress.ip_network("169.254.0.0/16"), "link_local"),  # includes the metadata address 169.254.169.254
-    (ipaddress.ip_network("fe80::/10"), "link_local"),
-    (ipaddress.ip_network("224.0.0.0/4"), "multicast"),
-    (ipaddress.ip_network("ff00::/8"), "multicast"),
-    (ipaddress.ip_network("0.0.0.0/8"), "unspecified"),
-    (ipaddress.ip_network("::/128"), "unspecified"),
-    (ipaddress.ip_network("255.255.255.255/32"), "broadcast"),
-)
+#: Networks no sandbox may reach, whatever its policy: :data:`podbay.egress_ranges.DENIED_RANGES` (the
+#: operator's allow-list may open them), plus the node's own addresses, the sandbox network and
+#: :data:`podbay.egress_ranges.STACK_BRIDGE_POOL`, which nothing opens.
+ALWAYS_DENIED_NETS: tuple[tuple[IPNetwork, str], ...] = DENIED_RANGES
+_STACK_BRIDGES = ipaddress.ip_network(STACK_BRIDGE_POOL)
 
 
 @dataclass(frozen=True)
@@ -53,8 +46,9 @@ class Decision:
     """The outcome for one destination.
 
     ``reason`` is a small closed set (a metric label): ``allowed``, ``no_policy``, ``no_allow_rule``,
-    ``deny_rule``, ``address_mismatch``, ``no_name``, or one of the always-denied kinds (``loopback``,
-    ``link_local``, ``multicast``, ``unspecified``, ``broadcast``, ``node_address``, ``sandbox_network``).
+    ``deny_rule``, ``address_mismatch``, ``no_name``, or one of the always-denied kinds (``private``,
+    ``shared``, ``loopback``, ``link_local``, ``multicast``, ``unspecified``, ``broadcast``, ``reserved``,
+    ``node_address``, ``sandbox_network``, ``stack_network``).
     ``message`` explains it to a person (it is sent to the guest in a 403 body and logged).
     """
 
@@ -101,28 +95,37 @@ def transform_headers(policy: EgressPolicy | None, name: str | None) -> dict[str
     return dict(out.values())
 
 
-def always_denied(addr: str | IPAddress, *, own_addrs: Iterable[str] = (), sandbox_cidr: str | None = None) -> Decision | None:
-    """The denial for an address no policy may open, else ``None``. IPv4-mapped IPv6 addresses are judged as
-    the IPv4 address they carry. An address that does not parse is denied (``unspecified``)."""
+def always_denied(addr: str | IPAddress, *, own_addrs: Iterable[str] = (), sandbox_cidr: str | None = None,
+                  operator_allow: Sequence[IPNetwork] = ()) -> Decision | None:
+    """The denial for an address no tenant's policy may open, else ``None``.
+
+    In order: the sandbox network (``sandbox_network``), the node bridges (``stack_network``), an address of
+    this node (``node_address``): never opened; then the ranges of :data:`podbay.egress_ranges.DENIED_RANGES`
+    (reason = the range's kind: ``private``, ``shared``, ``loopback``, ``link_local``, ``reserved``, ...),
+    unless the address lies in one of ``operator_allow`` (``settings.egress_operator_allow_cidrs``).
+    IPv4-mapped and NAT64 IPv6 addresses are judged as the IPv4 address they carry. An address that does not
+    parse is denied (``unspecified``)."""
     try:
-        ip = ipaddress.ip_address(addr) if isinstance(addr, str) else addr
+        ip = ipaddress.ip_address(addr.split("%", 1)[0]) if isinstance(addr, str) else addr
     except ValueError:
         return Decision.deny("unspecified", f"{addr!r} is not an IP address")
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    for net, kind in ALWAYS_DENIED_NETS:
-        if ip.version == net.version and ip in net:
-            return Decision.deny(kind, f"{ip} is a {kind.replace('_', '-')} address, never reachable from a sandbox")
+    ip = unwrap(ip)
     if sandbox_cidr:
         net = ipaddress.ip_network(sandbox_cidr, strict=False)
         if ip.version == net.version and ip in net:
             return Decision.deny("sandbox_network", f"{ip} is in the sandbox network {net}")
+    if ip.version == 4 and ip in _STACK_BRIDGES:
+        return Decision.deny("stack_network", f"{ip} is in the stack's node network {_STACK_BRIDGES}")
     for own in own_addrs:
         try:
-            if ip == ipaddress.ip_address(own.split("%", 1)[0]):
+            if ip == unwrap(ipaddress.ip_address(own.split("%", 1)[0])):
                 return Decision.deny("node_address", f"{ip} is an address of this node")
         except ValueError:
             continue
+    kind = range_kind(ip, operator_allow)
+    if kind is not None:
+        return Decision.deny(kind, f"{ip} is a {kind.replace('_', '-')} address, never reachable from a sandbox "
+                                   "(an operator may allow a range: PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS)")
     return None
 
 
@@ -150,6 +153,7 @@ def decide(
     name_addrs: Iterable[str] | None = None,
     own_addrs: Iterable[str] = (),
     sandbox_cidr: str | None = None,
+    operator_allow: Sequence[IPNetwork] = (),
 ) -> Decision:
     """Decide a connection to ``addr``:``port`` for which the guest named ``name`` (SNI, Host, or the name
     our DNS answered with this address; ``None`` for a bare address).
@@ -159,7 +163,7 @@ def decide(
     (when ``name_addrs`` is ``None`` the caller vouches for the address, e.g. it came from our own DNS
     memory). A matching CIDR rule needs no name.
     """
-    hard = always_denied(addr, own_addrs=own_addrs, sandbox_cidr=sandbox_cidr)
+    hard = always_denied(addr, own_addrs=own_addrs, sandbox_cidr=sandbox_cidr, operator_allow=operator_allow)
     if hard is not None:
         return hard
     if policy is None:

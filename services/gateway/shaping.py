@@ -6,12 +6,14 @@
   response reaches the guest.
 * :class:`CredentialRow` and :func:`pick_credential`: which stored credential applies to a host and path.
 * :func:`over_rate_limit`: the rate-limit arithmetic (uses in the last 60 s against a per-minute limit).
+* :class:`TokenBuckets`: a token bucket per key (the DNS server's per-sandbox query rate).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -31,6 +33,7 @@ __all__ = [
     "pick_credential",
     "over_rate_limit",
     "expired",
+    "TokenBuckets",
 ]
 
 #: Set on every refusal the gateway writes itself, so a client can tell it from the destination's answer.
@@ -130,3 +133,25 @@ def over_rate_limit(uses_last_minute: int, limit_per_min: int | None) -> bool:
 def expired(row: CredentialRow, now: datetime) -> bool:
     """Whether ``row`` has an ``expires_at`` at or before ``now`` (both timezone-aware)."""
     return row.expires_at is not None and row.expires_at <= now
+
+
+class TokenBuckets:
+    """A token bucket per key: ``rate_per_s`` tokens a second, at most ``burst`` saved. ``take(key)`` spends
+    one and says whether there was one. At most ``max_keys`` buckets are kept: beyond it full ones (keys
+    idle long enough to have refilled) are forgotten, as a new bucket starts full anyway."""
+
+    def __init__(self, rate_per_s: float, burst: int, *, max_keys: int = 65536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.max_keys, self._clock = rate_per_s, float(burst), max_keys, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, monotonic s of last update)
+
+    def take(self, key: str) -> bool:
+        now = self._clock()
+        tokens, then = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        ok = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > self.max_keys:
+            self._buckets = {k: (t, u) for k, (t, u) in self._buckets.items()
+                             if t + (now - u) * self.rate < self.burst}
+        return ok

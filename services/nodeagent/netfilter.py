@@ -10,7 +10,14 @@ the host (another stack's included) is touched. For traffic entering one of this
   on (reverse-path check), so a guest cannot pose as another sandbox: the gateway tells sandboxes apart by
   source address.
 * ``nat_prerouting`` redirects UDP and TCP port 53 to the gateway's DNS port and every other TCP
-  connection to the gateway's transparent proxy port (on the tap's host address).
+  connection to the gateway's transparent proxy port (on the tap's host address), except a connection to
+  an always-denied address (``egress_guard``, :mod:`podbay.egress_ranges`: private, CGNAT, link-local with
+  the metadata address, loopback, multicast, reserved, IPv6 equivalents; and, whatever the operator says,
+  the stack's node bridges and sandbox network). Such a connection is left un-redirected, counted in the
+  named counter ``egress_refused`` and so meets ``input``'s or ``forward``'s reset below: defence in depth
+  behind the gateway, which refuses the same addresses, so a guest reaches no private address even if the
+  gateway failed open. The operator's ``PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS`` are redirected as usual (the
+  gateway then decides them by policy).
 * ``input`` accepts from a tap only connections that were redirected to those two ports; everything else
   is rejected (TCP reset, ICMP administratively prohibited), so a denied connection fails at once in the
   guest instead of hanging.
@@ -27,15 +34,20 @@ Errors: :class:`NetfilterError` (``nft`` missing or refusing the ruleset; not re
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import subprocess
+from collections.abc import Sequence
 
+from podbay.egress_ranges import DENIED_RANGES, STACK_BRIDGE_POOL, IPNetwork, nft_elements
 from podbay.errors import PodbayError
 
-__all__ = ["NetfilterError", "render_ruleset", "install_ruleset", "PORTS_MARK"]
+__all__ = ["NetfilterError", "render_ruleset", "install_ruleset", "PORTS_MARK", "REFUSED_COUNTER"]
 
 #: Socket mark of the node agent's connections to guest ports ("pb", 1); no other new TCP enters a tap.
 PORTS_MARK = 0x70620001
+#: Named counter of the table: guest connections to always-denied addresses stopped before the proxy.
+REFUSED_COUNTER = "egress_refused"
 
 
 class NetfilterError(PodbayError):
@@ -44,10 +56,38 @@ class NetfilterError(PodbayError):
     code = "netfilter_failed"
 
 
-def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str) -> str:
+def _guard(operator_allow: Sequence[IPNetwork], sandbox_cidr: str | None) -> str:
+    """The ``egress_guard`` chain and its sets (see the module docstring)."""
+    never = [ipaddress.ip_network(STACK_BRIDGE_POOL)]
+    if sandbox_cidr:
+        never.append(ipaddress.ip_network(sandbox_cidr, strict=False))
+    denied = [net for net, _ in DENIED_RANGES]
+    sets, rules = [], []
+    count = f'counter name "{REFUSED_COUNTER}" accept'
+    for version, ip in ((4, "ip"), (6, "ip6")):
+        kind = "ipv4_addr" if version == 4 else "ipv6_addr"
+        for name, nets in ((f"never_v{version}", never), (f"operator_v{version}", operator_allow),
+                           (f"denied_v{version}", denied)):
+            elements = nft_elements(nets, version)
+            if not elements:
+                continue
+            sets.append(f"    set {name} {{\n        type {kind}; flags interval; auto-merge;\n"
+                        f"        elements = {{ {elements} }}\n    }}")
+            verdict = "return" if name.startswith("operator") else count
+            rules.append((version, name, f"        {ip} daddr @{name} {verdict}"))
+    order = {"never": 0, "operator": 1, "denied": 2}
+    body = [r for _, _, r in sorted(rules, key=lambda x: (order[x[1].split("_")[0]], x[0]))]
+    return "\n".join([*sets, f"    counter {REFUSED_COUNTER} {{\n    }}", "    chain egress_guard {", *body,
+                      "    }"])
+
+
+def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str,
+                   operator_allow: Sequence[IPNetwork] = (), sandbox_cidr: str | None = None) -> str:
     """The ``nft -f`` script that (re)defines ``table inet <table>`` for taps named ``<tap_prefix>*`` and the
-    gateway's ``proxy_port`` and ``dns_port`` (TCP/UDP ports on the host). Deterministic text, so tests can
-    compare it."""
+    gateway's ``proxy_port`` and ``dns_port`` (TCP/UDP ports on the host). ``operator_allow``: the
+    always-denied networks the operator opened (``settings.egress_operator_allow_cidrs``);
+    ``sandbox_cidr``: the stack's sandbox network (never redirected either). Deterministic text, so tests
+    can compare it."""
     for port in (proxy_port, dns_port):
         if not 1 <= port <= 65535:
             raise ValueError(f"port {port} is out of range")
@@ -56,6 +96,7 @@ def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: st
 table inet {table}
 delete table inet {table}
 table inet {table} {{
+{_guard(operator_allow, sandbox_cidr)}
     chain raw_prerouting {{
         type filter hook prerouting priority raw; policy accept;
         iifname {taps} fib saddr . iif oif missing drop
@@ -63,6 +104,7 @@ table inet {table} {{
     chain nat_prerouting {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname {taps} meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}
+        iifname {taps} meta l4proto tcp jump egress_guard
         iifname {taps} meta l4proto tcp redirect to :{proxy_port}
     }}
     chain input {{
@@ -99,10 +141,12 @@ def _nft(script: str) -> None:
         raise NetfilterError(f"nft refused the ruleset: {proc.stderr.strip()[-800:]}")
 
 
-def install_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str) -> str:
+def install_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str,
+                    operator_allow: Sequence[IPNetwork] = (), sandbox_cidr: str | None = None) -> str:
     """Install (or replace) ``table inet <table>`` in one transaction; returns the script applied.
     Blocking (runs ``nft``); raises :class:`NetfilterError`. Removal is
     :func:`podbay.stacknet.remove_nft_table` (``podbay down --purge``, test teardown)."""
-    script = render_ruleset(proxy_port, dns_port, table=table, tap_prefix=tap_prefix)
+    script = render_ruleset(proxy_port, dns_port, table=table, tap_prefix=tap_prefix,
+                            operator_allow=operator_allow, sandbox_cidr=sandbox_cidr)
     _nft(script)
     return script

@@ -44,6 +44,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from podbay.config import Settings
 from podbay.contracts.channel import GuestNet
 from podbay.contracts.egress import NetBinding, binding_path, bindings_dir
+from podbay.egress_ranges import parse_cidrs
 from podbay.errors import Unavailable
 from podbay.sandbox_ca import new_sandbox_ca
 from podbay.stacknet import nft_table, sandbox_cidr, tap_prefix
@@ -185,7 +186,9 @@ class SandboxNetwork:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ca_dir, 0o700)
         install_ruleset(self.settings.gateway_proxy_port, self.settings.gateway_dns_port,
-                        table=nft_table(self.settings.data_dir), tap_prefix=self.tap_prefix)
+                        table=nft_table(self.settings.data_dir), tap_prefix=self.tap_prefix,
+                        operator_allow=parse_cidrs(self.settings.egress_operator_allow_cidrs),
+                        sandbox_cidr=self.cidr)
         self.load_leases()
 
     def load_leases(self) -> None:

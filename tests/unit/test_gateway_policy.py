@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from podbay.contracts.egress import EgressPolicy
+from podbay.egress_ranges import parse_cidrs
 from podbay_gateway.policy import (
     always_denied,
     cidr_allows,
@@ -79,51 +80,51 @@ def test_always_denied_wins_over_an_allow_everything_policy() -> None:
         d = decide(policy, name="meta.internal", addr=addr, port=80, own_addrs=["192.0.2.10"],
                    sandbox_cidr="10.88.0.0/16")
         assert not d.allowed, addr
-    assert decide(policy, name=None, addr="198.51.100.7", port=80, sandbox_cidr="10.88.0.0/16").allowed
+    assert decide(policy, name=None, addr="93.184.216.7", port=80, sandbox_cidr="10.88.0.0/16").allowed
 
 
 def test_no_policy_denies_everything() -> None:
-    d = decide(None, name="example.com", addr="198.51.100.7", port=443)
+    d = decide(None, name="example.com", addr="93.184.216.7", port=443)
     assert not d.allowed and d.reason == "no_policy"
     assert not decide_name(None, "example.com").allowed
     empty = _policy()
-    assert decide(empty, name="example.com", addr="198.51.100.7", port=443).reason == "no_allow_rule"
+    assert decide(empty, name="example.com", addr="93.184.216.7", port=443).reason == "no_allow_rule"
 
 
 def test_domain_rule_with_ports() -> None:
     policy = _policy(allow=[{"domain": "*.example.com", "ports": [443]}])
-    ok = decide(policy, name="api.example.com", addr="198.51.100.7", port=443, name_addrs=["198.51.100.7"])
+    ok = decide(policy, name="api.example.com", addr="93.184.216.7", port=443, name_addrs=["93.184.216.7"])
     assert ok.allowed and ok.reason == "allowed"
-    assert decide(policy, name="api.example.com", addr="198.51.100.7", port=80,
-                  name_addrs=["198.51.100.7"]).reason == "no_allow_rule"
-    assert decide(policy, name="example.com", addr="198.51.100.7", port=443,
-                  name_addrs=["198.51.100.7"]).reason == "no_allow_rule"
+    assert decide(policy, name="api.example.com", addr="93.184.216.7", port=80,
+                  name_addrs=["93.184.216.7"]).reason == "no_allow_rule"
+    assert decide(policy, name="example.com", addr="93.184.216.7", port=443,
+                  name_addrs=["93.184.216.7"]).reason == "no_allow_rule"
 
 
 def test_name_needs_its_own_address() -> None:
     policy = _policy(allow=[{"domain": "api.example.com"}])
-    d = decide(policy, name="api.example.com", addr="203.0.113.9", port=443, name_addrs=["198.51.100.7"])
+    d = decide(policy, name="api.example.com", addr="93.184.218.9", port=443, name_addrs=["93.184.216.7"])
     assert not d.allowed and d.reason == "address_mismatch"
     # name_addrs None: the caller vouches (the address came from our own DNS answer for that name)
-    assert decide(policy, name="api.example.com", addr="203.0.113.9", port=443, name_addrs=None).allowed
+    assert decide(policy, name="api.example.com", addr="93.184.218.9", port=443, name_addrs=None).allowed
 
 
 def test_cidr_rules_and_ports() -> None:
-    policy = _policy(allow=[{"cidr": "198.51.100.0/24", "ports": [5432]}])
-    assert decide(policy, name=None, addr="198.51.100.7", port=5432).allowed
-    assert not decide(policy, name=None, addr="198.51.100.7", port=22).allowed
-    assert not decide(policy, name=None, addr="198.51.101.7", port=5432).allowed
+    policy = _policy(allow=[{"cidr": "93.184.216.0/24", "ports": [5432]}])
+    assert decide(policy, name=None, addr="93.184.216.7", port=5432).allowed
+    assert not decide(policy, name=None, addr="93.184.216.7", port=22).allowed
+    assert not decide(policy, name=None, addr="93.184.217.7", port=5432).allowed
 
 
 def test_deny_wins_over_allow() -> None:
-    policy = _policy(allow=[{"domain": "*.example.com"}, {"cidr": "198.51.100.0/24"}],
-                     deny=[{"domain": "secret.example.com"}, {"cidr": "198.51.100.66/32", "ports": [443]}])
-    assert decide(policy, name="secret.example.com", addr="198.51.100.7", port=443,
-                  name_addrs=["198.51.100.7"]).reason == "deny_rule"
-    assert decide(policy, name=None, addr="198.51.100.66", port=443).reason == "deny_rule"
-    assert decide(policy, name=None, addr="198.51.100.66", port=80).allowed
-    assert decide(policy, name="www.example.com", addr="198.51.100.7", port=443,
-                  name_addrs=["198.51.100.7"]).allowed
+    policy = _policy(allow=[{"domain": "*.example.com"}, {"cidr": "93.184.216.0/24"}],
+                     deny=[{"domain": "secret.example.com"}, {"cidr": "93.184.216.66/32", "ports": [443]}])
+    assert decide(policy, name="secret.example.com", addr="93.184.216.7", port=443,
+                  name_addrs=["93.184.216.7"]).reason == "deny_rule"
+    assert decide(policy, name=None, addr="93.184.216.66", port=443).reason == "deny_rule"
+    assert decide(policy, name=None, addr="93.184.216.66", port=80).allowed
+    assert decide(policy, name="www.example.com", addr="93.184.216.7", port=443,
+                  name_addrs=["93.184.216.7"]).allowed
 
 
 def test_dns_names() -> None:
@@ -139,13 +140,13 @@ def test_dns_names() -> None:
 
 
 def test_cidr_allows_any_port_unless_denied_on_every_port() -> None:
-    policy = _policy(allow=[{"cidr": "198.51.100.0/24", "ports": [443]}],
-                     deny=[{"cidr": "198.51.100.66/32"}, {"cidr": "198.51.100.77/32", "ports": [443]}])
-    assert cidr_allows(policy, "198.51.100.7")
-    assert not cidr_allows(policy, "198.51.100.66")
-    assert cidr_allows(policy, "198.51.100.77")  # denied on 443 only: the name may still be learned
-    assert not cidr_allows(policy, "203.0.113.1")
-    assert not cidr_allows(None, "198.51.100.7")
+    policy = _policy(allow=[{"cidr": "93.184.216.0/24", "ports": [443]}],
+                     deny=[{"cidr": "93.184.216.66/32"}, {"cidr": "93.184.216.77/32", "ports": [443]}])
+    assert cidr_allows(policy, "93.184.216.7")
+    assert not cidr_allows(policy, "93.184.216.66")
+    assert cidr_allows(policy, "93.184.216.77")  # denied on 443 only: the name may still be learned
+    assert not cidr_allows(policy, "93.184.218.1")
+    assert not cidr_allows(None, "93.184.216.7")
 
 
 def test_transform_headers_merge_in_order_case_insensitively() -> None:
@@ -158,3 +159,37 @@ def test_transform_headers_merge_in_order_case_insensitively() -> None:
     assert transform_headers(policy, "example.com") == {}  # a wildcard is strictly below its suffix
     assert transform_headers(policy, "192.0.2.1") == {} and transform_headers(policy, None) == {}
     assert transform_headers(None, "api.example.com") == {}
+
+
+@pytest.mark.parametrize(("addr", "reason"), [
+    ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"), ("100.64.0.1", "shared"),
+    ("169.254.169.254", "link_local"), ("127.0.0.1", "loopback"), ("192.0.2.1", "reserved"),
+    ("::ffff:10.1.2.3", "private"), ("64:ff9b::192.168.1.1", "private"), ("fd00::1", "private"),
+    ("10.77.3.1", "stack_network"),
+])
+def test_allow_everything_means_the_public_internet(addr: str, reason: str) -> None:
+    policy = _policy(allow=[{"cidr": "0.0.0.0/0"}, {"cidr": "::/0"}, {"domain": "*.example.com"}])
+    d = decide(policy, name=None, addr=addr, port=443, sandbox_cidr="10.88.0.0/16")
+    assert not d.allowed and d.reason == reason, d
+    # by name too: a name that resolves into a private range leads nowhere
+    d = decide(policy, name="internal.example.com", addr=addr, port=443, name_addrs=[addr],
+               sandbox_cidr="10.88.0.0/16")
+    assert not d.allowed and d.reason == reason, d
+    assert decide(policy, name=None, addr="93.184.216.34", port=443, sandbox_cidr="10.88.0.0/16").allowed
+
+
+def test_operator_allow_list_opens_a_range_but_never_the_stack_s_own_addresses() -> None:
+    allow = parse_cidrs("10.0.0.0/8, 192.168.7.0/24")
+    everything = _policy(allow=[{"cidr": "0.0.0.0/0"}])
+
+    def reason(addr: str, policy: EgressPolicy | None = None) -> str:
+        return decide(policy or everything, name=None, addr=addr, port=80, own_addrs=["10.5.0.1"], sandbox_cidr="10.88.0.0/16",
+                      operator_allow=allow).reason
+
+    assert reason("10.9.9.9") == "allowed" and reason("192.168.7.7") == "allowed"
+    assert reason("192.168.8.7") == "private" and reason("172.16.0.1") == "private"
+    for addr, why in (("10.88.0.5", "sandbox_network"), ("10.77.0.1", "stack_network"),
+                      ("10.5.0.1", "node_address"), ("::ffff:10.5.0.1", "node_address")):
+        assert reason(addr) == why, addr
+    # the operator's allow-list opens a range; the tenant's policy still has to allow the address
+    assert reason("10.9.9.9", _policy(allow=[{"domain": "*.example.com"}])) == "no_allow_rule"

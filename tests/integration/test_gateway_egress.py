@@ -4,7 +4,7 @@ Layout (S is a per-run subnet number):
 
     netns client A  10.250.S.2 --veth-- pbtgSa 10.250.S.1 ┐ netns "node": nftables redirect TCP -> proxy
     netns client B  10.250.S.6 --veth-- pbtgSb 10.250.S.5 ├ port, port 53 -> DNS port; podbay-gateway
-    netns upstream  10.251.S.2, .3 --veth-- pbguS 10.251.S.1 ┘ (PostgreSQL/NATS relayed in from the host)
+    netns upstream  10.251.S.2, .3, .4 --veth-- pbguS 10.251.S.1 ┘ (PostgreSQL/NATS relayed in from the host)
 
 The node is a namespace of its own so that the test's rules and taps stay apart from any other stack's
 ``pbt*`` devices and nftables tables on the same host.
@@ -13,6 +13,10 @@ The upstream namespace runs an HTTPS (and HTTP) echo server with its own CA, whi
 as the host does: its process's ``SSL_CERT_FILE`` is certifi's roots plus that CA (as on a network that
 inspects TLS), and no ``gateway_upstream_ca`` is set; its names are in ``gateway_hosts_file``. Each client namespace is one sandbox with a
 NetBinding and its own CA; PostgreSQL holds the sandboxes, policies and credentials.
+
+Every address here is private (10/8), which no sandbox reaches unless the operator allow-lists it: the
+gateway runs with ``PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS`` = the upstream's .2 and .3 only, so .4 (listening
+too) stands for a private network behind the node that a policy of ``0.0.0.0/0`` must not reach.
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ class Env:
     upstream_log: Path
     health_url: str
     creds: dict[str, str]
+    private_addr: str
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +177,10 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
     work.mkdir(parents=True)
     data_dir, node_id = work / "data", "gwtest"
     up_addr, denied_addr, node_addr = f"10.251.{s}.2", f"10.251.{s}.3", f"10.251.{s}.1"
+    private_addr = f"10.251.{s}.4"  # not allow-listed by the operator: a private network behind the node
     ca_file, leaf, leaf_key = _upstream_pki(work, [*NAMES, "denied.test"], [up_addr, denied_addr])
     hosts = work / "hosts"
-    hosts.write_text(f"{up_addr} {' '.join(NAMES)}\n{denied_addr} denied.test\n")
+    hosts.write_text(f"{up_addr} {' '.join(NAMES)}\n{denied_addr} denied.test\n{private_addr} private.test\n")
     upstream_log = work / "upstream-auth.log"
     upstream_log.touch()
     node_ns, ns_up, up_if = f"pbgw-n{s}", f"pbgw-u{s}", f"pbgu{s}"
@@ -200,6 +206,7 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
         node("addr", "add", f"{node_addr}/29", "dev", up_if)
         node("link", "set", up_if, "up")
         for cmd in (["addr", "add", f"{up_addr}/29", "dev", "eth0"], ["addr", "add", f"{denied_addr}/29", "dev", "eth0"],
+                    ["addr", "add", f"{private_addr}/29", "dev", "eth0"],
                     ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"],
                     ["route", "add", "default", "via", node_addr]):
             _sh("ip", "-n", ns_up, *cmd)
@@ -267,7 +274,9 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
                     "PODBAY_NATS_URL": nats_url, "PODBAY_DATA_DIR": str(data_dir), "PODBAY_NODE_ID": node_id,
                     "PODBAY_GATEWAY_PORT": str(health), "PODBAY_GATEWAY_PROXY_PORT": str(proxy_port),
                     "PODBAY_GATEWAY_DNS_PORT": str(dns_port), "PODBAY_SANDBOX_CIDR": f"10.250.{s}.0/24",
-                    "PODBAY_GATEWAY_HOSTS_FILE": str(hosts), "PODBAY_CREDENTIAL_KEY": key}
+                    "PODBAY_GATEWAY_HOSTS_FILE": str(hosts), "PODBAY_CREDENTIAL_KEY": key,
+                    # the operator opens the upstream's two addresses (private ones) and nothing else
+                    "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": f"{up_addr}/32, {denied_addr}/32"}
         log = open(work / "gateway.log", "ab")  # noqa: SIM115 - closed with the process
         gw = subprocess.Popen(["ip", "netns", "exec", node_ns, str(gateway_executable())], env=env_vars,
                               stdout=log, stderr=subprocess.STDOUT)
@@ -287,7 +296,7 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("gateway not healthy: " + (work / "gateway.log").read_text()[-3000:])
-        yield Env(a, b, up_addr, denied_addr, node_addr, ca_file, upstream_log, health_url, creds)
+        yield Env(a, b, up_addr, denied_addr, node_addr, ca_file, upstream_log, health_url, creds, private_addr)
     finally:
         codes = [stop_process(p, grace_s=10) for p in reversed(procs)]
         for cmd in reversed(cleanup):
@@ -480,6 +489,32 @@ async def test_metadata_and_node_addresses_refused_whatever_the_policy(env: Env,
         for addr, port in (("169.254.169.254", 80), (env.node_addr, 80), (a.host_addr, 80), ("127.0.0.1", 80)):
             out = await asyncio.to_thread(a.run, {"op": "http", "addr": addr, "port": port, "host": "www.test"})
             assert out.get("status", 0) == 0, (addr, out)  # closed without an answer (or never connected)
+    finally:
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, BASE_POLICY)
+
+
+async def test_allow_everything_does_not_reach_a_private_network_the_operator_did_not_open(
+        env: Env, pool: asyncpg.Pool) -> None:
+    a = env.a
+    after = await _last_audit_id(pool)
+    await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox,
+                       {"allow": [{"cidr": "0.0.0.0/0"}, {"domain": "*.test"}]})
+    try:
+        # The operator-allowed neighbour on the same wire answers, so the upstream does listen on every address.
+        ok = await asyncio.to_thread(a.run, {"op": "http", "addr": env.up_addr, "port": 80, "host": "x.invalid"})
+        assert ok["status"] == 200, ok
+        # The private address: raw TCP, plain HTTP by an allowed name, TLS by an allowed SNI: no answer at all.
+        for op in ({"op": "raw", "addr": env.private_addr, "port": 80, "send": True},
+                   {"op": "http", "addr": env.private_addr, "port": 80, "host": "private.test"},
+                   {"op": "https", "addr": env.private_addr, "port": 443, "sni": "private.test",
+                    "cafile": str(env.upstream_ca), "path": "/"}):
+            out = await asyncio.to_thread(a.run, op)
+            assert out.get("status", 0) == 0 and not out.get("data"), (op, out)
+        # DNS does not lead there either: an allowed name that resolves into the range is NXDOMAIN.
+        assert (await asyncio.to_thread(a.dns, "private.test")) == {"rcode": "NXDOMAIN", "addrs": []}
+        rows = await _audit(pool, a.sandbox, "egress.deny", decision="deny", after=after, want=2)
+        reasons = {r["detail"]["reason"] for r in rows}
+        assert "private" in reasons, [dict(r) for r in rows]
     finally:
         await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, BASE_POLICY)
 

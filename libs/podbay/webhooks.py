@@ -22,6 +22,12 @@ private ranges). The API refuses such an IP literal or ``localhost`` at registra
 the deliverer resolves the host before every attempt and refuses to connect when any address it resolves to
 is not public (``refused_addresses``): that covers names pointing inwards and webhooks registered before the
 check existed. Such a refusal is a failed delivery without retries, recorded in ``last_error``.
+
+Pinning: the attempt then connects to the address it checked (the first one the name resolved to), never
+to the name again, so a name re-pointed between the check and the connection (DNS rebinding) cannot move
+the POST inwards. The request keeps the name: its ``Host`` header is the URL's, and for HTTPS the TLS SNI
+and the certificate check are for the name (httpx's ``sni_hostname`` request extension), exactly as a
+connection by name. With ``PODBAY_WEBHOOK_ALLOW_PRIVATE`` nothing is checked and the URL is used as it is.
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_af
 
 from podbay.bus import Bus, consume
 from podbay.contracts import subjects
+from podbay.egress_ranges import range_kind
 
 __all__ = ["SIGNATURE_HEADER", "sign", "signature_header", "verify_signature", "Deliverer", "DELIVERER_CONSUMER",
-           "ALLOW_PRIVATE_SETTING", "refused_host", "refused_addresses", "resolve_host"]
+           "ALLOW_PRIVATE_SETTING", "refused_host", "refused_addresses", "resolve_host", "pinned_request"]
 
 log = logging.getLogger("podbay.webhooks")
 
@@ -89,8 +96,9 @@ def _as_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    # ipaddress counts multicast ranges as global; a webhook has no business there either.
-    return ip.is_global and not ip.is_multicast
+    # ipaddress counts multicast ranges as global; a webhook has no business there either. The egress
+    # gateway's table adds what ipaddress misses, e.g. NAT64 (64:ff9b::a00:1) of a private IPv4 address.
+    return ip.is_global and not ip.is_multicast and range_kind(ip) is None
 
 
 def refused_host(host: str) -> str | None:
@@ -135,6 +143,20 @@ async def resolve_host(host: str, port: int) -> list[str]:
     when the name does not resolve."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def pinned_request(url: str, address: str) -> tuple[httpx.URL, dict[str, str], dict[str, Any]]:
+    """What a POST to ``url`` must be sent as to connect to ``address`` (an IP string the URL's host was
+    checked to resolve to) while the receiver sees the name: ``(URL with the address as host, the Host
+    header of the original URL, request extensions)``; for HTTPS the extensions hold ``sni_hostname`` = the
+    name, which httpcore uses for SNI and for the certificate's host name check. An IP-literal host is left
+    as it is. Raises ``httpx.InvalidURL``."""
+    parsed = httpx.URL(url)
+    if _as_ip(parsed.host) is not None and str(_as_ip(parsed.host)) == address:
+        return parsed, {}, {}
+    pinned = parsed.copy_with(host=address)
+    extensions: dict[str, Any] = {"sni_hostname": parsed.host} if parsed.scheme == "https" else {}
+    return pinned, {"Host": parsed.netloc.decode("ascii")}, extensions
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -255,9 +277,10 @@ class Deliverer:
             await asyncio.gather(*(self._deliver(h, body, payload, seq) for h in hooks))
         await msg.ack()
 
-    async def _check_destination(self, url: str) -> None:
-        """Raise ``_Refused`` when ``url``'s host is or resolves to a non-public address, ``_Retryable`` when it
-        does not resolve (DNS may be back later)."""
+    async def _check_destination(self, url: str) -> str:
+        """The address to connect to for ``url``: the first its host resolves to, every one of them checked.
+        Raise ``_Refused`` when the host is or resolves to a non-public address, ``_Retryable`` when it does
+        not resolve (DNS may be back later)."""
         try:
             parsed = httpx.URL(url)
         except httpx.InvalidURL as exc:
@@ -271,9 +294,14 @@ class Deliverer:
             except OSError as exc:  # socket.gaierror, and TimeoutError from wait_for
                 raise _Retryable(f"cannot resolve {host}: {type(exc).__name__}: {exc}"[:300], None) from exc
             reason = refused_addresses(host, addresses)
+            if reason is None and not addresses:
+                raise _Retryable(f"cannot resolve {host}: no address", None)
+        else:
+            addresses = []
         if reason is not None:
             raise _Refused(f"refused: {reason}, not a public one (set {ALLOW_PRIVATE_SETTING}=1 on the API to "
                            "allow non-public destinations)")
+        return addresses[0]
 
     async def _deliver(self, hook: asyncpg.Record, body: bytes, payload: dict[str, Any], seq: int) -> None:
         attempts = 0
@@ -287,11 +315,16 @@ class Deliverer:
                        SIGNATURE_HEADER: signature_header(hook["secret"], body),
                        "Podbay-Event-Id": str(payload.get("id", "")), "Podbay-Event-Seq": str(seq),
                        "Podbay-Event-Type": str(payload.get("type", "")), "Podbay-Webhook-Id": hook["id"]}
+            url: str | httpx.URL = hook["url"]
+            extensions: dict[str, Any] = {}
             if not self._allow_private:
-                # Before every attempt: a name may be re-pointed between attempts.
-                await self._check_destination(hook["url"])
+                # Before every attempt (a name may be re-pointed between attempts), and the connection goes to
+                # the very address checked: no second lookup by the HTTP client.
+                address = await self._check_destination(hook["url"])
+                url, host_header, extensions = pinned_request(hook["url"], address)
+                headers.update(host_header)
             try:
-                resp = await self._http.post(hook["url"], content=body, headers=headers)
+                resp = await self._http.post(url, content=body, headers=headers, extensions=extensions)
             except httpx.HTTPError as exc:
                 raise _Retryable(f"{type(exc).__name__}: {exc}"[:300], None) from exc
             if resp.status_code in (408, 429) or resp.status_code >= 500:

@@ -283,6 +283,12 @@ class Settings(BaseSettings):
                                           "in cache_dir/layers (BUILD_LAYER_SHARE_S), GiB; copies there are "
                                           "sparse, not reflinks, so the count is close to their cost (the "
                                           "browser's and desktop's slow layers: about 2-2.6 GiB each).")
+    oci_allow_device_nodes: bool = Field(False, description="Unpack device nodes (character, block) of images a "
+                                         "template is built FROM; off: such an image is refused (the guest's "
+                                         "devtmpfs makes /dev, so an image's own nodes serve no purpose).")
+    oci_allow_setuid: bool = Field(True, description="Unpack setuid/setgid files and file capabilities of images "
+                                   "(sudo, ping inside the guest, a VM of its own; the host never runs an image's "
+                                   "file); off: such an image is refused.")
     sandbox_memory_mib: int = Field(256, description="Default guest RAM.")
     sandbox_vcpus: int = Field(1, description="Default guest vCPUs.")
     sandbox_max_disk_mib: int = Field(65536, ge=1, description="Largest root disk a create may ask for "

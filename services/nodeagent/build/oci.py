@@ -1,10 +1,12 @@
 """``FROM`` an OCI image: the image becomes a root template of its own, booted once and snapshotted.
 
-Tools (issue: "Debian's skopeo and umoci exist; choose"): ``skopeo copy`` reads every transport the
-Dockerfile may name (``oci:``, ``oci-archive:``, ``docker-archive:``, ``docker://``) and writes one OCI
-layout, whose manifest digest is the image's identity; ``umoci unpack`` applies its layers (whiteouts and
-all) into a root filesystem. Both are Debian packages; neither needs a daemon. Skopeo alone cannot unpack,
-and umoci alone reads only OCI layouts, so each does the half it is made for.
+Tools: ``skopeo copy`` (a Debian package, no daemon) reads every transport the Dockerfile may name
+(``oci:``, ``oci-archive:``, ``docker-archive:``, ``docker://``) and writes one OCI layout, whose manifest
+digest is the image's identity; podbay applies its layers itself (build/unpack.py), as hostile input: every
+path an image's member names is resolved inside the root being built (``openat2`` with
+``RESOLVE_IN_ROOT``), device nodes are refused, and nothing of the image runs on the host. What podbay then
+writes into the root (below) goes through the same confinement (build/rootfs.py). ``docker://`` (a
+registry pull from the node's own network) is for the operator's tenant only; the API refuses it for others.
 
 The image's files are the guest's root filesystem; podbay adds only what the guest needs to be a sandbox,
 all of it under ``/opt/podbay`` (which an image's own files never use), plus ``/sbin/podbay-init``:
@@ -35,9 +37,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
+import tarfile
 import tempfile
 from pathlib import Path
+
+import zstandard
 
 from pydantic import BaseModel, Field
 
@@ -49,8 +55,11 @@ from ..accel import host_tsc_khz, qemu_version, resolve_accel
 from ..image import ASSETS_DIR, BaseImage, ProgressFn, build_base_image, debootstrap_tarball, guestd_sources
 from ..template import TemplateSnapshot, boot_and_snapshot, guest_aslr, locked, snapshot_key
 from ..vmm import Vmm
+from .rootfs import Root
+from .unpack import UnpackPolicy, UnsafeImage, blob_path, unpack_layout
 
-__all__ = ["OciImage", "OciError", "image_ref", "prepare_oci_template", "oci_template_name", "RUNTIME_RECIPE"]
+__all__ = ["OciImage", "OciError", "UnsafeImage", "image_ref", "prepare_oci_template", "oci_template_name",
+           "unpack_image", "unpack_policy", "RUNTIME_RECIPE"]
 
 #: Changes whenever what goes into ``/opt/podbay`` changes (part of every OCI template's key).
 RUNTIME_RECIPE = "oci-runtime-1"
@@ -132,8 +141,7 @@ async def _tool(argv: list[str], ref: str, what: str) -> bytes:
 
 
 def _blob(layout: Path, digest: str) -> bytes:
-    algo, _, hexd = digest.partition(":")
-    return (layout / "blobs" / algo / hexd).read_bytes()
+    return blob_path(layout, digest).read_bytes()  # ValueError for a digest that is not sha256 hex
 
 
 def _read_config(layout: Path) -> OciImage:
@@ -240,55 +248,94 @@ async def runtime_dir(settings: Settings) -> Path:
 
 
 def _add_user(root: Path) -> None:
-    """``user`` (uid/gid 1000, home /home/user), as ``base`` has, written into the image's account files."""
-    passwd, group = _inside(root, "/etc/passwd"), _inside(root, "/etc/group")
-    passwd.parent.mkdir(parents=True, exist_ok=True)
-    lines = passwd.read_text().splitlines() if passwd.exists() else ["root:x:0:0:root:/root:/bin/sh"]
-    if not any(line.split(":")[0] == "user" for line in lines):
-        shell = "/bin/bash" if _inside(root, "/bin/bash").exists() else "/bin/sh"
-        passwd.write_text("\n".join([*lines, f"user:x:1000:1000::/home/user:{shell}"]) + "\n")
-        glines = group.read_text().splitlines() if group.exists() else ["root:x:0:"]
-        if not any(line.split(":")[0] == "user" for line in glines):
-            group.write_text("\n".join([*glines, "user:x:1000:"]) + "\n")
-        home = _inside(root, "/home/user")
-        home.mkdir(parents=True, exist_ok=True)
-        os.chown(home, 1000, 1000)
-    sudoers = _inside(root, "/etc/sudoers.d")
-    if sudoers.is_dir():
-        (sudoers / "user").write_text("user ALL=(ALL:ALL) NOPASSWD:ALL\n")
-        os.chmod(sudoers / "user", 0o440)
+    """``user`` (uid/gid 1000, home /home/user), as ``base`` has, written into the image's account files.
+    Every read and write goes through :class:`~podbay_nodeagent.build.rootfs.Root` (the image's symlinks
+    resolve inside it; a symlink at ``/etc/passwd`` is replaced, never written through; an account file that
+    is not a regular file, or a link to none, counts as missing and is replaced). Raises ``OSError``."""
+    with Root(root) as r:
+        r.makedirs("/etc")
+        passwd = r.read_bytes("/etc/passwd").decode(errors="replace") if r.is_file("/etc/passwd") else None
+        lines = passwd.splitlines() if passwd is not None else ["root:x:0:0:root:/root:/bin/sh"]
+        if not any(line.split(":")[0] == "user" for line in lines):
+            shell = "/bin/bash" if r.stat("/bin/bash") is not None else "/bin/sh"
+            r.write_bytes("/etc/passwd", ("\n".join([*lines, f"user:x:1000:1000::/home/user:{shell}"]) + "\n").encode())
+            group = r.read_bytes("/etc/group").decode(errors="replace") if r.is_file("/etc/group") else None
+            glines = group.splitlines() if group is not None else ["root:x:0:"]
+            if not any(line.split(":")[0] == "user" for line in glines):
+                r.write_bytes("/etc/group", ("\n".join([*glines, "user:x:1000:"]) + "\n").encode())
+            r.makedirs("/home/user")
+            r.chown("/home/user", 1000, 1000)
+        if r.is_dir("/etc/sudoers.d"):
+            r.write_bytes("/etc/sudoers.d/user", b"user ALL=(ALL:ALL) NOPASSWD:ALL\n", mode=0o440)
+
+
+#: Guest paths podbay writes into an image (besides /opt/podbay, which it makes anew).
+_WRITTEN = ("/sbin/podbay-init", "/etc/passwd", "/etc/group", "/etc/resolv.conf", "/etc/hostname", "/etc/hosts",
+            "/etc/sudoers.d/user", "/home/user", "/proc", "/sys", "/dev", "/tmp", "/run", "/etc/ssl/certs")
 
 
 def _install_podbay(root: Path, rt: Path) -> None:
-    opt = root / "opt" / "podbay"
-    if opt.exists():
-        shutil.rmtree(opt)  # never the image's: /opt/podbay is ours
-    (opt / "bin").mkdir(parents=True)
-    shutil.copytree(rt, opt / "rt", symlinks=True)
+    """podbay's guest files (module docstring) written into the unpacked image ``root``, every path resolved
+    inside it (:class:`~podbay_nodeagent.build.rootfs.Root`). Raises ``OSError``, also for an image whose
+    symlinks on those paths point above its root (refused rather than reinterpreted)."""
+    for p in _WRITTEN:
+        _inside(root, p)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
     guestd, frames = guestd_sources()
-    lib = opt / "lib"
-    shutil.copytree(guestd, lib / "podbay_guestd", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (lib / "podbay" / "channel").mkdir(parents=True)
-    (lib / "podbay" / "__init__.py").write_text("")
-    (lib / "podbay" / "channel" / "__init__.py").write_text("")
-    shutil.copy2(frames, lib / "podbay" / "channel" / "frames.py")
-    shutil.copy2(_BUSYBOX, opt / "bin" / "busybox")
-    init = _inside(root, "/sbin/podbay-init")
-    init.parent.mkdir(parents=True, exist_ok=True)
-    init.unlink(missing_ok=True)
-    shutil.copy2(_INIT, init)
-    os.chmod(init, 0o755)
-    # guestd writes the sandbox CA into the bundle under /etc/ssl/certs, which busybox-like images lack.
-    for d in ("/proc", "/sys", "/dev", "/tmp", "/run", "/etc/ssl/certs"):
-        _inside(root, d).mkdir(parents=True, exist_ok=True)
-    # The node writes the guest's resolver config and names the host at every start; the image's are not ours.
-    for name, text in (("/etc/resolv.conf", ""), ("/etc/hostname", "podbay\n"),
-                       ("/etc/hosts", "127.0.0.1\tlocalhost\n127.0.1.1\tpodbay\n::1\tlocalhost\n")):
-        p = _inside(root, name)
-        if p.is_symlink() or p.exists():
-            p.unlink()
-        p.write_text(text)
+    with Root(root) as r:
+        r.remove("/opt/podbay")  # never the image's: /opt/podbay is ours
+        r.makedirs("/opt/podbay/bin")
+        r.copy_in(rt, "/opt/podbay/rt")
+        r.copy_in(guestd, "/opt/podbay/lib/podbay_guestd", ignore=skip)
+        r.makedirs("/opt/podbay/lib/podbay/channel")
+        r.write_bytes("/opt/podbay/lib/podbay/__init__.py", b"")
+        r.write_bytes("/opt/podbay/lib/podbay/channel/__init__.py", b"")
+        r.copy_in(frames, "/opt/podbay/lib/podbay/channel/frames.py")
+        r.copy_in(_BUSYBOX, "/opt/podbay/bin/busybox")
+        r.makedirs("/sbin")
+        r.copy_in(_INIT, "/sbin/podbay-init")
+        r.chmod("/sbin/podbay-init", 0o755)
+        # guestd writes the sandbox CA into the bundle under /etc/ssl/certs, which busybox-like images lack.
+        for d in ("/proc", "/sys", "/dev", "/tmp", "/run", "/etc/ssl/certs"):
+            r.makedirs(d)
+        # The node writes the guest's resolver config and names the host at every start; the image's are not ours.
+        for name, text in (("/etc/resolv.conf", ""), ("/etc/hostname", "podbay\n"),
+                           ("/etc/hosts", "127.0.0.1\tlocalhost\n127.0.1.1\tpodbay\n::1\tlocalhost\n")):
+            r.write_bytes(name, text.encode())
     _add_user(root)
+
+
+def _used_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (``lstat``: no symlink followed)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            st = os.lstat(os.path.join(dirpath, f))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def unpack_policy(settings: Settings) -> UnpackPolicy:
+    """The node's :class:`UnpackPolicy` (``oci_allow_device_nodes``, ``oci_allow_setuid``)."""
+    return UnpackPolicy(allow_device_nodes=settings.oci_allow_device_nodes, allow_setuid=settings.oci_allow_setuid)
+
+
+async def unpack_image(ref: str, layout: Path, work: Path, rt: Path, policy: UnpackPolicy) -> Path:
+    """The layers of OCI layout ``layout`` (image ``ref``, from :func:`pull`) unpacked as hostile into
+    ``work/rootfs`` (build/unpack.py) and podbay's guest files added (``rt``: guestd's runtime); returns the
+    root. Raises :class:`OciError` (422) or :class:`UnsafeImage` (422 ``unsafe_image``)."""
+    rootfs = work / "rootfs"
+    try:
+        await asyncio.to_thread(unpack_layout, layout, rootfs, policy, ref)
+    except (OSError, ValueError, KeyError, IndexError, tarfile.TarError, zstandard.ZstdError) as exc:
+        raise OciError(f"FROM {ref}: cannot unpack the image: {exc}", details={"from": ref}) from exc
+    try:
+        await asyncio.to_thread(_install_podbay, rootfs, rt)
+    except OSError as exc:
+        raise OciError(f"FROM {ref}: cannot add podbay's guest files to the image: {exc}",
+                       details={"from": ref}) from exc
+    return rootfs
 
 
 async def _build_image(settings: Settings, ref: str, context: Path, base: BaseImage, rt: Path,
@@ -307,19 +354,12 @@ async def _build_image(settings: Settings, ref: str, context: Path, base: BaseIm
         if (final / "image.json").exists():
             return BaseImage.model_validate_json((final / "image.json").read_text()), img
         progress("unpack", 0.0)
-        bundle = work / "bundle"
-        await _tool(["umoci", "unpack", "--image", f"{layout}:img", str(bundle)], ref, "unpacking the image (umoci)")
-        rootfs = bundle / "rootfs"
-        try:
-            await asyncio.to_thread(_install_podbay, rootfs, rt)
-        except OSError as exc:
-            raise OciError(f"FROM {ref}: cannot add podbay's guest files to the image: {exc}",
-                           details={"from": ref}) from exc
+        rootfs = await unpack_image(ref, layout, work, rt, unpack_policy(settings))
         progress("unpack", 1.0)
         progress("rootfs", 0.0)
         out = work / "image"
         out.mkdir()
-        used = sum(f.lstat().st_size for f in rootfs.rglob("*") if not f.is_symlink() and f.is_file())
+        used = await asyncio.to_thread(_used_bytes, rootfs)
         size_mib = max(1024, (used * 3 // 2 >> 20) + 512)
         with (out / "rootfs.img").open("wb") as fh:
             fh.truncate(size_mib << 20)

@@ -35,7 +35,7 @@ __all__ = ["HOP_BY_HOP", "ERROR_HEADER", "json_error", "forwarded_headers", "req
 ERROR_HEADER = "x-podbay-port-error"
 #: Headers of one hop only (RFC 9110 §7.6.1), plus podbay's internal ones and Host; never relayed.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "transfer-encoding", "upgrade", "proxy-connection", "x-podbay-internal-token",
+                        "transfer-encoding", "upgrade", "proxy-connection", "x-podbay-internal-token", "x-podbay-grant",
                         "x-podbay-generation", "x-podbay-port-path", "x-podbay-port-host", "host"})
 # Set by the WebSocket client itself.
 _WS_OWN = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",

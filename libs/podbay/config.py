@@ -94,6 +94,14 @@ class Settings(BaseSettings):
                                          "API's sweep deletes it.")
     exec_timeout_s: float = Field(300.0, description="Default exec timeout when the request gives none.")
     internal_token: str = Field("", description="Shared secret between the API and node data planes.")
+    grant_signing_key: str = Field("", description="API only: base64 of the raw 32-byte Ed25519 private key "
+                                   "that signs node grants (podbay.grants), one per node call: tenant, "
+                                   "sandbox, generation, kind of operation, 60 s expiry. The API refuses to "
+                                   "start without it. `podbay up` keeps one in DATA_DIR/grant.key.")
+    grant_verify_key: str = Field("", description="Node agents: base64 of the raw 32-byte Ed25519 public key "
+                                  "of PODBAY_GRANT_SIGNING_KEY; the data plane refuses (403 `grant_refused`) "
+                                  "every /internal call without a valid grant. The node agent refuses to "
+                                  "start without it.")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="POSTs per webhook and event before giving up.")
     webhook_backoff_s: float = Field(1.0, gt=0, description="First wait between webhook attempts; doubles each time.")
     webhook_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between webhook attempts.")

@@ -9,8 +9,9 @@
     │   └── VolumeTooLarge    400  volume_too_large  (over the node's limit; ``details.max_bytes``)
     ├── Unauthorized          401  unauthorized
     ├── Forbidden             403  forbidden  (the caller is known but may not do this)
-    │   └── NotWritable       403  not_writable (a file write the guest refused: read-only or pseudo file system
-    │                                           such as /proc or /sys, or no permission; ``details.path``)
+    │   ├── NotWritable       403  not_writable (a file write the guest refused: read-only or pseudo file system
+    │   │                                       such as /proc or /sys, or no permission; ``details.path``)
+    │   └── GrantRefused      403  grant_refused (a node call without a valid API grant for its sandbox and kind)
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
     │   ├── InvalidState      409  invalid_state (carries the current state)
@@ -55,6 +56,7 @@ __all__ = [
     "Unauthorized",
     "Forbidden",
     "NotWritable",
+    "GrantRefused",
     "NotFound",
     "Conflict",
     "InvalidState",
@@ -154,6 +156,13 @@ class PermissionDenied(Forbidden):
     code stays in ``details.guest_code``."""
 
     code = "permission_denied"
+
+
+class GrantRefused(Forbidden):
+    """A node data-plane call refused: its grant (podbay.grants) is missing, malformed, badly signed, expired,
+    already used, or for another sandbox, build, kind or generation."""
+
+    code = "grant_refused"
 
 
 class NotFound(PodbayError):
@@ -300,6 +309,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
         Forbidden,
         NotWritable,
         PermissionDenied,
+        GrantRefused,
         NotFound,
         Conflict,
         InvalidState,

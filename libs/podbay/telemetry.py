@@ -87,7 +87,7 @@ def setup_logging(service: str, level: str | None = None) -> None:
 
     settings = get_settings()
     static = {"node_id": settings.node_id} if service in NODE_LOCAL_SERVICES else {}
-    secrets = [settings.internal_token, settings.credential_key, settings.openbao_token,
+    secrets = [settings.internal_token, settings.credential_key, settings.openbao_token, settings.grant_signing_key,
                os.environ.get("AWS_SECRET_ACCESS_KEY", ""), settings.api_key or ""]
     configure_logging(service, level=(level or settings.log_level or "INFO"), fmt=settings.log_format,
                       static=static, secrets=secrets)

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from podbay.contracts.computer import (SCREENSHOT_SOURCE_HEADER, CdpEndpoint, CdpTarget, ComputerResult,
                                       FillRequest, FillResult, KeyboardAction, MouseAction)
 from podbay.contracts.states import SandboxCommand
+from podbay.grants import GrantKind
 
 from . import dataplane
 from . import ports_access as pa
@@ -52,6 +53,7 @@ async def screenshot(sandbox_id: str, request: Request, ctx: CtxDep, who: Princi
     fields are painted over (opaque black)."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
     return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/screenshot"), gen, method="POST",
+                                 tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.COMPUTER,
                                  pass_headers=("content-type", "content-length", SCREENSHOT_SOURCE_HEADER))
 
 
@@ -61,6 +63,7 @@ async def mouse(sandbox_id: str, body: MouseAction, request: Request, ctx: CtxDe
     base, gen, _ = await dataplane.lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.computer.mouse",
                                           {"action": body.action})
     return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/mouse"), gen, method="POST",
+                                 tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.COMPUTER,
                                  json_body=body.model_dump(mode="json"))
 
 
@@ -71,6 +74,7 @@ async def keyboard(sandbox_id: str, body: KeyboardAction, request: Request, ctx:
     base, gen, _ = await dataplane.lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.computer.keyboard",
                                           {"action": body.action})
     return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/keyboard"), gen, method="POST",
+                                 tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.COMPUTER,
                                  json_body=body.model_dump(mode="json", exclude_none=True))
 
 
@@ -81,6 +85,7 @@ async def fill(sandbox_id: str, body: FillRequest, request: Request, ctx: CtxDep
     ``origin_not_allowed``; 422 ``selector_not_found``, ``invalid_selector``. The answer never holds the value."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
     return await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/fill"), gen, method="POST",
+                                 tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILL,
                                  json_body=body.model_dump(mode="json"))
 
 
@@ -89,7 +94,8 @@ async def cdp(sandbox_id: str, request: Request, ctx: CtxDep, who: PrincipalDep)
     """Where a CDP client (Playwright's ``connect_over_cdp``, Puppeteer's ``connect``) reaches the browser:
     ``ws(s)://<API>/ports/<port>-<id>/devtools/browser/<id>?podbay_token=...`` through the port edge."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.EXEC)
-    resp = await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/cdp"), gen, method="GET")
+    resp = await dataplane.proxy(ctx, request, _node(base, sandbox_id, "/cdp"), gen, method="GET",
+                                 tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.COMPUTER)
     if resp.status_code != 200:
         return resp  # the node's error (no_browser), passed through
     t = CdpTarget.model_validate(json.loads(bytes(resp.body)))

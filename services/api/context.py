@@ -14,6 +14,7 @@ import httpx
 from podbay.bus import Bus
 from podbay.config import Settings
 from podbay.contracts import subjects
+from podbay.grants import HEADER as GRANT_HEADER, GrantKind, GrantSigner
 from podbay.outbox import Relay
 
 __all__ = ["ApiContext", "EventWaiter"]
@@ -100,3 +101,14 @@ class ApiContext:
     #: client costs ~1-3 ms less per call than httpx's on a loaded 2-core host; streams stay on ``nodes_http``.
     #: None: everything goes through ``nodes_http``.
     nodes_json: aiohttp.ClientSession | None = None
+    _signer: GrantSigner | None = field(default=None, repr=False)
+
+    def node_headers(self, tenant: str, subject: str, generation: int, kind: GrantKind) -> dict[str, str]:
+        """The headers of one node call: a fresh grant (podbay.grants, 60 s, single use) for ``tenant``'s
+        ``kind`` operation on ``subject`` (a sandbox id; a build id or template name for build kinds) at
+        ``generation``, and that generation for the node's fencing. Mint one per request: the node refuses a
+        grant it has seen. GrantKeyError when ``grant_signing_key`` is unset or bad."""
+        if self._signer is None:
+            self._signer = GrantSigner(self.settings.grant_signing_key)
+        return {GRANT_HEADER: self._signer.mint(tenant, subject, generation, kind),
+                "x-podbay-generation": str(generation)}

@@ -1,8 +1,9 @@
 """Exec and file endpoints: authorised and state-checked here, then proxied to the sandbox's node.
 
 The node agent's data plane (``/internal/v1/sandboxes/{id}/...``) speaks the same bodies as these routes,
-so the API streams requests and responses through without re-encoding. The node checks the internal token
-and the sandbox's generation (a stale placement is refused with 409 ``stale_generation``).
+so the API streams requests and responses through without re-encoding. Every call carries a fresh grant
+(podbay.grants) for the caller's tenant, this sandbox, its generation and the kind of operation; the node
+refuses anything else (403 ``grant_refused``), and a stale placement with 409 ``stale_generation``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from podbay.contracts.api import ErrorBody, ExecRequest, ExecResult, FileInfo, F
 from podbay.contracts.states import SandboxCommand, check_allowed
 from podbay.contracts.messages import Event
 from podbay.errors import NotFound, Unavailable
+from podbay.grants import GrantKind
 from podbay.lifecycle import renew_lease_sql
 from podbay.outbox import new_id
 from podbay.telemetry import HOP_SECONDS
@@ -119,12 +121,15 @@ def _exec_body(body: ExecRequest, guest_env: dict[str, str]) -> dict[str, object
 
 
 async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *, method: str,
-                 params: dict[str, str] | None = None, json_body: object | None = None,
+                 tenant: str, subject: str, kind: GrantKind,
+                 params: dict[str, str] | httpx.QueryParams | None = None, json_body: object | None = None,
                  stream_body: bool = False, stream_response: bool = False,
                  extra_headers: dict[str, str] | None = None,
                  pass_headers: tuple[str, ...] = _PASS_HEADERS) -> Response:
-    headers = {**(extra_headers or {}), "x-podbay-internal-token": ctx.settings.internal_token,
-               "x-podbay-generation": str(generation)}
+    """One call to a node's data plane at ``url`` (built by the caller from parsed parts), with a grant for
+    ``tenant``'s ``kind`` operation on ``subject`` (the sandbox id) at ``generation``; the node's status, body
+    and ``pass_headers`` go back. Unavailable (retryable) when the node does not answer."""
+    headers = {**(extra_headers or {}), **ctx.node_headers(tenant, subject, generation, kind)}
     if ctx.nodes_json is not None and not stream_body and not stream_response:
         return await _call_node(ctx.nodes_json, url, headers, method=method, params=params, json_body=json_body,
                                 pass_headers=pass_headers)
@@ -178,7 +183,7 @@ async def _proxy(ctx: ApiContext, request: Request, url: str, generation: int, *
 
 
 async def _call_node(session: aiohttp.ClientSession, url: str, headers: dict[str, str], *, method: str,
-                     params: dict[str, str] | None, json_body: object | None,
+                     params: dict[str, str] | httpx.QueryParams | None, json_body: object | None,
                      pass_headers: tuple[str, ...]) -> Response:
     """One call to a node answered in one piece (exec, file stat/list/mkdir/remove), through aiohttp; the
     node's status, body and ``pass_headers`` go back as they are. ``Unavailable`` (retryable) when the node
@@ -215,6 +220,7 @@ async def exec_(sandbox_id: str, body: ExecRequest, request: Request, ctx: CtxDe
     """
     base, gen, guest_env = await _lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.exec", _exec_detail(body))
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec"), gen, method="POST",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.EXEC,
                         json_body=_exec_body(body, guest_env))
 
 
@@ -224,6 +230,7 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, request: Request, ctx:
     """Run a command and stream ``ExecEvent`` lines (NDJSON) as output is produced; the last is ``exit``."""
     base, gen, guest_env = await _lookup(ctx, who, sandbox_id, SandboxCommand.EXEC, "sandbox.exec", _exec_detail(body))
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/exec/stream"), gen, method="POST",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.EXEC,
                         json_body=_exec_body(body, guest_env), stream_response=True)
 
 
@@ -235,6 +242,7 @@ async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep,
     """The file's bytes, streamed. 404 ``not_found`` when it does not exist."""
     base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="GET",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path}, stream_response=True)
 
 
@@ -250,6 +258,7 @@ async def write_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep
     a file the sandbox's user may not write. 400 ``invalid_request`` for a directory or a device."""
     base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.write", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="PUT",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path, "mode": mode}, stream_body=True)
 
 
@@ -259,6 +268,7 @@ async def remove_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDe
     """Remove a file, or a directory with ``recursive=true``."""
     base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.remove", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files"), gen, method="DELETE",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path, "recursive": str(recursive).lower()})
 
 
@@ -267,6 +277,7 @@ async def stat_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep,
     """``FileInfo`` of ``path``; 404 ``not_found`` when missing."""
     base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/stat"), gen, method="GET",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path})
 
 
@@ -275,6 +286,7 @@ async def list_files(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep
     """The entries of directory ``path`` (one level)."""
     base, gen = await _target(ctx, who, sandbox_id, SandboxCommand.FILES)
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/list"), gen, method="GET",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path})
 
 
@@ -284,6 +296,7 @@ async def mkdir(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who
     """Create directory ``path`` (and its parents unless ``parents=false``)."""
     base, gen, _ = await _lookup(ctx, who, sandbox_id, SandboxCommand.FILES, "sandbox.files.mkdir", {"path": path})
     return await _proxy(ctx, request, _node_url(base, sandbox_id, "/files/mkdir"), gen, method="POST",
+                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,
                         params={"path": path, "parents": str(parents).lower()})
 
 

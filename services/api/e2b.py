@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, ValidationError
 from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
 from podbay.contracts.states import SandboxCommand
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
+from podbay.grants import GrantKind
 
 from . import dataplane, sandbox_service, snapshot_service
 from .auth import Principal
@@ -416,7 +417,7 @@ async def _sample(ctx: ApiContext, who: Principal, sandbox_id: str) -> dict[str,
         resp = await ctx.nodes_http.post(
             f"{base}/internal/v1/sandboxes/{sandbox_id}/exec",
             json={"shell": _METRICS_SCRIPT, "timeout_s": 10},
-            headers={"x-podbay-internal-token": ctx.settings.internal_token, "x-podbay-generation": str(gen)})
+            headers=ctx.node_headers(who.tenant_id, sandbox_id, gen, GrantKind.EXEC))
     except httpx.HTTPError as exc:
         raise Unavailable("the sandbox's node did not answer; retry shortly") from exc
     result = resp.json() if resp.status_code == 200 else {}

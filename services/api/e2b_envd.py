@@ -5,7 +5,14 @@ One endpoint serves every sandbox. The SDK reaches it in one of two ways:
 * ``E2B_SANDBOX_URL`` pointing at the API: every envd request carries ``E2b-Sandbox-Id``;
 * wildcard DNS ``*.PODBAY_E2B_DOMAIN`` pointing at the API: the host is ``{port}-{sandboxID}.{domain}``.
 
-``EnvdRouting`` (ASGI middleware) rewrites such a request to ``/e2b/envd/{sandbox_id}/<path>``, which this
+The path is never forwarded as the client wrote it: ``podbay.envdpath.parse_envd_path`` reads the raw path
+(``scope["raw_path"]``) once and answers 400 (E2B's error shape) for any percent sign, backslash, empty or
+dot segment, control or non-ASCII byte, or a path that is not one of the envd routes the node serves; the
+sandbox id must match ``podbay.envdpath.SANDBOX_ID``. The node URL is built from the looked-up node, that id
+and the allow-listed route's own constant, the query passed as parsed parameters; the node call carries an
+``envd`` grant (podbay.grants) for this sandbox alone.
+
+``EnvdRouting`` (ASGI middleware) rewrites such a request to ``/e2b/envd/{sandbox_id}/<route>``, which this
 router authorises with ``X-Access-Token`` (the sandbox's envd access token, ``e2b.envd_access_token``),
 checks that the sandbox runs (renewing its lease, like every data-plane call; ``GET /health`` is answered
 here and renews nothing, and a sandbox created with ``autoResume`` is resumed first), adds the sandbox's default
@@ -29,12 +36,15 @@ import re
 import time
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from podbay.contracts.states import SandboxCommand
+from podbay.envdpath import EnvdPathRefused, check_sandbox_id, parse_envd_path
 from podbay.errors import InvalidState, NotFound, PodbayError
+from podbay.grants import GrantKind
 
 from . import dataplane
 from .auth import Principal
@@ -42,7 +52,8 @@ from .context import ApiContext
 from .e2b_common import envd_access_token, error_body
 from .sandbox_service import auto_resume
 
-__all__ = ["router", "EnvdRouting", "file_signature", "check_file_signature", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host"]
+__all__ = ["router", "EnvdRouting", "file_signature", "check_file_signature", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host",
+           "envd_route"]
 
 ENVD_PORT = 49983
 PREFIX = "/e2b/envd"
@@ -115,18 +126,39 @@ class EnvdRouting:
                     await error_body(502, f"The sandbox {sandbox_id} is running but port {port} is not open")(
                         scope, receive, send)
                     return
-                path = f"{PREFIX}/{sandbox_id}{scope['path']}"
+                try:
+                    check_sandbox_id(sandbox_id)
+                    route = parse_envd_path(scope.get("raw_path") or scope["path"].encode("utf-8"))
+                except EnvdPathRefused as exc:
+                    await error_body(400, exc.message)(scope, receive, send)
+                    return
+                path = f"{PREFIX}/{sandbox_id}{route}"
                 scope = dict(scope, path=path, raw_path=path.encode())
         await self.app(scope, receive, send)
 
 
-async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
+def envd_route(scope: Scope, sandbox_id: str) -> str:
+    """The allow-listed envd route of a request for ``/e2b/envd/{sandbox_id}/<route>``, read from the raw
+    path (its ``sandbox_id`` segment must be the routed one, byte for byte); EnvdPathRefused (400) otherwise."""
+    check_sandbox_id(sandbox_id)
+    raw: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+    head = f"{PREFIX}/{sandbox_id}/".encode()
+    if not raw.startswith(head):
+        raise EnvdPathRefused("the sandbox id in the path is not spelled plainly")
+    return parse_envd_path(raw[len(head) - 1:])
+
+
+async def _envd(sandbox_id: str, request: Request) -> Response:
+    try:
+        route = envd_route(request.scope, sandbox_id)
+    except EnvdPathRefused as exc:
+        return error_body(400, exc.message)
     ctx: ApiContext = request.app.state.ctx
     token = request.headers.get("x-access-token", "")
     expected = envd_access_token(ctx.settings.internal_token, sandbox_id)
     if not hmac.compare_digest(token.encode(), expected.encode()):
         signed = request.query_params.get("signature")
-        if path != "files" or request.method not in ("GET", "POST") or signed is None:
+        if route != "/files" or request.method not in ("GET", "POST") or signed is None:
             return error_body(401, "missing or invalid X-Access-Token for this sandbox")
         refused = check_file_signature(dict(request.query_params), "read" if request.method == "GET" else "write",
                                        expected, time.time())
@@ -138,7 +170,7 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     if row is None:
         return error_body(502, f"The sandbox {sandbox_id} was not found")
     tenant = row["tenant_id"]
-    if path == "health" and request.method == "GET":
+    if route == "/health" and request.method == "GET":
         # A health probe is not activity: answered here, it leaves the lease alone (E2B renews a sandbox's
         # timeout only when asked to).
         if row["state"] == "running":
@@ -163,18 +195,20 @@ async def _envd(sandbox_id: str, path: str, request: Request) -> Response:
     env = {**guest_env, **(row["env_vars"] or {})}
     if env:
         headers[ENV_HEADER] = base64.b64encode(json.dumps(env).encode()).decode()
-    url = f"{base}/internal/e2b/{sandbox_id}/{path}"
-    if request.url.query:
-        url += "?" + request.url.query
+    # From parts: the node's address, the checked id and the allow-list's route; the query as parameters.
+    url = str(httpx.URL(base).copy_with(path=f"/internal/e2b/{sandbox_id}{route}"))
     try:
         return await dataplane.proxy(ctx, request, url, gen, method=request.method, stream_body=True,
-                                     stream_response=True, extra_headers=headers, pass_headers=_RETURN)
+                                     stream_response=True, extra_headers=headers, pass_headers=_RETURN,
+                                     params=httpx.QueryParams(request.url.query),
+                                     tenant=tenant, subject=sandbox_id, kind=GrantKind.ENVD)
     except PodbayError as exc:
         return error_body(502 if exc.retryable else exc.http_status, exc.message)
 
 
 @router.api_route("/{sandbox_id}/{path:path}", methods=["GET", "POST"])
 async def envd(sandbox_id: str, path: str, request: Request) -> Response:
-    """Any envd request (Connect RPC, ``/files``, ``/health``) for ``sandbox_id``, streamed both ways."""
-    return await _envd(sandbox_id, path, request)
+    """Any envd request (Connect RPC, ``/files``, ``/health``) for ``sandbox_id``, streamed both ways; ``path``
+    is matched again on the raw path (:func:`envd_route`)."""
+    return await _envd(sandbox_id, request)
 

@@ -26,6 +26,7 @@ from podbay import db
 from podbay.config import ConfigError, Settings, get_settings
 from podbay.devstack.supervisor import STATE_FILE, stack_env
 from podbay.errors import PodbayError
+from podbay.grants import GrantKeyError, GrantSigner
 from podbay.telemetry import setup_logging
 
 from .app import create_app
@@ -102,6 +103,15 @@ def main(argv: list[str] | None = None) -> None:
     except PodbayError as exc:
         print(f"error: {exc.message} ({exc.code})", file=sys.stderr)
         sys.exit(1)
+    try:
+        # Every node call carries a grant this key signs (podbay.grants): without it no exec or file call works.
+        if not settings.grant_signing_key:
+            raise GrantKeyError("PODBAY_GRANT_SIGNING_KEY is not set")
+        GrantSigner(settings.grant_signing_key)
+    except GrantKeyError as exc:
+        print(f"podbay-api: {exc}: the API signs node grants with it (base64 of a raw 32-byte Ed25519 key; "
+              "`podbay up` keeps one in DATA_DIR/grant.key)", file=sys.stderr)
+        sys.exit(2)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     serve(create_app(settings), host=settings.api_host, port=settings.api_port, h2_port=settings.api_h2_port)
 

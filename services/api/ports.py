@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Path, Request
 
 from podbay.contracts.api import PortAccess, PortAccessUpdate, PortInfo, PortList, PortUrl
 from podbay.contracts.states import SandboxCommand
+from podbay.grants import GrantKind
 
 from . import dataplane
 from . import ports_access as pa
@@ -46,7 +47,7 @@ async def list_ports(sandbox_id: str, request: Request, ctx: CtxDep, who: Princi
     """Listening ports of a running sandbox (409 ``invalid_state`` otherwise) and every port with a setting."""
     base, gen = await dataplane.target(ctx, who, sandbox_id, SandboxCommand.FILES)
     resp = await dataplane.proxy(ctx, request, f"{base}/internal/v1/sandboxes/{sandbox_id}/ports", gen,
-                                 method="GET")
+                                 method="GET", tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.PORTS)
     if resp.status_code != 200:
         return resp  # type: ignore[return-value]  # the node's error, passed through
     listening: dict[int, list[str]] = {}

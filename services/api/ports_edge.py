@@ -16,10 +16,10 @@ request passes to the app untouched:
    when the sandbox was created with E2B's ``autoResume``, as E2B does); otherwise, and for
    states that cannot serve, 409 ``invalid_state``. The lease is renewed as by any data-plane call (at most
    every :data:`LEASE_RENEW_EVERY_S` per sandbox and process).
-5. The request goes to the node's ``/internal/ports/{id}/{port}`` (services/nodeagent/ports.py) with the
-   internal token, the generation, and the guest path in ``x-podbay-port-path`` (through E2B's hosts, for a
-   sandbox created with E2B's ``network.maskRequestHost``, the ``Host`` the guest sees in
-   ``x-podbay-port-host``), streamed both ways
+5. The request goes to the node's ``/internal/ports/{id}/{port}`` (services/nodeagent/ports.py) with a
+   ``traffic`` grant for this sandbox (podbay.grants: tenant, sandbox, generation; single use), and the
+   guest path in ``x-podbay-port-path`` (through E2B's hosts, for a sandbox created with E2B's
+   ``network.maskRequestHost``, the ``Host`` the guest sees in ``x-podbay-port-host``), streamed both ways
    (:mod:`podbay.asgiproxy`); the node's own errors (``port_not_open``: nothing listens) are rendered here as
    JSON or HTML by ``Accept``.
 
@@ -40,7 +40,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from podbay.asgiproxy import ERROR_HEADER, HOP_BY_HOP, deny, relay_response, relay_websocket, request_body
 from podbay.config import Settings
+from podbay.envdpath import SANDBOX_ID
 from podbay.errors import PodbayError, Unauthorized
+from podbay.grants import GrantKind
 from podbay.lifecycle import renew_lease
 from podbay.ratelimit import SharedRateLimiter
 
@@ -133,7 +135,8 @@ class PortsEdge:
         if by_host is not None:
             return _Route(by_host[1], by_host[0], raw.decode("latin-1"), "podbay")
         e2b = pa.parse_host(host, self.settings.e2b_domain)
-        if e2b is None and headers.get("e2b-sandbox-id") and headers.get("e2b-sandbox-port", "").isdigit():
+        if e2b is None and SANDBOX_ID.fullmatch(headers.get("e2b-sandbox-id", "")) \
+                and headers.get("e2b-sandbox-port", "").isdigit():
             e2b = (int(headers["e2b-sandbox-port"]), headers["e2b-sandbox-id"])
         if e2b is not None and e2b[0] != E2B_ENVD_PORT:
             return _Route(e2b[1], e2b[0], raw.decode("latin-1"), "e2b")
@@ -176,8 +179,10 @@ class PortsEdge:
             fwd = self._forward_headers(scope, headers, route, key_used)
             target = dict(scope, headers=fwd, query_string=query.encode("latin-1"))
             guest_path = route.path.partition("?")[0] + (f"?{query}" if query else "")
-            extra = {"x-podbay-internal-token": ctx.settings.internal_token,
-                     "x-podbay-generation": str(row["generation"]), "x-podbay-port-path": guest_path}
+            # A grant for this one sandbox's port traffic (podbay.grants); the guest path travels in a header,
+            # never in the node URL, which is built from the looked-up id and the parsed port alone.
+            extra = {**ctx.node_headers(str(row["tenant_id"]), route.sandbox_id, int(row["generation"]),
+                                        GrantKind.TRAFFIC), "x-podbay-port-path": guest_path}
             if route.mode == "e2b" and row["mask_request_host"]:  # E2B's network.maskRequestHost
                 extra["x-podbay-port-host"] = row["mask_request_host"].replace("${PORT}", str(route.port))
             url = f"{row['dataplane_url']}/internal/ports/{route.sandbox_id}/{route.port}"

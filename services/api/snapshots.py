@@ -30,6 +30,7 @@ from podbay.contracts.api import (
 )
 from podbay.contracts.states import SandboxState
 from podbay.errors import Conflict, InvalidState, Unavailable
+from podbay.grants import GrantKind
 
 from . import snapshot_service
 from .auth import Principal
@@ -115,4 +116,5 @@ async def diff_snapshots(sandbox_id: str, snapshot_a: str, snapshot_b: str, requ
         raise Unavailable(f"the node holding the snapshots of {sandbox_id} is not known")
     suffix = f"/snapshots/{snapshot_a}/diff/{snapshot_b}"
     return await _proxy(ctx, request, _node_url(str(nodes[0]["dataplane_url"]), sandbox_id, suffix),
-                        int(row["generation"]), method="GET")
+                        int(row["generation"]), method="GET", tenant=who.tenant_id, subject=sandbox_id,
+                        kind=GrantKind.DIFF)

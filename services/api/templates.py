@@ -49,6 +49,7 @@ from podbay.contracts.templates import (
 )
 from podbay.dockerfile import parse_dockerfile
 from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
+from podbay.grants import BUILD_ID_HEADER, GrantKind
 from podbay.outbox import new_id
 from podbay.template_versions import remove_tag, tags_by_template
 
@@ -230,7 +231,8 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
                                                                        **({"tag": tag} if tag else {})})
             break
         except asyncpg.UniqueViolationError as exc:
-            if attempt == 0 and await fail_stale_build(ctx.pool, ctx.nodes_http, ctx.settings.internal_token, name):
+            if attempt == 0 and await fail_stale_build(
+                    ctx.pool, ctx.nodes_http, ctx.node_headers(who.tenant_id, name, 0, GrantKind.BUILD_STATUS), name):
                 continue  # the running row was left by a build that no longer runs anywhere
             raise Conflict(f"a build of template {name!r} is already running",
                            details={"template": name}) from exc
@@ -238,7 +240,8 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
     try:
         req = ctx.nodes_http.build_request(
             "POST", f"{node['dataplane_url']}/internal/v1/templates/build",
-            headers={"x-podbay-internal-token": ctx.settings.internal_token},
+            # A grant for this one build; the node checks the body's build id against it.
+            headers={**ctx.node_headers(who.tenant_id, build_id, 0, GrantKind.BUILD), BUILD_ID_HEADER: build_id},
             data={"params": params}, files={"context": ("context.tar", data, "application/x-tar")},
             timeout=httpx.Timeout(None, connect=10.0))
         resp = await ctx.nodes_http.send(req, stream=True)
@@ -262,11 +265,13 @@ STALE_BUILD_GRACE_S = 30.0
 before the node has claimed the name."""
 
 
-async def fail_stale_build(pool: asyncpg.Pool, http: httpx.AsyncClient, internal_token: str, name: str) -> bool:
+async def fail_stale_build(pool: asyncpg.Pool, http: httpx.AsyncClient, node_headers: dict[str, str],
+                           name: str) -> bool:
     """Fail the ``running`` build row of template ``name`` when no build of it runs any more: its node is not
     ``ready`` (gone, drained, lost), or its node agent answers that it builds no template of that name
     (``GET /internal/v1/templates/building/{name}``). Rows younger than :data:`STALE_BUILD_GRACE_S`, and rows
-    whose ready node does not answer, are left alone. Returns whether a row was failed (error ``interrupted``)."""
+    whose ready node does not answer, are left alone. Returns whether a row was failed (error ``interrupted``).
+    ``node_headers``: the ``build_status`` grant for ``name`` (``ApiContext.node_headers``)."""
     row = await pool.fetchrow(
         "SELECT b.id, n.state AS node_state, n.dataplane_url FROM template_builds b LEFT JOIN nodes n"
         " ON n.id = b.node_id WHERE b.name=$1 AND b.state='running'"
@@ -276,7 +281,7 @@ async def fail_stale_build(pool: asyncpg.Pool, http: httpx.AsyncClient, internal
     if row["node_state"] == "ready":
         try:
             resp = await http.get(f"{row['dataplane_url']}/internal/v1/templates/building/{name}",
-                                  headers={"x-podbay-internal-token": internal_token}, timeout=10.0)
+                                  headers=node_headers, timeout=10.0)
             resp.raise_for_status()
             if resp.json().get("running", True):
                 return False

@@ -1,9 +1,10 @@
 """The node's data plane: exec and files for the sandboxes on this node, over their guest channels.
 
 Served on ``node_host:node_port`` under ``/internal/v1/sandboxes/{id}/...`` with the same bodies as the
-public API (``podbay.contracts.api``), which proxies to it. Every call must carry the internal token
-(``x-podbay-internal-token``) and may carry the generation the caller saw (``x-podbay-generation``): a
-call for another generation is refused with 409 ``stale_generation`` (docs/DESIGN.md §4, generation fencing).
+public API (``podbay.contracts.api``), which proxies to it. Every call must carry the API's grant for its
+sandbox and kind of operation (``x-podbay-grant``, checked by :mod:`.grant_check`, 403 ``grant_refused``
+otherwise); the grant's generation is the one the call acts on: a call for another generation is refused with
+409 ``stale_generation`` (docs/DESIGN.md §4, generation fencing).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from podbay.contracts.api import ExecEvent, ExecRequest, ExecResult, FileInfo, F
 from podbay.contracts.channel import ExecSpec
 from podbay.errors import PodbayError
 from podbay.health import consumer_check, mount_check, nats_check, pg_check
-from podbay.httpmetrics import InternalToken, RequestMetrics
+from podbay.grants import GrantVerifier
+from podbay.httpmetrics import RequestMetrics
 from podbay.service import readyz_route
 from podbay.telemetry import HOP_SECONDS
 
@@ -35,6 +37,7 @@ from .computer_fill import add_fill_route
 from .diff import diff_snapshots
 from .envd import PREFIX as ENVD_PREFIX
 from .envd import EnvdApp
+from .grant_check import GrantCheck
 from .ports import PortsProxy, listening_ports
 
 if TYPE_CHECKING:
@@ -61,7 +64,7 @@ def _spec(body: ExecRequest, default_timeout_s: float) -> ExecSpec:
 
 def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     """The data-plane app for ``manager``'s sandboxes, plus ``/healthz`` and ``/metrics``."""
-    app = FastAPI(title="podbay node data plane", docs_url=None, redoc_url=None)
+    app = FastAPI(title="podbay node data plane", docs_url=None, redoc_url=None, openapi_url=None)
     settings = manager.settings
 
     @app.exception_handler(PodbayError)
@@ -78,7 +81,6 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
 
     # Plain ASGI (podbay.httpmetrics), not ``@app.middleware("http")``: every exec and file call passes here
     # after the API, and Starlette's per-request task and stream hand-off cost about a millisecond each.
-    app.add_middleware(InternalToken, token=settings.internal_token)
     app.add_middleware(RequestMetrics, service="nodeagent")
 
     def _gen(request: Request) -> int | None:
@@ -228,6 +230,9 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
         # has checked that both are ready snapshots of this sandbox).
         return await diff_snapshots(manager.store, sandbox_id, snapshot_a, snapshot_b)
 
-    # Guest ports (the API edge's last hop): outermost, so no middleware above buffers or wraps its streams.
+    # Guest ports (the API edge's last hop): ahead of the app's middleware, so nothing buffers or wraps its streams.
     app.add_middleware(PortsProxy, manager=manager, relay_filter=filler.relay_filter)
+    # Outermost: no request reaches a route, the envd app or the ports proxy without the API's grant for it.
+    app.add_middleware(GrantCheck, verifier=GrantVerifier(settings.grant_verify_key),
+                       internal_token=settings.internal_token)
     return app

@@ -33,6 +33,7 @@ from podbay.contracts.messages import (
     SnapshotCmd,
     WakeCmd,
 )
+from podbay.grants import GrantKeyError, GrantVerifier
 from podbay.logs import bind_from_message
 from podbay.objstore import open_store
 from podbay.outbox import Relay
@@ -193,4 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] not in ("serve",):
         print("usage: podbay-nodeagent [serve] | template build NAME [--force]", file=sys.stderr)
         raise SystemExit(2)
+    try:
+        # The data plane serves only calls that carry the API's grant (grant_check.py): it needs the key.
+        GrantVerifier(get_settings().grant_verify_key)
+    except GrantKeyError as exc:
+        print(f"podbay-nodeagent: PODBAY_GRANT_VERIFY_KEY: {exc}: the node checks the API's grants with it "
+              "(base64 of the raw 32-byte Ed25519 public key of PODBAY_GRANT_SIGNING_KEY)", file=sys.stderr)
+        raise SystemExit(2) from exc
     raise SystemExit(run_service("nodeagent", _serve))

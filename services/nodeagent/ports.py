@@ -1,7 +1,7 @@
 """Guest ports on this node: the last hop of the API edge's port proxy, and the guest's listening ports.
 
 The API's edge (services/api/ports_edge.py) authorises a request for ``{port}-{sandbox}.{domain}`` and sends it
-here as ``/internal/ports/{sandbox_id}/{port}`` with the internal token, the generation it saw and the guest's
+here as ``/internal/ports/{sandbox_id}/{port}`` with a ``traffic`` grant (podbay.grants), the generation it saw and the guest's
 path in ``x-podbay-port-path`` (and, for E2B's ``maskRequestHost``, the ``Host`` the guest is to see in
 ``x-podbay-port-host``; otherwise it sees the client's). This
 module (plain ASGI, ahead of the data-plane app's middleware so that nothing buffers) checks both, then relays
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import logging
 import socket
@@ -47,7 +46,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from podbay.asgiproxy import Answer, deny, forwarded_headers, json_error, relay_response, relay_websocket, request_body
 from podbay.errors import PodbayError, Unavailable
+from podbay.grants import GrantKind
 
+from .grant_check import SCOPE_KEY as GRANT_SCOPE_KEY
 from .netfilter import PORTS_MARK
 
 if TYPE_CHECKING:
@@ -190,7 +191,6 @@ class PortsProxy:
         # masks), awaited before the connection is relayed; Unavailable refuses it (503) rather than relay it
         # unredacted
         self.relay_filter = relay_filter
-        self.token = manager.settings.internal_token.encode()
         self.http = guest_http_client()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -210,10 +210,13 @@ class PortsProxy:
     def _target(self, scope: Scope) -> tuple[str, int, str]:
         """(guest address, port, path with query) of a request; :class:`_Refused` with the answer otherwise."""
         headers = dict(scope.get("headers", []))
-        if not hmac.compare_digest(headers.get(b"x-podbay-internal-token", b""), self.token):
-            raise _Refused(json_error(401, "unauthorized", "bad internal token"))
         rest = scope["path"][len(PREFIX):]
         sandbox_id, _, rest = rest.partition("/")
+        # The data plane's grant check (services/nodeagent/grant_check.py, outermost) verified the API's grant
+        # for this sandbox's port traffic; without one (this proxy mounted alone) nothing passes.
+        grant = scope.get(GRANT_SCOPE_KEY)
+        if grant is None or grant.kind != GrantKind.TRAFFIC or grant.subject != sandbox_id:
+            raise _Refused(json_error(403, "grant_refused", "no grant for this sandbox's ports"))
         port_s = rest.partition("/")[0]
         if not port_s.isdigit() or not 0 < int(port_s) <= 65535:
             raise _Refused(json_error(400, "invalid_request", f"bad port {port_s[:16]!r}"))
@@ -243,7 +246,13 @@ class PortsProxy:
         if host:
             headers.append(("host", host))
         has_body = b"content-length" in orig or b"transfer-encoding" in orig
-        req = self.http.build_request(scope["method"], f"http://{guest}:{port}{path}", headers=headers,
+        try:
+            # Built from parts: the client's path is the path and nothing else (the host is the guest's).
+            url = httpx.URL(scheme="http", host=guest, port=port, raw_path=path.encode("latin-1"))
+        except httpx.InvalidURL:
+            await deny(scope, receive, send, *json_error(400, "invalid_request", f"bad {PATH_HEADER}"))
+            return
+        req = self.http.build_request(scope["method"], url, headers=headers,
                                       content=request_body(receive) if has_body else None)
         try:
             resp = await self.http.send(req, stream=True)

@@ -48,6 +48,7 @@ from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_node_stores
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
+from podbay.grants import new_keypair, public_key_of
 from podbay.hostca import host_extra_cas, to_pem
 from podbay.stacknet import register_stack
 
@@ -72,6 +73,7 @@ __all__ = [
     "gateway_executable",
     "credential_key_for",
     "internal_token_for",
+    "grant_keys_for",
     "guest_ca_for",
     "NODE_SERVICES",
 ]
@@ -371,6 +373,15 @@ def internal_token_for(data_dir: Path, env: dict[str, str]) -> str:
                                                            lambda: secrets.token_urlsafe(32))
 
 
+def grant_keys_for(data_dir: Path, env: dict[str, str]) -> tuple[str, str]:
+    """``(signing key, verify key)`` of a stack's node grants (podbay.grants): ``PODBAY_GRANT_SIGNING_KEY``
+    when given, else the one kept in ``DATA_DIR/grant.key`` (created on first use, mode 0600); the verify key
+    is ``PODBAY_GRANT_VERIFY_KEY`` when given, else derived from the signing key. Only API processes get the
+    signing key (:meth:`Stack._service`); node agents get the verify key."""
+    signing = env.get("PODBAY_GRANT_SIGNING_KEY") or _kept_secret(data_dir / "grant.key", lambda: new_keypair()[0])
+    return signing, env.get("PODBAY_GRANT_VERIFY_KEY") or public_key_of(signing)
+
+
 def _kept_secret(path: Path, make: Callable[[], str]) -> str:
     """The secret in ``path``, or a new one from ``make`` written there first (mode 0600, never overwritten:
     of two starts racing, the second reads what the first wrote)."""
@@ -485,6 +496,8 @@ class Stack(NodeOps):
     # Secrets (keys, passwords, tokens) live here: kept out of repr, which test failures print.
     env: dict[str, str] = field(default_factory=dict, repr=False)
     credential_key: str = field(default="", repr=False)
+    grant_signing_key: str = field(default="", repr=False)
+    grant_verify_key: str = ""
     openbao_addr: str = ""
     openbao_token: str = field(default="", repr=False)
 
@@ -575,6 +588,7 @@ class Stack(NodeOps):
                                                "s3": self._start_s3}
         self.credential_key = credential_key_for(self.data_dir, self.base_env)
         self.internal_token = self.internal_token or internal_token_for(self.data_dir, self.base_env)
+        self.grant_signing_key, self.grant_verify_key = grant_keys_for(self.data_dir, self.base_env)
         # The credential key: PODBAY_CREDENTIAL_KEY from the caller, else made once and kept in
         # data_dir/credential.key (mode 0600). An OpenBao server only for PODBAY_CREDENTIAL_BACKEND=openbao.
         if self.base_env.get("PODBAY_CREDENTIAL_BACKEND", "pg") == "openbao":
@@ -792,19 +806,22 @@ class Stack(NodeOps):
         if not script.exists():
             raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
         port = getattr(self.ports, spec.port_field)
+        # Only the API mints node grants; no other process holds the key that signs them.
+        base = self.env if spec.name == "api" else {k: v for k, v in self.env.items()
+                                                     if k != "PODBAY_GRANT_SIGNING_KEY"}
         if node_id is None or self.network is None:
             if replica == 1:
-                return ServiceProcess(spec, [str(script)], self.env, self.log_path(spec.name), port)
+                return ServiceProcess(spec, [str(script)], base, self.log_path(spec.name), port)
             # A further replica: same environment but its own HTTP port (and log), as on another host.
             name, port = f"{spec.name}-{replica}", free_port()
-            env = {**self.env, REPLICABLE[spec.name]: str(port)}
+            env = {**base, REPLICABLE[spec.name]: str(port)}
             if spec.name == "api":
                 env["PODBAY_API_H2_PORT"] = str(free_port())
             return ServiceProcess(spec, [str(script)], env, self.log_path(name), port, instance=name)
         link = self.network.node(node_id)
         # Each namespace has its own ports, so every node uses the same ones; the data plane listens on the
         # namespace's bridge address, which the node advertises (nodes.dataplane_url) so the API reaches it.
-        env = {**self.env, "PODBAY_NODE_ID": node_id, "PODBAY_NODE_HOST": link.address,
+        env = {**base, "PODBAY_NODE_ID": node_id, "PODBAY_NODE_HOST": link.address,
                **self.node_env.get(node_id, {})}
         host = link.address if spec.name == "nodeagent" else "127.0.0.1"
         name = f"{spec.name}@{node_id}"
@@ -824,6 +841,9 @@ class Stack(NodeOps):
             "PODBAY_LOG_DIR": str(self.log_dir),
             "PODBAY_CACHE_DIR": str(self.cache_dir),
             "PODBAY_INTERNAL_TOKEN": self.internal_token,
+            # Node grants: the signing key is taken out again for every process but the API (_service).
+            "PODBAY_GRANT_SIGNING_KEY": self.grant_signing_key,
+            "PODBAY_GRANT_VERIFY_KEY": self.grant_verify_key,
             "PODBAY_API_HOST": "127.0.0.1",
             "PODBAY_API_PORT": str(p.api),
             "PODBAY_API_H2_PORT": str(p.api_h2),

@@ -27,6 +27,7 @@ from podbay.contracts.api import ExecRequest, ExecResult
 from podbay.contracts.schedules import OUTPUT_KEEP_BYTES, ScheduleRunState
 from podbay.contracts.states import SandboxCommand, SandboxState
 from podbay.errors import PodbayError
+from podbay.grants import GrantKind
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import SCHEDULE_LATENESS_SECONDS, SCHEDULE_RUNS, SCHEDULE_WAKE_SECONDS
@@ -128,7 +129,7 @@ async def _exec(ctx: ApiContext, run: Run) -> ExecResult:
                                          "schedule_id": run.schedule_id})
     await ctx.pool.execute("UPDATE schedule_runs SET command_started_at=now() WHERE id=$1", run.id)
     SCHEDULE_LATENESS_SECONDS.observe(max(0.0, (datetime.now(UTC) - run.fire_at).total_seconds()))
-    headers = {"x-podbay-internal-token": ctx.settings.internal_token, "x-podbay-generation": str(gen)}
+    headers = ctx.node_headers(run.who.tenant_id, run.sandbox_id, gen, GrantKind.EXEC)
     try:
         resp = await ctx.nodes_http.post(f"{base}/internal/v1/sandboxes/{run.sandbox_id}/exec",
                                          json=exec_body(ExecRequest(**cmd), guest_env), headers=headers)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import asyncpg
 
-from fastapi import FastAPI, File, Form, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from podbay.buildcontext import unpack_context
 from podbay.contracts.templates import BuildEvent, BuildState, NodeBuildRequest
-from podbay.errors import InvalidRequest, PodbayError
+from podbay.errors import GrantRefused, InvalidRequest, PodbayError
 
 from .builder import BuildRequest, StepFailed
 
@@ -76,12 +76,17 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
         return {"running": manager.builder.is_running(name)}
 
     @app.post("/internal/v1/templates/build")
-    async def build(params: Annotated[str, Form()],
+    async def build(request: Request, params: Annotated[str, Form()],
                     context: Annotated[UploadFile | None, File()] = None) -> StreamingResponse:
         try:
             p = NodeBuildRequest.model_validate_json(params)
         except ValidationError as exc:
             raise InvalidRequest(f"bad build params: {exc.errors()[:3]}") from exc
+        # The grant check (..grant_check) verified the API's grant for the build id of x-podbay-build-id;
+        # the body must name that same build.
+        grant = request.scope.get("podbay.grant")
+        if grant is None or grant.subject != p.build_id:
+            raise GrantRefused("the grant is for another build")
         builder = manager.builder
         builder.check_parent(p.spec)
         claim = builder.claim(p.name)

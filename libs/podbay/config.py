@@ -311,6 +311,9 @@ class Settings(BaseSettings):
     snapshotter_port: int = Field(8092)
     warmpool_port: int = Field(8093)
     gateway_port: int = Field(8095, description="Gateway health and /metrics.")
+    metrics_token: str = Field("", description="Bearer token a scraper sends to read /metrics: the API's "
+                               "(which also takes an operator tenant's key, and nothing else) and, when set, "
+                               "the other services' health ports (anonymous on PODBAY_HEALTH_HOST otherwise).")
 
     # egress (docs/DESIGN.md §6): every sandbox's traffic is redirected to this node's gateway
     sandbox_cidr: str = Field("", description="This node's sandbox addresses: one /30 per sandbox (tap host side "

@@ -3,7 +3,8 @@
 ``run_service(name, main)`` installs uvloop, runs ``main(stop_event)`` and sets ``stop_event`` on SIGTERM or
 SIGINT, so each service shuts down by finishing its own work rather than by being cancelled mid-step.
 ``serve_http`` runs a FastAPI app on uvicorn inside the service's own loop. ``health_app`` serves
-``/healthz`` (liveness), ``/readyz`` (readiness, see :mod:`podbay.health`) and ``/metrics``.
+``/healthz`` (liveness), ``/readyz`` (readiness, see :mod:`podbay.health`) and ``/metrics`` (which needs
+``PODBAY_METRICS_TOKEN`` when one is set: :mod:`podbay.metricsauth`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 
 import uvicorn
 import uvloop
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import FastAPI, Header, Response
 
 from podbay.config import ConfigError, get_settings
 from podbay.health import Check, readiness_response
+from podbay.metricsauth import metrics_response, token_matches, unauthorized_response
 from podbay.telemetry import setup_logging
 
 __all__ = ["run_service", "serve_http", "health_app", "readyz_route"]
@@ -78,8 +79,12 @@ def health_app(name: str, is_healthy: Callable[[], dict[str, Any]],
     readyz_route(app, name, checks)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(authorization: str | None = Header(None)) -> Response:
+        # Anonymous only while no token is set: the port is loopback unless PODBAY_HEALTH_HOST opens it.
+        token = get_settings().metrics_token
+        if token and not token_matches(authorization, token):
+            return unauthorized_response("send 'Authorization: Bearer <PODBAY_METRICS_TOKEN>'")
+        return metrics_response()
 
     return app
 

@@ -9,14 +9,15 @@ from typing import Any
 
 import aiohttp
 import httpx
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import FastAPI, Header, Response
 
 from podbay import db
 from podbay.bus import connect_bus
 from podbay.config import Settings
 from podbay.health import nats_check, pg_check, task_check
+from podbay.errors import Forbidden
 from podbay.httpmetrics import RequestMetrics
+from podbay.metricsauth import metrics_response, token_matches
 from podbay.outbox import Relay
 from podbay.service import readyz_route
 from podbay.webhooks import Deliverer
@@ -25,6 +26,7 @@ from podbay.contracts import subjects
 
 from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, e2b_volumes,
                events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
+from .auth import authenticate
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
@@ -162,7 +164,16 @@ def create_app(settings: Settings) -> FastAPI:
     readyz_route(app, "api", ready_checks)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(authorization: str | None = Header(None)) -> Response:
+        """Prometheus text for ``Bearer <PODBAY_METRICS_TOKEN>`` or an operator tenant's key: 401
+        ``unauthorized`` without a (valid) credential, 403 ``forbidden`` for another tenant's key."""
+        if token_matches(authorization, settings.metrics_token):
+            return metrics_response()
+        ctx: ApiContext = app.state.ctx
+        who = await authenticate(ctx.pool, authorization)
+        if await ctx.pool.fetchval("SELECT name FROM tenants WHERE id=$1", who.tenant_id) != settings.operator_tenant:
+            raise Forbidden("only the operator tenant (or PODBAY_METRICS_TOKEN) may read metrics: they cover "
+                            "every tenant")
+        return metrics_response()
 
     return app

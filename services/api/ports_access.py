@@ -44,13 +44,15 @@ _LABEL = r"(?P<port>\d{1,5})-(?P<label>[A-Za-z0-9][A-Za-z0-9_-]{0,126})"
 _HOST = re.compile(rf"^{_LABEL}\.(?P<domain>[A-Za-z0-9.-]+?)\.?(:\d{{1,5}})?$")
 _PATH = re.compile(rf"^{re.escape(PATH_PREFIX)}{_LABEL}(?P<rest>/.*)?$")
 
+# Labelled by how the port was addressed (mode: podbay host, path, e2b) and the guest port, never by sandbox or
+# tenant: ids in labels would leak who runs what to every reader of /metrics, and grow series without bound.
 PORT_REQUESTS = Counter("podbay_port_requests_total", "Requests (and WebSocket sessions) through the port edge, "
-                        "by sandbox, guest port, access (private, public) and status class.",
-                        ["sandbox", "port", "access", "status"])
-PORT_BYTES = Counter("podbay_port_bytes_total", "Body bytes through the port edge, by sandbox, guest port and "
-                     "direction (in: to the guest, out: to the client).", ["sandbox", "port", "direction"])
+                        "by addressing mode, guest port, access (private, public) and status class.",
+                        ["mode", "port", "access", "status"])
+PORT_BYTES = Counter("podbay_port_bytes_total", "Body bytes through the port edge, by addressing mode, guest "
+                     "port and direction (in: to the guest, out: to the client).", ["mode", "port", "direction"])
 PORT_OPEN = Gauge("podbay_port_open_connections", "Requests and WebSockets open through the port edge now, by "
-                  "sandbox and guest port.", ["sandbox", "port"])
+                  "addressing mode and guest port.", ["mode", "port"])
 
 
 def host_label(sandbox_id: str) -> str:

@@ -160,7 +160,7 @@ class PortsEdge:
             await self.app(scope, receive, send)
             return
         ctx: ApiContext = scope["app"].state.ctx
-        labels = ("-", "-")  # until the sandbox is known: strangers' ids must not become metric series
+        labels = ("-", "-")  # until the sandbox is known: strangers' ports must not become metric series
         access = "private"
         status = 500
         try:
@@ -173,7 +173,7 @@ class PortsEdge:
             row = await ctx.pool.fetchrow(_ROW_SQL, route.sandbox_id, route.port)
             if row is None:
                 raise _Stop(404, "not_found", f"sandbox {route.sandbox_id} does not exist")
-            labels = (route.sandbox_id, str(route.port))
+            labels = (route.mode, str(route.port))  # never the sandbox id (ports_access: metric labels)
             access, key_used = await self._authorise(ctx, route, row, headers, query_token)
             row = await self._ready(ctx, route, row)
             fwd = self._forward_headers(scope, headers, route, key_used)
@@ -378,7 +378,7 @@ def _cookie(header: str) -> str | None:
 
 
 class PortsGauge:
-    """Open requests and WebSockets per sandbox port (``podbay_port_open_connections``)."""
+    """Open requests and WebSockets per addressing mode and guest port (``podbay_port_open_connections``)."""
 
     @staticmethod
     def inc(labels: tuple[str, str]) -> None:

@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -80,6 +81,10 @@ except ImportError:  # run as a script from the repository root
 
 #: Seconds a paused sandbox waits before its RAM is released, in the benchmark's stack.
 RELEASE_S = 4
+# /metrics of the API needs it (podbay.metricsauth); the bench's key is not the operator tenant's.
+METRICS_TOKEN = secrets.token_hex(16)
+#: Credentials of every /metrics read.
+SCRAPE_HEADERS = {"authorization": f"Bearer {METRICS_TOKEN}"}
 SETTLE_S = 600.0
 
 
@@ -143,9 +148,12 @@ def _routes(text: str) -> dict[str, tuple[float, float]]:
 
 
 def _scrape(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Hop and route means of the ``/metrics`` pages at ``urls``."""
     total: dict[str, tuple[float, float]] = {}
     for url in urls:
-        text = httpx.get(url, timeout=10).text
+        r = httpx.get(url, headers=SCRAPE_HEADERS, timeout=10)
+        r.raise_for_status()
+        text = r.text
         total.update(_hops(text))
         total.update(_routes(text))
     return total
@@ -164,7 +172,7 @@ def _hop_means(suffix: str, before: dict[str, tuple[float, float]],
 
 def _warm_ok(api_metrics_url: str) -> float:
     """The API's count of creates served from a warm slot (``create_warm`` operations that succeeded)."""
-    text = httpx.get(api_metrics_url, timeout=10).text
+    text = httpx.get(api_metrics_url, headers=SCRAPE_HEADERS, timeout=10).text
     m = re.search(r'^podbay_lifecycle_operations_total\{kind="create_warm",outcome="ok",service="api"\} (\S+)$',
                   text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -283,7 +291,7 @@ def _running_max(c: httpx.Client, template: str, node_metrics: str, root: Path,
                 loads.append(os.getloadavg()[0])
                 print(f"  {len(ids)} running after {time.perf_counter() - t0:.0f} s, load {loads[-1]:.2f}")
         time.sleep(5)  # a few measurements of the node with all of them idle
-        text = httpx.get(node_metrics, timeout=10).text
+        text = httpx.get(node_metrics, headers=SCRAPE_HEADERS, timeout=10).text
         sandboxes_mib = _metric(text, "podbay_node_memory_mib", '{kind="sandboxes"}') or 0.0
         cost_mib = _metric(text, "podbay_node_memory_mib", '{kind="sandbox_cost"}')
         room_mib = _metric(text, "podbay_node_memory_mib", '{kind="room"}')
@@ -340,7 +348,8 @@ def main() -> None:
     os.chmod(root, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
     stack = Stack(data_dir=root / "stack", log_dir=root / "stack" / "logs", cache_dir=Settings().cache_dir,
                   ports=StackPorts.free(), external=External.from_env(), durable=False,
-                  base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": str(RELEASE_S)})
+                  base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": str(RELEASE_S),
+                            "PODBAY_METRICS_TOKEN": METRICS_TOKEN})
     results: dict[str, dict[str, Any]] = {}
     try:
         stop_on_sigterm()
@@ -348,6 +357,8 @@ def main() -> None:
         stack.create_api_key("bench", "bench")
         store = root / "stack" / "nodes" / Settings().node_id / "store"
         metrics = [f"{stack.api_url}/metrics", f"http://127.0.0.1:{stack.ports.node}/metrics"]
+        # The node's /metrics takes the stack's internal token.
+        SCRAPE_HEADERS["x-podbay-internal-token"] = stack.env.get("PODBAY_INTERNAL_TOKEN", "")
         headers = {"authorization": f"Bearer {stack.api_key}"}
         with httpx.Client(base_url=stack.api_url, headers=headers, timeout=120) as c:
             print(f"load average at start: {os.getloadavg()}")

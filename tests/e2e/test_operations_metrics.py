@@ -50,24 +50,31 @@ def test_every_service_serves_health_and_metrics(stack: Any) -> None:
     for name, port in (("api", ports.api), ("nodeagent", ports.node), ("scheduler", ports.scheduler),
                        ("snapshotter", ports.snapshotter), ("warmpool", ports.warmpool)):
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, name
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=_creds(stack)).text
         assert "process_cpu_seconds_total" in text, name
-    api = _samples(ports.api)
+    api = _samples(ports.api, _creds(stack))
     assert api[("podbay_lifecycle_operation_seconds_count", (("kind", "create"), ("outcome", "ok"), ("service", "api")))] >= 1
     assert any(name == "podbay_http_request_seconds_count" and ("route", "/v1/sandboxes/{sandbox_id}/exec") in labels
                for name, labels in api)
-    node = _samples(ports.node)
+    node = _samples(ports.node, _creds(stack))
     assert node[("podbay_lifecycle_operations_total", (("kind", "create"), ("outcome", "ok"), ("service", "nodeagent")))] >= 1
     assert node[("podbay_hop_seconds_count", (("hop", "qemu_restore"), ("service", "nodeagent")))] >= 1
     sched = _samples(ports.scheduler)
     assert sched[("podbay_lifecycle_operations_total", (("kind", "place"), ("outcome", "ok"), ("service", "scheduler")))] >= 1
 
 
-def _samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _creds(stack: Any) -> dict[str, str]:
+    """What a scraper sends: the API's /metrics takes an operator key (the stack's is the operator tenant's),
+    the node's its internal token; the other health ports are loopback and need none without a metrics token."""
+    return {"authorization": f"Bearer {stack.api_key}",
+            "x-podbay-internal-token": stack.env.get("PODBAY_INTERNAL_TOKEN", "")}
+
+
+def _samples(port: int, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text):
+    for fam in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text):
         for smp in fam.samples:
             out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
     return out

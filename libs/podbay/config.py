@@ -190,6 +190,9 @@ class Settings(BaseSettings):
                               "(docs/DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
                           "start when missing.")
+    channel_max_bad_frames: int = Field(8, ge=1, description="Bad frames in a row (torn, oversized, or a run of "
+                                        "garbage) after which the node drops a guest's channel; the sandbox's "
+                                        "calls then fail with `guest_channel_broken`.")
     tap_check_s: float = Field(2.0, ge=0, description="How often the node agent checks that each VM's tap still "
                                "exists; a vanished one is repaired by moving the guest to a new VM on a new tap "
                                "(processes carry on); 0 = never.")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from podbay.channel import frames
-from podbay.channel.client import ChannelClosed, GuestChannel
+from podbay.channel.client import ChannelBroken, ChannelClosed, GuestChannel
 from podbay.channel.frames import Decoder, Frame, FrameType
 from podbay.contracts.channel import ExecSpec
 from podbay.errors import (Conflict, GuestError, InvalidRequest, NoSpace, NotFound, NotWritable, PermissionDenied,
@@ -452,3 +452,58 @@ async def test_a_write_refused_for_permission_is_not_writable(guest: FakeGuest, 
     guest.handlers["write"] = write
     with pytest.raises(NotWritable, match="/etc/shadow is not writable: /etc/shadow: Permission denied"):
         await ch.write_file("/etc/shadow", b"x")
+
+
+def _torn(sid: int, n: int) -> bytes:
+    """``n`` frames whose header is valid and whose payload CRC is not: each one a bad frame."""
+    out = b""
+    for _ in range(n):
+        head = struct.pack(">2sBBIII", b"PB", 1, FrameType.RESULT, sid, 4, 0xDEADBEEF)
+        out += head + zlib.crc32(head).to_bytes(4, "big") + b"{}{}"
+    return out
+
+
+async def test_bad_frames_in_a_row_drop_the_channel_with_a_clear_error(guest: FakeGuest) -> None:
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send(_torn(sid, 3))
+
+    guest.handlers["stat"] = stat
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=10, max_bad_frames=3)
+    try:
+        with pytest.raises(ChannelBroken) as info:
+            await ch.stat("/x")  # fails at once, not after the request timeout
+        assert info.value.code == "guest_channel_broken" and info.value.details["bad_frames"] == 3
+        assert "bad frames" in info.value.message
+        assert ch.closed
+        with pytest.raises(ChannelBroken):
+            await ch.ping()
+    finally:
+        await ch.close()
+
+
+async def test_fewer_bad_frames_than_the_limit_keep_the_channel(guest: FakeGuest) -> None:
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send(_torn(sid, 2))
+        g.send_json(FrameType.RESULT, sid, _stat("/x"))
+
+    guest.handlers["stat"] = stat
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=10, max_bad_frames=3)
+    try:
+        for _ in range(3):  # a delivered frame resets the count
+            assert (await ch.stat("/x")).path == "/x"
+        assert not ch.closed
+    finally:
+        await ch.close()
+
+
+async def test_a_garbage_flood_without_headers_drops_the_channel(guest: FakeGuest) -> None:
+    async def stat(g: FakeGuest, sid: int, args: dict[str, Any]) -> None:
+        g.send(b"P\0" * (3 * (frames.HEADER_SIZE + frames.MAX_PAYLOAD) // 2 + 1))
+
+    guest.handlers["stat"] = stat
+    ch = await GuestChannel.connect(guest.path, timeout_s=10, request_timeout_s=10, max_bad_frames=3)
+    try:
+        with pytest.raises(ChannelBroken):
+            await ch.stat("/x")
+    finally:
+        await ch.close()

@@ -22,11 +22,11 @@ from __future__ import annotations
 from podbay.channel.files import FileOps
 from podbay.channel.procs import DEFAULT_RUN_OUTPUT_LIMIT, ExecProcess, ProcOps
 from podbay.channel.system import SystemOps
-from podbay.channel.transport import ChannelClosed
+from podbay.channel.transport import ChannelBroken, ChannelClosed
 from podbay.channel.watch import WatchOps
 from podbay.contracts.channel import ExecExit, ExecSpec
 
-__all__ = ["GuestChannel", "ExecProcess", "ExecExit", "ExecSpec", "ChannelClosed", "DEFAULT_RUN_OUTPUT_LIMIT"]
+__all__ = ["GuestChannel", "ExecProcess", "ExecExit", "ExecSpec", "ChannelClosed", "ChannelBroken", "DEFAULT_RUN_OUTPUT_LIMIT"]
 
 
 class GuestChannel(ProcOps, FileOps, WatchOps, SystemOps):

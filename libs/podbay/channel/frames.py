@@ -15,6 +15,10 @@ The two checksums let a reader resynchronise on a byte stream that carries the t
 connection's frame followed by a new connection's bytes (a virtio-serial port does not tell the guest that
 the host reconnected): a candidate header must have the magic, a valid header CRC and a sane length, and a
 frame is only delivered when its payload CRC matches; otherwise the decoder skips one byte and scans on.
+That rescan stays linear in the input: checking the payload of a candidate that turns out bad is paid from a
+budget of ``CHECK_BUDGET_PER_BYTE`` bytes per byte received, and a candidate the budget cannot pay for is
+dropped unchecked (``Decoder``), so crafted headers nested in each other cannot make the reader CRC the same
+bytes over and over.
 
 Payload conventions per type (see docs/channel.md): OPEN/RESULT/ERROR/HELLO/STARTED are UTF-8 JSON
 objects; DATA is one fd byte (0 stdin, 1 stdout, 2 stderr, 3 file bytes) then data; EOF is one fd byte;
@@ -36,6 +40,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_PAYLOAD",
     "CHUNK_SIZE",
+    "CHECK_BUDGET_PER_BYTE",
     "INITIAL_WINDOW",
     "CREDIT_BATCH",
     "CONNECTION_STREAM",
@@ -73,6 +78,10 @@ INITIAL_WINDOW = 1024 * 1024
 # Receivers return credit once this many bytes are consumed, to keep CREDIT frames rare.
 CREDIT_BATCH = 256 * 1024
 CONNECTION_STREAM = 0
+# Payload bytes of bad candidate frames the decoder may CRC per byte it is fed (module docstring): a torn
+# frame is checked once out of the budget its own bytes brought, while a stream of nested bogus headers
+# claiming large payloads runs out of budget and is dropped unchecked.
+CHECK_BUDGET_PER_BYTE = 4
 _MAX_U32 = 0xFFFFFFFF
 
 FD_STDIN = 0
@@ -211,19 +220,33 @@ class Decoder:
     """Incremental frame decoder for an untrusted byte stream; never raises on bad input.
 
     ``feed(data) -> list[Frame]`` returns every complete, valid frame. Bytes that are not part of a valid
-    frame are skipped and counted in ``garbage_bytes``; candidate frames whose payload CRC fails count in
-    ``bad_frames``; well-formed frames of another version or an unknown type count in ``skipped_frames``.
-    The buffer never holds more than ``HEADER_SIZE + max_payload`` bytes after a ``feed``.
+    frame are skipped and counted in ``garbage_bytes``; candidate frames (magic and header CRC valid) that are
+    not delivered count in ``bad_frames``: a payload CRC that fails, a length over ``max_payload``, or a
+    candidate whose payload the check budget cannot pay for, and each ``max_buffer`` bytes of garbage in a
+    row; ``consecutive_bad`` counts bad frames since the last delivered one (a reader drops a connection past
+    a limit of its own). Well-formed frames of another
+    version or an unknown type count in ``skipped_frames``. The buffer never holds more than
+    ``HEADER_SIZE + max_payload`` bytes after a ``feed``.
+
+    Work is linear in the input: ``work`` counts the bytes examined (bytes scanned for the magic, 20 per
+    header parsed, payload bytes CRC'd). Per byte fed that is at most 1 scanned, ``HEADER_SIZE / 2`` of
+    headers (a magic needs two bytes), 1 of a delivered payload and ``CHECK_BUDGET_PER_BYTE`` of bad
+    payloads; per ``feed`` call at most ``2 * HEADER_SIZE`` more (the pending header and the kept tail are
+    looked at again). tests/security/test_frame_decoder_fuzz.py checks this bound.
     """
 
     def __init__(self, *, max_payload: int = MAX_PAYLOAD) -> None:
         self.max_payload = max_payload
         self.max_buffer = HEADER_SIZE + max_payload
         self._buf = bytearray()
+        self._budget = 0
         self.garbage_bytes = 0
         self.bad_frames = 0
+        self.consecutive_bad = 0
+        self._garbage_run = 0
         self.skipped_frames = 0
         self.frames = 0
+        self.work = 0
 
     @property
     def buffered(self) -> int:
@@ -233,11 +256,15 @@ class Decoder:
     @property
     def partial(self) -> bool:
         """True when the buffer starts with a valid header whose payload has not fully arrived."""
-        return bool(self._buf) and self._header_at(0) is not None
+        head = self._header_at(0) if self._buf else None
+        return head is not None and head[0] != -2
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add bytes; return the frames completed by them, in order."""
         self._buf += data
+        # Capped (at what one maximal frame brings) so that a long stream does not bank a budget which a
+        # later burst of bogus headers could spend at once.
+        self._budget = min(self._budget + CHECK_BUDGET_PER_BYTE * len(data), CHECK_BUDGET_PER_BYTE * self.max_buffer)
         return self._drain()
 
     def abandon_partial(self, *, require_hello: bool = True) -> list[Frame]:
@@ -249,14 +276,28 @@ class Decoder:
         its header hold a complete valid HELLO frame, the first frame of every new connection, so a frame
         that is merely slow is never dropped. Returns the frames found by the rescan.
         """
-        if self._header_at(0) is None:
+        if not self.partial:
             return []
         if require_hello and not self._holds_hello(1):
             return []
         del self._buf[:1]
-        self.bad_frames += 1
+        self._bad()
         self.garbage_bytes += 1
         return self._drain()
+
+    def _bad(self) -> None:
+        self.bad_frames += 1
+        self.consecutive_bad += 1
+
+    def _garbage(self, n: int) -> None:
+        """Count ``n`` skipped bytes; every ``max_buffer`` of them since the last delivered frame counts as a
+        bad frame too (a torn frame leaves less than that), so a flood without headers also ends a reader's
+        patience."""
+        self.garbage_bytes += n
+        self._garbage_run += n
+        while self._garbage_run >= self.max_buffer:
+            self._garbage_run -= self.max_buffer
+            self._bad()
 
     def _holds_hello(self, start: int) -> bool:
         pos = start
@@ -277,14 +318,16 @@ class Decoder:
             pos += 1
 
     def _header_at(self, pos: int) -> tuple[int, int, int, int] | None:
-        """Parse a header at ``pos``: ``(type, stream, length, payload_crc)`` or None if invalid/short."""
+        """Parse a header at ``pos``: ``(type, stream, length, payload_crc)`` or None if invalid/short; the
+        type is -1 for a valid header of another version or an unknown type, -2 for one whose length is over
+        ``max_payload``."""
         if len(self._buf) - pos < HEADER_SIZE:
             return None
         magic, version, ftype, stream, length, pcrc, hcrc = _HEADER.unpack_from(self._buf, pos)
         if magic != MAGIC or zlib.crc32(memoryview(self._buf)[pos : pos + 16]) != hcrc:
             return None
         if length > self.max_payload:
-            return None
+            return (-2, stream, length, pcrc)
         if version != VERSION or ftype not in _KNOWN_TYPES:
             # Valid per checksum but not ours: return it so the caller can skip it whole.
             return (-1, stream, length, pcrc)
@@ -299,7 +342,8 @@ class Decoder:
             if n - pos < HEADER_SIZE:
                 # A header may still be arriving; keep at most HEADER_SIZE - 1 bytes of a possible start.
                 keep = self._tail_candidate(pos)
-                self.garbage_bytes += keep - pos
+                self.work += n - pos
+                self._garbage(keep - pos)
                 pos = keep
                 break
             if buf[pos : pos + 2] != MAGIC:
@@ -307,30 +351,50 @@ class Decoder:
                 if nxt < 0:
                     # Keep a trailing b"P" that may begin the next magic.
                     nxt = n - 1 if buf[n - 1 : n] == MAGIC[:1] else n
-                self.garbage_bytes += nxt - pos
+                self.work += nxt - pos
+                self._garbage(nxt - pos)
                 pos = nxt
                 continue
+            self.work += HEADER_SIZE
             head = self._header_at(pos)
             if head is None:
-                self.garbage_bytes += 1
+                self._garbage(1)
                 pos += 1
                 continue
             ftype, stream, length, pcrc = head
+            if ftype == -2:  # a checked header claiming more than the limit: never waited for
+                self._bad()
+                self._garbage(1)
+                pos += 1
+                continue
             end = pos + HEADER_SIZE + length
             if end > n:
                 break  # wait for the payload
-            payload = bytes(buf[pos + HEADER_SIZE : end])
-            if zlib.crc32(payload) != pcrc:
-                # Torn frame (e.g. the writer went away mid-frame): rescan from the next byte.
-                self.bad_frames += 1
-                self.garbage_bytes += 1
+            if length > self._budget:
+                # Not affordable: the budget went on bogus candidates just before (a well-behaved stream
+                # keeps it full), so this one is dropped unchecked and the bytes behind its header rescanned.
+                self._bad()
+                self._garbage(1)
                 pos += 1
                 continue
+            self.work += length
+            with memoryview(buf) as view:
+                good = zlib.crc32(view[pos + HEADER_SIZE : end]) == pcrc
+            if not good:
+                # Torn frame (e.g. the writer went away mid-frame): rescan from the next byte.
+                self._budget -= length
+                self._bad()
+                self._garbage(1)
+                pos += 1
+                continue
+            payload = bytes(buf[pos + HEADER_SIZE : end])
             pos = end
             if ftype < 0:
                 self.skipped_frames += 1
                 continue
             self.frames += 1
+            self.consecutive_bad = 0
+            self._garbage_run = 0
             out.append(Frame(_TYPE_OF[ftype], stream, payload))
         if pos:
             del buf[:pos]

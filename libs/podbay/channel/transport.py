@@ -14,6 +14,10 @@ is_a_directory, not_a_directory), ``PermissionDenied`` (permission_denied), ``No
 ``GuestError`` (any other code); the code is in ``details["guest_code"]``;
 a malformed answer is ``GuestError``; a lost connection fails every pending request with ``ChannelClosed``
 (a retryable ``GuestError``), after which ``connect`` may be called again; a request timeout is ``Timeout``.
+A guest that sends ``max_bad_frames`` bad frames in a row (``frames.Decoder``: torn, oversized or unpaid
+candidates, or a run of garbage as long as a maximal frame) has its connection dropped, logged once: every
+pending and later request on it fails with ``ChannelBroken`` (``guest_channel_broken``, a ``ChannelClosed``)
+naming why, instead of waiting on a reader that decodes garbage.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from pydantic import BaseModel, ValidationError
 
 from podbay.channel import frames
 from podbay.channel.frames import Frame, FrameType
+from podbay.config import get_settings
 from podbay.contracts.channel import ChannelErrorBody, GuestInfo, Op
 from podbay.errors import (Conflict, GuestError, InvalidRequest, NoSpace, NotFound, PermissionDenied, PodbayError,
                            Timeout)
 
-__all__ = ["Transport", "Stream", "ChannelClosed", "validate"]
+__all__ = ["Transport", "Stream", "ChannelClosed", "ChannelBroken", "DEFAULT_MAX_BAD_FRAMES", "validate"]
 
 log = logging.getLogger("podbay.channel")
 
@@ -42,6 +47,10 @@ M = TypeVar("M", bound=BaseModel)
 
 # A stream gets a handful of control frames (STARTED, two EOFs, RESULT); more is a misbehaving guest.
 _MAX_CONTROL_FRAMES = 16
+#: Bad frames in a row after which the connection is dropped, when neither the caller nor the settings
+#: (``PODBAY_CHANNEL_MAX_BAD_FRAMES``) say otherwise. A host reconnect leaves at most one torn frame
+#: (docs/channel.md, Resynchronisation), so a handful in a row is a guest writing garbage on purpose.
+DEFAULT_MAX_BAD_FRAMES = 8
 # HELLO is re-sent after 50 ms, then at doubling intervals up to 250 ms: a guest that has just been
 # restored answers the first HELLO within tens of ms, and re-sending only matters in the rare case where a
 # torn frame of the previous host swallowed it (docs/channel.md, Resynchronisation).
@@ -64,6 +73,13 @@ class ChannelClosed(GuestError):
     """The connection to guestd is gone (closed, reset, or the guest restored); retry after reconnecting."""
 
     retryable = True
+
+
+class ChannelBroken(ChannelClosed):
+    """The host dropped the connection because the guest sent bad frames (``details.bad_frames``); the
+    message says so. Another ``connect`` may work if the guest recovers."""
+
+    code = "guest_channel_broken"
 
 
 def _guest_error(payload: bytes) -> PodbayError:
@@ -108,11 +124,14 @@ class Transport:
     ``consumed``, ``cancel_stream``, ``end_stream``, ``violation`` and ``next_chunk``.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, request_timeout_s: float) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, request_timeout_s: float,
+                 max_bad_frames: int = DEFAULT_MAX_BAD_FRAMES) -> None:
         self._reader = reader
         self._writer = writer
         self.request_timeout_s = request_timeout_s
+        self.max_bad_frames = max_bad_frames
         self._decoder = frames.Decoder()
+        self._close_error: ChannelClosed | None = None
         self._streams: dict[int, Stream] = {}
         self._next_id = secrets.randbelow(1 << 31) + 1
         self._closed = False
@@ -125,13 +144,17 @@ class Transport:
     # -- connection ------------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, socket_path: Path, *, timeout_s: float, request_timeout_s: float = 30.0) -> Self:
+    async def connect(cls, socket_path: Path, *, timeout_s: float, request_timeout_s: float = 30.0,
+                      max_bad_frames: int | None = None) -> Self:
         """Connect to the unix socket of a guest's channel and exchange HELLO, retrying (socket missing,
-        refused, or no answer yet) until ``timeout_s`` passes.
+        refused, or no answer yet) until ``timeout_s`` passes. ``max_bad_frames``: bad frames in a row that
+        drop the connection (module docstring); None takes the settings' ``channel_max_bad_frames``.
 
         Raises ``Timeout`` when no HELLO answer arrives in time, ``GuestError`` when the guest answers
         with a malformed or incompatible HELLO.
         """
+        if max_bad_frames is None:
+            max_bad_frames = get_settings().channel_max_bad_frames
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         last: BaseException | None = None
@@ -144,7 +167,7 @@ class Transport:
                 last = exc
                 await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
                 continue
-            ch = cls(reader, writer, request_timeout_s=request_timeout_s)
+            ch = cls(reader, writer, request_timeout_s=request_timeout_s, max_bad_frames=max_bad_frames)
             try:
                 await ch._say_hello(deadline)
                 return ch
@@ -185,10 +208,11 @@ class Transport:
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
 
-    def _shutdown(self, exc: PodbayError) -> None:
+    def _shutdown(self, exc: ChannelClosed) -> None:
         if self._closed:
             return
         self._closed = True
+        self._close_error = exc
         self._writer.close()
         if not self._hello.done():
             self._hello.set_exception(exc)
@@ -199,7 +223,7 @@ class Transport:
     # -- frames in ------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        reason = "guest channel connection lost"
+        error = ChannelClosed("guest channel connection lost")
         try:
             while data := await self._reader.read(frames.MAX_PAYLOAD):
                 for frame in self._decoder.feed(data):
@@ -207,9 +231,17 @@ class Transport:
                         self._dispatch(frame)
                     except Exception:  # noqa: BLE001 - a bad frame must never stop the reader
                         log.exception("guest frame %s on stream %d", frame.type.name, frame.stream)
+                if self._decoder.consecutive_bad >= self.max_bad_frames:
+                    bad = self._decoder.consecutive_bad
+                    # Logged here only: the loop ends, and the connection with it.
+                    log.warning("guest channel dropped: %d bad frames in a row (%d garbage bytes)", bad,
+                                self._decoder.garbage_bytes)
+                    error = ChannelBroken(f"guest channel dropped: the guest sent {bad} bad frames in a row",
+                                          details={"bad_frames": bad})
+                    break
         except (OSError, asyncio.IncompleteReadError) as exc:
-            reason = f"guest channel connection lost: {exc}"
-        self._shutdown(ChannelClosed(reason))
+            error = ChannelClosed(f"guest channel connection lost: {exc}")
+        self._shutdown(error)
 
     def _dispatch(self, frame: Frame) -> None:
         if frame.stream == frames.CONNECTION_STREAM:
@@ -273,14 +305,21 @@ class Transport:
 
     # -- frames out -----------------------------------------------------------------------------
 
+    def _closed_error(self) -> ChannelClosed:
+        """What a call on the closed connection raises: why it closed (a copy, so tracebacks do not pile up)."""
+        why = self._close_error
+        if why is None:
+            return ChannelClosed("guest channel closed")
+        return type(why)(why.message, details=why.details)
+
     def send(self, data: bytes) -> None:
         if self._closed:
-            raise ChannelClosed("guest channel closed")
+            raise self._closed_error()
         self._writer.write(data)
 
     def open_stream(self, op: Op, args: dict[str, Any]) -> Stream:
         if self._closed:
-            raise ChannelClosed("guest channel closed")
+            raise self._closed_error()
         while self._next_id in self._streams or self._next_id == 0:
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         sid, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF

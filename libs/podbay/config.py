@@ -348,6 +348,15 @@ class Settings(BaseSettings):
 
     operator_tenant: str = Field("dev", description="The tenant whose keys may change what all tenants share "
                                  "(a template's default egress policy); `podbay up` creates it.")
+    quota_sandboxes: int = Field(1000, ge=0, description="Default per-tenant quota: sandboxes that hold a VM "
+                                 "or are getting one (pending, starting, running, paused, suspending, "
+                                 "resuming); an operator sets a tenant's own (PUT /v1/tenants/{id}/quota).")
+    quota_vcpus: int = Field(4000, ge=0, description="Default per-tenant quota: vCPUs of those sandboxes.")
+    quota_memory_mib: int = Field(1 << 22, ge=0, description="Default per-tenant quota: guest memory of those "
+                                  "sandboxes, MiB.")
+    quota_disk_mib: int = Field(1 << 26, ge=0, description="Default per-tenant quota: root disks of those "
+                                "sandboxes, MiB (a disk of the template's size counts as that size).")
+    quota_builds: int = Field(16, ge=0, description="Default per-tenant quota: template builds running at once.")
 
     # credentials (docs/DESIGN.md §6)
     credential_backend: Literal["pg", "openbao"] = Field("pg", description="Where credential values live.")

@@ -34,6 +34,7 @@ from . import e2b_template_admin, e2b_templates
 from . import templates as template_routes
 from . import volumes as volume_routes
 from . import idempotency
+from . import quotas, template_access
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app", "RequestMetrics"]
@@ -54,6 +55,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = await db.connect_pool(settings.pg_dsn, min_size=2, max_size=20)
         await db.migrate(pool)
+        # Templates of the operator tenant are shared (owner NULL): migration 0033 could not know that tenant.
+        await template_access.share_operator_templates(pool, settings.operator_tenant)
         bus = await connect_bus(settings.nats_url, name="podbay-api", heartbeat_ttl_s=settings.node_heartbeat_ttl_s)
         relay = Relay(pool, bus)
         # Exec and file transfers can be long; the per-request timeout is the guest's business, not httpx's.
@@ -148,6 +151,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(events.router)
     app.include_router(webhooks.router)
     app.include_router(drain.router)
+    app.include_router(quotas.router)
     app.include_router(schedule_routes.router)
     app.include_router(volume_routes.router)
 

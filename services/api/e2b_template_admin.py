@@ -1,5 +1,7 @@
 """E2B's template management under ``/e2b``: list, get and delete, over podbay's templates (the
-``templates`` table, shared by every tenant, as ``base`` is; docs/e2b.md "Templates").
+``templates`` table; docs/e2b.md "Templates"). A tenant sees the shared templates and its own; another
+tenant's is 404, and changing (delete, tags) a shared one is 403 unless the caller is the operator tenant
+(services/api/template_access.py).
 
     GET    /templates                 200 [Template]            ?teamID (ignored: one namespace)
     GET    /v2/templates              200 [Template]            ?limit, nextToken (next page in x-next-token)
@@ -25,7 +27,7 @@ caller's sandboxes of it; ``buildStatus`` is ``ready`` (podbay lists only templa
 ``envdVersion`` is the one podbay's envd speaks. ``builds`` of a ``TemplateWithBuilds`` are the caller's
 podbay builds of that name (``template_builds``), newest first: ``running`` is ``building``,
 ``succeeded`` ``ready``, ``failed`` ``error``. The delete is podbay's (``templates.remove_template``): 404
-unknown, 409 built in or in use.
+unknown (or another tenant's), 403 shared, 409 built in or in use.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import ENVD_VERSION, WhoDep, _Body, _E2bRoute, _iso
+from . import template_access
+from .template_access import VISIBLE_SQL
 from .templates import BUILTIN, remove_template
 
 __all__ = ["router", "delete_template", "DEFAULT_TAGS"]
@@ -56,15 +60,18 @@ CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 # E2B's statuses of a build, by podbay's template_builds.state.
 _BUILD_STATUS = {"running": "building", "succeeded": "ready", "failed": "error"}
 _MIB = 1 << 20
-# Every template with the caller's use of it. $1 tenant, $2 one name (or NULL: all), $3 names after this one
+# Every template the caller may see (shared ones and its own: services/api/template_access.py) with the
+# caller's use of it. $1 tenant, $2 one name (or NULL: all), $3 names after this one
 # (or NULL), $4 at most this many.
 _SQL = ("SELECT t.name, t.digest, t.vcpus, t.memory_mib, t.size_bytes, t.created_at, t.updated_at,"
         " (SELECT count(*) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS spawns,"
         " (SELECT max(s.created_at) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS last,"
-        " (SELECT count(*) FROM template_builds b WHERE b.name = t.name AND b.state = 'succeeded') AS builds,"
+        " (SELECT count(*) FROM template_builds b WHERE b.name = t.name AND b.state = 'succeeded'"
+        "  AND b.owner_tenant IS NOT DISTINCT FROM t.owner_tenant) AS builds,"
         " (SELECT b.id FROM template_builds b WHERE b.name = t.name AND b.digest = t.digest"
         "  AND b.state = 'succeeded' ORDER BY b.finished_at DESC LIMIT 1) AS build_id"
         " FROM templates t WHERE t.deleted_at IS NULL AND ($2::text IS NULL OR t.name = $2)"
+        " AND " + VISIBLE_SQL.format(tenant="$1") +
         " AND ($3::text IS NULL OR t.name > $3) ORDER BY t.name LIMIT $4")
 
 
@@ -140,7 +147,7 @@ async def get_template(template_id: str, ctx: CtxDep, who: WhoDep, limit: int = 
 async def delete_template(ctx: ApiContext, who: Principal, template_id: str) -> None:
     """``DELETE /templates/{id}`` for a template (not a snapshot): podbay's removal. Raises ``NotFound``,
     ``Conflict`` (built in, or in use)."""
-    await remove_template(ctx, who, template_id.partition(":")[0])
+    await remove_template(ctx, who, template_id.partition(":")[0], route="DELETE /e2b/templates/{templateID}")
 
 
 class AssignTags(_Body):
@@ -157,10 +164,13 @@ class RemoveTags(_Body):
     tags: list[str] = Field(min_length=1, max_length=64)
 
 
-async def _one(ctx: ApiContext, who: Principal, ref: str) -> Any:
-    """The template ``ref`` (``name[:tag]``) names -> its row; ``NotFound`` for no such template, or a tag
-    other than the version's own."""
+async def _one(ctx: ApiContext, who: Principal, ref: str, *, route: str, write: bool = False) -> Any:
+    """The template ``ref`` (``name[:tag]``) names -> its row; ``NotFound`` for no such template (or another
+    tenant's, audited), or a tag other than the version's own. ``write``: ``Forbidden`` for a shared template
+    unless the caller is the operator tenant (services/api/template_access.py)."""
     name, _, tag = ref.partition(":")
+    if await template_access.lookup(ctx.pool, ctx, who, name, route=route, write=write) is None:
+        raise NotFound(f"template {ref!r} was not found")
     rows = await _templates(ctx, who, name, None, 1)
     if not rows or (tag and tag not in DEFAULT_TAGS):
         raise NotFound(f"template {ref!r} was not found")
@@ -171,7 +181,7 @@ async def _one(ctx: ApiContext, who: Principal, ref: str) -> Any:
 async def assign_tags(body: AssignTags, ctx: CtxDep, who: WhoDep) -> JSONResponse:
     """Tag the version ``target`` names -> 201 ``{tags, buildID}``; 400 for a tag other than default/latest
     (podbay keeps one version per name), 404 no such template."""
-    row = await _one(ctx, who, body.target)
+    row = await _one(ctx, who, body.target, route="POST /e2b/templates/tags", write=True)
     other = [t for t in body.tags if t not in DEFAULT_TAGS]
     if other:
         raise InvalidRequest(f"tag {other[0]!r}: podbay keeps one version per template name (tags default and "
@@ -183,7 +193,7 @@ async def assign_tags(body: AssignTags, ctx: CtxDep, who: WhoDep) -> JSONRespons
 async def remove_tags(body: RemoveTags, ctx: CtxDep, who: WhoDep) -> Response:
     """Remove tags -> never 204: 400 for default/latest (a template's only version keeps them), 404 for any
     other tag (it cannot exist) or no such template."""
-    await _one(ctx, who, body.name)
+    await _one(ctx, who, body.name, route="DELETE /e2b/templates/tags", write=True)
     kept = [t for t in body.tags if t in DEFAULT_TAGS]
     if kept:
         raise InvalidRequest(f"tag {kept[0]!r} names the template's only version in podbay and cannot be "
@@ -194,6 +204,6 @@ async def remove_tags(body: RemoveTags, ctx: CtxDep, who: WhoDep) -> Response:
 @router.get("/templates/{template_id}/tags")
 async def get_tags(template_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
     """A template's tags -> 200 ``[TemplateTag]``: ``default`` on its one version; 404 no such template."""
-    row = await _one(ctx, who, template_id)
+    row = await _one(ctx, who, template_id, route="GET /e2b/templates/{templateID}/tags")
     return JSONResponse([{"tag": "default", "buildID": _uuid(row["build_id"] or row["digest"]),
                           "createdAt": _iso(row["updated_at"])}])

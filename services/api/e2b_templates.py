@@ -62,6 +62,8 @@ from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unaut
 from podbay.objstore import StorageError, open_store
 from podbay.outbox import new_id
 
+from . import template_access
+from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import WhoDep, _Body, _E2bRoute, _iso, error_body
@@ -147,6 +149,11 @@ async def request_build(body: BuildRequestV3, ctx: CtxDep, who: WhoDep) -> JSONR
     400 for values E2B refuses (:func:`check_resources`). ``minFreeDiskMb`` is accepted and not used."""
     name = _template_name(body.name or body.alias, body.tags)
     check_resources(body.cpu_count, body.memory_mb)
+    # Refused now rather than at the start: a name another owner holds (the start checks again).
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        await template_access.check_build_name(conn, ctx, who, name,
+                                               await template_access.build_owner(conn, ctx, who),
+                                               route="POST /e2b/v3/templates")
     build_id = new_id("bld")
     await ctx.pool.execute("INSERT INTO e2b_template_builds (id, template, tenant_id, cpu_count, memory_mb)"
                            " VALUES ($1, $2, $3, $4, $5)", build_id, name, who.tenant_id, body.cpu_count,
@@ -263,10 +270,13 @@ async def _row(ctx: ApiContext, tenant_id: str, template_id: str, build_id: str)
     return row
 
 
-async def _parent(ctx: ApiContext, first: Translation, raw: E2bBuildStart) -> ImageConfig | None:
-    """The FROM template's config; NotFound/InvalidRequest naming what E2B's call named."""
+async def _parent(ctx: ApiContext, who: Principal, first: Translation, raw: E2bBuildStart) -> ImageConfig | None:
+    """The FROM template's config; NotFound/InvalidRequest naming what E2B's call named (another tenant's
+    template is no template)."""
     ref = first.spec.base.ref
-    row = await ctx.pool.fetchrow("SELECT config FROM templates WHERE name=$1 AND deleted_at IS NULL", ref)
+    row = None
+    if await template_access.lookup(ctx.pool, ctx, who, ref, route="POST /e2b/v2/templates/{id}/builds") is not None:
+        row = await ctx.pool.fetchrow("SELECT config FROM templates WHERE name=$1 AND deleted_at IS NULL", ref)
     if row is None:
         if first.from_image:
             raise InvalidRequest(f"fromImage {raw.from_image!r} is no podbay template, and podbay reaches no image "
@@ -299,7 +309,7 @@ async def start(template_id: str, build_id: str, request: Request, ctx: CtxDep, 
         raise InvalidRequest(f"the build body is not TemplateBuildStartV2: {exc}") from exc
     try:
         first = translate(body)
-        parent = await _parent(ctx, first, body)
+        parent = await _parent(ctx, who, first, body)
         data, members = await _context(ctx, who.tenant_id, first.files)
         tr = translate(body, parent=parent, members=members)
         await _log(ctx, build_id, [("info", f"Building template {template_id} from {tr.spec.base.ref}: "
@@ -441,9 +451,9 @@ async def status(template_id: str, build_id: str, ctx: CtxDep, who: WhoDep,
 
 @router.get("/templates/aliases/{alias}")
 async def alias_exists(alias: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
-    """Whether template ``alias`` exists -> 200 ``{templateID, public}`` or 404 (templates are shared by
-    every tenant in podbay, as ``base`` is)."""
+    """Whether template ``alias`` exists for the caller -> 200 ``{templateID, public}`` or 404 (shared
+    templates and the caller's own; another tenant's is 404: services/api/template_access.py)."""
     name = alias.partition(":")[0]
-    if not await ctx.pool.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", name):
+    if await template_access.lookup(ctx.pool, ctx, who, name, route="GET /e2b/templates/aliases/{alias}") is None:
         raise NotFound(f"template {alias!r} was not found")
     return JSONResponse({"templateID": name, "public": False})

@@ -17,7 +17,9 @@ from podbay.errors import NotFound
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
+from . import template_access
 from .sandbox_lookup import audit
+from .template_access import VISIBLE_SQL
 
 __all__ = ["router"]
 
@@ -32,10 +34,15 @@ async def set_pool(template: str, body: PoolSet, ctx: CtxDep, who: PrincipalDep)
     """Set the pool of ``template``: at least ``size`` warm slots, up to ``max_size`` (default ``size``) when
     recent demand asks for more. Targets follow within ``warm_interval_s``; the nodes are told at once.
 
-    Errors: 404 ``not_found`` (unknown template), 422 ``validation_error`` (``max_size`` below ``size``).
+    Only the template's owner sets its pool; a shared template's, only the operator tenant
+    (services/api/template_access.py).
+
+    Errors: 404 ``not_found`` (unknown template, or another tenant's), 403 ``forbidden`` (a shared template and
+    the caller is not the operator tenant), 422 ``validation_error`` (``max_size`` below ``size``).
     """
     async with ctx.pool.acquire() as conn, conn.transaction():
-        if await conn.fetchval("SELECT 1 FROM templates WHERE name=$1", template) is None:
+        if await template_access.lookup(conn, ctx, who, template, route="PUT /v1/pools/{template}", write=True,
+                                        lock="FOR SHARE") is None:
             raise NotFound(f"template {template!r} does not exist", details={"template": template})
         await conn.execute(
             "INSERT INTO warm_pools (template, min_size, max_size) VALUES ($1,$2,$3) ON CONFLICT (template)"
@@ -44,20 +51,22 @@ async def set_pool(template: str, body: PoolSet, ctx: CtxDep, who: PrincipalDep)
         await audit(conn, who, "pool.set", template)
     # The warm-pool service recomputes targets on this notice instead of at its next interval.
     await ctx.bus.nc.publish(subjects.WARM_POOLS_CHANGED, template.encode())
-    return (await _pools(ctx, template))[0]
+    return (await _pools(ctx, who, template))[0]
 
 
 @router.get("/pools", response_model=PoolList)
 async def list_pools(ctx: CtxDep, who: PrincipalDep) -> PoolList:
-    """Every pool: its bounds, its current target, and per node the target and the slots that are ready,
-    preparing, claimed and failing within the recent demand window."""
-    return PoolList(pools=await _pools(ctx, None))
+    """The pools of the templates the caller may see (shared ones and its own): bounds, current target, and
+    per node the target and the slots that are ready, preparing, claimed and failing within the recent demand
+    window."""
+    return PoolList(pools=await _pools(ctx, who, None))
 
 
-async def _pools(ctx: ApiContext, template: str | None) -> list[PoolInfo]:
+async def _pools(ctx: ApiContext, who: Principal, template: str | None) -> list[PoolInfo]:
     pools = await ctx.pool.fetch(
-        "SELECT template, min_size, max_size FROM warm_pools WHERE $1::text IS NULL OR template=$1"
-        " ORDER BY template", template)
+        "SELECT p.template, p.min_size, p.max_size FROM warm_pools p JOIN templates t ON t.name = p.template"
+        " WHERE ($1::text IS NULL OR p.template=$1) AND " + VISIBLE_SQL.format(tenant="$2")
+        + " ORDER BY p.template", template, who.tenant_id)
     window = ctx.settings.warm_demand_window_s
     rows = await ctx.pool.fetch(
         "SELECT template, node_id, sum(target)::int AS target, sum(ready)::int AS ready,"

@@ -54,7 +54,7 @@ from podbay.contracts.templates import split_template_ref
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .auth import Principal
-from . import idempotency
+from . import idempotency, quotas, template_access
 from .context import ApiContext
 from .idempotency import IdempotencyKey
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, finish, load_sandbox, sandbox_info
@@ -97,7 +97,8 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     ``IdempotencyKeyReused`` (422) when the key came with another body.
 
     ``body.template`` is a template's name (its current build) or ``name:tag`` (the build the tag names; the
-    sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume), ``TagNotFound``
+    sandbox's ``template`` is the name). Raises ``NotFound`` (unknown template or volume, or another tenant's
+    template), ``QuotaExceeded`` (403 ``quota_exceeded``: services/api/quotas.py), ``TagNotFound``
     (the template has no such tag), ``InvalidRequest`` (resources the template's snapshot
     cannot restore with), ``InvalidDiskSize`` (``disk_mib`` below the template's disk or over the limit), the
     volume errors of services/api/volume_service.py, ``NoCapacity`` (no node had room
@@ -120,7 +121,9 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     if idem is not None and (prior := await idempotency.lookup(ctx.pool, who.tenant_id, idem.key,
                                                                ctx.settings.idempotency_key_ttl_s)) is not None:
         return await _replay(ctx, who, idem, prior, wait=wait, t0=t0)
-    tpl = await template_versions.resolve(ctx.pool, name, tag)
+    # Another tenant's template is answered as missing (services/api/template_access.py).
+    visible = await template_access.lookup(ctx.pool, ctx, who, name, route="create sandbox")
+    tpl = await template_versions.resolve(ctx.pool, name, tag) if visible is not None else None
     if tpl is None:
         raise NotFound(f"template {body.template!r} does not exist", details={"template": body.template})
     if body.memory_mib is not None and body.memory_mib != tpl["memory_mib"]:
@@ -142,6 +145,10 @@ async def create(ctx: ApiContext, who: Principal, body: SandboxCreate, *, wait: 
     t_db = time.perf_counter()
     # The guard comes first, so a KeyTaken rolls the transaction back before the guard stops it.
     async with idempotency.TakenGuard() as guard, ctx.pool.acquire() as conn, conn.transaction():
+        # Under the tenant's lock: two creates of one tenant cannot both take its last unit of a quota.
+        await quotas.check_sandbox(conn, ctx, who, vcpus=tpl["vcpus"], memory_mib=tpl["memory_mib"],
+                                   disk_mib=quotas.disk_mib_of(body.disk_mib, tpl["size_bytes"]),
+                                   route="create sandbox", target=tpl["name"])
         # The volumes are checked and recorded last: they write no event, so the outbox order is unchanged.
         await lifecycle.insert(
             conn, SandboxState.PENDING,

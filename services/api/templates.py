@@ -9,9 +9,11 @@ written here (``running``; its partial unique index refuses a second running bui
 by the node. It carries the build's egress policy (the request's ``egress``, else the FROM template's), under
 which the gateway lets the builder VM's RUN steps reach the network, as for a sandbox.
 
-Templates are shared by every tenant (as ``base`` is); removing one is a soft delete (``deleted_at``): its
-row stays for the sandboxes that referenced it, its tags go, new creates are refused, and a later build of
-the name brings it back as a new version. Versions and tags: podbay.template_versions.
+Every template has an owner (services/api/template_access.py): the tenant that built it sees and changes
+it; templates the operator tenant builds (and ``base``) are shared, read-only for the others. Names are
+global: another owner's name is taken (409 ``template_name_taken``) until it is removed. Removing one is a
+soft delete (``deleted_at``): its row stays for the sandboxes that referenced it, its tags go, new creates
+are refused, and a later build of the name (by any tenant) brings it back as a new version. Versions and tags: podbay.template_versions.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from podbay.contracts.templates import (
     split_template_ref,
 )
 from podbay.dockerfile import parse_dockerfile
-from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
+from podbay.errors import Conflict, Forbidden, NotFound, Unavailable, Unprocessable
 from podbay.grants import BUILD_ID_HEADER, GrantKind
 from podbay.outbox import new_id
 from podbay.template_versions import remove_tag, tags_by_template
@@ -56,7 +58,9 @@ from podbay.template_versions import remove_tag, tags_by_template
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
+from . import quotas, template_access
 from .sandbox_lookup import audit
+from .template_access import VISIBLE_SQL
 
 __all__ = ["router", "BUILTIN", "start_build", "remove_template"]
 
@@ -69,8 +73,9 @@ PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 #: Templates built by the node agent from code (``podbay template build``), never through this API.
 BUILTIN = ("base",)
 
+# The templates tenant $1 may see: shared ones and its own (services/api/template_access.py).
 _LIST_SQL = ("SELECT name, digest, memory_mib, vcpus, updated_at AS created_at, parent, config, size_bytes"
-             " FROM templates WHERE deleted_at IS NULL ORDER BY name")
+             " FROM templates t WHERE deleted_at IS NULL AND " + VISIBLE_SQL.format(tenant="$1") + " ORDER BY name")
 
 
 def _detail(row: Any, tags: dict[str, list[Any]]) -> TemplateDetail:
@@ -84,10 +89,11 @@ def _detail(row: Any, tags: dict[str, list[Any]]) -> TemplateDetail:
 
 @router.get("/templates", response_model=TemplateDetailList)
 async def list_templates(ctx: CtxDep, who: PrincipalDep) -> TemplateDetailList:
-    """Templates sandboxes can be created from: name, current build (digest), resources, and for built ones
-    their parent, config (the defaults of exec), disk size and tags (the builds ``name:tag`` names)."""
+    """Templates the caller's sandboxes can be created from (the shared ones and the caller's own): name,
+    current build (digest), resources, and for built ones their parent, config (the defaults of exec), disk
+    size and tags (the builds ``name:tag`` names)."""
     async with ctx.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-        rows = await conn.fetch(_LIST_SQL)
+        rows = await conn.fetch(_LIST_SQL, who.tenant_id)
         tags = await tags_by_template(conn)
     return TemplateDetailList(templates=[_detail(r, tags) for r in rows])
 
@@ -134,8 +140,10 @@ async def build_template(
     build is moved). Errors before the stream starts: 422 ``validation_error``
     (a name outside ``[a-z0-9-]`` or a tag outside ``[a-z0-9][a-z0-9._-]*``, bad build args), 422 ``invalid_dockerfile`` (names the line and
     instruction), 413 ``context_too_large``, 400 ``invalid_context`` / ``missing_copy_source``, 404
-    ``not_found`` (FROM names no template), 409 ``conflict`` (a build of the name runs, or the name is built
-    in), 503 (no node holds the FROM template), 422 ``validation_error`` for ``memory_mib``, ``vcpus`` or
+    ``not_found`` (FROM names no template the caller may see), 409 ``conflict`` (a build of the name runs,
+    or the name is built in), 409 ``template_name_taken`` (another tenant owns the name), 403 ``forbidden``
+    (the name is a shared template and the caller is not the operator tenant), 403 ``quota_exceeded`` (the
+    tenant's running builds), 503 (no node holds the FROM template), 422 ``validation_error`` for ``memory_mib``, ``vcpus`` or
     ``disk_mib`` out of bounds, or a ``disk_mib`` below the FROM template's disk. Resources other than the
     FROM template's cost one boot of its disk (seconds under TCG) before the steps, cached like a layer. A
     failed step, or a start command (CMD/ENTRYPOINT) that exits
@@ -156,6 +164,13 @@ async def build_template(
     except ValueError as exc:
         raise Unprocessable(f"build_args must be a JSON object of strings: {exc}") from exc
     spec = parse_dockerfile(dockerfile, args)
+    if spec.base.kind == "oci" and spec.base.ref.startswith("docker://") and await ctx.pool.fetchval(
+            "SELECT name FROM tenants WHERE id=$1", who.tenant_id) != ctx.settings.operator_tenant:
+        # skopeo pulls on the node, from the node's own network: no tenant's egress policy applies there.
+        raise Forbidden("FROM docker://: registry pulls are for the operator's tenant only (they leave from the "
+                        "node, outside every egress policy); put the image in the build context instead "
+                        "(skopeo copy or docker save to a file) and build FROM oci-archive:FILE or "
+                        "docker-archive:FILE", details={"from": spec.base.ref, "reason": "registry_pull"})
     if ready_cmd is not None or ready_port is not None:
         if spec.config.start_cmd is None:
             raise Unprocessable("a readiness check (ready_cmd, ready_port) needs a start command (CMD or ENTRYPOINT)")
@@ -193,10 +208,22 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
     the node registers it (podbay.template_versions). When the node refuses the build,
     the returned response is its error (status >= 400, body read) and the build row is failed.
 
-    Raises ``NotFound`` (no template ``parent``), ``Unavailable`` (no ready node holds it, or the node did not
-    answer), ``Unprocessable`` (``egress`` is not a policy), ``Conflict`` (a build of ``name`` runs). Used by
+    Raises ``NotFound`` (no template ``parent`` the caller may see), ``Unavailable`` (no ready node holds it,
+    or the node did not answer), ``Unprocessable`` (``egress`` is not a policy), ``Conflict`` (a build of
+    ``name`` runs), ``Forbidden`` (``name`` is a shared template and the caller is not the operator tenant),
+    ``TemplateNameTaken`` (409: another tenant owns ``name``), ``QuotaExceeded`` (the tenant's running builds).
+    The build registers its template under :func:`~.template_access.build_owner`. Used by
     ``POST /v1/templates`` and E2B's template build (services/api/e2b_templates.py).
     """
+    route = f"build template {name}"
+    # FROM another tenant's template is FROM no template.
+    if await template_access.lookup(ctx.pool, ctx, who, parent, route=route) is None:
+        raise NotFound(f"FROM names template {parent!r}, which does not exist", details={"from": parent})
+    owner = await template_access.build_owner(ctx.pool, ctx, who)
+    async with ctx.pool.acquire() as conn, conn.transaction():
+        # Answered before a node is looked for; checked again with the build's row below.
+        await template_access.check_build_name(conn, ctx, who, name, owner, route=route)
+        await quotas.check_builds(conn, ctx, who, route=route, target=name)
     node = await ctx.pool.fetchrow(
         "SELECT n.id, n.dataplane_url FROM templates t JOIN node_templates nt ON nt.template = t.name"
         " AND nt.digest = t.digest JOIN nodes n ON n.id = nt.node_id"
@@ -224,9 +251,12 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
                 if await conn.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL FOR SHARE",
                                        parent) is None:
                     raise NotFound(f"FROM names template {parent!r}, which does not exist", details={"from": parent})
+                # The name's owner (its row share-locked) and the tenant's running builds (the tenant locked).
+                await template_access.check_build_name(conn, ctx, who, name, owner, route=route)
+                await quotas.check_builds(conn, ctx, who, route=route, target=name)
                 await conn.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, parent,"
-                                   " egress_policy) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb)", build_id, name,
-                                   who.tenant_id, node["id"], recipe, spec.base.ref, policy)
+                                   " egress_policy, owner_tenant) VALUES ($1,$2,$3,$4,$5,$6,$7::jsonb,$8)", build_id,
+                                   name, who.tenant_id, node["id"], recipe, spec.base.ref, policy, owner)
                 await audit(conn, who, "template.build", name, detail={"build_id": build_id, "from": spec.base.ref,
                                                                        **({"tag": tag} if tag else {})})
             break
@@ -309,8 +339,8 @@ async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
     rows = await ctx.pool.fetch(
         "SELECT id, name, state, parent, digest, error, created_at, finished_at FROM template_builds"
         " WHERE name=$1 AND tenant_id=$2 ORDER BY created_at DESC LIMIT 50", name, who.tenant_id)
-    if not rows and await ctx.pool.fetchval(
-            "SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", name) is None:
+    if not rows and await template_access.lookup(ctx.pool, ctx, who, name,
+                                                 route="GET /v1/templates/{name}/builds") is None:
         raise NotFound(f"template {name!r} does not exist", details={"template": name})
     return BuildList(builds=[BuildInfo(**dict(r)) for r in rows])
 
@@ -318,7 +348,9 @@ async def list_builds(name: str, ctx: CtxDep, who: PrincipalDep) -> BuildList:
 @router.delete("/templates/{name}", status_code=204)
 async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response:
     """Remove a built template (with its tags), or with ``name:tag`` only that tag (its build is reclaimed
-    once nothing else references it). 404 ``not_found``, ``template_tag_not_found``; 422 ``validation_error``
+    once nothing else references it). 404 ``not_found`` (also another tenant's template),
+    ``template_tag_not_found``; 403 ``forbidden`` (a shared template, unless the caller is the operator
+    tenant); 422 ``validation_error``
     (a bad name or tag); 409 ``conflict`` when it is built in, or sandboxes (not deleted) or a warm pool use
     it, or another template's current build or a running build is FROM it; for a tag, when sandboxes use its
     build."""
@@ -330,21 +362,26 @@ async def delete_template(name: str, ctx: CtxDep, who: PrincipalDep) -> Response
         await remove_template(ctx, who, base)
         return Response(status_code=204)
     async with ctx.pool.acquire() as conn, conn.transaction():
+        if await template_access.lookup(conn, ctx, who, base, route="DELETE /v1/templates/{name}", write=True,
+                                        lock="FOR UPDATE") is None:
+            raise NotFound(f"template {base!r} does not exist", details={"template": base})
         digest = await remove_tag(conn, base, tag)
         await audit(conn, who, "template.untag", base, detail={"tag": tag, "digest": digest})
     return Response(status_code=204)
 
 
-async def remove_template(ctx: ApiContext, who: Principal, name: str) -> None:
+async def remove_template(ctx: ApiContext, who: Principal, name: str, *,
+                          route: str = "DELETE /v1/templates/{name}") -> None:
     """Soft-delete template ``name`` (``deleted_at``; audited): the one removal behind ``DELETE
-    /v1/templates/{name}`` and E2B's ``DELETE /templates/{id}``. Raises ``NotFound``, ``Conflict`` (built
-    in, or in use by sandboxes not deleted, a warm pool, templates built FROM it, or running builds FROM it)."""
-    if name in BUILTIN:
-        raise Conflict(f"template {name!r} is built in and cannot be removed", details={"template": name})
+    /v1/templates/{name}`` and E2B's ``DELETE /templates/{id}`` (``route`` names it in refusals' audit rows).
+    Raises ``NotFound`` (also another tenant's template), ``Forbidden`` (a shared template, unless the caller
+    is the operator tenant), ``Conflict`` (built in, or in use by sandboxes not deleted, a warm pool, templates built FROM it, or running builds FROM it)."""
     async with ctx.pool.acquire() as conn, conn.transaction():
-        row = await conn.fetchrow("SELECT name FROM templates WHERE name=$1 AND deleted_at IS NULL FOR UPDATE", name)
+        row = await template_access.lookup(conn, ctx, who, name, route=route, write=True, lock="FOR UPDATE")
         if row is None:
             raise NotFound(f"template {name!r} does not exist", details={"template": name})
+        if name in BUILTIN:
+            raise Conflict(f"template {name!r} is built in and cannot be removed", details={"template": name})
         users = await conn.fetchval("SELECT count(*) FROM sandboxes WHERE template=$1 AND state <> 'deleted'", name)
         pool = await conn.fetchval("SELECT 1 FROM warm_pools WHERE template=$1 AND max_size > 0", name)
         children = await conn.fetch("SELECT name FROM templates WHERE parent=$1 AND deleted_at IS NULL", name)

@@ -35,24 +35,34 @@ from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE
 from .auth import Principal
 from .context import ApiContext
 from .idempotency import IdempotencyKey
+from .quotas import USAGE_SQL_FOR, lock_tenant
 from .sandbox_lookup import GUEST_ENV_SQL, finish, load_sandbox, sandbox_info
 
 __all__ = ["warm_create", "CLAIM_SQL"]
 
 log = logging.getLogger("podbay.api.warm")
 
-#: One statement, so one round trip and one transaction: look the template up (its current digest; the
+#: One statement, after the tenant's quota lock (services/api/quotas.lock_tenant) in the same transaction:
+#: look the template up (its current digest; the
 #: requested memory and vCPUs, $2 and $4, must match it when given), claim the oldest ready slot of it at
 #: that digest (a slot another claim holds is skipped, so no slot goes out twice), insert the sandbox with
 #: the slot's id (``starting``, generation 1, the slot's node, event seq 1, its egress policy and credential
 #: placeholders; podbay.lifecycle.insert_sql, so the row is born as every other), its operation, the audit record and its event, and the ``created`` event (payloads patched
 #: with the id, which is known only here). Nothing is written when no slot is ready (or the template does
 #: not exist or does not match: the restore path then says why). With an ``Idempotency-Key`` ($19, its request
-#: hash $20) the same statement records the key, so a keyed warm create is still one round trip; a key that
+#: hash $20) the same statement records the key, so a keyed warm create is still one statement; a key that
 #: has a row already (a retry) claims nothing here.
 CLAIM_SQL = (
-    "WITH t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1 AND deleted_at IS NULL"
+    # The tenant's use, read after services/api/quotas.lock_tenant in the same transaction; $21-$24 are its
+    # sandboxes, vCPU, memory and disk limits. A create over one claims nothing: the restore path refuses it.
+    "WITH q AS (" + USAGE_SQL_FOR.format(tenant="$3") + "),"
+    " t AS (SELECT name, digest, memory_mib, vcpus FROM templates WHERE name=$1 AND deleted_at IS NULL"
     " AND ($2::integer IS NULL OR memory_mib=$2) AND ($4::integer IS NULL OR vcpus=$4)"
+    # Only a template the tenant may see: shared (no owner) or its own (services/api/template_access.py).
+    " AND (owner_tenant IS NULL OR owner_tenant=$3)"
+    " AND (SELECT sandboxes FROM q) + 1 <= $21 AND (SELECT vcpus FROM q) + vcpus <= $22"
+    " AND (SELECT memory_mib FROM q) + memory_mib <= $23"
+    " AND (SELECT disk_mib FROM q) + ceil(coalesce(size_bytes, 0) / 1048576.0) <= $24"
     # A key with a row (live or expired) takes the restore path, which answers a retry from the row or
     # replaces an expired one (services/api/idempotency.py); the common case, a new key, stays here.
     " AND NOT EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant_id=$3 AND key=$19::text)),"
@@ -107,14 +117,17 @@ async def warm_create(ctx: ApiContext, who: Principal, body: SandboxCreate, t0: 
                         data={"audit_id": 0, "actor": who.key_id, "target": None, **audit_detail})
     t = time.perf_counter()
     try:
-        row = await ctx.pool.fetchrow(
-            CLAIM_SQL, body.template, body.memory_mib, who.tenant_id, body.vcpus,
-            subjects.audit_event(who.tenant_id, "sandbox.create"), body.metadata,
-            body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
-            event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
-            json.loads(audit_event.model_dump_json()), audit_detail,
-            body.network.model_dump(mode="json") if body.network is not None else None,
-            audit_event.id, idem.key if idem else None, idem.request_hash if idem else None)
+        async with ctx.pool.acquire() as conn, conn.transaction():
+            quota = await lock_tenant(conn, ctx.settings, who.tenant_id)
+            row = await conn.fetchrow(
+                CLAIM_SQL, body.template, body.memory_mib, who.tenant_id, body.vcpus,
+                subjects.audit_event(who.tenant_id, "sandbox.create"), body.metadata,
+                body.lease_s or ctx.settings.lease_s, body.on_lease_expiry or ctx.settings.lease_action, op_id, who.key_id,
+                event.id, subject_head, subject_tail, json.loads(event.model_dump_json()),
+                json.loads(audit_event.model_dump_json()), audit_detail,
+                body.network.model_dump(mode="json") if body.network is not None else None,
+                audit_event.id, idem.key if idem else None, idem.request_hash if idem else None,
+                quota.sandboxes, quota.vcpus, quota.memory_mib, quota.disk_mib)
     except asyncpg.UniqueViolationError as exc:
         if exc.constraint_name != "idempotency_keys_pkey":
             raise

@@ -71,7 +71,7 @@ from .resources import Resources, leftover_vm_dirs, resize_key, resized_root, re
 if TYPE_CHECKING:
     from ..sandboxes import SandboxManager
 
-__all__ = ["BuildRequest", "StepFailed", "TemplateBuilder", "STEP_TIMEOUT_S", "OUTPUT_TAIL_BYTES", "Emit"]
+__all__ = ["BuildRequest", "StepFailed", "TemplateNameTaken", "TemplateBuilder", "STEP_TIMEOUT_S", "OUTPUT_TAIL_BYTES", "Emit"]
 
 log = logging.getLogger("podbay.nodeagent.build")
 
@@ -101,6 +101,12 @@ def inherit(parent: ImageConfig | None, req: BuildRequest, steps: list[BuildStep
                             for s in steps]
     spec = req.spec.model_copy(update={"config": merged, "steps": out})
     return BuildRequest(build_id=req.build_id, name=req.name, spec=spec, context=req.context, tag=req.tag), out
+
+
+class TemplateNameTaken(Conflict):
+    """The build's template name is held by another owner (409 ``template_name_taken``, as the API's)."""
+
+    code = "template_name_taken"
 
 
 class StepFailed(PodbayError):
@@ -538,7 +544,7 @@ class TemplateBuilder:
             src = (await self._resized_root(req, parent, res, root_key, emit)) if res.boot else parent.snapshot.dir
         digest = template_digest(skey or last, cfg)
         img = await asyncio.to_thread(self._install, req, parent, src, digest, res)
-        detail = await self._register(img, parent.name, tag=req.tag)
+        detail = await self._register(img, parent.name, tag=req.tag, build_id=req.build_id)
         await self._promote(img, parent, emit)
         await self.reclaim(req.name)
         await asyncio.to_thread(self.layers.gc, int(self.m.settings.build_layer_cache_gib * (1 << 30)))
@@ -623,20 +629,32 @@ class TemplateBuilder:
             os.replace(tmp, dest)
         return TemplateImage(name=req.name, digest=digest, snapshot=TemplateSnapshot.load(dest))
 
-    async def _register(self, img: TemplateImage, parent: str | None, *, tag: str | None = None) -> TemplateDetail:
+    async def _register(self, img: TemplateImage, parent: str | None, *, tag: str | None = None,
+                        build_id: str | None = None) -> TemplateDetail:
         """The template's row (new creates use this build), this node's holding of it, and the agent's map.
-        ``parent``: the FROM template's name; None for a root template (an OCI image's). ``tag``: also tag
-        this build so, in the same transaction."""
+        ``parent``: the FROM template's name; None for a root template (an OCI image's, shared like base:
+        ``build_id`` None). ``tag``: also tag this build so, in the same transaction. ``build_id``: the
+        build's row, whose ``owner_tenant`` (the API's decision, services/api/template_access.py) the
+        template gets; a template of that name that another owner holds (not removed) is left alone and the
+        build fails with :class:`TemplateNameTaken` (names are global; the API checked before the build, this
+        closes the race with a first build of the name by another tenant)."""
         snap = img.snapshot
         size = (snap.dir / "disk.img").stat().st_size
         cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
         async with self.m.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
-                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes)"
-                " VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7) ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
-                " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now()"
+                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes, owner_tenant)"
+                " VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7,(SELECT owner_tenant FROM template_builds WHERE id=$8))"
+                " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
+                " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now(),"
+                " owner_tenant=CASE WHEN $8::text IS NULL THEN templates.owner_tenant ELSE EXCLUDED.owner_tenant END"
+                " WHERE $8::text IS NULL OR templates.deleted_at IS NOT NULL"
+                " OR templates.owner_tenant IS NOT DISTINCT FROM EXCLUDED.owner_tenant"
                 " RETURNING created_at, updated_at",
-                img.name, img.digest, snap.memory_mib, snap.vcpus, parent, cfg, size)
+                img.name, img.digest, snap.memory_mib, snap.vcpus, parent, cfg, size, build_id)
+            if row is None:
+                raise TemplateNameTaken(f"the template name {img.name!r} was taken while this build ran; "
+                                        "build under another name", details={"template": img.name})
             await conn.execute(
                 "INSERT INTO node_templates (node_id, template, digest) VALUES ($1,$2,$3)"
                 " ON CONFLICT (node_id, template) DO UPDATE SET digest=$3", self.m.node_id, img.name, img.digest)

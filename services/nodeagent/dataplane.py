@@ -234,5 +234,5 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
     app.add_middleware(PortsProxy, manager=manager, relay_filter=filler.relay_filter)
     # Outermost: no request reaches a route, the envd app or the ports proxy without the API's grant for it.
     app.add_middleware(GrantCheck, verifier=GrantVerifier(settings.grant_verify_key),
-                       internal_token=settings.internal_token)
+                       internal_token=settings.internal_token, metrics_token=settings.metrics_token)
     return app

@@ -20,7 +20,8 @@ Refused with 403 ``grant_refused``: a missing, malformed, badly signed, expired 
 another sandbox (or build), kind or generation (the ``x-podbay-generation`` header, when sent, must be the
 grant's; it is then set from the grant, so the generation fencing behind works on the signed value), and
 every other ``/internal`` path, dot segments and empty segments included. ``/healthz`` and ``/readyz``
-stay open; ``/metrics`` needs the internal token; any other path is 404. The verified grant is left in
+stay open; ``/metrics`` needs the internal token (``x-podbay-internal-token``) or, for a scraper,
+``Authorization: Bearer <PODBAY_METRICS_TOKEN>`` (podbay.metricsauth); any other path is 404. The verified grant is left in
 ``scope["podbay.grant"]`` (the build route checks its build id against it).
 """
 
@@ -36,6 +37,7 @@ from podbay.asgiproxy import deny, json_error
 from podbay.envdpath import SANDBOX_ID, EnvdPathRefused, parse_envd_path
 from podbay.errors import GrantRefused
 from podbay.grants import BUILD_ID_HEADER, HEADER, GrantKind, GrantVerifier
+from podbay.metricsauth import token_matches
 
 __all__ = ["GrantCheck", "route_of", "BUILD_ID_HEADER", "SCOPE_KEY"]
 
@@ -93,13 +95,14 @@ def route_of(path: str, headers: dict[bytes, bytes]) -> tuple[GrantKind, str]:
 
 
 class GrantCheck:
-    """ASGI middleware (see the module docstring). ``verifier`` checks grants; ``internal_token`` guards
-    ``/metrics``."""
+    """ASGI middleware (see the module docstring). ``verifier`` checks grants; ``internal_token`` and
+    ``metrics_token`` (either; an empty one opens nothing) guard ``/metrics``."""
 
-    def __init__(self, app: ASGIApp, verifier: GrantVerifier, internal_token: str) -> None:
+    def __init__(self, app: ASGIApp, verifier: GrantVerifier, internal_token: str, metrics_token: str = "") -> None:
         self.app = app
         self.verifier = verifier
         self.token = internal_token.encode()
+        self.metrics_token = metrics_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -112,7 +115,9 @@ class GrantCheck:
         headers = dict(scope.get("headers", []))
         if path == "/metrics":
             given = headers.get(b"x-podbay-internal-token", b"")
-            if not self.token or not hmac.compare_digest(given, self.token):
+            by_token = bool(self.token) and hmac.compare_digest(given, self.token)
+            if not by_token and not token_matches(headers.get(b"authorization", b"").decode("latin-1"),
+                                                  self.metrics_token):
                 await deny(scope, receive, send, *json_error(401, "unauthorized", "bad internal token"))
                 return
             await self.app(scope, receive, send)

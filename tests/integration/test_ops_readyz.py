@@ -18,6 +18,7 @@ import pytest
 
 from podbay.devstack.procs import free_port
 from podbay.devstack.servers import NatsServer, start_nats
+from podbay.grants import new_keypair
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +62,7 @@ def test_readyz_follows_its_dependencies(service: str, own_nats: NatsServer, pg_
     env = {k: v for k, v in os.environ.items() if not k.startswith("PODBAY_")}
     env.update(PODBAY_NATS_URL=own_nats.url, PODBAY_PG_DSN=pg_dsn, PODBAY_DATA_DIR=str(tmp_path / "data"),
                PODBAY_LOG_FORMAT="json", PODBAY_INTERNAL_TOKEN="internal-token-not-in-logs",
+               PODBAY_GRANT_SIGNING_KEY=new_keypair()[0],  # the API refuses to start without it
                **{port_var: str(port)})
     stderr_path = tmp_path / f"{service}.stderr"
     with stderr_path.open("wb") as stderr:

@@ -105,6 +105,7 @@ def test_health_is_open_and_metrics_need_the_internal_token(stack: Stack) -> Non
         assert http.get("/metrics").status_code == 401
         assert http.get("/metrics", headers={"x-podbay-internal-token": "wrong"}).status_code == 401
         assert http.get("/metrics", headers={"x-podbay-internal-token": stack.internal_token}).status_code == 200
+        assert http.get("/metrics", headers={"authorization": f"Bearer {stack.internal_token}"}).status_code == 401
         assert http.get("/openapi.json").status_code == 404
 
 

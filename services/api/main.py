@@ -6,6 +6,9 @@
                                                create tenant T if needed and print {"tenant_id", "key_id", "key",
                                                "revoked"}; --replace revokes T's live keys named N first
     podbay-api openapi                         print the OpenAPI document
+    podbay-api grant-keys                      print a new node-grant key pair {"signing_key", "verify_key"}:
+                                               PODBAY_GRANT_SIGNING_KEY for the API, PODBAY_GRANT_VERIFY_KEY
+                                               for node agents (podbay.grants)
 
 ``create-key`` and ``migrate`` connect to ``PODBAY_PG_DSN``. When it is set neither in the environment nor in
 ``PODBAY_CONFIG_FILE``, they use the PostgreSQL of the dev stack that ``podbay up`` runs on this data dir (the
@@ -26,7 +29,7 @@ from podbay import db
 from podbay.config import ConfigError, Settings, get_settings
 from podbay.devstack.supervisor import STATE_FILE, stack_env
 from podbay.errors import PodbayError
-from podbay.grants import GrantKeyError, GrantSigner
+from podbay.grants import GrantKeyError, GrantSigner, new_keypair
 from podbay.telemetry import setup_logging
 
 from .app import create_app
@@ -79,11 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("serve")
     sub.add_parser("migrate")
     sub.add_parser("openapi")
+    sub.add_parser("grant-keys")
     ck = sub.add_parser("create-key")
     ck.add_argument("--tenant", required=True)
     ck.add_argument("--name", default="default")
     ck.add_argument("--replace", action="store_true", help="revoke the tenant's live keys of this name first")
     args = parser.parse_args(argv)
+    if args.cmd == "grant-keys":  # needs no settings: an operator runs it once, before anything is configured
+        signing, verify = new_keypair()
+        print(json.dumps({"signing_key": signing, "verify_key": verify}))
+        return
     try:
         settings = get_settings()
     except ConfigError as exc:  # a bad PODBAY_CONFIG_FILE or value: one line, exit 2
@@ -105,12 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     try:
         # Every node call carries a grant this key signs (podbay.grants): without it no exec or file call works.
-        if not settings.grant_signing_key:
-            raise GrantKeyError("PODBAY_GRANT_SIGNING_KEY is not set")
         GrantSigner(settings.grant_signing_key)
     except GrantKeyError as exc:
-        print(f"podbay-api: {exc}: the API signs node grants with it (base64 of a raw 32-byte Ed25519 key; "
-              "`podbay up` keeps one in DATA_DIR/grant.key)", file=sys.stderr)
+        print(f"podbay-api: PODBAY_GRANT_SIGNING_KEY: {exc}: the API signs node grants with it (base64 of a raw "
+              "32-byte Ed25519 key: `podbay-api grant-keys` makes a pair; `podbay up` keeps one in "
+              "DATA_DIR/grant.key)", file=sys.stderr)
         sys.exit(2)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     serve(create_app(settings), host=settings.api_host, port=settings.api_port, h2_port=settings.api_h2_port)

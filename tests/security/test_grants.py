@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 import time
 import timeit
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +123,24 @@ def test_mint_and_verify_cost_well_under_a_millisecond() -> None:
                                                 GrantKind.EXEC), number=n) / n
     print(f"grant mint+verify: {per * 1e6:.0f} us")
     assert per < 1e-3
+
+
+@pytest.mark.parametrize(("exe", "env"), [
+    ("podbay-api", {"PODBAY_GRANT_SIGNING_KEY": ""}),
+    ("podbay-api", {"PODBAY_GRANT_SIGNING_KEY": "bm90IGEga2V5"}),
+    ("podbay-nodeagent", {"PODBAY_GRANT_VERIFY_KEY": ""}),
+])
+def test_the_api_and_node_agents_refuse_to_start_without_their_grant_key(exe: str, env: dict[str, str]) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PODBAY_")}
+    p = subprocess.run([str(Path(sys.executable).with_name(exe))], env={**clean, **env}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "PODBAY_GRANT_" in p.stderr and "grant" in p.stderr, p.stderr
+
+
+def test_grant_keys_prints_a_pair_that_works() -> None:
+    p = subprocess.run([str(Path(sys.executable).with_name("podbay-api")), "grant-keys"], capture_output=True,
+                       text=True, timeout=60, check=True)
+    keys = json.loads(p.stdout)
+    wire = GrantSigner(keys["signing_key"]).mint("t", "sbx_a", 1, GrantKind.EXEC)
+    assert GrantVerifier(keys["verify_key"]).verify(wire, "sbx_a", GrantKind.EXEC).subject == "sbx_a"

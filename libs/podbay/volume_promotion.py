@@ -39,6 +39,7 @@ import asyncpg
 from podbay.chunks import Manifest
 from podbay.config import Settings
 from podbay.errors import NotFound, PodbayError
+from podbay.naming import safe_component
 from podbay.objstore import ObjectStore
 from podbay.outbox import new_id
 from podbay.promotion import FetchResult, PromoteResult, _fetch_manifest, _upload_missing, build_manifest
@@ -72,12 +73,12 @@ class VolumeSnapshot:
 
 
 def _store(data_dir: Path, node_id: str) -> Path:
-    return data_dir / "nodes" / node_id / "store"
+    return data_dir / "nodes" / safe_component(node_id, "node id") / "store"
 
 
 def volume_path(data_dir: Path, node_id: str, volume_id: str) -> Path:
     """A volume's file on a node: ``DATA_DIR/nodes/<node>/store/volumes/<volume>.img``."""
-    return _store(data_dir, node_id) / "volumes" / f"{volume_id}.img"
+    return _store(data_dir, node_id) / "volumes" / f"{safe_component(volume_id, 'volume id')}.img"
 
 
 def volume_snapshots_dir(data_dir: Path, node_id: str) -> Path:
@@ -96,7 +97,7 @@ async def snapshot_volume(pool: asyncpg.Pool, store: ObjectStore, settings: Sett
     if not source.exists():
         raise NotFound(f"volume {volume_id} has no file at {source.name} on node {node_id}")
     snap_id = new_id("vsnap")
-    snap_dir = work_dir / volume_id / snap_id
+    snap_dir = work_dir / safe_component(volume_id, "volume id") / snap_id
     await asyncio.to_thread(snap_dir.mkdir, parents=True, exist_ok=True)
     taken_at = datetime.now(UTC)
     t0 = time.perf_counter()

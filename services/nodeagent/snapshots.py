@@ -368,6 +368,6 @@ class SnapshotOps:
         """Remove a deleted sandbox's snapshot files and mark its snapshots deleted, except pinned promoted
         ones: they stay ready, restorable from object storage."""
         m = self.m
-        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.sandbox_snapshots_dir(sandbox_id), True)
         await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
                              " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)

@@ -22,6 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from podbay.naming import safe_component
+
 __all__ = ["NodeStore", "StoreError", "fs_type", "ensure_btrfs"]
 
 log = logging.getLogger("podbay.nodeagent.store")
@@ -75,7 +77,7 @@ class NodeStore:
     """Paths of one node's store; ``prepare()`` makes sure it is on btrfs."""
 
     def __init__(self, data_dir: Path, node_id: str, size_gib: int) -> None:
-        self.node_dir = data_dir / "nodes" / node_id
+        self.node_dir = data_dir / "nodes" / safe_component(node_id, "node id")
         self.root = self.node_dir / "store"
         self.image = self.node_dir / "store.btrfs"
         self.size_gib = size_gib
@@ -109,15 +111,26 @@ class NodeStore:
         """``<root>/snapshots``: a folder per sandbox, a folder per snapshot in it (services/nodeagent/snapshots.py)."""
         return self.root / "snapshots"
 
+    # Ids and names arrive in messages (checked there: podbay.naming.SafeId); each is checked again where it
+    # becomes a path, so a value that skipped a contract raises UnsafeName instead of leaving the store.
+
+    def sandbox_snapshots_dir(self, sandbox_id: str) -> Path:
+        """``<root>/snapshots/<sandbox>``: every snapshot of ``sandbox_id`` on this node."""
+        return self.snapshots_dir / safe_component(sandbox_id, "sandbox id")
+
     def snapshot_dir(self, sandbox_id: str, snapshot_id: str) -> Path:
         """Where snapshot ``snapshot_id`` of ``sandbox_id`` keeps its files on this node."""
-        return self.snapshots_dir / sandbox_id / snapshot_id
+        return self.sandbox_snapshots_dir(sandbox_id) / safe_component(snapshot_id, "snapshot id")
 
     def template_dir(self, name: str, digest: str) -> Path:
-        return self.templates_dir / name / digest
+        return self.templates_dir / safe_component(name, "template name") / safe_component(digest, "template digest")
 
     def sandbox_dir(self, sandbox_id: str) -> Path:
-        return self.sandboxes_dir / sandbox_id
+        return self.sandboxes_dir / safe_component(sandbox_id, "sandbox id")
+
+    def build_dir(self, build_id: str) -> Path:
+        """``<root>/builds/<build>``: a template build's builder VM; its context is beside it (``.ctx``)."""
+        return self.root / "builds" / safe_component(build_id, "build id")
 
     def sandbox_ids_on_disk(self) -> list[str]:
         return sorted(p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()) if self.sandboxes_dir.exists() else []

@@ -161,7 +161,7 @@ class SuspendOps:
         await m.discard_vm_dir(m.store.sandbox_dir(cmd.sandbox_id))
         await m.volumes.release_after_suspend(cmd.sandbox_id)
         await m.release_net(cmd.sandbox_id)
-        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / cmd.sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.sandbox_snapshots_dir(cmd.sandbox_id), True)
         async with m.pool.acquire() as conn, conn.transaction():
             # Local-only snapshots went with the node's files; promoted ones stay restorable from S3.
             await conn.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
@@ -273,7 +273,7 @@ class SuspendOps:
 
     async def _back_to_suspended(self, cmd: WakeCmd, tenant_id: str, code: str, error: str) -> None:
         m = self.m
-        await asyncio.to_thread(shutil.rmtree, m.store.snapshots_dir / cmd.sandbox_id, True)
+        await asyncio.to_thread(shutil.rmtree, m.store.sandbox_snapshots_dir(cmd.sandbox_id), True)
         async with m.pool.acquire() as conn, conn.transaction():
             await lifecycle.apply(
                 conn, cmd.sandbox_id, Verb.WAKE_FAILED, states=SandboxState.RESUMING, generation=cmd.generation,

@@ -43,6 +43,7 @@ import asyncpg
 from podbay.config import Settings
 from podbay.contracts.channel import GuestVolume
 from podbay.errors import PodbayError
+from podbay.naming import safe_component
 from podbay.objstore import ObjectStore
 from podbay.reflink import reflink_or_copy
 from podbay.volume_promotion import fetch_volume, snapshot_volume
@@ -91,7 +92,7 @@ class VolumeStore:
         self.objects, self.settings = objects, settings
 
     def path(self, volume_id: str) -> Path:
-        return self.root / f"{volume_id}.img"
+        return self.root / f"{safe_component(volume_id, 'volume id')}.img"
 
     async def prepare(self, sandbox_id: str) -> None:
         """Make sure each volume of the sandbox has its file here (module docstring: from a fork's copy, from

@@ -31,6 +31,8 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from podbay.naming import safe_component
+
 __all__ = [
     "name_matches",
     "EgressRule",
@@ -144,7 +146,7 @@ class NetBinding(BaseModel):
 
 def bindings_dir(data_dir: Path, node_id: str) -> Path:
     """``DATA_DIR/nodes/<node>/net/bindings``: one ``<guest_addr>.json`` (a :class:`NetBinding`) per sandbox."""
-    return data_dir / "nodes" / node_id / "net" / "bindings"
+    return data_dir / "nodes" / safe_component(node_id, "node id") / "net" / "bindings"
 
 
 def binding_path(data_dir: Path, node_id: str, guest_addr: str) -> Path:

@@ -1,5 +1,9 @@
 """JetStream command and event payloads (docs/DESIGN.md §4).
 
+Every id a command carries (sandbox, snapshot, operation, tenant, node, template build digest) is a
+:data:`~podbay.naming.SafeId`: nodes and the snapshotter join them into host paths and object keys, so a
+message with ``..`` or a slash in one is refused when it is read.
+
 Commands travel on the ``PODBAY_CMD`` work-queue stream with the operation id as ``Nats-Msg-Id``, so a
 duplicate publish is dropped by the server and a redelivery is recognised by the handler.
 Events travel on ``PODBAY_EVT``; each is written to the outbox in the transaction of its state change.
@@ -11,6 +15,8 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from podbay.naming import SafeId
 
 __all__ = [
     "PlaceSandbox",
@@ -50,9 +56,9 @@ class Resources(_Msg):
 class PlaceSandbox(_Msg):
     """``podbay.cmd.scheduler.place``: choose a node for a pending sandbox and hand it over."""
 
-    operation_id: str
-    sandbox_id: str
-    tenant_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
+    tenant_id: SafeId
     template: str
     resources: Resources
     wake: bool = False
@@ -63,11 +69,11 @@ class PlaceSandbox(_Msg):
 class CreateSandboxCmd(_Msg):
     """``podbay.cmd.node.<node>.create``: restore the template snapshot as this sandbox."""
 
-    operation_id: str
-    sandbox_id: str
-    tenant_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
+    tenant_id: SafeId
     template: str
-    template_digest: str
+    template_digest: SafeId
     generation: int = Field(ge=1)
     resources: Resources
     hostname: str
@@ -76,26 +82,26 @@ class CreateSandboxCmd(_Msg):
 class DeleteSandboxCmd(_Msg):
     """``podbay.cmd.node.<node>.delete``: stop the VM and remove its files."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=0)
 
 
 class SandboxOpCmd(_Msg):
     """``podbay.cmd.node.<node>.<verb>`` for ``pause`` and ``resume``: act on the sandbox at ``generation``."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
 
 
 class SnapshotCmd(_Msg):
     """``podbay.cmd.node.<node>.snapshot``: take snapshot ``snapshot_id`` (its row exists, ``creating``)."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
-    snapshot_id: str
+    snapshot_id: SafeId
     kind: Literal["disk", "full"]
 
 
@@ -103,15 +109,15 @@ class RestoreCmd(_Msg):
     """``podbay.cmd.node.<node>.restore``: roll the sandbox back to ``snapshot_id`` at the new ``generation``;
     with ``volumes`` its read-write volumes too, to their copies in that full snapshot."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
-    snapshot_id: str
+    snapshot_id: SafeId
     volumes: bool = False
 
 
 class ForkChild(_Msg):
-    sandbox_id: str
+    sandbox_id: SafeId
     hostname: str
 
 
@@ -119,10 +125,10 @@ class ForkCmd(_Msg):
     """``podbay.cmd.node.<node>.fork``: take ``snapshot_id`` first when ``take_snapshot``, then start each child
     from it (each child row exists, ``starting``, generation 1)."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
-    snapshot_id: str
+    snapshot_id: SafeId
     take_snapshot: bool
     children: list[ForkChild] = Field(min_length=1, max_length=100)
 
@@ -132,8 +138,8 @@ class PromoteCmd(_Msg):
 
     ``Nats-Msg-Id`` is ``promote.<snapshot id>``; the outcome is the row's ``promotion`` column."""
 
-    snapshot_id: str
-    sandbox_id: str
+    snapshot_id: SafeId
+    sandbox_id: SafeId
     reason: Literal["suspend", "cadence", "request"] = "request"
 
 
@@ -141,17 +147,17 @@ class WakeCmd(_Msg):
     """``podbay.cmd.node.<node>.wake``: fetch promoted ``snapshot_id`` and restore the ``resuming`` sandbox
     from it at ``generation``; with ``fallback``, an older intact promoted full snapshot when it is corrupt."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
-    snapshot_id: str
+    snapshot_id: SafeId
     fallback: bool = False
 
 
 class OperationDone(_Msg):
     """Body of the ``podbay.ops.<id>`` notice."""
 
-    operation_id: str
+    operation_id: SafeId
     state: Literal["succeeded", "failed"]
     error: str | None = None
 
@@ -161,9 +167,9 @@ class WarmClaim(_Msg):
     id) and recorded the sandbox ``starting`` at ``generation``; the node resumes the slot, runs the
     after-restore hygiene and records it ``running``."""
 
-    operation_id: str
-    sandbox_id: str
-    tenant_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
+    tenant_id: SafeId
     generation: int = Field(ge=1)
     hostname: str
 
@@ -183,7 +189,7 @@ class WarmClaimReply(_Msg):
 class NodeHeartbeat(_Msg):
     """Value of a node's key in the ``podbay_nodes`` KV bucket; refreshed every ``node_heartbeat_s``."""
 
-    node_id: str
+    node_id: SafeId
     dataplane_url: str
     memory_mib: int
     memory_used_mib: int
@@ -254,18 +260,18 @@ class DrainNodeCmd(_Msg):
     """``podbay.cmd.scheduler.drain``: move every sandbox off ``node_id`` (already ``draining``), then mark it
     ``drained``; progress and outcome go to operation ``operation_id``."""
 
-    operation_id: str
-    node_id: str
+    operation_id: SafeId
+    node_id: SafeId
 
 
 class MigrateOutCmd(_Msg):
     """``podbay.cmd.node.<source>.migrate_out``: live-migrate sandbox ``sandbox_id`` (at ``generation`` on the
     source) to node ``dest_node``; the outcome is operation ``operation_id`` (``data``: downtime and times)."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
-    dest_node: str
+    dest_node: SafeId
 
 
 class MigratePrepare(_Msg):
@@ -273,13 +279,13 @@ class MigratePrepare(_Msg):
     waiting for the sandbox's migration stream and listen for one connection. The destination takes the
     sandbox at ``generation + 1`` once the stream arrived and the source confirmed (``MigrateFinish``)."""
 
-    operation_id: str
-    sandbox_id: str
-    tenant_id: str
-    source_node: str
+    operation_id: SafeId
+    sandbox_id: SafeId
+    tenant_id: SafeId
+    source_node: SafeId
     generation: int = Field(ge=1)
     template: str
-    template_digest: str
+    template_digest: SafeId
     resources: Resources
     hostname: str
     disk_size: int = Field(gt=0, description="Bytes of the source's disk.img.")
@@ -300,8 +306,8 @@ class MigrateFinish(_Msg):
     figures; the destination waits for its side, runs the after-arrival hygiene and commits the move
     (``node_id`` = dest, generation + 1, event ``migrated``). ``ok`` False: tear the destination down."""
 
-    operation_id: str
-    sandbox_id: str
+    operation_id: SafeId
+    sandbox_id: SafeId
     generation: int = Field(ge=1)
     ok: bool
     downtime_ms: float = 0.0

@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from podbay.naming import SafeId
+
 __all__ = [
     "TEMPLATE_NAME_RE",
     "TemplateName",
@@ -264,7 +266,8 @@ class NodeBuildRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    build_id: str
+    build_id: SafeId = Field(description="The build's id (``bld_`` and 20 hex): the node names its build "
+                             "folders after it, so it is one safe path component (podbay.naming.ID_RE).")
     name: TemplateName
     spec: BuildSpec
     tag: TemplateTagName | None = Field(None, description="Also tag the build so (``podbay template build "

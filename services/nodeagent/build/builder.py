@@ -161,7 +161,7 @@ class _Builder:
         self.memory_mib = memory_mib  # the snapshot's it restores: the parent's, or the build's resized root's
         self.vcpus = vcpus
         self.vm_id = f"build-{req.build_id}"
-        self.vm_dir = m.store.root / "builds" / req.build_id
+        self.vm_dir = m.store.build_dir(req.build_id)
         self.handle: VmHandle | None = None
         self.ch: GuestChannel | None = None
 

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from podbay.buildcontext import unpack_context
 from podbay.contracts.templates import BuildEvent, BuildState, NodeBuildRequest
 from podbay.errors import GrantRefused, InvalidRequest, PodbayError
+from podbay.naming import safe_component
 
 from .builder import BuildRequest, StepFailed
 
@@ -91,7 +92,7 @@ def add_build_routes(app: FastAPI, manager: SandboxManager) -> None:
         builder.check_parent(p.spec)
         claim = builder.claim(p.name)
         claim.__enter__()
-        ctx_dir = manager.store.root / "builds" / f"{p.build_id}.ctx"
+        ctx_dir = manager.store.root / "builds" / f"{safe_component(p.build_id, 'build id')}.ctx"
         try:
             data = await context.read() if context is not None else b""
             await asyncio.to_thread(unpack_context, data, ctx_dir)

@@ -137,7 +137,9 @@ def _claim_args(tenant: str, op_id: str, idem: IdempotencyKey | None) -> list[ob
     return [TEMPLATE, None, tenant, None, f"podbay.evt.audit.{tenant}.sandbox.create", {}, 600, "pause", op_id,
             "key_test", new_id("evt"), "podbay.evt.sandbox.", ".created", event,
             {"sandbox_id": "", "data": {"audit_id": 0, "target": None}}, {"warm": True}, None, new_id("evt"),
-            idem.key if idem else None, idem.request_hash if idem else None]
+            idem.key if idem else None, idem.request_hash if idem else None,
+            # The tenant's sandboxes, vCPU, memory and disk limits (services/api/quotas.py): generous.
+            1000, 1000, 1 << 30, 1 << 30]
 
 
 async def test_the_warm_claim_records_the_key_in_its_statement_and_claims_nothing_for_a_known_key(

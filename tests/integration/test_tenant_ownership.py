@@ -13,6 +13,7 @@ import pytest
 from access_helpers import Tenant, new_tenant, sql
 
 from podbay.devstack.stack import Stack
+from podbay.outbox import new_id
 
 pytestmark = pytest.mark.integration
 
@@ -211,3 +212,50 @@ def test_the_quota_lock_serialises_one_tenants_checks(stack: Stack, acme: Tenant
             await c2.close()
 
     asyncio.run(run())
+
+
+async def test_the_warm_claim_takes_no_slot_over_a_quota_or_of_another_tenants_template(pool: asyncpg.Pool) -> None:
+    """The warm path's one statement (services/api/warm.CLAIM_SQL) claims nothing when the tenant's use plus
+    the template's sandbox would pass a limit ($21-$24), or when the template is another tenant's."""
+    from services.api.warm import CLAIM_SQL  # noqa: PLC0415  # the service's own statement, run directly
+
+    tenant, owner = new_id("tnt"), new_id("tnt")
+    for t in (tenant, owner):
+        await pool.execute("INSERT INTO tenants (id, name) VALUES ($1, $1)", t)
+    shared, private = f"own-{secrets.token_hex(3)}", f"own-{secrets.token_hex(3)}"
+    for name, who in ((shared, None), (private, owner)):
+        await pool.execute("INSERT INTO templates (name, digest, memory_mib, vcpus, size_bytes, owner_tenant)"
+                           " VALUES ($1, 'd-own', 256, 2, $2, $3)", name, 100 << 20, who)
+    node = f"node-own-{secrets.token_hex(3)}"
+    await pool.execute("INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
+                       " ($1, 'http://127.0.0.1:9', 1024, 1, 'tcg', 'ready')", node)
+
+    def args(template: str, limits: tuple[int, int, int, int]) -> list[object]:
+        event = {"sandbox_id": "", "type": "created", "data": {}}
+        return [template, None, tenant, None, f"podbay.evt.audit.{tenant}.sandbox.create", {}, 600, "pause",
+                new_id("op"), "key_test", new_id("evt"), "podbay.evt.sandbox.", ".created", event,
+                {"sandbox_id": "", "data": {"audit_id": 0, "target": None}}, {"warm": True}, None, new_id("evt"),
+                None, None, *limits]
+
+    try:
+        for name in (shared, private):
+            await pool.execute(
+                "INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus, state, ready_at)"
+                " VALUES ($1, $2, $3, 'd-own', 256, 2, 'ready', now())", f"sbx_{secrets.token_hex(12)}", node, name)
+        # Another tenant's template: nothing, whatever the limits.
+        assert await pool.fetchrow(CLAIM_SQL, *args(private, (100, 100, 1 << 20, 1 << 20))) is None
+        # Each limit one short: nothing (sandboxes 0; vCPUs 1 < 2; memory 255 < 256; disk 99 < 100 MiB).
+        for short in [(0, 100, 1 << 20, 1 << 20), (100, 1, 1 << 20, 1 << 20), (100, 100, 255, 1 << 20),
+                      (100, 100, 1 << 20, 99)]:
+            assert await pool.fetchrow(CLAIM_SQL, *args(shared, short)) is None, short
+        # Exactly enough: the slot.
+        row = await pool.fetchrow(CLAIM_SQL, *args(shared, (1, 2, 256, 100)))
+        assert row is not None and row["tenant_id"] == tenant
+        # Now that sandbox counts: the next one needs room for two.
+        await pool.execute("INSERT INTO warm_slots (id, node_id, template, template_digest, memory_mib, vcpus,"
+                           " state, ready_at) VALUES ($1, $2, $3, 'd-own', 256, 2, 'ready', now())",
+                           f"sbx_{secrets.token_hex(12)}", node, shared)
+        assert await pool.fetchrow(CLAIM_SQL, *args(shared, (1, 100, 1 << 20, 1 << 20))) is None
+        assert await pool.fetchrow(CLAIM_SQL, *args(shared, (2, 4, 512, 200))) is not None
+    finally:
+        await pool.execute("UPDATE nodes SET state='drained' WHERE id=$1", node)

@@ -21,7 +21,7 @@ import sys
 
 from podbay import db
 from podbay.bus import connect_bus, consume
-from podbay.config import get_settings
+from podbay.config import ConfigError, get_settings
 from podbay.contracts import subjects
 from podbay.contracts.messages import (
     CreateSandboxCmd,
@@ -195,8 +195,13 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: podbay-nodeagent [serve] | template build NAME [--force]", file=sys.stderr)
         raise SystemExit(2)
     try:
+        verify_key = get_settings().grant_verify_key
+    except ConfigError:
+        verify_key = None  # run_service reports a bad config file in one line
+    try:
         # The data plane serves only calls that carry the API's grant (grant_check.py): it needs the key.
-        GrantVerifier(get_settings().grant_verify_key)
+        if verify_key is not None:
+            GrantVerifier(verify_key)
     except GrantKeyError as exc:
         print(f"podbay-nodeagent: PODBAY_GRANT_VERIFY_KEY: {exc}: the node checks the API's grants with it "
               "(base64 of the raw 32-byte Ed25519 public key of PODBAY_GRANT_SIGNING_KEY)", file=sys.stderr)

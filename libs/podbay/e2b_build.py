@@ -124,7 +124,7 @@ def _base(body: E2bBuildStart) -> tuple[FromRef, bool]:
                             "template (from_template('base'))", details={"step": "base"})
     if body.from_template:
         name = body.from_template.removeprefix("podbay/").removesuffix(":latest").removesuffix(":default")
-        if not re.match(TEMPLATE_NAME_RE, name):
+        if not re.fullmatch(TEMPLATE_NAME_RE, name):
             raise E2bBuildError(f"fromTemplate {body.from_template!r} is not a podbay template name ([a-z0-9-])",
                                 details={"step": "base"})
         return FromRef(kind="template", ref=name), False
@@ -220,7 +220,7 @@ def translate(body: E2bBuildStart, *, parent: ImageConfig | None = None,
         elif kind == "COPY":
             if len(args) < 2 or not args[1]:
                 raise E2bBuildError(f"step {index}: COPY needs a source and a destination", details=where)
-            if not step.files_hash or not _HASH.match(step.files_hash):
+            if not step.files_hash or not _HASH.fullmatch(step.files_hash):
                 raise E2bBuildError(f"step {index}: COPY needs a filesHash", details=where)
             owner = args[2] if len(args) > 2 and args[2] else st.user
             mode = args[3] if len(args) > 3 and args[3] else None

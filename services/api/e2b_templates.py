@@ -173,7 +173,7 @@ def _signature(secret: str, tenant_id: str, files_hash: str, expires: int) -> st
 
 
 def _check_hash(files_hash: str) -> None:
-    if not _HASH.match(files_hash):
+    if not _HASH.fullmatch(files_hash):  # fullmatch: "$" alone lets a trailing newline through
         raise InvalidRequest(f"files hash {files_hash!r} is not a hash")
 
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from podbay.contracts import messages
 from podbay.contracts.egress import bindings_dir
-from podbay.contracts.templates import NodeBuildRequest
+from podbay.contracts.templates import NodeBuildRequest, split_template_ref
+from podbay.e2b_build import E2bBuildError, E2bBuildStart, translate
 from podbay.naming import ID_RE, UnsafeName, safe_component
 from podbay.outbox import new_id
 from podbay.volume_promotion import volume_path
@@ -99,3 +100,17 @@ def test_node_path_joins_refuse_unsafe_ids(tmp_path: Path) -> None:
                  lambda: bindings_dir(tmp_path, "../n")):
         with pytest.raises(UnsafeName):
             call()
+
+
+@pytest.mark.parametrize("ref", ["web\n", "web:v1\n", "../web", "web/x", "web:..", "web:%2e", "web\x00"])
+def test_template_refs_refuse_newlines_and_traversal(ref: str) -> None:
+    with pytest.raises(ValueError):
+        split_template_ref(ref)
+
+
+@pytest.mark.parametrize("files_hash", ["abc\n", "../x", "a/b", "%2e%2e", "a" * 129])
+def test_an_e2b_copy_step_refuses_a_files_hash_that_is_not_one(files_hash: str) -> None:
+    body = E2bBuildStart.model_validate({"fromImage": "e2bdev/base", "steps": [
+        {"type": "COPY", "args": ["a", "/b"], "filesHash": files_hash}]})
+    with pytest.raises(E2bBuildError, match="filesHash"):
+        translate(body)

@@ -72,12 +72,12 @@ def split_template_ref(ref: str) -> tuple[str, str | None]:
     """``"web"`` -> ``("web", None)``; ``"web:v2"`` -> ``("web", "v2")``. Raises ``ValueError`` (with a message
     for the user) when the name is not :data:`TEMPLATE_NAME_RE` or the tag not :data:`TEMPLATE_TAG_RE`."""
     name, sep, tag = ref.partition(":")
-    if not re.match(TEMPLATE_NAME_RE, name):
+    if not re.fullmatch(TEMPLATE_NAME_RE, name):  # fullmatch: "$" alone lets a trailing newline through
         raise ValueError(f"template name {name!r} must be lower-case letters, digits and dashes "
                          "(at most 63, starting with a letter or digit)")
     if not sep:
         return name, None
-    if not re.match(TEMPLATE_TAG_RE, tag):
+    if not re.fullmatch(TEMPLATE_TAG_RE, tag):
         raise ValueError(f"template tag {tag!r} must be lower-case letters, digits, '.', '_' and '-' "
                          "(at most 64, starting with a letter or digit)")
     return name, tag

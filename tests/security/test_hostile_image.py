@@ -86,8 +86,9 @@ def _layer(members: list[Member]) -> bytes:
     return buf.getvalue()
 
 
-def _oci_archive(path: Path, layers: list[bytes]) -> None:
-    """An ``oci-archive`` at ``path`` whose image has ``layers`` (uncompressed tars), tag ``t``."""
+def _oci_archive(path: Path, layers: list[bytes], as_dir: bool = False) -> None:
+    """An ``oci-archive`` at ``path`` whose image has ``layers`` (uncompressed tars), tag ``t``; with ``as_dir``
+    an OCI layout directory (``oci:``) instead."""
     blobs: dict[str, bytes] = {}
 
     def put(data: bytes) -> dict[str, object]:
@@ -107,6 +108,11 @@ def _oci_archive(path: Path, layers: list[bytes]) -> None:
          "annotations": {"org.opencontainers.image.ref.name": "t"}}]}).encode()
     files = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": index,
              **{f"blobs/sha256/{k.removeprefix('sha256:')}": v for k, v in blobs.items()}}
+    if as_dir:
+        for name, data in files.items():
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_bytes(data)
+        return
     with tarfile.open(path, "w") as t:
         for name, data in files.items():
             ti = tarfile.TarInfo(name)
@@ -290,3 +296,29 @@ def test_a_hostile_image_leaves_the_host_unchanged(name: str, tmp_path: Path) ->
         assert (rootfs / "etc" / "hosts").read_text().startswith("127.0.0.1")
     # the image's own files are owned as the layer says (root), whatever the sentinel's owner
     assert (rootfs / "etc" / "passwd").stat().st_uid == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_whose_blob_links_out_of_the_context_reads_nothing_of_the_host(tmp_path: Path) -> None:
+    """``FROM oci:img:t`` where the layer blob in the context is a symlink to a host file (whose digest the
+    tenant knows): skopeo runs confined to the context and the build folder, so the host file is not read."""
+    ctx, work = tmp_path / "ctx", tmp_path / "work"
+    ctx.mkdir()
+    work.mkdir()
+    layer = _layer([f("secret.txt", b"host secret\n")])
+    host_file = tmp_path / "host-file.tar"
+    host_file.write_bytes(layer)
+    _oci_archive(ctx / "img", [layer], as_dir=True)
+    blob = ctx / "img" / "blobs" / "sha256" / hashlib.sha256(layer).hexdigest()
+    blob.unlink()
+    blob.symlink_to(host_file)
+    rt = tmp_path / "rt"
+    (rt / "bin").mkdir(parents=True)
+
+    async def build() -> Path:
+        layout, _img = await pull("oci:img:t", ctx, work)
+        return await unpack_image("oci:img:t", layout, work, rt, UnpackPolicy())
+
+    with pytest.raises(OciError, match="skopeo"):
+        asyncio.run(build())
+    assert not list(work.rglob("secret.txt"))

@@ -158,10 +158,48 @@ def _read_config(layout: Path) -> OciImage:
                     exposed=sorted(cfg.get("ExposedPorts") or {}))
 
 
+#: Host files skopeo may read inside its sandbox (TLS roots and name resolution for ``docker://``), when present.
+_SKOPEO_ETC = ("/etc/ssl", "/etc/ca-certificates", "/etc/pki", "/etc/resolv.conf", "/etc/hosts",
+               "/etc/nsswitch.conf", "/etc/containers")
+
+
+def confined_argv(argv: list[str], reads: list[Path], work: Path, network: bool) -> list[str]:
+    """``argv`` (skopeo) run under bubblewrap: the host's ``/usr`` (and its merged-usr links) and a few
+    ``/etc`` files read-only, ``reads`` (the build context) read-only, ``work`` the only writable place,
+    fresh ``/tmp``, ``/proc`` and ``/dev``, new pid/ipc/uts namespaces, no capabilities, and no network unless
+    ``network`` (``docker://``). A hostile archive or a layout whose blobs link out of the context can then
+    neither read nor write the host beyond those. Raises ``PodbayError`` when bwrap is missing."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise PodbayError("bwrap is not installed on this node (scripts/setup.sh installs it): images are "
+                          "read only inside its sandbox")
+    out = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+           "--unshare-cgroup-try", *([] if network else ["--unshare-net"]), "--cap-drop", "ALL",
+           "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
+        if os.path.islink(top):
+            out += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            out += ["--ro-bind", top, top]
+    for p in _SKOPEO_ETC:
+        out += ["--ro-bind-try", p, p]
+    out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+    for r in reads:
+        out += ["--ro-bind", str(r), str(r)]
+    out += ["--bind", str(work), str(work), "--chdir", str(work), "--", *argv]
+    return out
+
+
 async def pull(ref: str, context: Path, work: Path) -> tuple[Path, OciImage]:
-    """Copy image ``ref`` into an OCI layout under ``work``; returns the layout and the image's config."""
+    """Copy image ``ref`` into an OCI layout under ``work``; returns the layout and the image's config.
+    skopeo runs confined (:func:`confined_argv`): it sees the build context read-only and writes only
+    ``work``."""
     layout = work / "layout"
-    await _tool(["skopeo", "--insecure-policy", "copy", "--quiet", image_ref(ref, context), f"oci:{layout}:img"],
+    tmp = work / "skopeo-tmp"
+    tmp.mkdir(exist_ok=True)
+    argv = ["skopeo", "--insecure-policy", "--tmpdir", str(tmp), "copy", "--quiet", image_ref(ref, context),
+            f"oci:{layout}:img"]
+    await _tool(confined_argv(argv, [context.resolve()], work.resolve(), network=ref.startswith("docker://")),
                 ref, "reading the image (skopeo copy)")
     try:
         return layout, await asyncio.to_thread(_read_config, layout)

@@ -20,6 +20,7 @@ from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.states import SandboxState
 from podbay.errors import Forbidden, InvalidState, NotFound
 
+from . import template_access
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
@@ -85,7 +86,10 @@ async def _template_policy(conn: Any, name: str, *, for_update: bool = False) ->
 
 @router.get("/templates/{name}/network", response_model=NetworkInfo)
 async def get_template_network(name: str, ctx: CtxDep, who: PrincipalDep) -> NetworkInfo:
-    """The template's default egress policy (``source`` ``template``, or ``default``: no egress)."""
+    """The template's default egress policy (``source`` ``template``, or ``default``: no egress). 404
+    ``not_found`` for an unknown template or another tenant's (services/api/template_access.py)."""
+    if await template_access.lookup(ctx.pool, ctx, who, name, route="GET /v1/templates/{name}/network") is None:
+        raise NotFound(f"template {name!r} does not exist", details={"template": name})
     return effective_policy(None, await _template_policy(ctx.pool, name))
 
 
@@ -101,6 +105,9 @@ async def set_template_network(name: str, body: EgressPolicy, ctx: CtxDep, who: 
         if tenant != ctx.settings.operator_tenant:
             raise Forbidden("only the operator tenant may change a template's egress policy (it applies to every "
                             "tenant); set a policy on your sandboxes instead", details={"template": name})
+        # The operator manages shared templates and its own; a tenant's private one is not its to widen.
+        if await template_access.lookup(conn, ctx, who, name, route="PUT /v1/templates/{name}/network") is None:
+            raise NotFound(f"template {name!r} does not exist", details={"template": name})
         await _template_policy(conn, name, for_update=True)
         await conn.execute("UPDATE templates SET egress_policy=$2 WHERE name=$1", name, policy)
         await audit(conn, who, "template.network", name, detail={"allow": len(body.allow), "deny": len(body.deny)})

@@ -36,7 +36,7 @@ from .sandbox_lookup import audit
 from .template_access import is_operator, refuse
 
 __all__ = ["router", "QuotaExceeded", "ACTIVE_STATES", "USAGE_SQL", "USAGE_SQL_FOR", "lock_tenant", "limits", "check_sandbox",
-           "check_builds", "disk_mib_of"]
+           "check_builds", "disk_mib_of", "sandbox_disk_mib"]
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -107,11 +107,20 @@ async def _check(conn: asyncpg.Connection, ctx: ApiContext, who: Principal, want
 
 
 async def check_sandbox(conn: asyncpg.Connection, ctx: ApiContext, who: Principal, *, vcpus: int,
-                        memory_mib: int, disk_mib: int, route: str, target: str | None = None) -> None:
-    """Refuse (:class:`QuotaExceeded`, audited) a new sandbox of ``vcpus``, ``memory_mib`` and ``disk_mib``
-    (MiB) that would pass one of ``who``'s quotas; call inside the transaction that inserts it."""
-    await _check(conn, ctx, who, {"sandboxes": 1, "vcpus": vcpus, "memory_mib": memory_mib, "disk_mib": disk_mib},
-                 route=route, target=target)
+                        memory_mib: int, disk_mib: int, route: str, target: str | None = None,
+                        count: int = 1) -> None:
+    """Refuse (:class:`QuotaExceeded`, audited) ``count`` new (or woken) sandboxes of ``vcpus``,
+    ``memory_mib`` and ``disk_mib`` (MiB) each that would pass one of ``who``'s quotas; call inside the
+    transaction that inserts (or wakes) them."""
+    await _check(conn, ctx, who, {"sandboxes": count, "vcpus": vcpus * count, "memory_mib": memory_mib * count,
+                                  "disk_mib": disk_mib * count}, route=route, target=target)
+
+
+async def sandbox_disk_mib(conn: asyncpg.Connection, sandbox_id: str) -> int:
+    """The MiB sandbox ``sandbox_id``'s root disk counts for (its own size, else its template's)."""
+    return int(await conn.fetchval(
+        "SELECT coalesce(s.disk_mib, ceil(coalesce(t.size_bytes, 0) / 1048576.0))::bigint FROM sandboxes s"
+        " LEFT JOIN templates t ON t.name = s.template WHERE s.id=$1", sandbox_id) or 0)
 
 
 async def check_builds(conn: asyncpg.Connection, ctx: ApiContext, who: Principal, *, route: str,

@@ -356,7 +356,8 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
                            ) -> tuple[SandboxInfo, bool]:
     """Wake a suspended sandbox on a node with room; returns (info, finished within the bound).
 
-    Raises ``InvalidState`` (not suspended), ``SnapshotCorrupt`` (502; it stays suspended),
+    Raises ``InvalidState`` (not suspended), ``QuotaExceeded`` (403 ``quota_exceeded``; it stays
+    suspended), ``SnapshotCorrupt`` (502; it stays suspended),
     ``NoCapacity`` (no node has room; it stays suspended), ``SandboxFailed`` (the restore failed)."""
     t0 = time.perf_counter()
     op_id = new_id("op")
@@ -367,6 +368,10 @@ async def resume_suspended(ctx: ApiContext, who: Principal, sandbox_id: str, *, 
             raise InvalidState(f"sandbox {sandbox_id} is {row['state']}, not suspended",
                                details={"state": row["state"]})
         tpl = await conn.fetchval("SELECT template FROM sandboxes WHERE id=$1", sandbox_id)
+        # A suspended sandbox holds no VM and counts against no quota; woken, it does again.
+        await quotas.check_sandbox(conn, ctx, who, vcpus=row["vcpus"], memory_mib=row["memory_mib"],
+                                   disk_mib=await quotas.sandbox_disk_mib(conn, sandbox_id),
+                                   route="resume sandbox", target=sandbox_id)
         await lifecycle.apply(
             conn, sandbox_id, Verb.RESUME, states=SandboxState.SUSPENDED, renew_lease=True,
             operation=NewOperation(op_id, who.tenant_id, "resume"),

@@ -30,6 +30,7 @@ from podbay.logs import bind_log_context
 from podbay.naming import sandbox_hostname
 from podbay.outbox import new_id
 
+from . import quotas
 from .auth import Principal
 from .context import ApiContext
 from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox, sandbox_info
@@ -130,7 +131,8 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
     """Start ``body.count`` children (1..100) from a new full snapshot or ``body.snapshot_id`` (a full one);
     each child's outcome is in the result, and a child that fails does not fail the others. Raises
     ``NotFound``, ``InvalidState`` unless running or paused, ``InvalidRequest`` (not a full snapshot),
-    ``Conflict`` (snapshot not ready), the volume errors of services/api/volume_service.py."""
+    ``Conflict`` (snapshot not ready), ``QuotaExceeded`` (403 ``quota_exceeded``: the children would pass
+    one of the tenant's quotas), the volume errors of services/api/volume_service.py."""
     op_id = new_id("op")
     bind_log_context(operation_id=op_id)  # every log line of this request names it
     children = [new_id("sbx") for _ in range(body.count)]
@@ -150,6 +152,10 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
                 " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snap_id, who.tenant_id, sandbox_id, row["node_id"],
                 await latest_ready(conn, sandbox_id), row["generation"])
         tpl = await conn.fetchval("SELECT template_digest FROM sandboxes WHERE id=$1", sandbox_id)
+        # The children count against the tenant's quotas as any new sandbox (under the tenant's lock).
+        await quotas.check_sandbox(conn, ctx, who, vcpus=row["vcpus"], memory_mib=row["memory_mib"],
+                                   disk_mib=await quotas.sandbox_disk_mib(conn, sandbox_id), count=len(children),
+                                   route="fork sandbox", target=sandbox_id)
         for cid in children:
             # A child inherits the parent's own egress policy; its credential placeholders are those in scope
             # for it now (scoped by its own id and template), never copied from the parent.

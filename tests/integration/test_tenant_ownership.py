@@ -67,6 +67,7 @@ def test_another_tenants_template_is_invisible_and_untouchable(stack: Stack, acm
             b.delete(f"/v1/templates/{mine}:v1"),
             b.put(f"/v1/pools/{mine}", json={"size": 1}),
             b.get(f"/v1/templates/{mine}/builds"),
+            b.get(f"/v1/templates/{mine}/network"),
             b.post("/v1/sandboxes", json={"template": mine}),
             b.post("/v1/sandboxes", json={"template": f"{mine}:v1"}),
         ]
@@ -259,3 +260,32 @@ async def test_the_warm_claim_takes_no_slot_over_a_quota_or_of_another_tenants_t
         assert await pool.fetchrow(CLAIM_SQL, *args(shared, (2, 4, 512, 200))) is not None
     finally:
         await pool.execute("UPDATE nodes SET state='drained' WHERE id=$1", node)
+
+
+def test_forks_and_wakes_count_against_the_quota(stack: Stack, acme: Tenant) -> None:
+    """A fork's children and a suspended sandbox woken count as new sandboxes: refused over the quota before
+    any node is asked (rows only)."""
+    shared = _template(stack, None)
+    paused, suspended = f"sbx_{secrets.token_hex(12)}", f"sbx_{secrets.token_hex(12)}"
+    for sid, state in ((paused, "paused"), (suspended, "suspended")):
+        sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state,"
+            " memory_mib, vcpus, hostname) VALUES ($1, $2, $3, 'sha256:none', $4, $4, 256, 1, 'h')",
+            sid, acme.tenant_id, shared, state)
+    with _operator(stack) as op:
+        assert op.put(f"/v1/tenants/{acme.tenant_id}/quota", json={"sandboxes": 3}).status_code == 200
+    with acme.http() as a:
+        # One sandbox holds a VM (paused): a fork of 3 children would make 4.
+        r = a.post(f"/v1/sandboxes/{paused}/fork", json={"count": 3})
+        assert r.status_code == 403 and _code(r) == "quota_exceeded", r.text
+        assert r.json()["error"]["details"] == {"limit": "sandboxes", "quota": 3, "usage": 1, "requested": 3}
+        assert not sql(stack, "SELECT 1 FROM sandboxes WHERE parent_sandbox_id=$1", paused)
+        assert not sql(stack, "SELECT 1 FROM snapshots WHERE sandbox_id=$1", paused)
+    with _operator(stack) as op:
+        assert op.put(f"/v1/tenants/{acme.tenant_id}/quota", json={"sandboxes": 1}).status_code == 200
+    with acme.http() as a:
+        r = a.post(f"/v1/sandboxes/{suspended}/resume")
+        assert r.status_code == 403 and _code(r) == "quota_exceeded", r.text
+    assert sql(stack, "SELECT state FROM sandboxes WHERE id=$1", suspended)[0]["state"] == "suspended"
+    actions = sql(stack, "SELECT detail->>'route' AS route FROM audit_log WHERE action='quota.refused'"
+                  " AND tenant_id=$1", acme.tenant_id)
+    assert {"fork sandbox", "resume sandbox"} <= {r["route"] for r in actions}

@@ -344,3 +344,18 @@ def test_tenant_a_objects_are_intact(world: World) -> None:
         assert c.get(f"/v1/sandboxes/{i['sandbox']}/schedules/{i['schedule_id']}").status_code == 200
         assert {s["id"] for s in c.get(f"/v1/sandboxes/{i['sandbox']}/snapshots").json()["snapshots"]} >= {
             i["snapshot_a"], i["snapshot_b"]}
+
+
+def test_middleware_entry_points_refuse_another_tenants_sandbox(stack: Any, world: World) -> None:
+    """What no route lists: E2B's envd traffic routed by header (``EnvdRouting``) and guest ports by path
+    (``PortsEdge``). B's key on A's sandbox opens neither."""
+    sbx = world.ids["sandbox"]
+    headers = {"authorization": f"Bearer {world.b.key}", "x-api-key": world.b.key}
+    with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as c:
+        envd = c.post("/filesystem.Filesystem/Stat", json={"path": "/"},
+                      headers={"e2b-sandbox-id": sbx, "e2b-sandbox-port": "49983"})
+        assert envd.status_code in (401, 403, 404), envd.text
+        for path in (f"/ports/8080-{sbx.replace('_', '-')}/", f"/ports/8080-{sbx.replace('_', '-')}/x?y=1"):
+            r = c.get(path)
+            assert r.status_code in (401, 403, 404), (path, r.status_code, r.text[:300])
+            assert not _leaks(r.text, {"url": path, "sandbox": sbx}, world)  # its id B spelled with a dash

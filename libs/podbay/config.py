@@ -190,6 +190,16 @@ class Settings(BaseSettings):
                               "(docs/DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
                           "start when missing.")
+    vmm_seccomp: bool = Field(True, description="Start each QEMU with its own seccomp filter (`-sandbox on,"
+                              "obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny`): no "
+                              "exec, fork, setuid, scheduler or obsolete system calls, even if a guest takes "
+                              "over QEMU's device emulation.")
+    console_log_max_kib: int = Field(1024, ge=16, description="A guest's serial console log (console.log in its "
+                                     "VM directory) is rotated at this size, KiB; one older file "
+                                     "(console.log.1) is kept.")
+    console_log_rate_kib_s: int = Field(64, ge=1, description="Console bytes per second a guest may log (a "
+                                        "burst of CONSOLE_LOG_MAX_KIB is allowed); beyond it they are dropped "
+                                        "and counted.")
     channel_max_bad_frames: int = Field(8, ge=1, description="Bad frames in a row (torn, oversized, or a run of "
                                         "garbage) after which the node drops a guest's channel; the sandbox's "
                                         "calls then fail with `guest_channel_broken`.")

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import asyncpg
 import httpx
@@ -289,3 +292,53 @@ def test_forks_and_wakes_count_against_the_quota(stack: Stack, acme: Tenant) -> 
     actions = sql(stack, "SELECT detail->>'route' AS route FROM audit_log WHERE action='quota.refused'"
                   " AND tenant_id=$1", acme.tenant_id)
     assert {"fork sandbox", "resume sandbox"} <= {r["route"] for r in actions}
+
+
+async def test_the_nodes_registration_keeps_a_name_to_its_owner(pool: asyncpg.Pool, tmp_path: Path) -> None:
+    """services/nodeagent/build/builder.py ``_register``: the template gets its build's owner; a name another
+    owner holds (not removed) is left alone and the build fails ``template_name_taken``; a removed name is
+    taken over; a root template (no build) keeps the owner it has."""
+    from services.nodeagent.build.builder import TemplateBuilder, TemplateNameTaken  # noqa: PLC0415
+
+    a, b = new_id("tnt"), new_id("tnt")
+    for t in (a, b):
+        await pool.execute("INSERT INTO tenants (id, name) VALUES ($1, $1)", t)
+    node = f"node-own-{secrets.token_hex(3)}"
+    await pool.execute("INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state) VALUES"
+                       " ($1, 'http://127.0.0.1:9', 1024, 1, 'tcg', 'drained')", node)
+    (tmp_path / "disk.img").write_bytes(b"\0" * 4096)
+    builder = TemplateBuilder.__new__(TemplateBuilder)
+    builder.m = SimpleNamespace(pool=pool, node_id=node, templates={})  # type: ignore[assignment]
+
+    async def register(name: str, digest: str, owner: str | None) -> Any:
+        build = new_id("bld")
+        # (finished: the partial unique index allows one running build per name)
+        await pool.execute("INSERT INTO template_builds (id, name, tenant_id, node_id, dockerfile, owner_tenant,"
+                           " state) VALUES ($1, $2, $3, $4, 'FROM base', $5, 'succeeded')", build, name, owner or a,
+                           node, owner)
+        img = SimpleNamespace(name=name, digest=digest, snapshot=SimpleNamespace(
+            dir=tmp_path, memory_mib=256, vcpus=1, config=None))
+        return await builder._register(img, "base", build_id=build)  # type: ignore[arg-type]
+
+    name = f"own-{secrets.token_hex(3)}"
+    await register(name, "d1", a)
+    assert await pool.fetchval("SELECT owner_tenant FROM templates WHERE name=$1", name) == a
+    await register(name, "d2", a)  # the owner's rebuild
+    with pytest.raises(TemplateNameTaken) as err:
+        await register(name, "d3", b)
+    assert err.value.code == "template_name_taken" and err.value.http_status == 409
+    with pytest.raises(TemplateNameTaken):
+        await register(name, "d3", None)  # the operator's build does not take a tenant's name either
+    row = await pool.fetchrow("SELECT digest, owner_tenant FROM templates WHERE name=$1", name)
+    assert (row["digest"], row["owner_tenant"]) == ("d2", a)
+    await pool.execute("UPDATE templates SET deleted_at=now() WHERE name=$1", name)
+    await register(name, "d4", b)  # removed: free
+    row = await pool.fetchrow("SELECT digest, owner_tenant, deleted_at FROM templates WHERE name=$1", name)
+    assert (row["digest"], row["owner_tenant"], row["deleted_at"]) == ("d4", b, None)
+    # A root template (an image's, registered without a build) is shared and stays so.
+    root = f"own-{secrets.token_hex(3)}"
+    img = SimpleNamespace(name=root, digest="r1", snapshot=SimpleNamespace(dir=tmp_path, memory_mib=256, vcpus=1,
+                                                                           config=None))
+    await builder._register(img, None)  # type: ignore[arg-type]
+    await builder._register(img, None)  # type: ignore[arg-type]
+    assert await pool.fetchval("SELECT owner_tenant FROM templates WHERE name=$1", root) is None

@@ -240,8 +240,13 @@ def apply_layer(root: Root, fh: IO[bytes], policy: UnpackPolicy, ref: str = "ima
                 if m.isdir():
                     _finish_fd(root.fd, m, xattrs)
                 continue
-            root.makedirs(head)
-            _make(root, ref, path, m, tar, xattrs)
+            try:
+                _make(root, ref, path, m, tar, xattrs)
+            except (FileNotFoundError, NotADirectoryError):
+                # A parent the layer does not list (tars usually do): made, then the member once more. Trying
+                # first saves walking every parent of every member.
+                root.makedirs(head)
+                _make(root, ref, path, m, tar, xattrs)
             created.add(path)
             n += 1
     return n

@@ -18,10 +18,11 @@ QEMU as::
   ``/proc/<pid>/cmdline``) stay the same. No ``/proc`` at all, no ``/sys``, no ``/root``, no data dir, no
   other VM. Snapshots and the migration state file are never mounted: they travel as fds over QMP.
 - **Files.** The VM directory stays root's (group: the user's, mode 0750): QEMU writes the content of
-  ``ram``, ``disk.img`` and ``console.log`` (its own, mode 0600) but can neither create, rename, replace nor
+  ``ram`` and ``disk.img`` (its own, mode 0600) but can neither create, rename, replace nor
   unlink a name there, so the node agent (root), which reflinks, moves and writes files in that directory,
   never follows a symlink QEMU planted. QEMU creates its sockets in ``run/``, which is the user's only until
-  QMP answers, then root's again (:func:`lock_run_dir`).
+  QMP answers, then root's again (:func:`lock_run_dir`). The serial console is one of those sockets:
+  ``console.log`` is written by the node agent (``console.py``, capped and rotated), never by QEMU.
 - **Privileges.** ``setpriv`` switches to the user with no supplementary groups (the group of ``/dev/kvm``
   only under kvm), clears the inheritable, ambient and bounding capability sets and sets ``no_new_privs``, so
   the QEMU process has ``CapEff`` 0 and can never regain a capability.
@@ -76,7 +77,7 @@ _BIND_HOST_DIRS = ("/usr",)
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib64")
 _ETC_FILES = ("/etc/ld.so.cache",)
 _DEVICES = ("/dev/null", "/dev/urandom")
-VM_WRITABLE_FILES = ("ram", "disk.img", "console.log", "vol0.img", "vol1.img", "vol2.img", "vol3.img")
+VM_WRITABLE_FILES = ("ram", "disk.img", "vol0.img", "vol1.img", "vol2.img", "vol3.img")
 """Files of a VM directory that QEMU opens for writing (see ``vmm.VmPaths``); the node agent chowns them."""
 RUN_DIR = "run"
 """The subdirectory of a VM directory where QEMU creates its QMP and channel sockets."""
@@ -257,8 +258,8 @@ def own_vm_files(vm_dir: Path, run_dir: Path, names: tuple[str, ...], user: VmmU
 
     ``vm_dir`` stays root's, mode 0750 with the VMM user's group (QEMU can traverse it but cannot create,
     rename, replace or unlink anything in it: the node agent, as root, later reflinks, reads, moves and writes
-    files there, and must never meet a symlink QEMU planted). Each of ``names`` (``ram``, ``disk.img``,
-    ``console.log``) is created empty when missing, since QEMU cannot create it, and given to the user; a
+    files there, and must never meet a symlink QEMU planted). Each of ``names`` (``ram``, ``disk.img``, the
+    volume slots) is created empty when missing, since QEMU cannot create it, and given to the user; a
     name that is not a regular file (a symlink, a directory) is refused with :class:`ConfinementError`.
     ``run_dir`` (QEMU's sockets) is emptied and given to the user, who creates its sockets there; the agent
     takes it back with :func:`lock_run_dir` once QEMU answers.

@@ -115,7 +115,7 @@ class TemplateSnapshot(BaseModel):
             kernel=self.kernel, initrd=self.initrd, memory_mib=self.memory_mib, vcpus=self.vcpus,
             accel=self.accel, tsc_khz=self.tsc_khz, qemu_binary=s.qemu_binary, boot_timeout_s=s.boot_timeout_s,
             restore_timeout_s=s.restore_timeout_s, restore_retries=s.restore_retries,
-            tcg_tb_size_mib=s.tcg_tb_size_mib,
+            tcg_tb_size_mib=s.tcg_tb_size_mib, seccomp=s.vmm_seccomp,
         )
         fields.update(overrides)
         return VmConfig(**fields)

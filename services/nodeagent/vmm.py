@@ -3,7 +3,8 @@
 A VM lives in one directory (:class:`VmPaths`): ``disk.img`` (raw, virtio-blk-device), ``ram`` (guest RAM as a
 shared memory-backend-file, so a full snapshot is a tiny device-state file plus a reflink of this file),
 ``run/qmp.sock``, ``run/channel.sock`` (virtio-serial port ``org.podbay.channel``; in a subdirectory so that a
-confined QEMU can create them without write access to the VM directory), ``console.log`` (serial console),
+confined QEMU can create them without write access to the VM directory), ``run/console.sock`` (the serial
+console, which the node agent reads into ``console.log``, capped and rotated: ``console.py``),
 ``qemu.pid`` (QEMU's host pid) and ``qemu.log`` (QEMU's own stderr), and ``vol0.img`` .. ``vol3.img``: the
 :data:`VOLUME_SLOTS` volume slots (below). One virtio-net NIC (MAC
 :data:`GUEST_MAC`) is backed by a tap the node agent opened and passes as ``tap_fd`` (QEMU needs no privilege),
@@ -58,13 +59,14 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
 from . import confine
+from .console import ConsoleLimits, start_pump
 from .accel import Accel, host_tsc_khz, kernel_cmdline
 
 __all__ = [
     "VmmError", "VmStartError", "VmTimeout", "VmGone", "VmOperationError",
     "VmConfig", "VmPaths", "VmProcess", "SnapshotResult", "Vmm", "QemuVmm",
     "kernel_cmdline", "build_qemu_argv", "reflink_or_copy", "CHANNEL_PORT_NAME", "GUEST_MAC", "VOLUME_SLOTS",
-    "volume_slot_name", "VOLUME_SERIAL_PREFIX",
+    "volume_slot_name", "VOLUME_SERIAL_PREFIX", "SECCOMP",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,11 @@ CHANNEL_PORT_NAME = "org.podbay.channel"
 #: The guest NIC's MAC (locally administered). Migrated with the device state, so every restore keeps it.
 GUEST_MAC = "52:54:00:00:00:02"
 _QMP_CONNECT_TIMEOUT_S = 5.0
+#: QEMU's built-in seccomp filter (``-sandbox``, QEMU built with libseccomp): ``obsolete`` (old system calls),
+#: ``elevateprivileges`` (setuid and friends), ``spawn`` (fork, exec) and ``resourcecontrol`` (scheduler,
+#: affinity, priority) denied, so a guest that takes over QEMU's device emulation cannot start a program, gain a
+#: privilege or retune the host's scheduling. The node agent sets nice values of QEMU's threads from outside.
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 #: Volume slots every guest has (module docstring); part of the template's machine (template.MACHINE).
 VOLUME_SLOTS = 4
 #: Slot N's virtio-blk serial, which guestd finds in ``/sys/block/vd*/serial``.
@@ -154,6 +161,8 @@ class VmConfig(BaseModel):
     restore_retries: int = Field(2, ge=0)
     op_timeout_s: float = Field(10.0, description="Bound on a single QMP command.")
     snapshot_timeout_s: float = Field(60.0, description="Bound on a full snapshot.")
+    seccomp: bool = Field(True, description="QEMU's own seccomp filter (:data:`SECCOMP`): no exec, fork, "
+                          "setuid, scheduler or obsolete system calls. Not part of the machine.")
     nice: int = Field(0, ge=0, le=19, description="Nice value QEMU starts with (setpriority(2)); 0 keeps the "
                       "node agent's. Warm slots are prepared at a higher one, so their restores and first "
                       "steps yield the CPU to running sandboxes and to claims (:func:`set_nice`).")
@@ -161,8 +170,9 @@ class VmConfig(BaseModel):
 
 @dataclass(frozen=True)
 class VmPaths:
-    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel`` (both in ``run``), ``console``,
-    ``pidfile``, ``qemu_log`` (QEMU's stdout and stderr)."""
+    """The files of one VM directory: ``disk``, ``ram``, ``qmp``, ``channel``, ``console_sock`` (all three in
+    ``run``), ``console`` (the log the node agent writes from ``console_sock``), ``pidfile``, ``qemu_log``
+    (QEMU's stdout and stderr)."""
 
     dir: Path
     run: Path = field(init=False)
@@ -171,12 +181,14 @@ class VmPaths:
     qmp: Path = field(init=False)
     channel: Path = field(init=False)
     console: Path = field(init=False)
+    console_sock: Path = field(init=False)
     pidfile: Path = field(init=False)
     qemu_log: Path = field(init=False)
 
     def __post_init__(self) -> None:
         names = {"disk": "disk.img", "ram": "ram", "qmp": "run/qmp.sock", "channel": "run/channel.sock",
-                 "console": "console.log", "pidfile": "qemu.pid", "qemu_log": "qemu.log", "run": "run"}
+                 "console": "console.log",
+                 "console_sock": "run/console.sock", "pidfile": "qemu.pid", "qemu_log": "qemu.log", "run": "run"}
         for attr, name in names.items():
             object.__setattr__(self, attr, self.dir / name)
 
@@ -206,6 +218,7 @@ class VmProcess:
     exit_code: int | None = None
     _exited: asyncio.Event = field(default_factory=asyncio.Event)
     _pidfd: int | None = None
+    _console: asyncio.Task[None] | None = None
 
     @property
     def dir(self) -> Path:
@@ -274,7 +287,8 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
         "-nodefaults", "-no-user-config", "-nographic",
         # A guest reboot or panic (panic=-1) ends QEMU, so the node agent sees it instead of a silent reboot.
         "-no-reboot",
-        "-chardev", f"file,id=con0,path={paths.console},append=on", "-serial", "chardev:con0",
+        # The serial console is read by the node agent into a capped log (console.py), never a file of QEMU's.
+        "-chardev", f"socket,id=con0,path={paths.console_sock},server=on,wait=off", "-serial", "chardev:con0",
         "-drive", f"id=root,file={paths.disk},format=raw,if=none,cache=writeback,discard=unmap",
         "-device", "virtio-blk-device,drive=root",
         *_volume_args(paths),
@@ -285,6 +299,8 @@ def build_qemu_argv(config: VmConfig, paths: VmPaths, *, incoming: bool = False,
         "-qmp", f"unix:{paths.qmp},server=on,wait=off",
         "-pidfile", str(paths.pidfile),
     ]
+    if config.seccomp:
+        argv += ["-sandbox", SECCOMP]
     if incoming:
         argv += (["-incoming", "defer"] if autostart else ["-S", "-incoming", "defer"])
     return argv
@@ -395,10 +411,21 @@ class QemuVmm(Vmm):
     """The QEMU implementation of :class:`Vmm`. ``confinement``: None runs QEMU unconfined; by default it is
     read from the settings (``PODBAY_VMM_CONFINE``, ``PODBAY_VMM_USER``) at the first start."""
 
-    def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS) -> None:
+    def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS,
+                 console_limits: ConsoleLimits | None = None) -> None:
         self._tsc_khz = tsc_khz
         self._confinement = confinement
+        self._console_limits = console_limits
         self._reaping: set[asyncio.Task[None]] = set()
+
+    def console_limits(self) -> ConsoleLimits:
+        """The console log's cap and rate (``PODBAY_CONSOLE_LOG_MAX_KIB``, ``PODBAY_CONSOLE_LOG_RATE_KIB_S``)."""
+        if self._console_limits is None:
+            from podbay.config import get_settings
+
+            s = get_settings()
+            self._console_limits = ConsoleLimits(s.console_log_max_kib * 1024, s.console_log_rate_kib_s * 1024)
+        return self._console_limits
 
     def confinement(self) -> confine.Confinement | None:
         """The confinement in force (resolved from the settings once); raises ``confine.ConfinementError``."""
@@ -445,7 +472,7 @@ class QemuVmm(Vmm):
         ``tap_fd`` (the sandbox's tap, opened by the node agent) is inherited by QEMU."""
         paths.dir.mkdir(parents=True, exist_ok=True)
         paths.run.mkdir(exist_ok=True)
-        for p in (paths.qmp, paths.channel, paths.pidfile):
+        for p in (paths.qmp, paths.channel, paths.console_sock, paths.pidfile):
             p.unlink(missing_ok=True)
         for slot in range(VOLUME_SLOTS):  # an unused slot is an empty file (capacity 0)
             open(paths.dir / volume_slot_name(slot), "ab").close()
@@ -477,7 +504,7 @@ class QemuVmm(Vmm):
         """Once QMP answers, a confined QEMU's socket directory goes back to root (``confine.lock_run_dir``)."""
         if self.confinement() is not None:
             try:
-                confine.lock_run_dir(paths.run, (paths.qmp, paths.channel))
+                confine.lock_run_dir(paths.run, (paths.qmp, paths.channel, paths.console_sock))
             except (OSError, confine.ConfinementError) as exc:
                 raise VmStartError(f"QEMU's socket directory: {exc}", details={"vm_dir": str(paths.dir)}) from exc
 
@@ -516,6 +543,7 @@ class QemuVmm(Vmm):
                 await asyncio.sleep(0.005)
         vm = VmProcess(paths=paths, pid=pid, config=config, qmp=qmp, popen=popen)
         self._watch(vm)
+        vm._console = start_pump(paths.console_sock, paths.console, self.console_limits())
         return vm
 
     def _watch(self, vm: VmProcess) -> None:
@@ -554,6 +582,9 @@ class QemuVmm(Vmm):
         self._exit_done(vm)
 
     def _exit_done(self, vm: VmProcess) -> None:
+        # The console pump sees EOF by itself; cancelling also covers a QEMU that exits before accepting it.
+        if vm._console is not None:
+            vm._console.cancel()
         if vm.popen is not None:
             vm.exit_code = vm.popen.returncode
             if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
@@ -613,7 +644,10 @@ class QemuVmm(Vmm):
         return vm.qmp.listener(names)
 
     async def detach(self, vm: VmProcess) -> None:
-        """Close the QMP connection, bounded by 2 s; QEMU keeps running. An already closed connection is fine."""
+        """Close the QMP connection, bounded by 2 s; QEMU keeps running. An already closed connection is fine.
+        The console pump stops too (QEMU drops console output until the next :meth:`attach`)."""
+        if vm._console is not None:
+            vm._console.cancel()
         try:
             await asyncio.wait_for(vm.qmp.disconnect(), 2.0)
         except Exception:  # already gone: nothing to release

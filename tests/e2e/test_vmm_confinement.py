@@ -79,6 +79,9 @@ def assert_confined(pid: int) -> None:
         assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
     # Inside its pid namespace QEMU is pid 1: it sees no other process.
     assert st["NSpid"].split()[-1] == "1"
+    # Under QEMU's own seccomp filter (-sandbox: no exec, fork, setuid, scheduler calls; vmm.SECCOMP).
+    assert st["Seccomp"] == "2"
+    assert b"-sandbox" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
 
 
 def _inside(pid: int, path: Path | str) -> Path:
@@ -108,7 +111,7 @@ async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmProcess]
     assert _listing(pid, "/etc") == {"ld.so.cache"}
     # Its own directory is there, read-write for it; the other VM's is not, nor anything beside its own.
     assert {"ram", "disk.img", "console.log", "run"} <= _listing(pid, a.dir)
-    assert {"qmp.sock", "channel.sock"} <= _listing(pid, a.paths.run)
+    assert {"qmp.sock", "channel.sock", "console.sock"} <= _listing(pid, a.paths.run)
     assert not _inside(pid, b.dir).exists()
     assert _listing(pid, a.dir.parent) == {a.dir.name}
     # Of the template it sees the kernel and initramfs, not the snapshot it was restored from.
@@ -126,8 +129,10 @@ async def test_mount_namespace_shows_only_its_own_files(two_vms: list[VmProcess]
 async def test_qemu_writes_its_files_but_cannot_rename_or_replace_them(two_vms: list[VmProcess]) -> None:
     user = pwd.getpwnam(VMM_USER)
     vm = two_vms[0]
-    for p in (vm.paths.ram, vm.paths.disk, vm.paths.console, vm.paths.qmp, vm.paths.channel):
+    for p in (vm.paths.ram, vm.paths.disk, vm.paths.qmp, vm.paths.channel, vm.paths.console_sock):
         assert p.stat().st_uid == user.pw_uid, p
+    # The console log is the node agent's (console.py): QEMU only has the console socket.
+    assert vm.paths.console.stat().st_uid == 0
     # The directories stay root's (QEMU may traverse, not write), so the node agent never meets a name
     # QEMU swapped for a symlink; the socket directory was taken back once QMP answered.
     st = vm.dir.stat()
@@ -136,6 +141,7 @@ async def test_qemu_writes_its_files_but_cannot_rename_or_replace_them(two_vms: 
     # Seen from QEMU's mount namespace with QEMU's credentials:
     assert _in_qemu_view(vm.pid, ["test", "-w", str(vm.paths.ram)]) == 0
     assert _in_qemu_view(vm.pid, ["test", "-w", str(vm.paths.disk)]) == 0
+    assert _in_qemu_view(vm.pid, ["test", "-w", str(vm.paths.console)]) != 0
     assert _in_qemu_view(vm.pid, ["touch", str(vm.dir / "planted")]) != 0
     assert _in_qemu_view(vm.pid, ["ln", "-s", "/usr", str(vm.paths.run / "planted")]) != 0
     assert _in_qemu_view(vm.pid, ["rm", "-f", str(vm.paths.console)]) != 0

@@ -186,3 +186,18 @@ def test_volume_slots_follow_the_root_disk_with_their_serials() -> None:
         f"virtio-blk-device,drive=vol{n},serial=podbay-vol{n}" for n in range(4)]
     drives = _opt(argv, "-drive")
     assert [d.split(",")[1] for d in drives] == ["file=vm/disk.img"] + [f"file=vm/vol{n}.img" for n in range(4)]
+
+
+def test_qemu_runs_under_its_own_seccomp_filter_unless_turned_off(tmp_path: Path) -> None:
+    argv = build_qemu_argv(_cfg(), VmPaths(tmp_path), tsc_khz=1)
+    assert _opt(argv, "-sandbox") == ["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+    assert _opt(build_qemu_argv(_cfg(seccomp=False), VmPaths(tmp_path), tsc_khz=1), "-sandbox") == []
+
+
+def test_template_configs_take_seccomp_from_the_settings(tmp_path: Path) -> None:
+    tpl = TemplateSnapshot(name="t", key="k", dir=tmp_path, kernel=tmp_path / "k", initrd=tmp_path / "i",
+                           state=tmp_path / "s", ram=tmp_path / "r", disk=tmp_path / "d", memory_mib=256, vcpus=1,
+                           tsc_khz=1, image_digest="x", qemu_version="7.2", accel="tcg", boot_s=1.0,
+                           paused_ms=1.0, created_at="2026-01-01T00:00:00Z")
+    assert tpl.vm_config(Settings(vmm_seccomp=False)).seccomp is False
+    assert tpl.vm_config(Settings()).seccomp is True

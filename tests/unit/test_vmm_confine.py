@@ -174,11 +174,12 @@ def test_vm_dir_stays_roots_and_only_the_files_qemu_writes_are_the_users(tmp_pat
     own_vm_files(vm, vm / "run", confine.VM_WRITABLE_FILES, OTHER)
     st = vm.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, OTHER.gid, 0o750)
-    for name in confine.VM_WRITABLE_FILES:  # console.log and ram did not exist: made, since QEMU cannot
+    for name in confine.VM_WRITABLE_FILES:  # ram and the slots did not exist: made, since QEMU cannot
         f = (vm / name).stat()
         assert (f.st_uid, f.st_mode & 0o777) == (OTHER.uid, 0o600), name
     assert (vm / "disk.img").read_bytes() == b"disk"
     assert (vm / "run").stat().st_uid == OTHER.uid and os.listdir(vm / "run") == []
+    assert "console.log" not in confine.VM_WRITABLE_FILES  # the node agent writes it (console.py), not QEMU
 
 
 @needs_root
@@ -187,7 +188,7 @@ def test_a_planted_symlink_is_refused_not_followed(tmp_path: Path) -> None:
     vm.mkdir()
     secret = tmp_path / "secret"
     secret.write_text("x")
-    (vm / "console.log").symlink_to(secret)
+    (vm / "ram").symlink_to(secret)
     with pytest.raises(OSError):
         own_vm_files(vm, vm / "run", confine.VM_WRITABLE_FILES, OTHER)
     assert secret.stat().st_uid == 0

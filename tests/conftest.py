@@ -39,6 +39,7 @@ from podbay.devstack.procs import free_port, run_sync
 from podbay.devstack.servers import S3Endpoint, probe_s3, start_nats, start_postgres, start_s3
 from podbay.devstack.openbao import probe_openbao, start_openbao
 from podbay.devstack.stack import THROWAWAY_SERVER_GRACE_S, External, Stack, StackPorts, kill_strays
+from podbay.egress_ranges import TEST_PEER_NETS
 
 _TESTS = Path(__file__).parent
 
@@ -168,8 +169,12 @@ def stack(test_root: Path) -> Iterator[Stack]:
         durable=False,
         # Paused sandboxes release their RAM after 6 s here (default 60 s), so tests can see it happen.
         # PODBAY_E2B_DOMAIN: E2B envd traffic is also routed by host name (tests/e2e/test_e2b.py).
+        # PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS: the e2e tests' peers (namespaces on this host) use two documentation
+        # ranges, opened here as an operator opens a private range; every other private range stays shut.
         base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6"),
-                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test")},
+                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test"),
+                  "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": os.environ.get("PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS",
+                                                                       TEST_PEER_NETS)},
     )
     running.start()
     try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 
-__all__ = ["DENIED_RANGES", "RANGE_KINDS", "STACK_BRIDGE_POOL", "IPAddress", "IPNetwork", "unwrap",
+__all__ = ["DENIED_RANGES", "RANGE_KINDS", "STACK_BRIDGE_POOL", "TEST_PEER_NETS", "IPAddress", "IPNetwork", "unwrap",
            "range_kind", "parse_cidrs", "nft_elements"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -39,6 +39,12 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 #: The node bridges of multi-node stacks (``podbay.devstack.netns``): node agents, and the API, PostgreSQL
 #: and NATS on the bridge's host address. Never reachable from a sandbox.
 STACK_BRIDGE_POOL = "10.77.0.0/16"
+
+#: Two IPv4 documentation ranges (RFC 5737 TEST-NET-2 and TEST-NET-3): never routed on the internet, so test
+#: peers (network namespaces of the test harness) take their addresses from them and the test stacks
+#: allow-list them as an operator would (``PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS``); every other always-denied
+#: range stays shut there. TEST-NET-1 (192.0.2.0/24) is left out: some hosts number their own network from it.
+TEST_PEER_NETS = "198.51.100.0/24, 203.0.113.0/24"
 
 #: ``(network, kind)``, most specific first where they nest (the first match names the kind).
 DENIED_RANGES: tuple[tuple[IPNetwork, str], ...] = tuple((ipaddress.ip_network(n), k) for n, k in (

@@ -9,15 +9,17 @@ the host (another stack's included) is touched. For traffic entering one of this
 * ``raw_prerouting`` drops a packet whose source address does not route back through the tap it came in
   on (reverse-path check), so a guest cannot pose as another sandbox: the gateway tells sandboxes apart by
   source address.
+* ``egress_guard`` (prerouting, after conntrack, before the redirect) rejects (TCP reset, ICMP
+  administratively prohibited) and counts in the named counter ``egress_refused`` every packet a guest
+  sends to an always-denied address (:mod:`podbay.egress_ranges`: private, CGNAT, link-local with the
+  metadata address, loopback, multicast, reserved, IPv6 equivalents; and, whatever the operator says, the
+  stack's node bridges and sandbox network), except DNS (port 53, which goes to the gateway's DNS wherever
+  it is sent) and replies to connections the host opened. Defence in depth behind the gateway, which
+  refuses the same addresses: a guest reaches no private address even if the gateway failed open, and such
+  a connection fails at once. The operator's ``PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS`` pass on to the redirect
+  (the gateway then decides them by policy).
 * ``nat_prerouting`` redirects UDP and TCP port 53 to the gateway's DNS port and every other TCP
-  connection to the gateway's transparent proxy port (on the tap's host address), except a connection to
-  an always-denied address (``egress_guard``, :mod:`podbay.egress_ranges`: private, CGNAT, link-local with
-  the metadata address, loopback, multicast, reserved, IPv6 equivalents; and, whatever the operator says,
-  the stack's node bridges and sandbox network). Such a connection is left un-redirected, counted in the
-  named counter ``egress_refused`` and so meets ``input``'s or ``forward``'s reset below: defence in depth
-  behind the gateway, which refuses the same addresses, so a guest reaches no private address even if the
-  gateway failed open. The operator's ``PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS`` are redirected as usual (the
-  gateway then decides them by policy).
+  connection to the gateway's transparent proxy port (on the tap's host address).
 * ``input`` accepts from a tap only connections that were redirected to those two ports; everything else
   is rejected (TCP reset, ICMP administratively prohibited), so a denied connection fails at once in the
   guest instead of hanging.
@@ -56,29 +58,44 @@ class NetfilterError(PodbayError):
     code = "netfilter_failed"
 
 
-def _guard(operator_allow: Sequence[IPNetwork], sandbox_cidr: str | None) -> str:
-    """The ``egress_guard`` chain and its sets (see the module docstring)."""
+def _guard(taps: str, operator_allow: Sequence[IPNetwork], sandbox_cidr: str | None) -> str:
+    """The ``egress_guard`` chain, its sets and counter (see the module docstring)."""
     never = [ipaddress.ip_network(STACK_BRIDGE_POOL)]
     if sandbox_cidr:
         never.append(ipaddress.ip_network(sandbox_cidr, strict=False))
     denied = [net for net, _ in DENIED_RANGES]
     sets, rules = [], []
-    count = f'counter name "{REFUSED_COUNTER}" accept'
     for version, ip in ((4, "ip"), (6, "ip6")):
         kind = "ipv4_addr" if version == 4 else "ipv6_addr"
-        for name, nets in ((f"never_v{version}", never), (f"operator_v{version}", operator_allow),
-                           (f"denied_v{version}", denied)):
+        for order, name, nets in ((0, f"never_v{version}", never), (1, f"operator_v{version}", operator_allow),
+                                  (2, f"denied_v{version}", denied)):
             elements = nft_elements(nets, version)
             if not elements:
                 continue
             sets.append(f"    set {name} {{\n        type {kind}; flags interval; auto-merge;\n"
                         f"        elements = {{ {elements} }}\n    }}")
-            verdict = "return" if name.startswith("operator") else count
-            rules.append((version, name, f"        {ip} daddr @{name} {verdict}"))
-    order = {"never": 0, "operator": 1, "denied": 2}
-    body = [r for _, _, r in sorted(rules, key=lambda x: (order[x[1].split("_")[0]], x[0]))]
-    return "\n".join([*sets, f"    counter {REFUSED_COUNTER} {{\n    }}", "    chain egress_guard {", *body,
-                      "    }"])
+            verdict = "return" if order == 1 else "goto egress_refuse"
+            rules.append((order, version, f"        {ip} daddr @{name} {verdict}"))
+    return "\n".join([
+        *sets,
+        f"    counter {REFUSED_COUNTER} {{\n    }}",
+        "    chain egress_guard {",
+        # after conntrack, before the redirect (dstnat): the original destination is still in the packet
+        "        type filter hook prerouting priority mangle; policy accept;",
+        f"        iifname != {taps} return",
+        # replies to connections the host opened (the port proxy's), and their ICMP errors
+        "        ct direction reply return",
+        "        ct state related return",
+        # DNS goes to the gateway's DNS server wherever it is sent
+        "        meta l4proto { tcp, udp } th dport 53 return",
+        *[r for _, _, r in sorted(rules)],
+        "    }",
+        "    chain egress_refuse {",
+        f'        counter name "{REFUSED_COUNTER}"',
+        "        meta l4proto tcp reject with tcp reset",
+        "        reject with icmpx admin-prohibited",
+        "    }",
+    ])
 
 
 def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: str,
@@ -96,7 +113,7 @@ def render_ruleset(proxy_port: int, dns_port: int, *, table: str, tap_prefix: st
 table inet {table}
 delete table inet {table}
 table inet {table} {{
-{_guard(operator_allow, sandbox_cidr)}
+{_guard(taps, operator_allow, sandbox_cidr)}
     chain raw_prerouting {{
         type filter hook prerouting priority raw; policy accept;
         iifname {taps} fib saddr . iif oif missing drop
@@ -104,7 +121,6 @@ table inet {table} {{
     chain nat_prerouting {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname {taps} meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}
-        iifname {taps} meta l4proto tcp jump egress_guard
         iifname {taps} meta l4proto tcp redirect to :{proxy_port}
     }}
     chain input {{

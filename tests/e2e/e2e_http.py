@@ -15,6 +15,7 @@ import httpx
 
 from podbay.config import Settings
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.egress_ranges import TEST_PEER_NETS
 
 __all__ = ["api_client", "sh", "sh_output", "until", "own_stack"]
 
@@ -69,12 +70,14 @@ def until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float 
 def own_stack(test_root: Path, env: dict[str, str], *, prefix: str = "s") -> Iterator[Stack]:
     """A single-node stack of its own (data directory under ``test_root``, its own servers unless
     ``PODBAY_*_URL`` name external ones, free ports) with ``env`` over the environment and a dev API key;
-    purged (VMs, store, host network) on exit. For tests that need settings the session ``stack`` lacks."""
+    purged (VMs, store, host network) on exit. For tests that need settings the session ``stack`` lacks. Like
+    the session stack, it allow-lists two documentation ranges for egress (``TEST_PEER_NETS``: test peers)."""
     data_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=test_root))  # short: UNIX socket paths below it
     os.chmod(data_dir, 0o711)  # PostgreSQL's unprivileged user must reach its cluster
     running = Stack(data_dir=data_dir, log_dir=data_dir / "logs", cache_dir=Settings().cache_dir,
                     ports=StackPorts.free(), external=External.from_env(), durable=False,
-                    base_env={**os.environ, **env})
+                    base_env={**os.environ, "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": os.environ.get(
+                        "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS", TEST_PEER_NETS), **env})
     try:
         running.start()
         running.create_api_key("dev", "dev")

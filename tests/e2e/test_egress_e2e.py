@@ -31,7 +31,9 @@ from e2e_http import api_client
 pytestmark = pytest.mark.e2e
 
 _PEERS = Path(__file__).parent.parent / "integration" / "gateway_peers.py"
-_UP_HOST, _UP_NS = "10.99.7.1", "10.99.7.2"  # outside the sandbox network and not an address of this node
+# Documentation addresses (RFC 5737), outside the sandbox network; the test stacks' operator allow-list opens
+# them (PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS), as private addresses are shut to every sandbox otherwise.
+_UP_HOST, _UP_NS = "198.51.100.1", "198.51.100.2"
 _ALLOWED, _OTHER = "api.upstream.test", "other.upstream.test"
 
 #: Runs in the guest: ``python3 -c GUEST_CALLS``; prints one JSON object.

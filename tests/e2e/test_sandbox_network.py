@@ -7,6 +7,7 @@ and rollback.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import time
@@ -27,7 +28,8 @@ import pytest
 from e2e_http import api_client as _client, sh as _sh
 
 from podbay.contracts.egress import NetBinding, bindings_dir
-from podbay.stacknet import nft_table, tap_prefix
+from podbay.egress_ranges import STACK_BRIDGE_POOL, IPNetwork, parse_cidrs, range_kind
+from podbay.stacknet import SANDBOX_POOL, nft_table, tap_prefix
 
 pytestmark = pytest.mark.e2e
 
@@ -161,6 +163,15 @@ def _host_addresses() -> list[str]:
             for a in link.get("addr_info", []) if not a["local"].startswith("127.")]
 
 
+def _redirected(host: str, operator_allow: list[IPNetwork]) -> bool:
+    """Whether the node's ruleset sends a guest's TCP to ``host`` to the gateway: not the sandbox network nor
+    the node bridges (never), not in an always-denied range unless the operator allow-listed it."""
+    ip = ipaddress.ip_address(host)
+    if any(ip in ipaddress.ip_network(n) for n in (SANDBOX_POOL, STACK_BRIDGE_POOL)):
+        return False
+    return range_kind(ip, operator_allow) is None
+
+
 def _tap_exists(name: str) -> bool:
     return subprocess.run(["ip", "link", "show", "dev", name], capture_output=True).returncode == 0
 
@@ -258,16 +269,26 @@ def test_each_guest_has_its_own_address_route_and_nothing_but_the_gateway(stack:
             _assert_fails_fast(back["tcp"])
             assert back["ping"][ba.guest_addr] != "echo reply"
 
-            # Every TCP connection and every DNS query, wherever the guest sends it, lands on the gateway's
-            # ports (a stand-in answers here): the host service is never reached.
+            # Every DNS query, wherever the guest sends it, and every TCP connection to an address a sandbox may
+            # reach at all (203.0.113.1: the test stack's operator allow-list opens TEST_PEER_NETS) lands
+            # on the gateway's ports (a stand-in answers here). A connection to an always-denied address (private
+            # ranges, metadata, the stack's own addresses) is not even redirected: the ruleset resets it, so the
+            # host service is never reached either way (docs/egress.md, "Always denied").
             # The gateway's ports (StackPorts.free(): free ones, the stack's gateway is stopped in this module).
             proxy, dns = int(stack.ports.gateway_proxy), int(stack.ports.gateway_dns)
             with _listening(service, b"host-service\n"), _listening(proxy, b"gateway\n"), \
                     _listening(dns, b"gateway-dns", udp=True):
                 via = _probe(c, a["id"], {"tcp": [[h, service] for h in hosts] + [
-                    ["169.254.169.254", 80], [bb.guest_addr, 22], ["192.0.2.1", 443], [ba.host_addr, node_port]],
+                    ["169.254.169.254", 80], [bb.guest_addr, 22], ["203.0.113.1", 443], [ba.host_addr, node_port]],
                     "dns": [ba.host_addr, "192.0.2.53"]})
-            assert set(via["tcp"].values()) == {"connected:gateway"}, via["tcp"]
+            assert via["tcp"]["203.0.113.1:443"] == "connected:gateway", via["tcp"]
+            allow = parse_cidrs(stack.base_env.get("PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS", ""))
+            for target, outcome in via["tcp"].items():
+                host = target.rsplit(":", 1)[0]
+                if _redirected(host, allow):
+                    assert outcome == "connected:gateway", (target, outcome)
+                else:
+                    assert outcome in ("refused", "reset", "unreachable"), (target, outcome)
             assert set(via["dns"].values()) == {"answered:gateway-dns"}, via["dns"]
         finally:
             for s in (a, b):

@@ -25,7 +25,7 @@ from podbay.stacknet import nft_table, tap_prefix
 
 pytestmark = pytest.mark.e2e
 
-_NAME, _ADDR = "allowed.side-by-side.test", "192.0.2.99"
+_NAME, _ADDR = "allowed.side-by-side.test", "203.0.113.99"  # TEST_PEER_NETS: the test stacks' operator allow-list
 _RESOLVE = f"python3 -c \"import socket; print(socket.gethostbyname('{_NAME}'))\""
 
 

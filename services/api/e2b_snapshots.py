@@ -44,6 +44,7 @@ from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep
 from .e2b_common import WhoDep, _Body, _E2bRoute, _exact_lease, _row, _sandbox, decode_cursor, encode_cursor, error_body
+from .quotas import QuotaExceeded
 from .sandbox_lookup import GUEST_ENV_SQL
 
 __all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot", "FORK_DEFAULT_TIMEOUT_S"]
@@ -190,6 +191,11 @@ async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: i
     try:
         info, finished = await sandbox_service.resume_suspended(ctx, who, cid, wait=True, fallback=False)
         error = None if finished and info.state == "running" else f"the sandbox is still {info.state}"
+    except QuotaExceeded:
+        # Over a quota (services/api/quotas.py): the caller's to fix, so its own 403, not a 500. The row
+        # never left ``suspended``, so it is deleted as it is.
+        await sandbox_service.delete(ctx, who, cid, wait=False)
+        raise
     except PodbayError as exc:
         error = exc.message
     if error is not None:

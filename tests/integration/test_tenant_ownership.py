@@ -342,3 +342,21 @@ async def test_the_nodes_registration_keeps_a_name_to_its_owner(pool: asyncpg.Po
     await builder._register(img, None)  # type: ignore[arg-type]
     await builder._register(img, None)  # type: ignore[arg-type]
     assert await pool.fetchval("SELECT owner_tenant FROM templates WHERE name=$1", root) is None
+
+
+def test_an_e2b_create_from_a_stored_snapshot_over_the_quota_is_403_and_leaves_no_sandbox(
+        stack: Stack, acme: Tenant) -> None:
+    shared = _template(stack, None)
+    src, snap = f"sbx_{secrets.token_hex(12)}", f"snap_{secrets.token_hex(10)}"
+    sql(stack, "INSERT INTO sandboxes (id, tenant_id, template, template_digest, state, desired_state, memory_mib,"
+        " vcpus, hostname) VALUES ($1, $2, $3, 'sha256:none', 'suspended', 'suspended', 256, 1, 'h')",
+        src, acme.tenant_id, shared)
+    sql(stack, "INSERT INTO snapshots (id, tenant_id, sandbox_id, kind, state, generation, promotion)"
+        " VALUES ($1, $2, $3, 'full', 'ready', 1, 'promoted')", snap, acme.tenant_id, src)
+    with _operator(stack) as op:
+        assert op.put(f"/v1/tenants/{acme.tenant_id}/quota", json={"sandboxes": 0}).status_code == 200
+    with acme.http() as a:
+        r = a.post("/e2b/sandboxes", json={"templateID": snap})
+        assert r.status_code == 403 and "quota" in r.text, r.text
+    left = sql(stack, "SELECT state FROM sandboxes WHERE parent_sandbox_id=$1", src)
+    assert all(row["state"] in ("deleting", "deleted") for row in left), left

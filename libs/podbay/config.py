@@ -203,6 +203,28 @@ class Settings(BaseSettings):
     channel_max_bad_frames: int = Field(8, ge=1, description="Bad frames in a row (torn, oversized, or a run of "
                                         "garbage) after which the node drops a guest's channel; the sandbox's "
                                         "calls then fail with `guest_channel_broken`.")
+    vmm_cgroups: bool = Field(True, description="Put each QEMU in a cgroup v2 of its own under "
+                              "`podbay.slice` (CGROUP_ROOT) with CPU, memory, pids (and IO where "
+                              "VMM_IO_MAX is set) limits from the sandbox's size; where cgroup v2 or a "
+                              "controller is missing that limit is skipped (logged once).")
+    cgroup_root: Path = Field(Path("/sys/fs/cgroup"), description="The cgroup v2 mount (a hybrid host's is often "
+                              "/sys/fs/cgroup/unified); used when it has a cgroup.controllers file.")
+    vmm_cpu_headroom_percent: int = Field(50, ge=0, le=1000, description="cpu.max of a QEMU: its vCPUs x 100 "
+                                          "% of a core plus this much for QEMU's own threads (I/O, "
+                                          "migration), per sandbox.")
+    vmm_memory_overhead_mib: int = Field(256, ge=64, description="memory.max of a QEMU: guest RAM + TCG's "
+                                         "translation buffer + this (QEMU's heap and page tables; measured in "
+                                         "services/nodeagent/cgroups.py). Guest RAM is a shared file mapping, so "
+                                         "at the limit the kernel writes RAM pages back to their file rather "
+                                         "than killing.")
+    vmm_pids_max: int = Field(128, ge=16, description="pids.max of a QEMU's cgroup (its threads: vCPUs, I/O "
+                              "workers, RCU, migration).")
+    vmm_io_max: str = Field("", description="io.max of a QEMU's cgroup, applied to the block device holding "
+                            "DATA_DIR (e.g. `rbps=209715200 wbps=104857600 riops=20000 wiops=10000`); empty: "
+                            "only io.weight.")
+    sandbox_net_rate_mbit: int = Field(1000, ge=0, description="Each sandbox's network rate, Mbit/s in each "
+                                       "direction (tc on its tap: tbf towards the guest, a policer on what it "
+                                       "sends); 0 = unlimited.")
     tap_check_s: float = Field(2.0, ge=0, description="How often the node agent checks that each VM's tap still "
                                "exists; a vanished one is repaired by moving the guest to a new VM on a new tap "
                                "(processes carry on); 0 = never.")

@@ -14,6 +14,13 @@ to QEMU, which needs no privilege for it. The tap is not persistent: it lives ex
 process holds the descriptor (QEMU), so a QEMU that exits takes its tap with it, and a new QEMU for the
 same sandbox (hibernation wake, rollback) gets a new tap of the same name and address.
 
+Rate: each tap gets ``PODBAY_SANDBOX_NET_RATE_MBIT`` (1 Gbit/s; 0 = none) in each direction with tc
+(:func:`tc_rate_batches`): a tbf as its root qdisc bounds what the host sends the guest, and a policer on its
+ingress (u32 match-all, ``action police ... drop``) what the guest sends. Both live on the tap, so they go with
+it when its QEMU exits and stay with a running QEMU across node-agent restarts: nothing to clean up or
+reconcile. A kernel without tbf or the police action (or a host without ``tc``) gets that part skipped,
+logged once.
+
 Binding: for every VM the node runs for a sandbox at a generation, a fresh CA
 (:func:`podbay.sandbox_ca.new_sandbox_ca`) is written to ``net/ca/<sandbox>-g<generation>.pem`` (key PEM
 then cert PEM, mode 0600) and a :class:`~podbay.contracts.egress.NetBinding` to
@@ -35,6 +42,7 @@ import logging
 import os
 import socket
 import struct
+import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +60,7 @@ from podbay.stacknet import nft_table, sandbox_cidr, tap_prefix
 from .netfilter import install_ruleset
 
 __all__ = ["NetworkError", "Lease", "SandboxNetwork", "lease_addresses", "tap_name", "tap_mac", "lease_capacity",
-           "lowest_free", "create_tap", "IFNAMSIZ"]
+           "lowest_free", "create_tap", "IFNAMSIZ", "tc_rate_batches"]
 
 log = logging.getLogger("podbay.nodeagent.network")
 
@@ -146,6 +154,17 @@ def create_tap(name: str) -> int:
     return fd
 
 
+def tc_rate_batches(tap: str, rate_mbit: int) -> tuple[str, str]:
+    """``tc -batch`` input limiting ``tap`` to ``rate_mbit`` Mbit/s: ``(towards the guest, from the guest)``. The
+    burst is 10 ms of the rate (at least 32 KiB), enough for the timer granularity of any HZ."""
+    burst = max(rate_mbit * 1_000_000 // 8 // 100, 32 * 1024)
+    to_guest = f"qdisc replace dev {tap} root tbf rate {rate_mbit}mbit burst {burst} latency 50ms\n"
+    from_guest = (f"qdisc replace dev {tap} ingress\n"
+                  f"filter add dev {tap} parent ffff: pref 1 protocol all u32 match u32 0 0 "
+                  f"action police rate {rate_mbit}mbit burst {burst} conform-exceed drop\n")
+    return to_guest, from_guest
+
+
 def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -177,6 +196,8 @@ class SandboxNetwork:
         # ifindex of each tap this agent made or first saw, so that a tap deleted and made again by someone
         # else under the same name is noticed too (tap_intact).
         self._tap_index: dict[str, int] = {}
+        # Which parts of the rate limit this host's tc and kernel take (None: not tried yet).
+        self._tc_ok: dict[str, bool | None] = {"to_guest": None, "from_guest": None}
 
     # ------------------------------------------------------------------ start
 
@@ -264,7 +285,49 @@ class SandboxNetwork:
         except Exception as exc:
             os.close(fd)
             raise NetworkError(f"cannot set up tap {lease.tap} for {lease.sandbox_id}: {exc}") from exc
+        self.limit_rate(lease.tap)
         return fd
+
+    def limit_rate(self, tap: str) -> None:
+        """Apply the sandbox rate (module docstring) to ``tap`` with one ``tc -batch``; a part this host does
+        not support is logged once and skipped from then on. Never raises."""
+        rate = self.settings.sandbox_net_rate_mbit
+        if rate <= 0:
+            return
+        parts = dict(zip(("to_guest", "from_guest"), tc_rate_batches(tap, rate), strict=True))
+        wanted = [k for k in parts if self._tc_ok[k] is not False]
+        if not wanted:
+            return
+        try:
+            done = subprocess.run(["tc", "-batch", "-"], input="".join(parts[k] for k in wanted),
+                                  capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            for k in wanted:
+                self._tc_ok[k] = False
+            log.warning("tc unavailable (%s): sandboxes' network rate is not limited", exc)
+            return
+        if done.returncode == 0:
+            for k in wanted:
+                self._tc_ok[k] = True
+            return
+        # tc stops at the first failing command and names its line ("Command failed -:N"); the parts after
+        # it are not applied to this tap (a transient failure costs one tap its limit, not a second exec).
+        err = done.stderr.strip()
+        failed_line = int(err.rsplit("-:", 1)[-1].split()[0]) if "Command failed -:" in err else 1
+        first = 0
+        for k in wanted:
+            last = first + parts[k].count("\n")
+            if failed_line > last:
+                self._tc_ok[k] = True
+                first = last
+                continue
+            if self._tc_ok[k] is None:  # never worked here: this host lacks it
+                self._tc_ok[k] = False
+                log.warning("the sandbox network rate %s is not limited on this host: tc says %r",
+                            k.replace("_", " "), err.splitlines()[0] if err else done.returncode)
+            else:
+                log.warning("tc on %s failed: %s", tap, err[:300])
+            return
 
     def tap_intact(self, tap: str) -> bool:
         """Whether ``tap`` still exists as the device its VM holds: False when it is gone (someone deleted it,

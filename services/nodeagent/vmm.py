@@ -58,7 +58,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError, StateError
 
 from podbay.errors import NotFound, PodbayError, Timeout, Unavailable
 from podbay.reflink import reflink_or_copy
-from . import confine
+from . import cgroups, confine
 from .console import ConsoleLimits, start_pump
 from .accel import Accel, host_tsc_khz, kernel_cmdline
 
@@ -412,10 +412,12 @@ class QemuVmm(Vmm):
     read from the settings (``PODBAY_VMM_CONFINE``, ``PODBAY_VMM_USER``) at the first start."""
 
     def __init__(self, *, tsc_khz: int | None = None, confinement: confine.Confinement | None = _FROM_SETTINGS,
-                 console_limits: ConsoleLimits | None = None) -> None:
+                 console_limits: ConsoleLimits | None = None,
+                 vm_cgroups: tuple[cgroups.VmCgroups, dict[str, Any]] | None = None) -> None:
         self._tsc_khz = tsc_khz
         self._confinement = confinement
         self._console_limits = console_limits
+        self._cgroups = vm_cgroups
         self._reaping: set[asyncio.Task[None]] = set()
 
     def console_limits(self) -> ConsoleLimits:
@@ -426,6 +428,25 @@ class QemuVmm(Vmm):
             s = get_settings()
             self._console_limits = ConsoleLimits(s.console_log_max_kib * 1024, s.console_log_rate_kib_s * 1024)
         return self._console_limits
+
+    def cgroups(self) -> tuple[cgroups.VmCgroups, dict[str, Any]]:
+        """The node's QEMU cgroups and the settings' part of their limits (``cgroups.from_settings``), set up
+        (and emptied of leftovers) at first use."""
+        if self._cgroups is None:
+            from podbay.config import get_settings
+
+            self._cgroups = cgroups.from_settings(get_settings())
+        self._cgroups[0].setup()
+        return self._cgroups
+
+    def _place(self, config: VmConfig, paths: VmPaths, pid: int) -> None:
+        """Move QEMU ``pid`` into a cgroup of its own with the limits of ``config`` (cgroups.py; best effort)."""
+        slice_, params = self.cgroups()
+        tb_mib = (config.tcg_tb_size_mib or 1024) if config.accel == "tcg" else 0  # 0: QEMU 7.2's 1 GiB
+        io_device = cgroups.block_device(paths.dir) if params.get("io_max") else None
+        values = cgroups.cgroup_values(vcpus=config.vcpus, memory_mib=config.memory_mib, tb_mib=tb_mib,
+                                       io_device=io_device, **params)
+        slice_.place(cgroups.cgroup_name(paths.dir, pid), pid, values)
 
     def confinement(self) -> confine.Confinement | None:
         """The confinement in force (resolved from the settings once); raises ``confine.ConfinementError``."""
@@ -478,6 +499,12 @@ class QemuVmm(Vmm):
             open(paths.dir / volume_slot_name(slot), "ab").close()
         argv = build_qemu_argv(config, paths, incoming=incoming, tsc_khz=self._tsc(config), tap_fd=tap_fd,
                                autostart=autostart)
+        popen, pid = await self._start(config, paths, argv, tap_fd)
+        await asyncio.to_thread(self._place, config, paths, pid)
+        return popen, pid
+
+    async def _start(self, config: VmConfig, paths: VmPaths, argv: list[str],
+                     tap_fd: int | None) -> tuple[subprocess.Popen[bytes], int]:
         # Through nice(1) rather than a preexec function (not safe with the agent's threads); it execs, so
         # the pid stays the one bwrap (or QEMU) gets.
         prefix = ["nice", "-n", str(config.nice)] if config.nice else []
@@ -585,6 +612,8 @@ class QemuVmm(Vmm):
         # The console pump sees EOF by itself; cancelling also covers a QEMU that exits before accepting it.
         if vm._console is not None:
             vm._console.cancel()
+        if self._cgroups is not None:
+            self._cgroups[0].remove(cgroups.cgroup_name(vm.paths.dir, vm.pid))
         if vm.popen is not None:
             vm.exit_code = vm.popen.returncode
             if vm.popen.pid != vm.pid and vm.exit_code is not None and vm.exit_code > 128:
@@ -829,6 +858,7 @@ class QemuVmm(Vmm):
         # The pid may have been reused by an unrelated process after QEMU died.
         if str(paths.qmp).encode() not in cmdline:
             raise VmGone(f"pid {pid} is not the QEMU of {vm_dir.name}", details={"vm": vm_dir.name})
+        await asyncio.to_thread(self.cgroups)  # it stays in its cgroup; leftovers of exited ones go
         return await self._connect(paths, pid, None, config, _QMP_CONNECT_TIMEOUT_S)
 
     async def pause(self, vm: VmProcess) -> None:

@@ -245,3 +245,49 @@ def test_stack_sandbox_is_confined_and_survives_ram_release(stack: Any) -> None:
             assert sh(c, sid, "cat /root/kept.txt").strip() == "kept"
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _cgroup_v2_root() -> Path | None:
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (root / "cgroup.controllers").exists():
+            return root
+    return None
+
+
+@pytest.mark.skipif(_cgroup_v2_root() is None, reason="needs a cgroup v2 mount")
+async def test_qemu_sits_in_a_cgroup_of_its_own_with_its_limits_under_seccomp(template: TemplateSnapshot,
+                                                                              tmp_path: Path) -> None:
+    """cgroups.py: the QEMU of a guest in ``podbay.slice/<vm dir>-<pid>``, with the limits of every
+    controller this host delegates (a hybrid host's v2 mount may have none: then membership alone), gone with
+    QEMU; and ``-sandbox`` on its command line."""
+    from podbay_nodeagent.cgroups import SLICE, VmCgroups, cgroup_values
+    from podbay_nodeagent.vmm import SECCOMP
+
+    root = _cgroup_v2_root()
+    assert root is not None
+    s = Settings()
+    params: dict[str, Any] = {"cpu_headroom_percent": s.vmm_cpu_headroom_percent,
+                              "memory_overhead_mib": s.vmm_memory_overhead_mib, "pids_max": s.vmm_pids_max,
+                              "io_max": ""}
+    slice_ = VmCgroups(root)
+    vmm = QemuVmm(vm_cgroups=(slice_, params))
+    config = template.vm_config(vcpus=template.vcpus)
+    vm = await vmm.restore(template.dir, tmp_path / "vm", config)
+    cg = root / SLICE / f"vm-{vm.pid}"
+    try:
+        assert_confined(vm.pid)
+        argv = Path(f"/proc/{vm.pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"-sandbox") + 1] == SECCOMP.encode()
+        assert Path(f"/proc/{vm.pid}/cgroup").read_text().strip().endswith(f"/{SLICE}/vm-{vm.pid}")
+        assert cg.is_dir()
+        want = cgroup_values(vcpus=config.vcpus, memory_mib=config.memory_mib, tb_mib=config.tcg_tb_size_mib
+                             if config.accel == "tcg" else 0, **params)
+        applied = {f: v for f, v in want.items() if f.split(".")[0] in slice_.controllers}
+        for file, value in applied.items():
+            got = (cg / file).read_text().strip()
+            assert got == value or (file == "io.weight" and got.endswith(" 100")), (file, got)
+        print(f"controllers delegated at {root}: {sorted(slice_.controllers) or 'none'}; checked {sorted(applied)}")
+        assert await vmm.query_status(vm) == "running"
+    finally:
+        await vmm.kill(vm)
+    assert not cg.exists()

@@ -10,7 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEB_PACKAGES=(
   qemu-system-x86 qemu-utils debootstrap btrfs-progs busybox-static e2fsprogs nftables iproute2
   libbtrfsutil-dev cpio zstd kmod bubblewrap ca-certificates
-  skopeo umoci  # FROM an OCI image in template builds (services/nodeagent/build/oci.py)
+  skopeo umoci  # FROM an OCI image (services/nodeagent/build/oci.py reads with skopeo); umoci: tests make images
   prometheus  # only for promtool, which checks deploy/prometheus rules in the tests
 )
 

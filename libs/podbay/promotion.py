@@ -56,6 +56,7 @@ from podbay.chunks import (
 from podbay.config import Settings
 from podbay.errors import NotFound, PodbayError, SnapshotCorrupt
 from podbay.faults import fault_point
+from podbay.naming import safe_component
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
 from podbay.reflink import reflink_or_copy
@@ -107,7 +108,8 @@ Progress = Callable[[int, int], None]
 
 def snapshot_path(data_dir: Path, node_id: str, sandbox_id: str, snapshot_id: str) -> Path:
     """Where a node keeps a snapshot's files: ``DATA_DIR/nodes/<node>/store/snapshots/<sandbox>/<snapshot>``."""
-    return data_dir / "nodes" / node_id / "store" / "snapshots" / sandbox_id / snapshot_id
+    return (data_dir / "nodes" / safe_component(node_id, "node id") / "store" / "snapshots"
+            / safe_component(sandbox_id, "sandbox id") / safe_component(snapshot_id, "snapshot id"))
 
 
 @dataclass

@@ -16,6 +16,7 @@ from podbay.contracts.templates import NodeBuildRequest, split_template_ref
 from podbay.e2b_build import E2bBuildError, E2bBuildStart, translate
 from podbay.naming import ID_RE, UnsafeName, safe_component
 from podbay.outbox import new_id
+from podbay.promotion import snapshot_path
 from podbay.volume_promotion import volume_path
 from podbay_nodeagent.store import NodeStore
 
@@ -97,7 +98,8 @@ def test_node_path_joins_refuse_unsafe_ids(tmp_path: Path) -> None:
                  lambda: store.template_dir("..", "d"), lambda: store.build_dir("../../tmp"),
                  lambda: store.build_dir("x/.."), lambda: store.sandbox_snapshots_dir("%2e%2e"),
                  lambda: volume_path(tmp_path, "node-1", "../v"), lambda: volume_path(tmp_path, "..", "vol_1"),
-                 lambda: bindings_dir(tmp_path, "../n")):
+                 lambda: bindings_dir(tmp_path, "../n"), lambda: snapshot_path(tmp_path, "n1", "../s", "snap_1"),
+                 lambda: snapshot_path(tmp_path, "n1", "sbx_1", "a/../.."), lambda: snapshot_path(tmp_path, "..", "s", "t")):
         with pytest.raises(UnsafeName):
             call()
 

@@ -27,7 +27,7 @@ def own_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
                   base_env={**os.environ, **(extra_env or {})})
     try:
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         yield stack
     finally:
         stack.stop(purge=True)

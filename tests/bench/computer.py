@@ -197,7 +197,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         print(f"load average at start: {os.getloadavg()}")
         headers = {"authorization": f"Bearer {stack.api_key}"}
         with Client(stack.api_url, stack.api_key, timeout_s=3600) as sdk, \

@@ -354,7 +354,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         store = root / "stack" / "nodes" / Settings().node_id / "store"
         metrics = [f"{stack.api_url}/metrics", f"http://127.0.0.1:{stack.ports.node}/metrics"]
         # The node's /metrics takes the stack's internal token.

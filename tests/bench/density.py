@@ -203,7 +203,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         store = root / "stack" / "nodes" / Settings().node_id / "store"
         headers = {"authorization": f"Bearer {stack.api_key}"}
         with httpx.Client(base_url=stack.api_url, headers=headers, timeout=120) as c:

@@ -207,7 +207,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         os.environ.update({"E2B_API_URL": f"{stack.api_url}/e2b", "E2B_SANDBOX_URL": stack.api_url,
                            "E2B_API_KEY": stack.api_key})
         with httpx.Client(base_url=stack.api_url, timeout=300,

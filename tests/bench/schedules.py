@@ -127,7 +127,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         with httpx.Client(base_url=stack.api_url, headers={"authorization": f"Bearer {stack.api_key}"},
                           timeout=900) as c:
             print(f"load average at start: {os.getloadavg()}")

@@ -104,7 +104,7 @@ def main() -> None:
     try:
         stop_on_sigterm()
         stack.start()
-        stack.create_api_key("bench", "bench")
+        stack.create_api_key(Settings().operator_tenant, "bench")  # pools of shared templates (base) are the operator's
         store = root / "stack" / "nodes" / Settings().node_id / "store"
         print(f"load average at start: {os.getloadavg()}")
         cold: list[float] = []

@@ -228,6 +228,12 @@ def _cases(s: str) -> dict[str, Case]:
                                                                   m + "/podbay-init": None}),
         "setuid_refused_by_policy": Case([[f("usr/bin/sudo", b"\x7fELF", 0o4755)]], refused=True,
                                          policy=UnpackPolicy(allow_setuid=False)),
+        "magic_link_through_proc": Case([[sym("p", "/proc/self/root" + s), f("p/victim", b"magic")]],
+                                        refused=True),
+        "size_budget_over_two_layers": Case([[f("a", b"x" * 800)], [f("b", b"y" * 800)]], refused=True,
+                                            policy=UnpackPolicy(max_bytes=1000)),
+        "member_budget": Case([[d("a"), f("a/1"), f("a/2"), f("a/3"), f("a/4")]], refused=True,
+                              policy=UnpackPolicy(max_members=3)),
         "setuid_kept_by_default": Case([[f("usr/bin/sudo", b"\x7fELF", 0o4755)]], refused=False,
                                        inside={"usr/bin/sudo": b"\x7fELF"}),
     }
@@ -274,7 +280,7 @@ def test_a_hostile_image_leaves_the_host_unchanged(name: str, tmp_path: Path) ->
     assert _host() == host, "a host file podbay writes inside images changed"
     if case.refused:
         assert err is not None, f"{name}: expected the image to be refused"
-        if "device" in name or "setuid" in name:
+        if "device" in name or "setuid" in name or "budget" in name:
             assert isinstance(err, UnsafeImage) and err.http_status == 422
         return
     assert err is None and rootfs is not None, f"{name}: expected the image to unpack: {err}"

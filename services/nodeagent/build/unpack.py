@@ -18,7 +18,10 @@ its parent's descriptor without following it. Therefore:
   that holds the tree;
 - setuid/setgid bits (and ``security.capability`` extended attributes) are kept by default: ``sudo``,
   ``ping`` and ``su`` need them inside the guest, which is a VM of its own, and the host never executes an
-  image's file. ``UnpackPolicy.allow_setuid = False`` refuses images with any.
+  image's file. ``UnpackPolicy.allow_setuid = False`` refuses images with any. The tree is built in a
+  folder only root may enter (the build's temporary directory, mode 0700), so no host user can run them;
+- an image that unpacks to more than ``UnpackPolicy.max_bytes`` of file contents or ``max_members`` members
+  (all layers together) is refused before it fills the node's disk.
 
 Layers are tar, gzip, bzip2, xz or zstd streams (the OCI layer media types); the layout is what ``skopeo
 copy`` wrote (``index.json``, one manifest, blobs named by sha256 digest, each checked against
@@ -69,6 +72,16 @@ class UnpackPolicy:
 
     allow_device_nodes: bool = False
     allow_setuid: bool = True
+    #: Bytes of file contents and number of members all layers together may unpack (a decompression bomb
+    #: would otherwise fill the node's disk): 64 GiB, a million (images reach a few GiB and 100k files).
+    max_bytes: int = 64 << 30
+    max_members: int = 1_000_000
+
+
+@dataclass
+class _Budget:
+    bytes_left: int
+    members_left: int
 
 
 def blob_path(layout: Path, digest: str) -> Path:
@@ -214,14 +227,22 @@ def _make(root: Root, ref: str, path: str, m: tarfile.TarInfo, tar: tarfile.TarF
             os.close(src_fd)
 
 
-def apply_layer(root: Root, fh: IO[bytes], policy: UnpackPolicy, ref: str = "image") -> int:
+def apply_layer(root: Root, fh: IO[bytes], policy: UnpackPolicy, ref: str = "image",
+                budget: _Budget | None = None) -> int:
     """Apply one layer (a tar stream, compressed or not, in ``fh``) to ``root``; returns the members applied.
-    Raises :class:`UnsafeImage` (module docstring), ``OSError`` (a member that cannot be made: a hard link
-    to nothing, a parent that is a file) or ``tarfile.TarError``."""
+    ``budget``: what the image's earlier layers left of ``policy.max_bytes``/``max_members`` (None: all).
+    Raises :class:`UnsafeImage` (module docstring, or over the budget), ``OSError`` (a member that cannot be
+    made: a hard link to nothing, a parent that is a file) or ``tarfile.TarError``."""
+    left = budget or _Budget(policy.max_bytes, policy.max_members)
     created: set[str] = set()
     n = 0
     with _open_tar(fh) as tar:
         for m in tar:
+            left.members_left -= 1
+            left.bytes_left -= m.size if m.isreg() else 0
+            if left.members_left < 0 or left.bytes_left < 0:
+                raise _refuse(ref, m.name, f"the image unpacks to more than {policy.max_bytes} bytes or "
+                              f"{policy.max_members} members")
             path = guest_path(m.name)
             head, base = posixpath.split(path)
             if base == _OPAQUE:
@@ -258,11 +279,12 @@ def unpack_layout(layout: Path, rootfs: Path, policy: UnpackPolicy, ref: str = "
     ``tarfile.TarError``."""
     layers = layer_paths(layout)
     rootfs.mkdir(mode=0o755)
+    budget = _Budget(policy.max_bytes, policy.max_members)
     with Root(rootfs) as root:
         for blob in layers:
             with blob.open("rb") as fh:
                 try:
-                    apply_layer(root, fh, policy, ref)
+                    apply_layer(root, fh, policy, ref, budget)
                 except OSError as exc:
                     if exc.errno == errno.ENOSYS:
                         raise OSError(exc.errno, "openat2 is missing: unpacking images needs Linux >= 5.6") from exc

@@ -331,7 +331,7 @@ _BY_CODE: dict[str, type[PodbayError]] = {
 #: The family of an error whose code this side does not know (e.g. ``invalid_dockerfile``), by HTTP status.
 _BY_STATUS: dict[int, type[PodbayError]] = {
     400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: Unprocessable,
-    503: Unavailable, 504: Timeout,
+    502: GuestError, 503: Unavailable, 504: Timeout,
 }
 
 

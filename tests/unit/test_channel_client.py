@@ -507,3 +507,12 @@ async def test_a_garbage_flood_without_headers_drops_the_channel(guest: FakeGues
             await ch.stat("/x")
     finally:
         await ch.close()
+
+
+def test_a_broken_channel_reads_as_a_guest_error_on_the_far_side() -> None:
+    from podbay.errors import error_from_wire
+
+    err = ChannelBroken("guest channel dropped: the guest sent 8 bad frames in a row", details={"bad_frames": 8})
+    back = error_from_wire(err.to_wire(), err.http_status)
+    assert isinstance(back, GuestError) and back.code == "guest_channel_broken" and back.http_status == 502
+    assert back.details == {"bad_frames": 8}

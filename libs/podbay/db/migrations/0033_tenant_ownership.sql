@@ -18,6 +18,11 @@ UPDATE templates t SET owner_tenant = (SELECT b.tenant_id FROM template_builds b
                                        ORDER BY b.created_at DESC LIMIT 1);
 CREATE INDEX templates_owner ON templates (owner_tenant) WHERE deleted_at IS NULL;
 
+-- A tenant's sandboxes that count against its quotas (services/api/quotas.ACTIVE_STATES: the same list, so
+-- that the planner uses this index for the usage query under every create).
+CREATE INDEX sandboxes_tenant_active ON sandboxes (tenant_id)
+    WHERE state IN ('pending', 'starting', 'running', 'paused', 'suspending', 'resuming');
+
 -- Per-tenant quotas (services/api/quotas.py); a NULL limit (or no row) is the default from settings
 -- (PODBAY_QUOTA_SANDBOXES, _VCPUS, _MEMORY_MIB, _DISK_MIB, _BUILDS).
 CREATE TABLE tenant_quotas (

@@ -54,6 +54,7 @@ from podbay.contracts.channel import GuestNet
 from podbay.contracts.egress import NetBinding, binding_path, bindings_dir
 from podbay.egress_ranges import parse_cidrs
 from podbay.errors import Unavailable
+from podbay.naming import safe_component
 from podbay.sandbox_ca import new_sandbox_ca
 from podbay.stacknet import nft_table, sandbox_cidr, tap_prefix
 
@@ -354,7 +355,7 @@ class SandboxNetwork:
     # ------------------------------------------------------------------ bindings
 
     def ca_path(self, sandbox_id: str, generation: int) -> Path:
-        return self.ca_dir / f"{sandbox_id}-g{generation}.pem"
+        return self.ca_dir / f"{safe_component(sandbox_id, 'sandbox id')}-g{int(generation)}.pem"
 
     def binding(self, sandbox_id: str) -> NetBinding | None:
         """The sandbox's current binding file, if it has a lease and a readable binding."""

@@ -17,7 +17,7 @@ from podbay.errors import NotFound
 from .auth import Principal
 from .context import ApiContext
 from .deps import ctx_dep, principal_dep
-from . import template_access
+from . import quotas, template_access
 from .sandbox_lookup import audit
 from .template_access import VISIBLE_SQL
 
@@ -38,16 +38,23 @@ async def set_pool(template: str, body: PoolSet, ctx: CtxDep, who: PrincipalDep)
     (services/api/template_access.py).
 
     Errors: 404 ``not_found`` (unknown template, or another tenant's), 403 ``forbidden`` (a shared template and
-    the caller is not the operator tenant), 422 ``validation_error`` (``max_size`` below ``size``).
+    the caller is not the operator tenant), 403 ``quota_exceeded`` (the ``max_size`` of the tenant's pools
+    together would pass its sandboxes quota), 422 ``validation_error`` (``max_size`` below ``size``).
     """
+    max_size = body.max_size if body.max_size is not None else body.size
+    route = "PUT /v1/pools/{template}"
     async with ctx.pool.acquire() as conn, conn.transaction():
-        if await template_access.lookup(conn, ctx, who, template, route="PUT /v1/pools/{template}", write=True,
-                                        lock="FOR SHARE") is None:
+        row = await template_access.lookup(conn, ctx, who, template, route=route, write=True, lock="FOR SHARE")
+        if row is None:
             raise NotFound(f"template {template!r} does not exist", details={"template": template})
+        if row["owner_tenant"] is not None:
+            # Warm slots hold VMs on shared nodes: a tenant's pools, all together, stay within its sandboxes
+            # quota (the operator's pools of shared templates are the operator's business).
+            await quotas.check_pool(conn, ctx, who, template, max_size, route=route)
         await conn.execute(
             "INSERT INTO warm_pools (template, min_size, max_size) VALUES ($1,$2,$3) ON CONFLICT (template)"
             " DO UPDATE SET min_size=$2, max_size=$3, updated_at=now()",
-            template, body.size, body.max_size if body.max_size is not None else body.size)
+            template, body.size, max_size)
         await audit(conn, who, "pool.set", template)
     # The warm-pool service recomputes targets on this notice instead of at its next interval.
     await ctx.bus.nc.publish(subjects.WARM_POOLS_CHANGED, template.encode())

@@ -6,7 +6,9 @@ Limits (``tenant_quotas``, migration 0033; a NULL limit or no row: the default f
 - ``sandboxes``: sandboxes in :data:`ACTIVE_STATES` (those that hold a VM or are getting one);
 - ``vcpus``, ``memory_mib``, ``disk_mib``: the sums over those sandboxes (a disk of the template's own size
   counts as the template's current disk);
-- ``builds``: template builds running at once.
+- ``builds``: template builds running at once;
+- the ``max_size`` of a tenant's pools of its own templates, all together, stays within ``sandboxes``
+  (:func:`check_pool`): warm slots hold VMs before anyone claims them.
 
 :func:`check_sandbox` and :func:`check_builds` run inside the transaction that writes the new row, after
 locking the tenant's row (``FOR NO KEY UPDATE``, which the foreign keys' ``FOR KEY SHARE`` locks do not
@@ -36,7 +38,8 @@ from .sandbox_lookup import audit
 from .template_access import is_operator, refuse
 
 __all__ = ["router", "QuotaExceeded", "ACTIVE_STATES", "USAGE_SQL", "USAGE_SQL_FOR", "lock_tenant", "limits", "check_sandbox",
-           "check_builds", "disk_mib_of", "sandbox_disk_mib"]
+           "check_builds", "check_pool", "disk_mib_of",
+           "sandbox_disk_mib"]
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -128,6 +131,23 @@ async def check_builds(conn: asyncpg.Connection, ctx: ApiContext, who: Principal
     """Refuse (:class:`QuotaExceeded`, audited) one more running build of ``who``'s; call inside the
     transaction that writes the build's row."""
     await _check(conn, ctx, who, {"builds": 1}, route=route, target=target)
+
+
+async def check_pool(conn: asyncpg.Connection, ctx: ApiContext, who: Principal, template: str, max_size: int, *,
+                     route: str) -> None:
+    """Refuse (:class:`QuotaExceeded`, audited; ``limit`` ``sandboxes``) a pool of ``max_size`` slots for
+    ``who``'s template ``template`` when, with the ``max_size`` of the tenant's other pools, it would pass the
+    tenant's sandboxes quota: warm slots hold VMs on shared nodes before anyone claims them."""
+    eff = await lock_tenant(conn, ctx.settings, who.tenant_id)
+    others = int(await conn.fetchval(
+        "SELECT coalesce(sum(p.max_size), 0) FROM warm_pools p JOIN templates t ON t.name = p.template"
+        " WHERE t.owner_tenant=$1 AND p.template <> $2", who.tenant_id, template))
+    if others + max_size > eff.sandboxes:
+        detail: dict[str, Any] = {"limit": "sandboxes", "quota": eff.sandboxes, "usage": others,
+                                  "requested": max_size}
+        await refuse(ctx, who, template, route=route, reason="quota", action="quota.refused", **detail)
+        raise QuotaExceeded(f"the tenant's pools would keep {others + max_size} warm slots; its sandboxes quota "
+                            f"is {eff.sandboxes}", details=detail)
 
 
 def disk_mib_of(disk_mib: int | None, template_size_bytes: int | None) -> int:

@@ -360,3 +360,19 @@ def test_an_e2b_create_from_a_stored_snapshot_over_the_quota_is_403_and_leaves_n
         assert r.status_code == 403 and "quota" in r.text, r.text
     left = sql(stack, "SELECT state FROM sandboxes WHERE parent_sandbox_id=$1", src)
     assert all(row["state"] in ("deleting", "deleted") for row in left), left
+
+
+def test_a_tenants_pools_stay_within_its_sandboxes_quota(stack: Stack, acme: Tenant) -> None:
+    one, two = _template(stack, acme), _template(stack, acme)
+    with _operator(stack) as op:
+        assert op.put(f"/v1/tenants/{acme.tenant_id}/quota", json={"sandboxes": 3}).status_code == 200
+    with acme.http() as a:
+        assert a.put(f"/v1/pools/{one}", json={"size": 1, "max_size": 2}).status_code == 200
+        r = a.put(f"/v1/pools/{two}", json={"size": 2})
+        assert r.status_code == 403 and _code(r) == "quota_exceeded", r.text
+        assert r.json()["error"]["details"] == {"limit": "sandboxes", "quota": 3, "usage": 2, "requested": 2}
+        assert a.put(f"/v1/pools/{two}", json={"size": 1}).status_code == 200
+        assert a.put(f"/v1/pools/{one}", json={"size": 2}).status_code == 200  # its own old size is not counted
+        for name in (one, two):
+            assert a.put(f"/v1/pools/{name}", json={"size": 0}).status_code == 200
+    sql(stack, "DELETE FROM warm_pools WHERE template = ANY($1::text[])", [one, two])

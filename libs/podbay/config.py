@@ -190,6 +190,9 @@ class Settings(BaseSettings):
                               "(docs/DESIGN.md §6); false runs it unconfined as the node agent's user (debugging only).")
     vmm_user: str = Field("podbay-vm", description="Unprivileged system user confined QEMUs run as; created at "
                           "start when missing.")
+    vmm_uid_range: str = Field("", description="Uids (A-B, A >= 1000) confined QEMUs run as, one of its own "
+                               "each (gid the same), instead of all as VMM_USER: no two guests' QEMUs share an "
+                               "owner. Recorded in /run/podbay/vmm-uids; empty: one shared user.")
     vmm_seccomp: bool = Field(True, description="Start each QEMU with its own seccomp filter (`-sandbox on,"
                               "obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny`): no "
                               "exec, fork, setuid, scheduler or obsolete system calls, even if a guest takes "

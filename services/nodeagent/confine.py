@@ -7,7 +7,12 @@ QEMU as::
 
 - **User.** One system user and group (``PODBAY_VMM_USER``, default ``podbay-vm``), created idempotently with
   ``useradd --system`` when the node agent starts. It owns nothing but the VM directories it is given, so it
-  cannot read the data dir, PostgreSQL's cluster, the build cache or the node agent's secrets.
+  cannot read the data dir, PostgreSQL's cluster, the build cache or the node agent's secrets. With
+  ``PODBAY_VMM_UID_RANGE`` (e.g. ``200000-265535``) each QEMU runs instead as a uid and gid of its own from
+  that range (:class:`UidPool`; no passwd entry needed), so two guests' QEMUs share no owner: neither can
+  open the other's files even outside their mount namespaces, nor share per-uid kernel state (keyrings,
+  process and inotify limits). Signalling and ptracing another QEMU is already impossible with one shared
+  user: each QEMU is alone in its pid namespace and its seccomp filter denies fork and exec.
 - **Namespaces.** New mount, pid, ipc, uts and network namespaces (and a cgroup namespace where the kernel
   allows). QEMU needs no host network: a NIC is an already-open tap fd handed down by the node agent.
 - **Filesystem.** The root is an empty tmpfs, remounted read-only once populated: ``/usr`` read-only (QEMU,
@@ -47,6 +52,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -57,6 +64,7 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -68,6 +76,7 @@ __all__ = [
     "DEFAULT_VMM_USER", "ConfinementError", "VmmUser", "Confinement", "ensure_vmm_user", "confine_argv",
     "strip_pidfile", "own_vm_files", "check_readable", "kvm_group", "host_has_merged_usr", "from_settings",
     "spawn_confined", "read_child_pid", "start_confined", "lock_run_dir", "VM_WRITABLE_FILES", "RUN_DIR",
+    "UidRange", "UidPool", "UID_REGISTRY",
 ]
 
 log = logging.getLogger("podbay.nodeagent.confine")
@@ -125,13 +134,95 @@ def ensure_vmm_user(name: str = DEFAULT_VMM_USER) -> VmmUser:
     return VmmUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
 
 
+#: Where the uids of :class:`UidPool` are recorded (a tmpfs: at boot no QEMU runs and every uid is free).
+UID_REGISTRY = Path("/run/podbay/vmm-uids")
+# A uid taken for a QEMU that is starting (its pid not known yet) stays taken this long, seconds.
+_UID_STARTING_S = 120.0
+
+
+@dataclass(frozen=True)
+class UidRange:
+    """``first`` .. ``first + count - 1``: the uids (and equal gids) QEMUs may run as."""
+
+    first: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> UidRange | None:
+        """``"A-B"`` (inclusive, A >= 1000, B >= A) or empty (None). Raises ``ValueError`` otherwise."""
+        if not text.strip():
+            return None
+        lo, sep, hi = text.strip().partition("-")
+        if not sep or not lo.isdigit() or not hi.isdigit() or not 1000 <= int(lo) <= int(hi) < 2**31:
+            raise ValueError(f"a uid range is A-B with 1000 <= A <= B < 2^31, not {text!r}")
+        return cls(int(lo), int(hi) - int(lo) + 1)
+
+
+class UidPool:
+    """Uids of :class:`UidRange` handed to QEMUs, one each, recorded in ``registry/<uid>`` as ``"<pid>
+    <vm dir>"`` (pid 0 while starting) under an exclusive lock, so node agents (and their restarts) on one host
+    agree. A uid is free when it has no record, when its QEMU is gone (no such pid, or that pid now runs as
+    another uid), or when it was taken for a start that never recorded a pid within two minutes. Records are
+    freed lazily by the next :meth:`take`; a re-attached QEMU keeps its uid and record."""
+
+    def __init__(self, uids: UidRange, registry: Path = UID_REGISTRY) -> None:
+        self.uids = uids
+        self.registry = registry
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.registry.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.registry / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _in_use(self, uid: int) -> bool:
+        record = self.registry / str(uid)
+        try:
+            pid_text, _, _ = record.read_text().partition(" ")
+            pid = int(pid_text)
+            if pid == 0:
+                return time.time() - record.stat().st_mtime < _UID_STARTING_S
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (OSError, ValueError):
+            return False
+        line = next((ln for ln in status.splitlines() if ln.startswith("Uid:")), "")
+        return line.split()[1:2] == [str(uid)]
+
+    def take(self, vm_dir: Path) -> int:
+        """A free uid, recorded as starting for ``vm_dir``. Raises :class:`ConfinementError` when every uid of
+        the range runs a QEMU."""
+        with self._locked():
+            for uid in range(self.uids.first, self.uids.first + self.uids.count):
+                if not self._in_use(uid):
+                    (self.registry / str(uid)).write_text(f"0 {vm_dir}\n")
+                    return uid
+        raise ConfinementError(f"all {self.uids.count} QEMU uids from {self.uids.first} are in use "
+                               "(PODBAY_VMM_UID_RANGE)")
+
+    def bind(self, uid: int, pid: int, vm_dir: Path) -> None:
+        """Record that QEMU ``pid`` runs as ``uid``."""
+        with self._locked():
+            (self.registry / str(uid)).write_text(f"{pid} {vm_dir}\n")
+
+    def release(self, uid: int) -> None:
+        """Free ``uid`` at once (its QEMU did not start)."""
+        with self._locked():
+            (self.registry / str(uid)).unlink(missing_ok=True)
+
+
 @dataclass(frozen=True)
 class Confinement:
-    """How QEMU is confined: ``user`` to run as, the absolute ``bwrap`` and ``setpriv`` binaries."""
+    """How QEMU is confined: ``user`` to run as, the absolute ``bwrap`` and ``setpriv`` binaries, and ``uids``:
+    a pool giving each QEMU a uid of its own instead of ``user``'s (None: every QEMU runs as ``user``)."""
 
     user: VmmUser
     bwrap: str
     setpriv: str
+    uids: UidPool | None = None
 
     @classmethod
     def prepare(cls, user_name: str = DEFAULT_VMM_USER) -> Confinement:
@@ -322,7 +413,12 @@ def from_settings(settings: Settings) -> Confinement | None:
     if not settings.vmm_confine:
         log.warning("PODBAY_VMM_CONFINE=false: QEMU runs unconfined as uid %d", os.geteuid())
         return None
-    return Confinement.prepare(settings.vmm_user)
+    conf = Confinement.prepare(settings.vmm_user)
+    try:
+        uids = UidRange.parse(settings.vmm_uid_range)
+    except ValueError as exc:
+        raise ConfinementError(f"PODBAY_VMM_UID_RANGE: {exc}") from exc
+    return dataclasses.replace(conf, uids=UidPool(uids)) if uids is not None else conf
 
 
 def spawn_confined(
@@ -396,9 +492,31 @@ async def start_confined(
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start ``qemu_argv`` confined; returns bwrap's Popen and QEMU's host pid, also written to ``pidfile``.
 
-    QEMU's stdout and stderr (and bwrap's) are appended to ``log_path``. Raises :class:`ConfinementError` or
-    ``OSError``; on error nothing is left running.
+    QEMU's stdout and stderr (and bwrap's) are appended to ``log_path``. With a uid pool
+    (``confinement.uids``) QEMU runs as a uid of its own, recorded with its pid. Raises
+    :class:`ConfinementError` or ``OSError``; on error nothing is left running.
     """
+    pool = confinement.uids
+    uid = await asyncio.to_thread(pool.take, vm_dir) if pool is not None else None
+    if uid is not None:
+        confinement = dataclasses.replace(confinement, user=VmmUser(f"{confinement.user.name}-{uid}", uid, uid))
+    try:
+        popen, pid = await _start_confined(qemu_argv, confinement, vm_dir=vm_dir, read_only=read_only, kvm=kvm,
+                                           log_path=log_path, pidfile=pidfile, timeout_s=timeout_s,
+                                           pass_fds=pass_fds, prefix=prefix)
+    except BaseException:
+        if pool is not None and uid is not None:
+            await asyncio.to_thread(pool.release, uid)
+        raise
+    if pool is not None and uid is not None:
+        await asyncio.to_thread(pool.bind, uid, pid, vm_dir)
+    return popen, pid
+
+
+async def _start_confined(
+    qemu_argv: list[str], confinement: Confinement, *, vm_dir: Path, read_only: list[Path], kvm: bool,
+    log_path: Path, pidfile: Path, timeout_s: float, pass_fds: tuple[int, ...], prefix: list[str] | None,
+) -> tuple[subprocess.Popen[bytes], int]:
     def spawn() -> tuple[subprocess.Popen[bytes], int]:
         with open(log_path, "ab") as logf:
             return spawn_confined(qemu_argv, confinement, vm_dir=vm_dir, read_only=read_only, kvm=kvm,

@@ -291,3 +291,36 @@ async def test_qemu_sits_in_a_cgroup_of_its_own_with_its_limits_under_seccomp(te
     finally:
         await vmm.kill(vm)
     assert not cg.exists()
+
+
+async def test_with_a_uid_range_each_qemu_runs_as_a_uid_of_its_own(template: TemplateSnapshot,
+                                                                  tmp_path: Path) -> None:
+    """PODBAY_VMM_UID_RANGE (confine.UidPool): two guests' QEMUs run as two uids of the range, each owning only
+    its own files (0600, its directory's group its own gid), still confined and under seccomp; a snapshot
+    restored next to them gets a third."""
+    from dataclasses import replace
+
+    from podbay_nodeagent import confine
+
+    pool = confine.UidPool(confine.UidRange(210000, 16), registry=tmp_path / "uids")
+    vmm = QemuVmm(confinement=replace(confine.Confinement.prepare(VMM_USER), uids=pool))
+    vms: list[VmProcess] = []
+    try:
+        for name in ("a", "b"):
+            vms.append(await vmm.restore(template.dir, tmp_path / name / "vm", template.vm_config()))
+        snap = await vmm.snapshot_full(vms[0], tmp_path / "snap")
+        vms.append(await vmm.restore(snap.dir, tmp_path / "c" / "vm", template.vm_config()))
+        uids = [int(_status(vm.pid)["Uid"].split()[0]) for vm in vms]
+        assert len(set(uids)) == 3 and all(210000 <= u < 210016 for u in uids), uids
+        for vm, uid in zip(vms, uids, strict=True):
+            st = _status(vm.pid)
+            assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(uid)] * 4
+            assert st["Groups"] == "" and int(st["CapEff"], 16) == 0 and st["Seccomp"] == "2"
+            for p in (vm.paths.ram, vm.paths.disk):
+                assert (p.stat().st_uid, p.stat().st_mode & 0o777) == (uid, 0o600), p
+            assert (vm.dir.stat().st_uid, vm.dir.stat().st_gid, vm.dir.stat().st_mode & 0o777) == (0, uid, 0o750)
+            assert (tmp_path / "uids" / str(uid)).read_text().split()[0] == str(vm.pid)
+            assert await vmm.query_status(vm) == "running"
+    finally:
+        for vm in vms:
+            await vmm.kill(vm)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,49 @@ def test_lock_run_dir_takes_it_back_and_checks_the_sockets(tmp_path: Path) -> No
     (run / "channel.sock").symlink_to("/run/some-host.sock")
     with pytest.raises(ConfinementError, match="not a socket"):
         confine.lock_run_dir(run, (run / "qmp.sock", run / "channel.sock"))
+
+
+def test_uid_ranges_parse() -> None:
+    assert confine.UidRange.parse("") is None
+    assert confine.UidRange.parse("200000-200063") == confine.UidRange(200000, 64)
+    for bad in ("5-10", "200000", "300-200", "a-b", "200000-100000"):
+        with pytest.raises(ValueError):
+            confine.UidRange.parse(bad)
+
+
+@needs_root
+def test_each_qemu_gets_its_own_uid_and_a_gone_ones_comes_back(tmp_path: Path) -> None:
+    pool = confine.UidPool(confine.UidRange(200000, 3), registry=tmp_path / "uids")
+    assert (pool.take(tmp_path / "a"), pool.take(tmp_path / "b")) == (200000, 200001)  # both starting
+    qemu = subprocess.Popen(["sleep", "60"], user=200000, group=200000, extra_groups=[])  # a's QEMU
+    other = subprocess.Popen(["sleep", "60"])  # runs as root: a pid reused by something else
+    try:
+        pool.bind(200000, qemu.pid, tmp_path / "a")
+        pool.bind(200001, other.pid, tmp_path / "b")
+        old = time.time() - 600
+        os.utime(tmp_path / "uids" / "200000", (old, old))  # age does not matter once a pid is recorded
+        assert pool.take(tmp_path / "c") == 200001  # b's record names a process of another uid: free
+        assert pool.take(tmp_path / "d") == 200002
+        with pytest.raises(confine.ConfinementError):
+            pool.take(tmp_path / "e")  # a runs, c and d are starting
+        pool.release(200002)  # d did not start
+        assert pool.take(tmp_path / "f") == 200002
+    finally:
+        for p in (qemu, other):
+            p.kill()
+            p.wait()
+    assert pool.take(tmp_path / "g") == 200000  # a's QEMU is gone
+    # A start that never recorded its pid frees its uid after two minutes.
+    old = time.time() - 600
+    os.utime(tmp_path / "uids" / "200001", (old, old))
+    assert pool.take(tmp_path / "h") == 200001
+
+
+def test_a_uid_range_in_the_settings_gives_a_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(confine.Confinement, "prepare",
+                        classmethod(lambda cls, name="x": cls(OTHER, "/usr/bin/bwrap", "/usr/bin/setpriv")))
+    conf = confine.from_settings(Settings(data_dir=tmp_path, vmm_uid_range="300000-300009"))
+    assert conf is not None and conf.uids is not None and conf.uids.uids == confine.UidRange(300000, 10)
+    assert confine.from_settings(Settings(data_dir=tmp_path)).uids is None  # type: ignore[union-attr]
+    with pytest.raises(confine.ConfinementError):
+        confine.from_settings(Settings(data_dir=tmp_path, vmm_uid_range="1-2"))

@@ -25,6 +25,7 @@ import binascii
 import json
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -138,7 +139,7 @@ class ReplayGuard:
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
-        self._seen: dict[str, float] = {}  # jti -> expiry; insertion order is about expiry order
+        self._seen: OrderedDict[str, float] = OrderedDict()  # jti -> expiry; insertion order ~ expiry order
 
     def claim(self, jti: str, expires: float, now: float) -> bool:
         if jti in self._seen:
@@ -153,11 +154,14 @@ class ReplayGuard:
         return True
 
     def _prune(self, now: float) -> None:
-        # Expiries are nearly in insertion order (one TTL for every grant): stop at the first live one.
-        for jti, exp in list(self._seen.items()):
-            if exp > now:
+        # Expiries are nearly in insertion order (one TTL for every grant): stop at the first live one, so a
+        # prune costs what it removes (OrderedDict: O(1) to look at and drop the oldest).
+        seen = self._seen
+        while seen:
+            jti = next(iter(seen))
+            if seen[jti] > now:
                 break
-            del self._seen[jti]
+            seen.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._seen)

@@ -3,7 +3,7 @@ fork"). No second snapshot system: an E2B snapshot *is* a podbay snapshot of the
 (``snap_...``) is the ``snapshotID`` E2B's SDK hands back and later passes as the template of a create.
 
     POST   /e2b/sandboxes/{id}/snapshots   201 SnapshotInfo      {"name"?, "memory"?}: full (default) or disk
-    GET    /e2b/snapshots                  200 [SnapshotInfo]    ?sandboxID, limit, nextToken (x-next-token)
+    GET    /e2b/snapshots                  200 [SnapshotInfo]    ?sandboxID, name, limit, nextToken (x-next-token)
     DELETE /e2b/templates/{snapshot_id}    204                   404 when no such snapshot of the caller
                                                                  (a template's id: e2b_template_admin)
     POST   /e2b/sandboxes/{id}/fork        201 [ForkResult]      {"timeout"?, "count"?}: one entry per child
@@ -257,17 +257,24 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
 
 @router.get("/snapshots")
 async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Query(None, alias="sandboxID"),
+                         name: str | None = Query(None, max_length=256),
                          limit: int = Query(100, ge=1, le=1000),
                          next_token: str | None = Query(None, alias="nextToken")) -> JSONResponse:
     """The caller's usable snapshots (pinned ones, also of killed sandboxes; others of sandboxes that run or
-    are paused), newest first, ``limit`` per page (next page's token in ``x-next-token``)."""
+    are paused), newest first, ``limit`` per page (next page's token in ``x-next-token``). ``sandboxID``
+    keeps those of one source sandbox; ``name`` (E2B's ``Sandbox.list_snapshots(name=...)``: a snapshot
+    name or id, optionally with E2B's ``project/`` prefix and ``:tag``) keeps the snapshot it names."""
     cursor = decode_cursor(next_token)
+    # E2B's names are ``[slug/]name[:tag]``; podbay keeps one name per snapshot, without slug or tag.
+    wanted = name.split(":", 1)[0].rsplit("/", 1)[-1] if name else None
     sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
            " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
-           f" WHERE n.tenant_id=$1 AND {_USABLE} AND ($2::text IS NULL OR n.sandbox_id = $2)")
-    args: list[Any] = [who.tenant_id, sandbox_id, limit + 1]
+           f" WHERE n.tenant_id=$1 AND {_USABLE} AND ($2::text IS NULL OR n.sandbox_id = $2)"
+           " AND ($4::text IS NULL OR n.id = $4 OR EXISTS (SELECT 1 FROM e2b_snapshot_names m"
+           " WHERE m.snapshot_id = n.id AND m.tenant_id = $1 AND m.name = $4))")
+    args: list[Any] = [who.tenant_id, sandbox_id, limit + 1, wanted]
     if cursor is not None:
-        sql += " AND (n.created_at, n.id) < ($4, $5)"
+        sql += " AND (n.created_at, n.id) < ($5, $6)"
         args += [cursor[0], cursor[1]]
     rows = await ctx.pool.fetch(sql + " ORDER BY n.created_at DESC, n.id DESC LIMIT $3", *args)
     token = None

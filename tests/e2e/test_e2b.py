@@ -440,6 +440,12 @@ def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
         assert forks[0].commands.run("echo fork").stdout == "fork\n"
         named = sbx.create_snapshot(name="e2b-named")  # "after" is in it
         assert named.snapshot_id == "e2b-named" and named.names == ["e2b-named"]
+        # The SDK's ``name`` filter (``?name=``, with or without E2B's ``:tag``) keeps only that snapshot.
+        for query in ("e2b-named", "e2b-named:default"):
+            assert [s.snapshot_id for s in e2b.Sandbox.list_snapshots(name=query).next_items()] == ["e2b-named"]
+        assert e2b.Sandbox.list_snapshots(name="no-such-name").next_items() == []
+        assert [s.snapshot_id for s in e2b.Sandbox.list_snapshots(name=snap.snapshot_id).next_items()] == [
+            snap.snapshot_id]
         by_name = e2b.Sandbox.create("e2b-named", timeout=300)
         made.append(by_name)
         assert by_name.files.read("/home/user/snap.txt") == "after"

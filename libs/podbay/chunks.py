@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -126,21 +127,34 @@ def read_chunk(path: Path, offset: int, size: int) -> bytes:
         return os.pread(f.fileno(), size, offset)
 
 
-def chunk_file(path: Path, chunk_size: int) -> list[ChunkRef]:
-    """Cut ``path`` into chunks of ``chunk_size`` bytes and hash each (holes are not read). Blocking."""
+def chunk_file(path: Path, chunk_size: int, known: Sequence[str | None] | None = None,
+               stats: dict[str, int] | None = None) -> list[ChunkRef]:
+    """Cut ``path`` into chunks of ``chunk_size`` bytes and hash each (holes are not read). Blocking.
+
+    ``known``: per chunk, its hash when the caller knows it without reading (a chunk whose extents are
+    shared with an earlier hashed file, :mod:`podbay.promotion`), else None; such chunks are not read.
+    ``stats``: ``hashed`` and ``reused`` bytes are added to it (holes count as neither)."""
     out: list[ChunkRef] = []
     with open(path, "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         extents = data_extents(fd, size)
-        for offset in range(0, size, chunk_size):
+        for i, offset in enumerate(range(0, size, chunk_size)):
             n = min(chunk_size, size - offset)
+            have = known[i] if known is not None and i < len(known) else None
+            if have is not None:
+                out.append(ChunkRef(have, offset, n, have == zero_hash(n)))
+                if stats is not None:
+                    stats["reused"] = stats.get("reused", 0) + n
+                continue
             if not _overlaps(extents, offset, offset + n):
                 out.append(ChunkRef(zero_hash(n), offset, n, True))
                 continue
             data = os.pread(fd, n, offset)
             if len(data) != n:
                 raise OSError(f"{path} shrank while being read")
+            if stats is not None:
+                stats["hashed"] = stats.get("hashed", 0) + n
             digest = hashlib.sha256(data).hexdigest()
             out.append(ChunkRef(digest, offset, n, digest == zero_hash(n)))
     return out

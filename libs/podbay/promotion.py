@@ -60,6 +60,7 @@ from podbay.naming import safe_component
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
 from podbay.reflink import reflink_or_copy
+from podbay.telemetry import CADENCE_SKIPPED, CADENCE_WORK_SECONDS, PROMOTION_BYTES
 
 __all__ = [
     "PromoteResult",
@@ -68,6 +69,7 @@ __all__ = [
     "SNAPSHOT_FILES",
     "snapshot_path",
     "build_manifest",
+    "known_hashes",
     "promote",
     "fetch",
     "collect_garbage",
@@ -126,6 +128,8 @@ class PromoteResult:
     hash_seconds: float = 0.0
     upload_seconds: float = 0.0
     verify_seconds: float = 0.0
+    hashed_bytes: int = 0
+    reused_bytes: int = 0
     already: bool = False
 
 
@@ -150,17 +154,45 @@ class GcResult:
     deleted_hashes: list[str] = field(default_factory=list)
 
 
-def build_manifest(snapshot_dir: Path, chunk_size: int, names: Iterable[str] = SNAPSHOT_FILES,
+def known_hashes(path: Path, previous: Path, prev: FileManifest, chunk_size: int) -> list[str | None] | None:
+    """Per chunk of ``path``, the hash ``prev`` (the manifest entry of ``previous``, an earlier promoted
+    snapshot's file of the same name) gives it when its bytes are certainly those of ``previous`` there: the
+    chunk's extents are the very blocks of ``previous``'s (both reflinks of one disk, :mod:`podbay.extents`),
+    or holes in both; None for the chunks to hash. None when nothing can be reused (sizes differ, another
+    filesystem, no FIEMAP). Blocking."""
+    from podbay.extents import fiemap, unchanged_ranges
+
+    try:
+        sc, sp = path.stat(), previous.stat()
+        if sc.st_size != prev.size or sp.st_size != prev.size or sc.st_dev != sp.st_dev:
+            return None
+        # FIEMAP_FLAG_SYNC on both: a range written but not yet written back still maps to its old blocks.
+        same = unchanged_ranges(fiemap(path), fiemap(previous), prev.size, chunk_size)
+    except OSError:
+        return None
+    if len(same) != len(prev.chunks):
+        return None
+    return [h if ok else None for h, ok in zip(prev.chunks, same, strict=True)]
+
+
+def build_manifest(snapshot_dir: Path, chunk_size: int, names: Iterable[str] = SNAPSHOT_FILES, *,
+                   previous: tuple[Path, Manifest] | None = None, stats: dict[str, int] | None = None,
                    ) -> tuple[Manifest, dict[str, tuple[Path, ChunkRef]]]:
     """Hash the files ``names`` of ``snapshot_dir`` that exist (blocking). Returns the manifest and, per distinct
-    hash, where to read it."""
+    hash, where to read it. ``previous``: an earlier promoted snapshot's directory and manifest, whose chunk
+    hashes are reused for chunks whose extents it shares (:func:`known_hashes`), so only changed chunks are
+    read. ``stats``: ``hashed`` and ``reused`` bytes are added to it."""
     files: list[FileManifest] = []
     where: dict[str, tuple[Path, ChunkRef]] = {}
+    prev_files = {f.name: f for f in previous[1].files} if previous and previous[1].chunk_size == chunk_size else {}
     for name in names:
         path = snapshot_dir / name
         if not path.exists():
             continue
-        refs = chunk_file(path, chunk_size)
+        known = None
+        if previous is not None and name in prev_files:
+            known = known_hashes(path, previous[0] / name, prev_files[name], chunk_size)
+        refs = chunk_file(path, chunk_size, known, stats)
         hashes = [r.hash for r in refs]
         files.append(FileManifest(name=name, size=path.stat().st_size, sha256=file_checksum(hashes), chunks=hashes))
         for r in refs:
@@ -203,8 +235,8 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
     (object store; retryable), ``SnapshotCorrupt`` (an object stays missing after re-upload)."""
     t0 = time.perf_counter()
     res = PromoteResult(snapshot_id)
-    row = await pool.fetchrow("SELECT state, promotion, sandbox_id, tenant_id, kind FROM snapshots WHERE id=$1",
-                              snapshot_id)
+    row = await pool.fetchrow("SELECT state, promotion, sandbox_id, tenant_id, kind, node_id FROM snapshots"
+                              " WHERE id=$1", snapshot_id)
     if row is None:
         raise NotFound(f"snapshot {snapshot_id} does not exist")
     if row["promotion"] == "promoted":
@@ -212,9 +244,16 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
         return res
     if row["state"] != "ready":
         raise PodbayError(f"snapshot {snapshot_id} is {row['state']}, not ready")
+    previous = await _previous_promoted(pool, snapshot_id, row["sandbox_id"], row["node_id"], snapshot_dir)
+    stats: dict[str, int] = {}
     t = time.perf_counter()
-    manifest, where = await asyncio.to_thread(build_manifest, snapshot_dir, settings.chunk_size_kib << 10)
+    manifest, where = await asyncio.to_thread(build_manifest, snapshot_dir, settings.chunk_size_kib << 10,
+                                              previous=previous, stats=stats)
     res.hash_seconds = time.perf_counter() - t
+    res.hashed_bytes, res.reused_bytes = stats.get("hashed", 0), stats.get("reused", 0)
+    PROMOTION_BYTES.labels("hashed").inc(res.hashed_bytes)
+    PROMOTION_BYTES.labels("reused").inc(res.reused_bytes)
+    CADENCE_WORK_SECONDS.labels("promotion").inc(res.hash_seconds)
     hashes = sorted(manifest.hashes())
     res.total_bytes, res.chunks = manifest.total_bytes(), len(hashes)
     async with pool.acquire() as conn, conn.transaction():
@@ -247,6 +286,10 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
                                            "uploaded_bytes": res.uploaded_bytes, "total_bytes": res.total_bytes})
     res.seconds = time.perf_counter() - t0
     PROMOTION_SECONDS.labels("ok").observe(res.seconds)
+    PROMOTION_BYTES.labels("uploaded").inc(res.uploaded_bytes)
+    CADENCE_WORK_SECONDS.labels("promotion").inc(res.seconds - res.hash_seconds)
+    if res.hashed_bytes == 0 and res.uploaded_bytes == 0 and previous is not None:
+        CADENCE_SKIPPED.labels("promotion").inc()  # recorded as equal to the previous promoted snapshot
     TRANSFER_BYTES.labels("up").observe(res.stored_bytes)
     TRANSFER_SECONDS.labels("up").observe(res.upload_seconds)
     CHUNK_REUSE_RATIO.labels("promote").observe(1 - res.chunks_uploaded / max(1, res.chunks))
@@ -255,6 +298,26 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
              res.total_bytes / 2**20, res.stored_bytes / 2**20, res.seconds, res.hash_seconds, res.upload_seconds,
              res.verify_seconds)
     return res
+
+
+async def _previous_promoted(pool: asyncpg.Pool, snapshot_id: str, sandbox_id: str, node_id: str | None,
+                             snapshot_dir: Path) -> tuple[Path, Manifest] | None:
+    """The newest other promoted snapshot of the sandbox on the same node whose files are still beside
+    ``snapshot_dir`` (retention keeps the newest promoted one): its directory and manifest, or None."""
+    if node_id is None:
+        return None
+    prev = await pool.fetchrow(
+        "SELECT id, manifest FROM snapshots WHERE sandbox_id=$1 AND node_id=$2 AND id <> $3 AND state='ready'"
+        " AND promotion='promoted' AND manifest IS NOT NULL ORDER BY promoted_at DESC LIMIT 1",
+        sandbox_id, node_id, snapshot_id)
+    if prev is None:
+        return None
+    try:
+        pdir = snapshot_dir.with_name(safe_component(prev["id"], "snapshot id"))
+        manifest = Manifest.model_validate(prev["manifest"])
+    except (PodbayError, ValueError):
+        return None
+    return (pdir, manifest) if pdir.is_dir() else None
 
 
 async def _upload_missing(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, missing: list[str],

@@ -77,6 +77,19 @@ NODE_HEARTBEATS = Counter("podbay_node_heartbeats_total", "Heartbeats put into t
 PROMOTION_LAG_SECONDS = Gauge("podbay_snapshot_promotion_lag_seconds", "Largest age, over this node's running and "
                               "paused sandboxes, of their newest promoted snapshot (or of the sandbox when none).")
 
+# Snapshot and promotion cadence work on this node (issue: idle sandboxes cost nothing); no sandbox ids in labels.
+CADENCE_WORK_SECONDS = Counter("podbay_cadence_work_seconds_total", "Wall time of cadence work on this node, by "
+                               "kind (check: change detection; snapshot_disk, snapshot_full; promotion).", ["kind"])
+CADENCE_SKIPPED = Counter("podbay_cadence_skipped_total", "Cadence snapshots and promotions not taken because "
+                          "nothing changed since the last one, by kind (disk, full, promotion).", ["kind"])
+CADENCE_LAG_SECONDS = Gauge("podbay_cadence_lag_seconds", "Worst lateness, in seconds, of a due cadence snapshot "
+                            "at this node's last cadence pass (budget and API back-off delay it).")
+PROMOTION_BYTES = Counter("podbay_promotion_bytes_total", "Bytes of promoted snapshot files by what promotion did "
+                          "with them: hashed (read and hashed), reused (hash taken from the previous promoted "
+                          "snapshot: extents shared), uploaded (uncompressed bytes of the chunks sent).", ["what"])
+CPU_PRESSURE = Gauge("podbay_node_cpu_pressure", "The host's CPU pressure (/proc/pressure/cpu some avg10, percent "
+                     "of time some task waited for a CPU).")
+
 NODE_LOCAL_SERVICES = frozenset({"nodeagent", "snapshotter", "gateway"})
 
 

@@ -423,6 +423,24 @@ def test_killed_mid_command_raises_sandbox_not_running(e2b_env: dict[str, str]) 
         e2b.Sandbox.kill(sb.sandbox_id)
 
 
+def test_killed_while_a_command_streams_ends_it_with_end_of_life(e2b_env: dict[str, str]) -> None:
+    """A foreground command whose sandbox is killed meanwhile: the SDK's "killed or reached its end of life"
+    error (an UNAVAILABLE stream end, then a health probe answering 502), not a channel error."""
+    import threading
+
+    sb = e2b.Sandbox.create(template="base", timeout=300)
+    try:
+        started = time.monotonic()
+        killer = threading.Timer(3.0, lambda: e2b.Sandbox.kill(sb.sandbox_id))
+        killer.start()
+        with pytest.raises(e2b.SandboxNotRunningException, match="killed or reached its end of life"):
+            sb.commands.run("echo started; sleep 120")
+        killer.join()
+        assert time.monotonic() - started < 60
+    finally:
+        e2b.Sandbox.kill(sb.sandbox_id)
+
+
 def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
     sbx.files.write("/home/user/snap.txt", "before")
     snap = sbx.create_snapshot()

@@ -65,9 +65,12 @@ def test_client_wheel_in_a_fresh_venv_requires_no_server_package(tmp_path: Path)
     client = _wheel(python, _sources(tmp_path) / "libs", tmp_path / "client")
 
     meta = zipfile.ZipFile(client).read("podbay-0.1.0.dist-info/METADATA").decode()
-    requires = {_norm(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
-                for line in meta.splitlines() if line.startswith("Requires-Dist:")}
+    lines = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    requires = {_norm(re.split(r"[ ;<>=!~\[(]", line)[0]) for line in lines if "extra ==" not in line}
     assert requires == CLIENT_REQUIRES
+    # `podbay mcp` needs the MCP SDK, which brings starlette and uvicorn: an extra, podbay[mcp], not a dependency
+    extras = {_norm(re.split(r"[ ;<>=!~\[(]", line)[0]) for line in lines if "extra ==" in line}
+    assert extras == {"mcp"} and "Provides-Extra: mcp" in meta
 
     _pip(python, "install", "-q", str(client))
     installed = {_norm(line.split("==")[0]) for line in _pip(python, "list", "--format=freeze").splitlines()}

@@ -20,6 +20,7 @@ import typer
 from podbay.cli import access, computer, env, events, files, node, pool, sandbox, schedule, snapshot, template, volume
 from podbay.cli._common import CliState, OneLineErrorsGroup, fail
 from podbay.cli.exec_cmd import exec_command
+from podbay.cli.mcp_server import mcp_command
 
 __all__ = ["app", "main", "PLUGIN_GROUP", "SERVER_PACKAGE"]
 
@@ -56,6 +57,7 @@ app.add_typer(template.template_app, name="template")
 app.add_typer(template.operation_app, name="operation")
 app.command("exec")(exec_command)
 app.command("env")(env.env)
+app.command("mcp")(mcp_command)
 
 
 def _needs_server(command: str) -> Callable[[typer.Context], None]:

@@ -11,7 +11,8 @@
     ├── Forbidden             403  forbidden  (the caller is known but may not do this)
     │   ├── NotWritable       403  not_writable (a file write the guest refused: read-only or pseudo file system
     │   │                                       such as /proc or /sys, or no permission; ``details.path``)
-    │   └── GrantRefused      403  grant_refused (a node call without a valid API grant for its sandbox and kind)
+    │   ├── GrantRefused      403  grant_refused (a node call without a valid API grant for its sandbox and kind)
+    │   └── CsrfRefused       403  csrf_refused (a console session's change without its CSRF token)
     ├── NotFound              404  not_found  (also: another tenant's resource)
     ├── Conflict              409  conflict
     │   ├── InvalidState      409  invalid_state (carries the current state)
@@ -57,6 +58,7 @@ __all__ = [
     "Forbidden",
     "NotWritable",
     "GrantRefused",
+    "CsrfRefused",
     "NotFound",
     "Conflict",
     "InvalidState",
@@ -163,6 +165,13 @@ class GrantRefused(Forbidden):
     already used, or for another sandbox, build, kind or generation."""
 
     code = "grant_refused"
+
+
+class CsrfRefused(Forbidden):
+    """A request authenticated by a console session cookie that changes something (any method but GET, HEAD
+    and OPTIONS), or opens a terminal, without the session's CSRF token (``X-CSRF-Token``)."""
+
+    code = "csrf_refused"
 
 
 class NotFound(PodbayError):

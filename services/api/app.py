@@ -24,7 +24,7 @@ from podbay.webhooks import Deliverer
 
 from podbay.contracts import subjects
 
-from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_snapshots, e2b_volumes,
+from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_secrets, e2b_snapshots, e2b_volumes,
                events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
 from .auth import authenticate
 from .context import ApiContext
@@ -35,6 +35,7 @@ from . import templates as template_routes
 from . import volumes as volume_routes
 from . import idempotency
 from . import quotas, template_access
+from . import console
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app", "RequestMetrics"]
@@ -134,6 +135,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_snapshots.router)
     app.include_router(e2b_network.router)
     app.include_router(e2b_volumes.router)
+    app.include_router(e2b_secrets.router)
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):
@@ -154,6 +156,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(quotas.router)
     app.include_router(schedule_routes.router)
     app.include_router(volume_routes.router)
+    app.include_router(console.router)  # the web console at /console (services/api/console/)
+    app.include_router(console.pty_router)
 
     app.add_middleware(RequestMetrics, service="api")
 

@@ -236,8 +236,19 @@ class Settings(BaseSettings):
     lease_s: int = Field(3600, ge=10, description="Default sandbox lease; renewed by every call on the sandbox.")
     lease_action: Literal["pause", "delete"] = Field("pause", description="What happens when a lease runs out.")
     idle_cpu_percent: float = Field(2.0, description="A guest using more CPU than this (% of a core) is busy.")
-    snapshot_disk_interval_s: float = Field(60.0, description="Disk snapshot cadence when the disk changed; 0 = off.")
-    snapshot_full_interval_s: float = Field(900.0, description="Full snapshot cadence; 0 = off.")
+    snapshot_disk_interval_s: float = Field(60.0, description="Disk snapshot cadence: one is taken this often if "
+                                            "the disk changed since the last snapshot (btrfs extents, exact); 0 = off.")
+    snapshot_full_interval_s: float = Field(900.0, description="Full snapshot cadence: one is taken this often if the "
+                                            "disk or the guest's RAM changed since the last full snapshot; 0 = off.")
+    cadence_cpu_budget: float = Field(0.1, ge=0.0, le=1.0, description="Share of one core a node's snapshot and "
+                                      "promotion cadence may use on average, half each for the node agent's "
+                                      "snapshots and the snapshotter's promotions (work of w seconds is followed "
+                                      "by w / share - w seconds of none); snapshots also wait, up to 30 s, while "
+                                      "API calls are in flight. 0 = unpaced.")
+    node_cpu_pressure_max: float = Field(90.0, ge=0.0, le=100.0, description="Admission: a node whose CPU pressure "
+                                         "(/proc/pressure/cpu some avg10 and avg60, percent, both) is above this "
+                                         "takes no new sandboxes (placement chooses another node, or refuses with "
+                                         "no_capacity); 0 = CPU pressure is not considered.")
     retain_disk_snapshots: int = Field(10, ge=1, description="Disk snapshots kept per sandbox (K).")
     retain_full_snapshots: int = Field(3, ge=1, description="Full snapshots kept per sandbox (M).")
     # promotion to object storage, suspend and resume (snapshotter, node agent)

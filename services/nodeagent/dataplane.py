@@ -38,6 +38,7 @@ from .diff import diff_snapshots
 from .envd import PREFIX as ENVD_PREFIX
 from .envd import EnvdApp
 from .grant_check import GrantCheck
+from .apiwork import ApiWork
 from .ports import PortsProxy, listening_ports
 
 if TYPE_CHECKING:
@@ -232,6 +233,8 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
 
     # Guest ports (the API edge's last hop): ahead of the app's middleware, so nothing buffers or wraps its streams.
     app.add_middleware(PortsProxy, manager=manager, relay_filter=filler.relay_filter)
+    # Calls in flight, which the snapshot cadence yields to (services/nodeagent/apiwork.py).
+    app.add_middleware(ApiWork)
     # Outermost: no request reaches a route, the envd app or the ports proxy without the API's grant for it.
     app.add_middleware(GrantCheck, verifier=GrantVerifier(settings.grant_verify_key),
                        internal_token=settings.internal_token, metrics_token=settings.metrics_token)

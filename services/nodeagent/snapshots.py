@@ -211,6 +211,37 @@ class SnapshotOps:
                 parent, row["generation"])
             return await self.take(sandbox_id, row["generation"], snap_id, kind)
 
+    async def unchanged(self, sandbox_id: str, kind: str) -> bool:
+        """Whether a cadence snapshot of ``kind`` would hold nothing new: the sandbox's ``disk.img`` (and, for
+        ``full``, its ``ram``) still has exactly the extents of its baseline's reflink (:mod:`podbay.extents`).
+        The baseline is the newest ready snapshot of the sandbox at its current generation on this node (for
+        ``full``: the newest full one); without one, the template snapshot it was restored from, so a sandbox
+        that has changed nothing since its start takes no first snapshot. False whenever it cannot be told
+        (no VM, no baseline, files gone, no FIEMAP): then the snapshot is taken."""
+        from podbay.extents import extents_equal_files
+
+        m = self.m
+        vm = m.vms.get(sandbox_id)
+        if vm is None:
+            return False
+        snap = await m.pool.fetchval(
+            "SELECT id FROM snapshots WHERE sandbox_id=$1 AND node_id=$2 AND generation=$3 AND state='ready'"
+            " AND ($4 = 'disk' OR kind = 'full') ORDER BY created_at DESC LIMIT 1",
+            sandbox_id, m.node_id, vm.generation, kind)
+        try:
+            if snap is not None:
+                base = m.store.snapshot_dir(sandbox_id, snap)
+            else:
+                row = await m.pool.fetchrow("SELECT template, template_digest FROM sandboxes WHERE id=$1", sandbox_id)
+                if row is None or not row["template"] or not row["template_digest"]:
+                    return False
+                base = m.store.template_dir(row["template"], row["template_digest"])
+        except PodbayError:  # an id that cannot name a path
+            return False
+        paths = vm.handle.process.paths
+        pairs = [(paths.disk, base / "disk.img")] + ([(paths.ram, base / "ram")] if kind == "full" else [])
+        return await asyncio.to_thread(lambda: all(extents_equal_files(cur, old) for cur, old in pairs))
+
     async def filesystem_pause_point(self, sandbox_id: str) -> None:
         """Before the pause of a sandbox whose lease ran out: for E2B's filesystem-only auto-pause (create with
         ``autoPauseMemory: false``, kept in ``e2b_sandboxes.auto_pause_filesystem``), take a disk snapshot of

@@ -8,7 +8,9 @@
   An error is retried on redelivery up to ``MAX_DELIVERIES`` times, then the promotion is ``failed``.
 - Cadence: every ``promote_disk_interval_s`` the newest ready disk snapshot of each live sandbox on this
   node is promoted, unless one of its snapshots was promoted more recently (a lost node loses at most that
-  much disk work).
+  much disk work). The node agent takes a disk snapshot only when the disk changed, so an idle sandbox has
+  nothing to promote; a promotion hashes only the chunks whose extents differ from the previous promoted
+  snapshot's. Promotions are paced by ``cadence_cpu_budget`` (:mod:`podbay.budget`).
 - Volumes: every ``volume_promote_interval_s`` each volume of this node whose file changed since its newest
   promoted snapshot is snapshotted (a reflink) and promoted (:mod:`podbay.volume_promotion`); a lost node
   loses at most that much of a volume's writes. A start fails this node's volume snapshots a crash left
@@ -23,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import asyncpg
 
 from podbay import db
+from podbay.budget import Budget
 from podbay.bus import Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
@@ -61,6 +65,7 @@ class Snapshotter:
         self.store = store
         self.relay = relay
         self.slots = asyncio.Semaphore(PROMOTIONS_AT_ONCE)
+        self.budget = Budget(settings.cadence_cpu_budget / 2)  # the other half: the node agent's snapshots
         self._running: dict[str, asyncio.Task[PromoteResult]] = {}
 
     async def promote_one(self, snapshot_id: str) -> PromoteResult:
@@ -137,6 +142,9 @@ class Snapshotter:
             "                      AND p.promoted_at > now() - make_interval(secs => $2))))"
             " ORDER BY s.sandbox_id, s.created_at DESC", self.settings.node_id, float(interval))
         for r in rows:
+            # Paced (cadence_cpu_budget): promotions of many sandboxes spread out instead of hashing back to back.
+            await asyncio.sleep(self.budget.wait_s())
+            t = time.monotonic()
             try:
                 await self.promote_one(r["id"])
             except Exception as exc:
@@ -148,6 +156,8 @@ class Snapshotter:
                     continue
                 log.warning("cadence promotion of %s failed: %s", r["id"], exc)
                 await self.fail(r["id"], str(exc))
+            finally:
+                self.budget.charge(time.monotonic() - t)
         return len(rows)
 
 

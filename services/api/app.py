@@ -35,7 +35,7 @@ from . import templates as template_routes
 from . import volumes as volume_routes
 from . import idempotency
 from . import quotas, template_access
-from . import console
+from .console import pty as console_pty, routes as console_routes
 from .schedules.firer import ScheduleFirer
 
 __all__ = ["create_app", "RequestMetrics"]
@@ -156,8 +156,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(quotas.router)
     app.include_router(schedule_routes.router)
     app.include_router(volume_routes.router)
-    app.include_router(console.router)  # the web console at /console (services/api/console/)
-    app.include_router(console.pty_router)
+    app.include_router(console_routes.router)  # the web console at /console (services/api/console/)
+    app.include_router(console_pty.router)
 
     app.add_middleware(RequestMetrics, service="api")
 

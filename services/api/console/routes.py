@@ -1,4 +1,4 @@
-"""The web console (docs/console.md), served by the API process at ``/console``.
+"""The web console's own routes (docs/console.md), served by the API process at ``/console``.
 
 * ``GET /console``: the single-page app (``static/index.html``, built by scripts/setup.sh from ``web/``
   with npm and esbuild); 503 with a hint when it was not built.
@@ -28,9 +28,9 @@ from podbay.errors import NotFound, Unauthorized
 from ..auth import authenticate
 from ..context import ApiContext
 from ..deps import ctx_dep
-from . import pty, session
+from . import session
 
-__all__ = ["router", "pty_router", "STATIC", "SessionInfo", "SignIn"]
+__all__ = ["router", "STATIC", "SessionInfo", "SignIn"]
 
 STATIC = Path(__file__).resolve().parent / "static"
 _ASSET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -44,7 +44,6 @@ _PAGE_HEADERS = {"content-security-policy": _CSP, "x-content-type-options": "nos
                  "x-frame-options": "DENY", "cache-control": "no-cache"}
 
 router = APIRouter(prefix="/console", include_in_schema=False)
-pty_router = pty.router
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 
 

@@ -48,7 +48,7 @@ __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
     "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot", "suspend",
     "starting_from_snapshots",
-    "LEASE_RENEWAL",
+    "LEASE_RENEWAL", "LEASE_CHANNEL", "notify_lease",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
 ]
 
@@ -546,19 +546,36 @@ async def set_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, le
                     action: str | None = None, only_extend: bool = False) -> bool:
     """Give a sandbox a lease of ``lease_s`` seconds from now (also its length from then on) and, when given,
     the ``action`` (``pause``, ``delete``) taken when it runs out. ``only_extend``: a lease that already ends
-    later stays as it is. Returns whether the row changed."""
-    changed = await conn.fetchval(
+    later stays as it is. Returns whether the row changed. The sandbox's node is told
+    (:data:`LEASE_CHANNEL`), so a shorter lease runs out on time, not at the node's next periodic pass."""
+    changed = await conn.fetchrow(
         "UPDATE sandboxes SET lease_s=$2, lease_action=COALESCE($3, lease_action),"
         " lease_expires_at = now() + $2::integer * interval '1 second', updated_at=now()"
         " WHERE id=$1 AND NOT ($4 AND lease_expires_at >= now() + $2::integer * interval '1 second')"
-        " RETURNING true", sandbox_id, lease_s, action, only_extend)
-    return bool(changed)
+        " RETURNING node_id", sandbox_id, lease_s, action, only_extend)
+    if changed is not None and changed["node_id"]:
+        await notify_lease(conn, changed["node_id"])
+    return changed is not None
+
+
+#: The PostgreSQL NOTIFY channel on which a node hears that a lease of one of its sandboxes changed (payload:
+#: the node id): its lease loop (services/nodeagent/lease.py) then sleeps until the new nearest deadline.
+LEASE_CHANNEL = "podbay_lease"
+
+
+async def notify_lease(conn: asyncpg.Connection | asyncpg.Pool, node_id: str) -> None:
+    """Tell ``node_id`` that a lease of one of its sandboxes changed (delivered when the caller's transaction
+    commits, at once outside one)."""
+    await conn.execute("SELECT pg_notify($1, $2)", LEASE_CHANNEL, node_id)
 
 
 async def expire_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, action: str) -> None:
-    """End a sandbox's lease now with ``action``: the node's lease loop applies it at its next pass (the way
-    to delete a sandbox in a state a delete is refused in)."""
-    await conn.execute("UPDATE sandboxes SET lease_action=$2, lease_expires_at=now() WHERE id=$1", sandbox_id, action)
+    """End a sandbox's lease now with ``action``: the node's lease loop applies it at once, told through
+    :data:`LEASE_CHANNEL` (the way to delete a sandbox in a state a delete is refused in)."""
+    node_id = await conn.fetchval("UPDATE sandboxes SET lease_action=$2, lease_expires_at=now() WHERE id=$1"
+                                  " RETURNING node_id", sandbox_id, action)
+    if node_id:
+        await notify_lease(conn, node_id)
 
 
 async def copy_lease_action(conn: asyncpg.Connection | asyncpg.Pool, parent: str, children: list[str]) -> None:

@@ -280,11 +280,13 @@ async def probe_nats(url: str) -> None:
 
 
 def start_nats(
-    data_dir: Path, port: int, *, log_dir: Path | None = None, timeout_s: float = 30.0, host: str = _HOST
+    data_dir: Path, port: int, *, log_dir: Path | None = None, timeout_s: float = 30.0, host: str = _HOST,
+    monitor_port: int | None = None,
 ) -> NatsServer:
     """Start ``nats-server -js`` with its store in ``data_dir`` on ``host:port`` (default ``127.0.0.1``; a
     multi-node stack binds the bridge address so that node network namespaces reach it).
 
+    ``monitor_port``: also serve the HTTP monitoring endpoints (``/varz``) on ``host:monitor_port``.
     Returns once JetStream answers. Raises :class:`ServerError` (with the log tail) on failure and
     ``FileNotFoundError`` when the binary is missing.
     """
@@ -292,6 +294,8 @@ def start_nats(
     _check_port("nats", port)
     log_path = (log_dir or data_dir) / "nats.log"
     argv = [str(find_binary("nats-server")), "-js", "-sd", str(data_dir), "-a", host, "-p", str(port)]
+    if monitor_port is not None:  # HTTP monitoring (/varz: message counters), for benchmarks
+        argv += ["-m", str(monitor_port)]
     proc, offset = _spawn("nats", argv, log_path)
     url = f"nats://{host}:{port}"
     server = NatsServer("nats", proc, log_path, port, signal.SIGTERM, offset, url=url, store_dir=data_dir)

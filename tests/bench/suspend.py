@@ -36,7 +36,9 @@ except ImportError:  # run as a script from the repository root
 
 def _metric_sum(url: str, name: str, label: str) -> float:
     """Sum of the samples of ``name`` whose labels contain ``label`` on a ``/metrics`` page (0 if absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    r = httpx.get(f"{url}/metrics", headers=_scrape_headers(), timeout=10)
+    r.raise_for_status()
+    text = r.text
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", line)
@@ -55,6 +57,16 @@ def _timed(fn: Any) -> tuple[float, dict[str, Any]]:
 def _promoted(c: httpx.Client, sid: str) -> dict[str, Any]:
     snaps = c.get(f"/v1/sandboxes/{sid}/snapshots").raise_for_status().json()["snapshots"]
     return next(s for s in snaps if s["promotion"] == "promoted")
+
+
+def _scrape_headers() -> dict[str, str]:
+    """Credentials of a /metrics read: the node agent's takes the internal token, the other services' the
+    metrics token once one is set (docs/operations.md, "Metrics and alerts")."""
+    s = Settings()
+    headers = {"x-podbay-internal-token": s.internal_token}
+    if s.metrics_token:
+        headers["authorization"] = f"Bearer {s.metrics_token}"
+    return headers
 
 
 def main() -> None:

@@ -53,7 +53,9 @@ def small_node(memory_stack: Stack) -> Stack:
 
 
 def _node_metric(stack: Any, name: str, labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics", timeout=10).text
+    # The node's /metrics needs the stack's internal token (services/nodeagent/grant_check.py).
+    text = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics", timeout=10,
+                     headers={"x-podbay-internal-token": stack.env.get("PODBAY_INTERNAL_TOKEN", "")}).text
     m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 

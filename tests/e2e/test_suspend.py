@@ -131,7 +131,9 @@ def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
 
         # Visible: promotion and restore durations, bytes up and down, chunk reuse as histograms.
         up = httpx.get(f"http://127.0.0.1:{stack.ports.snapshotter}/metrics").text
-        down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics").text
+        # The node's /metrics needs the stack's internal token (services/nodeagent/grant_check.py).
+        down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics",
+                         headers={"x-podbay-internal-token": stack.env.get("PODBAY_INTERNAL_TOKEN", "")}).text
         for text, names in ((up, ("podbay_promotion_seconds_count", "podbay_object_transfer_bytes_count",
                                    "podbay_chunk_reuse_ratio_count")),
                             (down, ("podbay_snapshot_fetch_seconds_count", "podbay_object_transfer_bytes_count",

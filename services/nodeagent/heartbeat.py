@@ -20,7 +20,8 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.config import Settings
 from podbay.contracts.messages import NodeHeartbeat
-from podbay.telemetry import NODE_CAPACITY, NODE_HEARTBEATS, NODE_SANDBOXES, NODE_USED
+from podbay.pressure import cpu_pressure, cpu_saturated
+from podbay.telemetry import CPU_PRESSURE, NODE_CAPACITY, NODE_HEARTBEATS, NODE_SANDBOXES, NODE_USED
 
 __all__ = ["node_capacity", "register_node", "heartbeat_loop"]
 
@@ -65,9 +66,14 @@ async def heartbeat_loop(bus: Bus, settings: Settings, dataplane_url: str, accel
         NODE_USED.labels("memory_mib").set(used_mem)
         NODE_USED.labels("vcpus").set(used_cpu)
         NODE_SANDBOXES.set(count)
+        pressure = cpu_pressure()
+        if pressure is not None:
+            CPU_PRESSURE.set(pressure[0])
         hb = NodeHeartbeat(node_id=settings.node_id, dataplane_url=dataplane_url, memory_mib=mem,
                            memory_used_mib=used_mem, vcpus=cpus, vcpus_used=used_cpu, sandboxes=count,
                            templates=templates, accel=accel, at=datetime.now(UTC),
+                           cpu_pressure=None if pressure is None else pressure[0],
+                           cpu_saturated=cpu_saturated(pressure, settings.node_cpu_pressure_max),
                            **(memory() if memory is not None else {}))
         try:
             await kv.put(settings.node_id, hb.model_dump_json().encode())

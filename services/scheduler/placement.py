@@ -17,7 +17,10 @@ TTL; load counted from PostgreSQL in one query, so placements in flight count). 
      measurement is held to the nominal rule alone, at ratio 1.0 when none is set;
    - vCPUs of its running sandboxes within ``vcpus x vcpu_overcommit``.
 
-   A node that fails this is never chosen, whatever its score.
+   A node that fails this is never chosen, whatever its score. Nor is a node whose heartbeat says its CPUs
+   are saturated (``cpu_saturated``: CPU pressure above its ``node_cpu_pressure_max``, services/nodeagent/
+   heartbeat.py): it would accept the sandbox and then answer nothing. When only such nodes have room, the
+   refusal says so (``no_capacity``, "under CPU pressure").
 2. **Sample.** K random fitting nodes (so replicas of the scheduler do not all pick the same node), plus the
    fitting nodes with an affinity (they hold the snapshot to wake from, or a ready warm slot of the template),
    so a preference is never lost to the dice.
@@ -230,6 +233,13 @@ def choose_node(nodes: list[NodeLoad], req: Request | None = None, *, template: 
     ok = [n for n in with_template if fits(n, req)]
     if not ok:
         raise NoCapacity(f"no node has room for {req.memory_mib} MiB and {req.vcpus} vCPUs")
+    # A node whose CPUs are saturated would take the sandbox and then answer nothing: pass it by.
+    calm = [n for n in ok if not n.heartbeat.cpu_saturated]
+    if not calm:
+        worst = min((n.heartbeat.cpu_pressure or 0.0) for n in ok)
+        raise NoCapacity(f"every node with room is under CPU pressure (the least at {worst:.0f}% of the time "
+                         "with tasks waiting for a CPU)")
+    ok = calm
     r = rng or random.Random()
     sample = r.sample(ok, min(max(1, k), len(ok)))
     seen = {n.node_id for n in sample}

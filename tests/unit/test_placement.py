@@ -343,3 +343,24 @@ def test_property_measured_admission_never_eats_the_headroom(
     if ratio is not None:
         assert n.memory_used_mib + mem <= hb.memory_mib * ratio
     assert n.vcpus_used + cpus <= hb.vcpus * cpu_ratio
+
+
+def test_a_node_under_cpu_pressure_is_passed_by() -> None:
+    """Admission knows CPU too: a node whose heartbeat says its CPUs are saturated gets nothing while another
+    fits, even when it is the better candidate otherwise (more room, a warm slot)."""
+    busy = NodeLoad(_hb("busy", mem=65536, cpu_pressure=97.0, cpu_saturated=True), 0, 0, warm_ready=3)
+    calm = NodeLoad(_hb("calm", mem=2048, cpu_pressure=12.0), 0, 0)
+    for seed in range(20):
+        assert choose_node([busy, calm], template="base", memory_mib=256, vcpus=1,
+                           rng=random.Random(seed)).node_id == "calm"
+
+
+def test_only_saturated_nodes_is_no_capacity_with_the_reason() -> None:
+    nodes = [NodeLoad(_hb("a", cpu_pressure=97.0, cpu_saturated=True), 0, 0),
+             NodeLoad(_hb("b", cpu_pressure=93.5, cpu_saturated=True), 0, 0)]
+    # The scheduler fails the placement with code no_capacity and this message (services/scheduler/main.py).
+    with pytest.raises(NoCapacity, match=r"under CPU pressure \(the least at 94%"):
+        choose_node(nodes, template="base", memory_mib=256, vcpus=1)
+    # Pressure alone, below the node's own threshold, is no reason to refuse.
+    assert choose_node([NodeLoad(_hb("c", cpu_pressure=70.0), 0, 0)], template="base", memory_mib=256,
+                       vcpus=1).node_id == "c"

@@ -215,6 +215,10 @@ class NodeHeartbeat(_Msg):
     memory_limit_mib: int | None = None
     memory_headroom_mib: int = 0
     memory_measured_at: datetime | None = None
+    # CPU pressure (/proc/pressure/cpu ``some avg10``, percent; None without PSI) and whether the node is above
+    # its ``node_cpu_pressure_max`` (10 s and 60 s figures both): placement then passes it by.
+    cpu_pressure: float | None = None
+    cpu_saturated: bool = False
 
     @property
     def measures_memory(self) -> bool:

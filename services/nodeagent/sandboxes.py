@@ -103,8 +103,14 @@ class SandboxManager(VmRegistry):
             await self.deletes.delete(DeleteSandboxCmd(operation_id=op_id, sandbox_id=sandbox_id,
                                                         generation=row["generation"]))
         else:
-            if reason == "lease expired":  # E2B's filesystem-only auto-pause: its disk snapshot first
-                await self.snapshots.filesystem_pause_point(sandbox_id)
-            await self.pauses.pause_resume(SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
-                                                        generation=row["generation"]), pause=True, reason=reason)
+            after_pause = None
+            if reason == "lease expired":  # E2B's filesystem-only auto-pause: its disk snapshot first, the
+                # guest's filesystems kept frozen from it until the pause (E2B #1104)
+                after_pause = await self.snapshots.filesystem_pause_point(sandbox_id)
+            try:
+                await self.pauses.pause_resume(SandboxOpCmd(operation_id=op_id, sandbox_id=sandbox_id,
+                                                            generation=row["generation"]), pause=True, reason=reason)
+            finally:
+                if after_pause is not None:
+                    await after_pause()
 

@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,9 @@ __all__ = ["SnapshotOps"]
 
 log = logging.getLogger("podbay.nodeagent.snapshots")
 
+# How long guestd keeps a filesystem-only auto-pause's freeze before thawing by itself (guest time): longer
+# than the snapshot and the pause take, so the freeze lasts until the guest stops.
+FS_PAUSE_FREEZE_S = 30.0
 FORK_CONCURRENCY = 2  # children restored at once; each restore is CPU-bound under TCG
 
 
@@ -95,9 +98,12 @@ class SnapshotOps:
             error = await self.take(cmd.sandbox_id, cmd.generation, cmd.snapshot_id, cmd.kind)
             await m.finish_op(cmd.operation_id, error)
 
-    async def take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str) -> str | None:
+    async def take(self, sandbox_id: str, generation: int, snapshot_id: str, kind: str, *,
+                   held_frozen: bool = False) -> str | None:
         """Take snapshot ``snapshot_id`` (its row ``creating``) of kind ``full`` or ``disk``; the caller holds the
-        sandbox's lock. Returns an error message (the row is then ``failed``) or None (``ready``)."""
+        sandbox's lock. ``held_frozen``: the caller froze the guest's filesystems and thaws them itself (a disk
+        snapshot then neither freezes nor thaws). Returns an error message (the row is then ``failed``) or
+        None (``ready``)."""
         m = self.m
         t0 = time.perf_counter()
         snap = await m.pool.fetchrow("SELECT state FROM snapshots WHERE id=$1", snapshot_id)
@@ -135,7 +141,7 @@ class SnapshotOps:
                     await asyncio.to_thread(_flush, vm.handle.process.paths.ram)
                 held_ms = await m.driver.snapshot_full(vm.handle, part, leave_stopped=paused)
             else:
-                held_ms = await self._disk_snapshot(vm, part, frozen=not paused)
+                held_ms = await self._disk_snapshot(vm, part, frozen=not paused and not held_frozen)
             os.replace(part, final)
         except Exception as exc:
             shutil.rmtree(part, ignore_errors=True)
@@ -190,9 +196,10 @@ class SnapshotOps:
             log.info("retention reclaimed %d snapshot(s) of %s", len(drop), sandbox_id)
         return drop
 
-    async def take_scheduled(self, sandbox_id: str, kind: str, *, snapshot_id: str | None = None) -> str | None:
+    async def take_scheduled(self, sandbox_id: str, kind: str, *, snapshot_id: str | None = None,
+                             held_frozen: bool = False) -> str | None:
         """Take a cadence snapshot (no API call behind it): insert its row (``snapshot_id``, or a new id), then
-        take it under the lock. Returns None, or why it was not taken."""
+        take it under the lock (``held_frozen``: see :meth:`take`). Returns None, or why it was not taken."""
         from podbay.outbox import new_id
 
         m = self.m
@@ -209,7 +216,7 @@ class SnapshotOps:
                 "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
                 " VALUES ($1,$2,$3,$4,$5,'creating',$6,$7)", snap_id, row["tenant_id"], sandbox_id, m.node_id, kind,
                 parent, row["generation"])
-            return await self.take(sandbox_id, row["generation"], snap_id, kind)
+            return await self.take(sandbox_id, row["generation"], snap_id, kind, held_frozen=held_frozen)
 
     async def unchanged(self, sandbox_id: str, kind: str) -> bool:
         """Whether a cadence snapshot of ``kind`` would hold nothing new: the sandbox's ``disk.img`` (and, for
@@ -242,27 +249,55 @@ class SnapshotOps:
         pairs = [(paths.disk, base / "disk.img")] + ([(paths.ram, base / "ram")] if kind == "full" else [])
         return await asyncio.to_thread(lambda: all(extents_equal_files(cur, old) for cur, old in pairs))
 
-    async def filesystem_pause_point(self, sandbox_id: str) -> None:
+    async def filesystem_pause_point(self, sandbox_id: str) -> Callable[[], Awaitable[None]] | None:
         """Before the pause of a sandbox whose lease ran out: for E2B's filesystem-only auto-pause (create with
-        ``autoPauseMemory: false``, kept in ``e2b_sandboxes.auto_pause_filesystem``), take a disk snapshot of
-        the running guest (frozen, so its last writes are in it) and record it as ``cold_resume_snapshot``:
-        the next connect boots the sandbox afresh from it (services/api/e2b.py), memory and processes dropped,
-        as after an explicit ``pause(mode="filesystem")``. Nothing for other sandboxes. A snapshot that fails
-        is logged and the pause keeps memory (a connect then resumes it)."""
+        ``autoPauseMemory: false``, kept in ``e2b_sandboxes.auto_pause_filesystem``), freeze the running
+        guest's filesystems, take a disk snapshot (its last acknowledged writes are in it) and record it as
+        ``cold_resume_snapshot``: the next connect boots the sandbox afresh from it (services/api/e2b.py),
+        memory and processes dropped, as after an explicit ``pause(mode="filesystem")``.
+
+        The freeze is *held* past the snapshot until the pause point (E2B #1104): a write in between blocks
+        in the guest instead of being acknowledged and then missing from the snapshot the sandbox comes back
+        from. Returns the caller's "after the pause" step: it thaws the guest when the pause did not happen
+        (the sandbox still runs); a paused guest stays frozen in its memory, which the next connect drops
+        (and guestd thaws by itself ``FS_PAUSE_FREEZE_S`` of guest time after the freeze, should that memory
+        ever run again). None for other sandboxes, and when the snapshot fails (logged; then nothing is held,
+        and the pause keeps memory: a connect resumes it)."""
         from podbay.outbox import new_id
 
         m = self.m
         if not await m.pool.fetchval("SELECT auto_pause_filesystem FROM e2b_sandboxes WHERE sandbox_id=$1",
                                      sandbox_id):
-            return
+            return None
+        vm = m.vms.get(sandbox_id)
+        channel = vm.channel if vm is not None else None
+        held = False
+        if channel is not None:
+            try:
+                await channel.freeze(["/"], timeout_s=FS_PAUSE_FREEZE_S)
+                held = True
+            except PodbayError as exc:  # the snapshot then freezes and thaws by itself, as before
+                log.warning("filesystem-only auto-pause of %s: could not hold a freeze: %s", sandbox_id, exc.message)
+
+        async def thaw_if_running() -> None:
+            if channel is None or vm is None or vm.paused_at is not None or m.vms.get(sandbox_id) is not vm:
+                return  # paused (its memory is dropped at the next connect), or gone
+            try:
+                await channel.thaw(["/"])
+            except PodbayError as exc:  # guestd's own timer thaws it
+                log.warning("filesystem-only auto-pause of %s: thaw failed: %s", sandbox_id, exc.message)
+
         snap_id = new_id("snap")
-        error = await self.take_scheduled(sandbox_id, "disk", snapshot_id=snap_id)
+        error = await self.take_scheduled(sandbox_id, "disk", snapshot_id=snap_id, held_frozen=held)
         if error:
             log.warning("filesystem-only auto-pause of %s: disk snapshot failed (%s); pausing with memory",
                         sandbox_id, error)
-            return
+            if held:
+                await thaw_if_running()
+            return None
         await m.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot=$2 WHERE sandbox_id=$1",
                              sandbox_id, snap_id)
+        return thaw_if_running if held else None
 
     async def _disk_snapshot(self, vm: RunningVm, dest: Path, *, frozen: bool) -> float:
         from .vmm import reflink_or_copy

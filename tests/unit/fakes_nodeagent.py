@@ -322,6 +322,7 @@ class FakeDb:
         self.operations: dict[str, dict[str, Any]] = {}
         self.warm_slots: dict[str, dict[str, Any]] = {}
         self.warm_targets: dict[str, int] = {}
+        self.e2b: dict[str, dict[str, Any]] = {}  # e2b_sandboxes rows by sandbox id
         self.transitions: list[Transition] = []
         self.events: list[tuple[str, str]] = []  # (sandbox id, event type) written to the outbox
         self.statements: list[str] = []
@@ -443,6 +444,8 @@ class FakeDb:
             self.events.append((args[2]["sandbox_id"], args[2]["type"]))
         elif sql.startswith("UPDATE sandboxes SET suspended_snapshot_id=NULL"):
             self.sandboxes[args[0]]["suspended_snapshot_id"] = None
+        elif sql.startswith("UPDATE e2b_sandboxes SET cold_resume_snapshot=$2 WHERE sandbox_id=$1"):
+            self.e2b.setdefault(args[0], {})["cold_resume_snapshot"] = args[1]
         elif sql.startswith("INSERT INTO warm_slots"):
             slot_id, node, template, digest, mem, vcpus = args
             self.warm_slots[slot_id] = {"id": slot_id, "node_id": node, "template": template, "state": "preparing"}
@@ -484,6 +487,8 @@ class FakeDb:
             return None if row is None else row[m.group(1)]
         if "FROM sandbox_volumes" in sql:
             return None  # no read-write volumes
+        if sql.startswith("SELECT auto_pause_filesystem FROM e2b_sandboxes WHERE sandbox_id=$1"):
+            return self.e2b.get(args[0], {}).get("auto_pause_filesystem")
         if sql.startswith("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"):
             ready = [s for s in self.snapshots.values() if s["sandbox_id"] == args[0] and s["state"] == "ready"]
             return max(ready, key=lambda s: s["order"])["id"] if ready else None

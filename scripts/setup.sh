@@ -12,6 +12,7 @@ DEB_PACKAGES=(
   libbtrfsutil-dev cpio zstd kmod bubblewrap ca-certificates
   skopeo umoci  # FROM an OCI image (services/nodeagent/build/oci.py reads with skopeo); umoci: tests make images
   prometheus  # only for promtool, which checks deploy/prometheus rules in the tests
+  chromium  # the console's Playwright tests drive Debian's Chromium (never `playwright install`)
 )
 
 log="$(mktemp -t podbay-setup.XXXXXX)"
@@ -50,6 +51,11 @@ missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do
   installed "$pkg" || missing+=("$pkg")
 done
+# The web console (services/api/console/web) is built with npm: Debian's nodejs and npm unless a Node.js with
+# npm is already there (e.g. NodeSource's, whose nodejs package conflicts with Debian's npm).
+if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+  missing+=(nodejs npm)
+fi
 python="$(pick_python || true)"
 if [ -z "$python" ]; then
   missing+=(python3.11 python3.11-venv)
@@ -97,4 +103,19 @@ if [ "$(cat "$gstamp" 2>/dev/null)" != "$want" ] || ! .venv-gateway/bin/python -
   run "pip install -e ./libs -e '.[gateway]' into .venv-gateway" \
     .venv-gateway/bin/python -m pip install --disable-pip-version-check -q -e ./libs -e '.[gateway]'
   echo "$want" >"$gstamp"
+fi
+
+# The web console (services/api/console/web -> static/, served at /console): rebuilt only when its sources or
+# package-lock.json changed since the last successful build. `npm ci` installs exactly the locked versions.
+console_dir=services/api/console
+cstamp=$console_dir/static/.built
+cwant="$(cd "$console_dir/web" && cat package.json package-lock.json build.mjs index.html $(find src -type f | sort) \
+  | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$cstamp" 2>/dev/null)" != "$cwant" ]; then
+  if [ ! -d "$console_dir/web/node_modules" ] || [ "$console_dir/web/package-lock.json" -nt "$console_dir/web/node_modules" ]; then
+    run "npm ci (web console)" npm --prefix "$console_dir/web" ci --no-audit --no-fund
+    touch "$console_dir/web/node_modules"
+  fi
+  run "building the web console" npm --prefix "$console_dir/web" run build
+  echo "$cwant" >"$cstamp"
 fi

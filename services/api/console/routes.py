@@ -6,6 +6,8 @@
 * ``POST /console/session`` (``{"key": "pb_..."}``): sign in; sets the session cookie (session.py) and
   answers :class:`SessionInfo` with the CSRF token. ``GET /console/session``: the same for a live session
   (how the page learns its token after a reload). ``DELETE /console/session``: sign out (CSRF token needed).
+* ``GET /console/events/position``: the event stream's last position, so that the live sandbox list follows
+  ``/v1/events`` from now on instead of replaying the stream's history.
 * ``GET /v1/sandboxes/{id}/pty`` (WebSocket, pty.py): the terminal.
 
 Every other call the page makes is the public API (``/v1/...``) with the session cookie, through
@@ -25,9 +27,12 @@ from pydantic import BaseModel, Field
 
 from podbay.errors import NotFound, Unauthorized
 
-from ..auth import authenticate
+from podbay.contracts import subjects
+from podbay.errors import Unavailable
+
+from ..auth import Principal, authenticate
 from ..context import ApiContext
-from ..deps import ctx_dep
+from ..deps import ctx_dep, principal_dep
 from . import session
 
 __all__ = ["router", "STATIC", "SessionInfo", "SignIn"]
@@ -45,6 +50,7 @@ _PAGE_HEADERS = {"content-security-policy": _CSP, "x-content-type-options": "nos
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
+PrincipalDep = Annotated[Principal, Depends(principal_dep)]
 
 
 class SignIn(BaseModel):
@@ -131,3 +137,19 @@ async def sign_out(request: Request, ctx: CtxDep) -> Response:
     response = Response(status_code=204)
     _set_cookie(request, response, "", 0)
     return response
+
+
+class EventPosition(BaseModel):
+    """Where the event stream ends now: pass ``last_seq`` as ``after`` to ``/v1/events`` to see only new events."""
+
+    last_seq: int
+
+
+@router.get("/events/position", response_model=EventPosition)
+async def event_position(ctx: CtxDep, who: PrincipalDep) -> EventPosition:
+    """The last position of the event stream (a number that orders every tenant's events, nothing more)."""
+    try:
+        info = await ctx.bus.js.stream_info(subjects.EVT_STREAM)
+    except Exception as exc:  # nats-py raises several unrelated types here
+        raise Unavailable(f"the event stream did not answer: {exc}") from exc
+    return EventPosition(last_seq=int(info.state.last_seq))

@@ -181,8 +181,12 @@ def _check_hash(files_hash: str) -> None:
 async def file_upload_link(template_id: str, files_hash: str, request: Request, ctx: CtxDep,
                            who: WhoDep) -> JSONResponse:
     """Where to upload a COPY step's archive -> 201 ``{present, url}``; ``present`` when it is stored
-    already. The URL works for :data:`UPLOAD_TTL_S` seconds without an API key."""
+    already. The URL works for :data:`UPLOAD_TTL_S` seconds without an API key. 404 for another tenant's
+    template (its files are keyed by the caller's tenant anyway, but the caller can never build it)."""
     _check_hash(files_hash)
+    if await template_access.foreign(ctx.pool, ctx, who, template_id.partition(":")[0],
+                                     route="GET /e2b/templates/{templateID}/files/{hash}"):
+        raise NotFound(f"template {template_id!r} was not found")
     try:
         async with open_store(ctx.settings) as store:
             present = await store.head(_key(who.tenant_id, files_hash)) is not None

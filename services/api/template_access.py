@@ -30,7 +30,7 @@ from .auth import Principal
 from .context import ApiContext
 
 __all__ = ["TemplateNameTaken", "VISIBLE_SQL", "operator_tenant_id", "is_operator", "build_owner", "refuse",
-           "lookup", "check_build_name", "share_operator_templates"]
+           "lookup", "foreign", "check_build_name", "share_operator_templates"]
 
 
 class TemplateNameTaken(Conflict):
@@ -98,6 +98,17 @@ async def lookup(conn: asyncpg.Connection | asyncpg.Pool, ctx: ApiContext, who: 
         raise Forbidden(f"template {name!r} is shared by the operator and read-only for tenants; build your own "
                         "FROM it", details={"template": name})
     return row
+
+
+async def foreign(conn: asyncpg.Connection | asyncpg.Pool, ctx: ApiContext, who: Principal, name: str, *,
+                  route: str) -> bool:
+    """Whether template ``name`` (not removed) is another tenant's (audited: reason ``not_owner``); False for
+    a name nobody holds, a shared template and the caller's own."""
+    owner = await conn.fetchval("SELECT owner_tenant FROM templates WHERE name=$1 AND deleted_at IS NULL", name)
+    if owner is None or owner == who.tenant_id:
+        return False
+    await refuse(ctx, who, name, route=route, reason="not_owner", kind="template")
+    return True
 
 
 async def check_build_name(conn: asyncpg.Connection, ctx: ApiContext, who: Principal, name: str,

@@ -78,6 +78,7 @@ def test_another_tenants_template_is_invisible_and_untouchable(stack: Stack, acm
             assert r.status_code == 404 and _code(r) == "not_found", (r.request.url, r.text)
         for r in [b.get(f"/e2b/templates/{mine}"), b.delete(f"/e2b/templates/{mine}"),
                   b.get(f"/e2b/templates/{mine}/tags"), b.get(f"/e2b/templates/aliases/{mine}"),
+                  b.get(f"/e2b/templates/{mine}/files/{'ab' * 32}"),
                   b.post("/e2b/templates/tags", json={"target": mine, "tags": ["default"]}),
                   b.request("DELETE", "/e2b/templates/tags", json={"name": mine, "tags": ["v1"]})]:
             assert r.status_code == 404, (r.request.url, r.text)
@@ -102,7 +103,7 @@ def test_another_tenants_template_is_invisible_and_untouchable(stack: Stack, acm
         # Every refusal is in B's audit log, with its route; none in A's.
         rows = sql(stack, "SELECT tenant_id, actor, decision, detail FROM audit_log WHERE action='tenant.refused'"
                    " AND target=$1", mine)
-        assert len(rows) >= 14 and {r["tenant_id"] for r in rows} == {other.tenant_id}
+        assert len(rows) >= 15 and {r["tenant_id"] for r in rows} == {other.tenant_id}
         assert all(r["decision"] == "deny" for r in rows)
         routes = {r["detail"]["route"] if isinstance(r["detail"], dict) else r["detail"] for r in rows}
         assert any("DELETE /v1/templates" in str(x) for x in routes) and any("/e2b/" in str(x) for x in routes)

@@ -17,8 +17,9 @@ command to one of them; a command whose handler died unacked is redelivered (aft
 them. Placement is exactly-once all the same: the advisory lock serialises placements (so two replicas never
 both count a node's last free MiB), the row is read ``FOR UPDATE``, and the update is conditional on the
 state, node and generation just read; the node command's ``Nats-Msg-Id`` is ``<operation>.g<generation>``, so
-a re-send after a crash between commit and ack is dropped by the server. Load comes from one query per
-placement (``load.py``), scoring from ``placement.py``. Only nodes that are live (heartbeat key present)
+a re-send after a crash between commit and ack is dropped by the server. Load comes from a query of the
+candidate nodes' rows per placement (``load.py``: K random nodes placement keeps plus the affine ones, so its
+cost does not grow with the fleet), scoring from ``placement.py``. Only nodes that are live (heartbeat key present)
 AND ``ready`` in ``nodes.state`` are candidates (:func:`.placement.ready_nodes`). A second loop declares
 silent nodes lost and moves their sandboxes (``nodeloss.py``); with several schedulers, one conditional
 update decides which of them acts on a lost node.
@@ -37,7 +38,7 @@ from podbay import db
 from podbay.bus import MAX_DELIVER, Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
-from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, PlaceSandbox
+from podbay.contracts.messages import CreateSandboxCmd, DrainNodeCmd, NodeHeartbeat, PlaceSandbox
 from podbay.health import consumer_check, nats_check, pg_check
 from podbay.logs import bind_log_context
 from podbay import lifecycle
@@ -48,10 +49,10 @@ from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
 from .drain import drain_node
-from .load import node_loads
+from .load import candidate_loads, node_loads
 from .nodeloss import NodeLossWatcher
 from .pending import PendingSweeper, fail_unplaced
-from .placement import NoCapacity, Request, choose_node, ready_nodes, unready_reason, with_volumes
+from .placement import NoCapacity, NodeLoad, Request, choose_node, ready_nodes, unready_reason, with_volumes
 from .wake import wake_command
 
 __all__ = ["main"]
@@ -61,6 +62,22 @@ log = logging.getLogger("podbay.scheduler")
 PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
 #: Redelivery delay of a place command that found no node, seconds.
 NO_NODE_RETRY_DELAY_S = 1.0
+
+
+def _kept(n: NodeLoad, req: Request) -> bool:
+    """Whether placement's filter keeps ``n`` for ``req``: :func:`.placement.choose_node` asked of the node
+    alone (so the filter stays choose_node's, whatever it checks)."""
+    try:
+        choose_node([n], req, k=1)
+    except NoCapacity:
+        return False
+    return True
+
+
+def with_volumes_hb(nodes: list[NodeHeartbeat], volume_node: str | None) -> list[NodeHeartbeat]:
+    """The heartbeats of the nodes a sandbox may run on given where its volumes live (as
+    :func:`.placement.with_volumes` for loads)."""
+    return nodes if volume_node is None else [hb for hb in nodes if hb.node_id == volume_node]
 
 
 class Scheduler:
@@ -98,16 +115,9 @@ class Scheduler:
             elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
-                t = time.perf_counter()
-                states = {r["id"]: r["state"] for r in await conn.fetch("SELECT id, state FROM nodes")}
-                candidates = await node_loads(conn, ready_nodes(nodes, states), tenant_id=cmd.tenant_id, template=cmd.template,
-                                              digest=row["template_digest"],
-                                              snapshot_id=row["suspended_snapshot_id"] if cmd.wake else None)
-                HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
                 volume_node = await conn.fetchval(
                     "SELECT v.node_id FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
                     " WHERE sv.sandbox_id = $1 AND v.node_id IS NOT NULL LIMIT 1", cmd.sandbox_id)
-                candidates = with_volumes(candidates, volume_node)
                 # A promoted build may go to any node holding the base it was built on (fetched there).
                 fetch_root = await conn.fetchval(
                     "SELECT root FROM template_promotions WHERE name=$1 AND digest=$2 AND state='promoted'",
@@ -117,13 +127,32 @@ class Scheduler:
                               memory_overcommit=self.settings.memory_overcommit_ratio,
                               vcpu_overcommit=self.settings.vcpu_overcommit_ratio,
                               memory_estimate_mib=self.settings.memory_sandbox_estimate_mib)
+                t = time.perf_counter()
+                snapshot_id = row["suspended_snapshot_id"] if cmd.wake else None
+                k = self.settings.placement_candidates
+                # The loads of K random nodes placement keeps plus the affine ones (load.py): a query of a
+                # few nodes' sandboxes, whatever the fleet's size. choose_node then scores all of them.
+                candidates = await candidate_loads(
+                    conn, with_volumes_hb(nodes, volume_node), keep=lambda n: _kept(n, req), k=k, wake=cmd.wake,
+                    tenant_id=cmd.tenant_id, template=cmd.template, digest=row["template_digest"],
+                    snapshot_id=snapshot_id)
+                k = len(candidates)
+                states: dict[str, str] = {}
+                if not candidates:
+                    # Nothing kept: every live node's state and load, for the answer choose_node gives.
+                    states = {r["id"]: r["state"] for r in await conn.fetch("SELECT id, state FROM nodes")}
+                    candidates = with_volumes(await node_loads(
+                        conn, ready_nodes(nodes, states), tenant_id=cmd.tenant_id, template=cmd.template,
+                        digest=row["template_digest"], snapshot_id=snapshot_id), volume_node)
+                    k = self.settings.placement_candidates
+                HOP_SECONDS.labels("scheduler", "load").observe(time.perf_counter() - t)
                 try:
                     if volume_node is not None and not candidates:
                         raise NoCapacity(f"node {volume_node}, which holds the sandbox's volumes, is not live "
                                          "and ready")
                     if not candidates and (why := unready_reason(nodes, states)) is not None:
                         raise NoCapacity(why)
-                    chosen = choose_node(candidates, req, k=self.settings.placement_candidates)
+                    chosen = choose_node(candidates, req, k=k)
                 except NoCapacity as exc:
                     if waited_s < self.settings.placement_retry_s and not last_try:
                         log.info("place %s: %s; retrying", cmd.sandbox_id, exc)

@@ -158,6 +158,9 @@ def world(stack: Any) -> World:
         r = c.post("/v1/credentials", json={"name": cred, "value": "a-secret-" + secrets.token_hex(8),
                                             "hosts": ["a-only.example.com"]})
         assert r.status_code == 201, r.text
+        e2b_secret = c.post("/e2b/secrets", json={"name": f"asecret-{secrets.token_hex(3)}",
+                                                   "value": "a-secret-" + secrets.token_hex(8)})
+        assert e2b_secret.status_code == 201, e2b_secret.text
         key = c.post("/v1/keys", json={"name": "a-key"})
         assert key.status_code == 201, key.text
         hook = c.post("/v1/webhooks", json={"url": f"http://127.0.0.1:9/a-hook-{secrets.token_hex(4)}"})
@@ -168,9 +171,11 @@ def world(stack: Any) -> World:
            "build": build, "e2b_build": e2b_build, "volume_name": vol_name, "volume_id": vol_id,
            "credential": cred, "key_id": key.json()["id"], "webhook_id": hook.json()["id"],
            "webhook_url": hook.json()["url"], "schedule_id": sched.json()["id"], "tenant": a.tenant_id,
-           "node_id": node_id}
+           "node_id": node_id, "e2b_secret_id": e2b_secret.json()["secretID"],
+           "e2b_secret_name": e2b_secret.json()["name"]}
     markers = {a.tenant_id, a.name, sbx, op, *snaps, build, e2b_build, vol_id, key.json()["id"],
-               hook.json()["id"], hook.json()["url"], sched.json()["id"], "a-only.example.com"}
+               hook.json()["id"], hook.json()["url"], sched.json()["id"], "a-only.example.com",
+               e2b_secret.json()["secretID"]}
     b_tpl, b_sbx = template_and_sandbox(stack, b)
     if "owner_tenant" in _columns(stack, "templates"):
         sql(stack, "UPDATE templates SET owner_tenant=$1 WHERE name=$2", b.tenant_id, b_tpl)
@@ -191,6 +196,7 @@ def _params(route: Route, w: World) -> list[dict[str, str]]:
         # E2B's template ids name templates, and snapshots (snap_...) where a route takes both.
         "template_id": [i["template"], i["snapshot_a"]],
         "build_id": [i["e2b_build"], i["build"]],
+        "secret": [i["e2b_secret_id"], i["e2b_secret_name"]],  # E2B's secrets: by id or by name
     }
     if p.startswith("/v1/templates/"):
         by_name["name"] = [i["template"]]
@@ -286,6 +292,7 @@ def _request(route: Route, w: World, values: dict[str, str]) -> dict[str, Any]:
         "DELETE /e2b/templates/tags": {"name": i["template"], "tags": ["default"]},
         "POST /e2b/volumes": {"name": i["volume_name"]},
         "POST /e2b/v3/templates": {"name": i["template"]},
+        "POST /e2b/secrets/{secret}": {"value": "b-value"},
     }
     if key in bodies:
         body = bodies[key]
@@ -379,6 +386,7 @@ def test_tenant_a_objects_are_intact(world: World) -> None:
         assert c.get(f"/v1/sandboxes/{i['sandbox']}").status_code == 200
         assert c.get(f"/v1/volumes/{i['volume_name']}").status_code == 200
         assert c.get(f"/v1/credentials/{i['credential']}").status_code == 200
+        assert c.get(f"/e2b/secrets/{i['e2b_secret_id']}").status_code == 200
         assert i["key_id"] in c.get("/v1/keys").text
         assert i["webhook_id"] in c.get("/v1/webhooks").text
         assert c.get(f"/v1/sandboxes/{i['sandbox']}/schedules/{i['schedule_id']}").status_code == 200

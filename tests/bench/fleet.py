@@ -50,8 +50,8 @@ from podbay import db  # noqa: E402
 from podbay.bus import connect_bus  # noqa: E402
 from podbay.config import Settings  # noqa: E402
 from podbay.devstack import servers as srv  # noqa: E402
-from podbay.devstack.simnode import SimFleet  # noqa: E402
-from podbay.devstack.stack import SERVICES, External, Stack, StackPorts, kill_strays  # noqa: E402
+from podbay.devstack.simnode import SimFleet, start_control_plane  # noqa: E402
+from podbay.devstack.stack import External, Stack, StackPorts, kill_strays  # noqa: E402
 from podbay.devstack.procs import free_ports  # noqa: E402
 
 TEMPLATE, DIGEST = "fleet", "sim0"
@@ -168,13 +168,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]
         await fleet.register()
         await _seed(pool, fleet, hold, 256, 1)
         await fleet.start()
-        wanted = {"api", "scheduler", "warmpool"}
-        for spec in SERVICES:
-            if spec.name in wanted:
-                svc = stack._service(spec)  # noqa: SLF001 - only these three; the nodes are simulated
-                stack.services[svc.name] = svc
-                svc.start()
-                svc.wait_healthy(stack.start_timeout_s)
+        start_control_plane(stack)
         key = stack.create_api_key("fleet", "bench")
         # Warm-up (connections, plans), not measured.
         await _drive(stack.api_url, key, rate_per_min=600, duration_s=2, concurrency=8)

@@ -49,12 +49,27 @@ from podbay.contracts.states import OperationState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay
 
-__all__ = ["SimFleet", "SimNode", "Timing", "NODES_PER_CONSUMER"]
+from .stack import SERVICES, Stack
+
+__all__ = ["SimFleet", "SimNode", "Timing", "NODES_PER_CONSUMER", "CONTROL_PLANE", "start_control_plane"]
 
 log = logging.getLogger("podbay.devstack.simnode")
 
 #: Nodes whose command subjects one shared durable consumer filters on.
 NODES_PER_CONSUMER = 250
+#: The services a simulated fleet runs for real (one process each); the node services are simulated.
+CONTROL_PLANE = ("api", "scheduler", "warmpool")
+
+
+def start_control_plane(stack: Stack) -> None:
+    """Start ``stack``'s :data:`CONTROL_PLANE` services, each waited for (the API first: it migrates), after
+    its servers (:meth:`Stack.start_servers`). :meth:`Stack.stop` stops them. Raises ``StackError``."""
+    for spec in SERVICES:
+        if spec.name in CONTROL_PLANE:
+            svc = stack._service(spec)  # noqa: SLF001 - the stack's own recipe, for a subset of its services
+            stack.services[svc.name] = svc
+            svc.start()
+            svc.wait_healthy(stack.start_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ out to every subscribed RPC (Start, Connect): each subscriber has its own queue,
 stalls the process or the others. Before each call the table re-syncs with guestd's ``procs`` when the
 channel is a new one (pause past the RAM-release grace, node-agent restart), attaching to the processes
 that still run. Output produced while nobody is subscribed is dropped, as envd does.
+
+A Start whose ``Connect-Timeout-Ms`` (the SDK's command ``timeout``, 60 s unless 0) passes while it streams
+ends with DEADLINE_EXCEEDED *and* SIGKILLs the process's group (guestd's ``proc_signal``), as E2B's envd does
+since E2B #500: a timed-out command must not keep running in the guest. A Connect's deadline only ends the
+stream.
 """
 
 from __future__ import annotations
@@ -160,14 +165,17 @@ class ProcessTable:
 
 
 async def _stream(proc: Proc, q: asyncio.Queue[Event | None], first: pb.ProcessEvent,
-                  keepalive_s: float, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.ProcessEvent]:
+                  keepalive_s: float, ctx: RequestContext[Any, Any],
+                  on_deadline: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[pb.ProcessEvent]:
     """The events for one subscriber; ends with DEADLINE_EXCEEDED when the request's ``Connect-Timeout-Ms``
-    passes (the process keeps running, as with envd)."""
+    passes, after awaiting ``on_deadline`` when given (Start: kill the process group)."""
     try:
         yield first
         while True:
             left = ctx.timeout_ms
             if left is not None and left <= 0:
+                if on_deadline is not None:
+                    await on_deadline()
                 raise ConnectError(Code.DEADLINE_EXCEEDED, "the stream's deadline (Connect-Timeout-Ms) passed")
             wait_s = keepalive_s if left is None else min(keepalive_s, left / 1000.0)
             try:
@@ -260,7 +268,16 @@ class ProcessService(Process):
         q = proc.subscribe()
         table.add(proc, handle)
         first = start_event(pid)
-        async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx):
+
+        async def kill_group() -> None:
+            # The command timed out: the process and its group go (E2B #500), whatever they do.
+            try:
+                await ch.proc_signal(pid, signal.SIGKILL)
+                log.info("envd process %d: its start stream's deadline passed: process group killed", pid)
+            except PodbayError as exc:  # ended meanwhile, or the guest went away: nothing left to kill here
+                log.debug("envd process %d: kill at the deadline: %s", pid, exc.message)
+
+        async for ev in _stream(proc, q, first, _keepalive_s(ctx), ctx, on_deadline=kill_group):
             yield pb.StartResponse(event=ev)
 
     async def connect(self, request: pb.ConnectRequest, ctx: RequestContext[Any, Any]

@@ -184,3 +184,68 @@ def test_without_the_extra_podbay_mcp_names_it(monkeypatch: pytest.MonkeyPatch) 
     result = CliRunner().invoke(app, ["mcp"])
     assert (result.exit_code, result.stderr) == (
         1, "error: `podbay mcp` needs the mcp package: pip install 'podbay[mcp]' (unavailable)\n")
+
+
+def _sandbox(sid: str, state: str = "running") -> dict[str, Any]:
+    now = "2026-01-01T00:00:00Z"
+    return {"id": sid, "template": "base", "state": state, "desired_state": "running", "node_id": "node-1",
+            "generation": 2, "memory_mib": 256, "vcpus": 1, "hostname": sid, "created_at": now, "updated_at": now}
+
+
+async def test_lifecycle_snapshot_fork_and_port_tools_send_the_api_requests() -> None:
+    """The tools the fake API does not serve, through the SDK's transport seam: each tool's request (method,
+    path, query, body) and its parsed answer."""
+    import httpx
+
+    seen: list[tuple[str, str, str, Any]] = []
+    snap = {"id": "snap_1", "sandbox_id": "sbx_1", "kind": "full", "state": "ready",
+            "created_at": "2026-01-01T00:00:00Z"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        seen.append((request.method, request.url.path, request.url.query.decode(), body))
+        path = request.url.path
+        if path.endswith("/snapshots"):
+            return httpx.Response(201, json=snap) if request.method == "POST" else httpx.Response(
+                200, json={"snapshots": [snap]})
+        if path.endswith("/fork"):
+            return httpx.Response(200, json={"snapshot_id": "snap_1", "operation_id": "op_1",
+                                             "children": [{"sandbox_id": "sbx_2", "state": "running"}]})
+        if path.endswith("/ports/8000/url"):
+            return httpx.Response(200, json={"port": 8000, "url": "http://8000-sbx-1.example", "public": False,
+                                             "path_url": "http://api/p/sbx_1/8000/", "token": "tok"})
+        state = {"pause": "paused", "timeout": "running"}.get(path.rsplit("/", 1)[-1], "running")
+        return httpx.Response(200, json=_sandbox("sbx_1", state))
+
+    api = AsyncClient("http://api.test", "pb_k", transport=httpx.MockTransport(answer))
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("sandbox_create", {"template": "base", "timeout_s": 600, "on_lease_expiry": "delete"}),
+        ("pause", {"sandbox_id": "sbx_1"}),
+        ("resume", {"sandbox_id": "sbx_1"}),
+        ("snapshot_create", {"sandbox_id": "sbx_1", "kind": "disk"}),
+        ("snapshot_list", {"sandbox_id": "sbx_1"}),
+        ("fork", {"sandbox_id": "sbx_1", "count": 2, "snapshot_id": "snap_1"}),
+        ("rollback", {"sandbox_id": "sbx_1", "snapshot_id": "snap_1"}),
+        ("port_url", {"sandbox_id": "sbx_1", "port": 8000}),
+    ]
+    try:
+        async with Client(build_server(api)) as client:
+            results = {name: _json(await client.call_tool(name, args)) for name, args in calls}
+    finally:
+        await api.aclose()
+    assert [(m, p) for m, p, _, _ in seen] == [
+        ("POST", "/v1/sandboxes"), ("POST", "/v1/sandboxes/sbx_1/timeout"),
+        ("POST", "/v1/sandboxes/sbx_1/pause"), ("POST", "/v1/sandboxes/sbx_1/resume"),
+        ("POST", "/v1/sandboxes/sbx_1/snapshots"), ("GET", "/v1/sandboxes/sbx_1/snapshots"),
+        ("POST", "/v1/sandboxes/sbx_1/fork"), ("POST", "/v1/sandboxes/sbx_1/restore"),
+        ("GET", "/v1/sandboxes/sbx_1/ports/8000/url"),
+    ]
+    bodies = {p: b for _, p, _, b in seen}
+    assert bodies["/v1/sandboxes/sbx_1/timeout"] == {"lease_s": 600, "on_lease_expiry": "delete"}
+    assert bodies["/v1/sandboxes/sbx_1/fork"] == {"count": 2, "snapshot_id": "snap_1"}
+    assert bodies["/v1/sandboxes/sbx_1/restore"] == {"snapshot_id": "snap_1"}
+    assert bodies["/v1/sandboxes/sbx_1/snapshots"] is None and seen[4][3] == {"kind": "disk"}
+    assert results["pause"]["state"] == "paused"
+    assert results["snapshot_list"]["snapshots"][0]["id"] == "snap_1"
+    assert results["fork"]["children"] == [{"sandbox_id": "sbx_2", "state": "running"}]
+    assert (results["port_url"]["token"], results["port_url"]["header"]) == ("tok", "X-Podbay-Access-Token")

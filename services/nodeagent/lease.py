@@ -85,7 +85,7 @@ class _LeaseListener:
             return
         await self.close()
         try:
-            conn = await self._pool.acquire()
+            conn = await self._pool.acquire(timeout=5.0)  # a busy pool: listen at a later pass
         except Exception as exc:
             log.warning("lease listener: no connection: %s", exc)
             return

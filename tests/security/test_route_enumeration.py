@@ -70,6 +70,7 @@ EXEMPT = {
     "GET /healthz": "liveness probe; names no tenant object",
     "GET /readyz": "readiness probe; names no tenant object",
     "GET /metrics": "operator only (tests/security/test_metrics_access.py)",
+    "GET /console/assets/{name}": "the web console's static files, the same for everyone; names no tenant object",
     **{f"{m} /e2b/volumecontent/{{path:path}}": "answers 501 to everyone: podbay does not serve E2B's volume "
        "content API, touches nothing" for m in ("GET", "POST", "PUT", "PATCH", "DELETE")},
 }

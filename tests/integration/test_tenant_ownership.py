@@ -299,7 +299,7 @@ async def test_the_nodes_registration_keeps_a_name_to_its_owner(pool: asyncpg.Po
     """services/nodeagent/build/builder.py ``_register``: the template gets its build's owner; a name another
     owner holds (not removed) is left alone and the build fails ``template_name_taken``; a removed name is
     taken over; a root template (no build) keeps the owner it has."""
-    from services.nodeagent.build.builder import TemplateBuilder, TemplateNameTaken  # noqa: PLC0415
+    from podbay_nodeagent.build.builder import TemplateBuilder, TemplateNameTaken  # noqa: PLC0415
 
     a, b = new_id("tnt"), new_id("tnt")
     for t in (a, b):

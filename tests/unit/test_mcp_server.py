@@ -249,3 +249,11 @@ async def test_lifecycle_snapshot_fork_and_port_tools_send_the_api_requests() ->
     assert results["snapshot_list"]["snapshots"][0]["id"] == "snap_1"
     assert results["fork"]["children"] == [{"sandbox_id": "sbx_2", "state": "running"}]
     assert (results["port_url"]["token"], results["port_url"]["header"]) == ("tok", "X-Podbay-Access-Token")
+
+
+def test_without_a_key_podbay_mcp_says_so_before_serving(clean_env: None) -> None:
+    from podbay.cli.main import app
+
+    result = CliRunner().invoke(app, ["mcp"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: no API key: pass --api-key")
+    assert result.stderr.endswith("(unauthorized)\n")

@@ -36,6 +36,7 @@ __all__ = [
     "CliState",
     "state",
     "client",
+    "require_key",
     "handle_errors",
     "fail",
     "exit_code_for",
@@ -71,14 +72,19 @@ def client(ctx: typer.Context) -> Client:
     """The SDK client for this invocation; closed when the command line finishes."""
     st = state(ctx)
     if st._client is None:
-        if not load_client_config(st.api_url, st.api_key).api_key:
-            # Said here, where the places looked in are known; the API could only say that no key came.
-            path = config_path()
-            raise Unauthorized(f"no API key: pass --api-key, set PODBAY_API_KEY, or run `podbay up`, which writes "
-                               f"{path}" + ("" if path.exists() else f" ({path} does not exist)"))
+        require_key(st)
         st._client = Client(st.api_url, st.api_key)
         ctx.find_root().call_on_close(st._client.close)
     return st._client
+
+
+def require_key(st: CliState) -> None:
+    """Raise ``Unauthorized`` naming the places looked in when no API key is configured for ``st``."""
+    if not load_client_config(st.api_url, st.api_key).api_key:
+        # Said here, where the places looked in are known; the API could only say that no key came.
+        path = config_path()
+        raise Unauthorized(f"no API key: pass --api-key, set PODBAY_API_KEY, or run `podbay up`, which writes "
+                           f"{path}" + ("" if path.exists() else f" ({path} does not exist)"))
 
 
 def exit_code_for(exc: PodbayError) -> int:

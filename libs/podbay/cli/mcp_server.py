@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from podbay.cli import mcp_tools
-from podbay.cli._common import fail, handle_errors, state
+from podbay.cli._common import fail, handle_errors, require_key, state
 from podbay.errors import PodbayError
 from podbay.sdk import AsyncClient
 
@@ -173,6 +173,7 @@ def mcp_command(
     except ImportError:
         fail("`podbay mcp` needs the mcp package: pip install 'podbay[mcp]'", "unavailable", 1)
     cli = state(ctx)
+    require_key(cli)  # every tool call would fail with 401: say so now, as the other commands do
     client = AsyncClient(cli.api_url, cli.api_key)
     token = os.environ.get(TOKEN_ENV) or ""
     if http:

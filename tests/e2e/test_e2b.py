@@ -441,6 +441,36 @@ def test_killed_while_a_command_streams_ends_it_with_end_of_life(e2b_env: dict[s
         e2b.Sandbox.kill(sb.sandbox_id)
 
 
+def test_set_timeout_runs_out_on_time(e2b_env: dict[str, str]) -> None:
+    """``set_timeout(5)``, then 6 s later ``is_running()`` is False (the node's lease loop wakes at the
+    deadline, not at its next periodic pass)."""
+    sb = e2b.Sandbox.create(template="base", timeout=300)
+    try:
+        sb.set_timeout(5)
+        time.sleep(6)
+        assert sb.is_running() is False
+    finally:
+        e2b.Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_command_past_its_timeout_is_killed_with_its_group(sbx: Any, stack: Any) -> None:
+    """E2B #500: a command whose ``timeout`` passes is killed, children included; podbay's exec
+    ``timeout_s`` likewise (guestd kills the group)."""
+    started = time.monotonic()
+    with pytest.raises(e2b.TimeoutException):
+        sbx.commands.run("sleep 301 & sleep 302; echo never", timeout=3)
+    assert time.monotonic() - started < 30
+    left = "pgrep -f 'sleep 30[12]' || echo none"
+    assert sbx.commands.run(left).stdout.strip() == "none"
+    import httpx
+
+    r = httpx.post(f"{stack.api_url}/v1/sandboxes/{sbx.sandbox_id}/exec", timeout=60,
+                   headers={"authorization": f"Bearer {stack.api_key}"},
+                   json={"shell": "sleep 303 & sleep 304", "timeout_s": 2})
+    assert r.status_code == 200, r.text
+    assert sbx.commands.run("pgrep -f 'sleep 30[34]' || echo none").stdout.strip() == "none"
+
+
 def test_snapshots_and_fork(sbx: Any, e2b_env: dict[str, str]) -> None:
     sbx.files.write("/home/user/snap.txt", "before")
     snap = sbx.create_snapshot()
@@ -557,6 +587,63 @@ def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[s
         marker = asyncio.run(_cold_resume_snapshot(stack, sb.sandbox_id))
         assert marker is not None and marker["kind"] == "disk" and marker["state"] == "ready", marker
     finally:
+        sb.kill()
+
+
+def test_writes_acknowledged_around_a_filesystem_auto_pause_are_all_there_after_connect(
+        e2b_env: dict[str, str]) -> None:
+    """E2B #1104: writes come in a burst from just before the timeout through the filesystem-only auto-pause;
+    every write the SDK saw acknowledged is in the files the connect boots from (the freeze is held until
+    the pause). The writer is quiet between bursts so that the node's idle check lets the lease run out (a
+    busy guest's lease is renewed: then it tries again at the next deadline)."""
+    import threading
+    from datetime import UTC, datetime
+
+    sb = e2b.Sandbox.create(template="base", timeout=600,
+                            lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    acked: list[int] = []
+    stop = threading.Event()
+
+    def write(i: int) -> None:
+        try:
+            sb.files.write(f"/home/user/w/{i}", str(i), request_timeout=5)
+            acked.append(i)
+        except Exception:  # noqa: BLE001 - refused or cut by the pause: not acknowledged
+            pass
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                end = e2b.Sandbox.get_info(sb.sandbox_id).end_at.timestamp()
+            except Exception:  # noqa: BLE001 - paused meanwhile
+                return
+            stop.wait(max(0.0, end - 0.3 - datetime.now(UTC).timestamp()))
+            while not stop.is_set() and datetime.now(UTC).timestamp() < end + 1.0:
+                write(i)
+                i += 1
+                time.sleep(0.02)
+
+    try:
+        sb.files.make_dir("/home/user/w")
+        for i in range(-5, 0):
+            write(i)
+        sb.set_timeout(3)
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while e2b.Sandbox.get_info(sb.sandbox_id).state != e2b.SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.5)
+        stop.set()
+        thread.join(30)
+        assert [i for i in acked if i >= 0], "no write of the burst was acknowledged"
+        again = e2b.Sandbox.connect(sb.sandbox_id)
+        present = {int(e.name) for e in again.files.list("/home/user/w")}
+        assert set(acked) <= present, sorted(set(acked) - present)
+        print(f"acknowledged {len(acked)} writes, all present after connect")
+    finally:
+        stop.set()
         sb.kill()
 
 

@@ -166,7 +166,7 @@ def mcp_command(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP address to bind (with --http)."),
 ) -> None:
     """Serve podbay's sandboxes as MCP tools (stdio by default; --http for streamable HTTP at /mcp, with a
-    bearer token: PODBAY_MCP_TOKEN, else one printed at start). Needs: pip install 'podbay[mcp]'."""
+    bearer token: PODBAY_MCP_TOKEN, else one printed at start). Needs: pip install 'podbay\\[mcp]'."""
     try:
         import anyio
         import mcp.server.mcpserver  # noqa: F401  (checks the extra is installed)

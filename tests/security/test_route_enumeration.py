@@ -100,15 +100,12 @@ CLEANUP = {
     "POST /v1/webhooks": lambda c, w, r: c.delete(f"/v1/webhooks/{r.json()['id']}"),
 }
 
-# Cases that fail only until template ownership lands (another change of issue #37), by route id: a
-# template's egress policy was shown to every tenant; names are global, so a build under A's name answers
-# 409 (name taken), which tells B the name exists; E2B's upload link does not look at the template (the
-# upload itself is keyed by the caller's tenant, so nothing of A's is touched).
+# Cases that fail until template ownership settles (another change of issue #37), by route id: template
+# names are global (they key node stores and object-store keys), so a build under A's template name answers
+# 409 (name taken), which tells B that the name exists.
 TEMPLATE_OWNERSHIP: set[str] = {
-    "GET /v1/templates/{name}/network",
     "POST /v1/templates",
     "POST /e2b/v3/templates",
-    "GET /e2b/templates/{template_id}/files/{files_hash}",
 }
 
 
@@ -199,6 +196,10 @@ def _params(route: Route, w: World) -> list[dict[str, str]]:
         "build_id": [i["e2b_build"], i["build"]],
         "secret": [i["e2b_secret_id"], i["e2b_secret_name"]],  # E2B's secrets: by id or by name
     }
+    if "/files/{files_hash}" in p:
+        # A COPY step's upload: for a template of the caller's or a name nobody holds yet (B's new template);
+        # a snapshot id is no template there, so only A's template is A's object.
+        by_name["template_id"] = [i["template"]]
     if p.startswith("/v1/templates/"):
         by_name["name"] = [i["template"]]
     elif p.startswith("/v1/volumes/"):

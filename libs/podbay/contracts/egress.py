@@ -31,7 +31,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from podbay.naming import safe_component
+from podbay.contracts.ids import safe_component
 
 __all__ = [
     "name_matches",

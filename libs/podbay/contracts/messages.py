@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from podbay.naming import SafeId
+from podbay.contracts.ids import SafeId
 
 __all__ = [
     "PlaceSandbox",

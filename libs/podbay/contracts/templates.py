@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from podbay.naming import SafeId
+from podbay.contracts.ids import SafeId
 
 __all__ = [
     "TEMPLATE_NAME_RE",

@@ -123,7 +123,7 @@ async function sandboxesPage(params) {
         if (sb) refresh();
       },
     },
-  }, field("Template", newTpl), h("button.primary", { type: "submit", text: "Create sandbox" }));
+  }, field("New sandbox from template", newTpl), h("button.primary", { type: "submit", text: "Create sandbox" }));
 
   page("Sandboxes", h("div.bar", {}, create, h("div.inline", {}, field("State", stateSel), field("Template", tplSel))), tbody);
   get("/v1/templates").then((r) => newTpl.replaceChildren(...r.templates.filter((t) => !t.state || t.state === "ready")

@@ -22,6 +22,7 @@ JSON keys (each path with ``p50_ms``/``p99_ms``):
   (``pg_tup_returned``: scans show here), and NATS messages into and out of the server (``nats_in_msgs``,
   ``nats_out_msgs``: ``/varz``), over the measured phase divided by the creates that succeeded;
   ``top_statements_per_create``: the statements with most calls per create;
+  ``costliest_statements_ms_per_create``: those with most execution time per create (ms);
 - ``creates_per_min_sustained``: creates that succeeded over the phase's wall time; ``throughput``: creates
   attempted, succeeded, failed, sandboxes started twice (must be 0), commands a fence turned away, and the
   load average before and after.
@@ -62,12 +63,13 @@ def _varz(monitor_port: int) -> dict[str, Any]:
     return dict(httpx.get(f"http://127.0.0.1:{monitor_port}/varz", timeout=5).json())
 
 
-async def _pg_stats(superuser_dsn: str) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """(per statement: (calls, rows), the database's xact/tuple counters) of the podbay database."""
+async def _pg_stats(superuser_dsn: str) -> tuple[dict[str, tuple[int, int, float]], dict[str, int]]:
+    """(per statement: (calls, rows, total ms), the database's xact/tuple counters) of the podbay database."""
     conn = await asyncpg.connect(superuser_dsn)
     try:
-        stmts = {r["query"]: (int(r["calls"]), int(r["rows"])) for r in await conn.fetch(
-            "SELECT query, sum(calls) AS calls, sum(rows) AS rows FROM pg_stat_statements s"
+        stmts = {r["query"]: (int(r["calls"]), int(r["rows"]), float(r["ms"])) for r in await conn.fetch(
+            "SELECT query, sum(calls) AS calls, sum(rows) AS rows, sum(total_exec_time) AS ms"
+            " FROM pg_stat_statements s"
             " JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = 'podbay' GROUP BY query")}
         row = await conn.fetchrow(
             "SELECT xact_commit, tup_returned, tup_fetched, tup_inserted, tup_updated, tup_deleted"
@@ -181,13 +183,15 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]
         load1 = os.getloadavg()
         ok = max(1, len(lat))
         timings = list(fleet.timings.values())[n0:]
-        calls = {q: s1[q][0] - s0.get(q, (0, 0))[0] for q in s1}
-        rows = {q: s1[q][1] - s0.get(q, (0, 0))[1] for q in s1}
+        calls = {q: s1[q][0] - s0.get(q, (0, 0, 0.0))[0] for q in s1}
+        rows = {q: s1[q][1] - s0.get(q, (0, 0, 0.0))[1] for q in s1}
+        spent = {q: s1[q][2] - s0.get(q, (0, 0, 0.0))[2] for q in s1}
         # Our own statistics reads are not the fleet's work.
         own = [q for q in calls if "pg_stat_statements" in q or "pg_stat_database" in q]
         for q in own:
-            calls.pop(q), rows.pop(q)
+            calls.pop(q), rows.pop(q), spent.pop(q)
         top = sorted(calls.items(), key=lambda kv: -kv[1])[:15]
+        costly = sorted(spent.items(), key=lambda kv: -kv[1])[:8]
         doubled = sum(1 for runs in fleet.started.values() if len(runs) > 1)
         per_create = {
             "pg_statements": sum(calls.values()) / ok, "pg_rows": sum(rows.values()) / ok,
@@ -208,6 +212,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]
                 "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in load1],
                 "heartbeat_s": args.heartbeat_s}},
             "top_statements_per_create": {"value": {q[:160]: round(c / ok, 3) for q, c in top}},
+            "costliest_statements_ms_per_create": {"value": {q[:160]: round(ms / ok, 3) for q, ms in costly}},
         }
         await fleet.stop()
         await bus.close()

@@ -26,7 +26,7 @@ from podbay.devstack.servers import S3Endpoint
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 NODES = 10
-CREATES = 300
+CREATES = 200
 
 
 async def test_a_simulated_fleet_places_every_create_once_on_a_live_node(

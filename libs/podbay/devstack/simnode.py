@@ -111,6 +111,14 @@ class SimNode:
             templates=templates, accel="sim", at=datetime.now(UTC))
 
 
+def _stored_at(msg: Any) -> datetime:
+    """When JetStream stored ``msg`` (its metadata), or now when the message carries none."""
+    try:
+        return msg.metadata.timestamp  # type: ignore[no-any-return]
+    except (ValueError, AttributeError):  # nats-py parses the metadata from the reply subject
+        return datetime.now(UTC)
+
+
 class SimFleet:
     """``node_ids`` simulated nodes holding ``templates`` (name -> digest), each advertising ``memory_mib`` MiB
     and ``vcpus`` vCPUs, on the given PostgreSQL pool and bus. :meth:`start` registers them and runs their
@@ -231,7 +239,7 @@ class SimFleet:
         node = self.nodes.get(node_id)
         try:
             if node is not None and verb == "create":
-                await self._create(node, CreateSandboxCmd.model_validate_json(msg.data), msg.metadata.timestamp)
+                await self._create(node, CreateSandboxCmd.model_validate_json(msg.data), _stored_at(msg))
             elif node is not None and verb == "delete":
                 await self._delete(node, DeleteSandboxCmd.model_validate_json(msg.data))
         except ValueError as exc:

@@ -592,10 +592,11 @@ def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[s
 
 def test_writes_acknowledged_around_a_filesystem_auto_pause_are_all_there_after_connect(
         e2b_env: dict[str, str]) -> None:
-    """E2B #1104: writes come in a burst from just before the timeout through the filesystem-only auto-pause;
+    """E2B #1104: writes come in a burst from just after the timeout through the filesystem-only auto-pause;
     every write the SDK saw acknowledged is in the files the connect boots from (the freeze is held until
-    the pause). The writer is quiet between bursts so that the node's idle check lets the lease run out (a
-    busy guest's lease is renewed: then it tries again at the next deadline)."""
+    the pause). The burst starts after the deadline because podbay renews a lease on envd traffic: a write
+    before it would move it; one that lands before the node acted does too, and the writer then waits,
+    quiet, for the next deadline."""
     import threading
     from datetime import UTC, datetime
 
@@ -618,8 +619,8 @@ def test_writes_acknowledged_around_a_filesystem_auto_pause_are_all_there_after_
                 end = e2b.Sandbox.get_info(sb.sandbox_id).end_at.timestamp()
             except Exception:  # noqa: BLE001 - paused meanwhile
                 return
-            stop.wait(max(0.0, end - 0.3 - datetime.now(UTC).timestamp()))
-            while not stop.is_set() and datetime.now(UTC).timestamp() < end + 1.0:
+            stop.wait(max(0.0, end + 0.1 - datetime.now(UTC).timestamp()))
+            while not stop.is_set() and datetime.now(UTC).timestamp() < end + 1.5:
                 write(i)
                 i += 1
                 time.sleep(0.02)
@@ -637,11 +638,13 @@ def test_writes_acknowledged_around_a_filesystem_auto_pause_are_all_there_after_
             time.sleep(0.5)
         stop.set()
         thread.join(30)
-        assert [i for i in acked if i >= 0], "no write of the burst was acknowledged"
+        # The burst's writes may all block on the held freeze (none acknowledged): what matters is that none
+        # acknowledged is missing. With a thaw before the pause, those in the gap were acknowledged and lost.
+        assert [i for i in acked if i < 0] == list(range(-5, 0))
         again = e2b.Sandbox.connect(sb.sandbox_id)
         present = {int(e.name) for e in again.files.list("/home/user/w")}
         assert set(acked) <= present, sorted(set(acked) - present)
-        print(f"acknowledged {len(acked)} writes, all present after connect")
+        print(f"acknowledged {len(acked)} writes ({len([i for i in acked if i >= 0])} of the burst), all present")
     finally:
         stop.set()
         sb.kill()

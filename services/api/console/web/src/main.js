@@ -6,6 +6,10 @@ import { sandboxPage } from "./sandbox.js";
 import { act, bytes, field, firstArray, h, table, toast, when } from "./ui.js";
 
 const main = document.getElementById("main");
+// The sandbox list is the first page: its data is asked for while the session is still being looked up (a GET
+// needs no CSRF token). A 401 here sends the browser to the sign-in page, as any other call would.
+let early = /^(#\/?(sandboxes\/?)?)?$/.test(location.hash) ? get("/v1/sandboxes") : null;
+early?.catch(() => {});
 let cleanup = [];
 export const onLeave = (fn) => cleanup.push(fn);
 
@@ -101,7 +105,8 @@ async function sandboxesPage(params) {
     ], shown, (s) => ({ "data-sandbox": s.id })));
   };
   const refresh = async () => {
-    const r = await get("/v1/sandboxes");
+    const r = await (early || get("/v1/sandboxes"));
+    early = null;
     list = r.sandboxes;
     rows.clear();
     for (const s of list) rows.set(s.id, s);

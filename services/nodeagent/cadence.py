@@ -5,8 +5,8 @@ Every ``TICK_S`` the node looks at its running sandboxes. A disk snapshot is due
 after the last one, a full snapshot every ``snapshot_full_interval_s``; each sandbox's clocks start at a
 phase of their own (``phase``: a hash of its id), so 150 sandboxes seen in the same second are not all due in
 the same second. A due snapshot is taken only if its files changed since the last snapshot
-(``SnapshotOps.unchanged``: the extent maps of ``disk.img``, and for a full one ``ram``, equal those of the last
-snapshot's reflinks, :mod:`podbay.extents`); else it is skipped (``podbay_cadence_skipped_total``) and its
+(``SnapshotOps.unchanged``: the extent maps of ``disk.img``, and for a full one ``ram``, equal those of the reflinks in
+the last snapshot of that kind, :mod:`podbay.extents`); else it is skipped (``podbay_cadence_skipped_total``) and its
 clock starts again. Interval 0 turns a kind off.
 
 Budget (:mod:`podbay.budget`): the work runs one item at a time under half of ``cadence_cpu_budget`` (a share

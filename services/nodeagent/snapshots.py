@@ -221,10 +221,12 @@ class SnapshotOps:
     async def unchanged(self, sandbox_id: str, kind: str) -> bool:
         """Whether a cadence snapshot of ``kind`` would hold nothing new: the sandbox's ``disk.img`` (and, for
         ``full``, its ``ram``) still has exactly the extents of its baseline's reflink (:mod:`podbay.extents`).
-        The baseline is the newest ready snapshot of the sandbox at its current generation on this node (for
-        ``full``: the newest full one); without one, the template snapshot it was restored from, so a sandbox
-        that has changed nothing since its start takes no first snapshot. False whenever it cannot be told
-        (no VM, no baseline, files gone, no FIEMAP): then the snapshot is taken."""
+        The baseline is the newest ready snapshot of that kind of the sandbox at its current generation on this
+        node; without one, the template snapshot it was restored from, so a sandbox that has changed nothing
+        since its start takes no first snapshot. A disk snapshot compares with disk snapshots only: a full one
+        taken meanwhile is not promoted by the cadence (services/snapshotter/main.py), so the disk snapshot
+        that brings the write to object storage must still be taken. False whenever it cannot be told (no VM,
+        no baseline, files gone, no FIEMAP): then the snapshot is taken."""
         from podbay.extents import extents_equal_files
 
         m = self.m
@@ -233,7 +235,7 @@ class SnapshotOps:
             return False
         snap = await m.pool.fetchval(
             "SELECT id FROM snapshots WHERE sandbox_id=$1 AND node_id=$2 AND generation=$3 AND state='ready'"
-            " AND ($4 = 'disk' OR kind = 'full') ORDER BY created_at DESC LIMIT 1",
+            " AND kind = $4 ORDER BY created_at DESC LIMIT 1",
             sandbox_id, m.node_id, vm.generation, kind)
         try:
             if snap is not None:

@@ -150,8 +150,17 @@ async def test_unchanged_compares_with_the_last_snapshot_or_else_the_template(po
     disk_snap = await _snapshot(pool, tenant, sandbox, node, "disk")
     (fs / "snapshots" / sandbox / disk_snap).mkdir()
     reflink_or_copy(paths.disk, fs / "snapshots" / sandbox / disk_snap / "disk.img")
-    assert await ops.unchanged(sandbox, "disk")  # against the newest snapshot of any kind
+    assert await ops.unchanged(sandbox, "disk")  # against the newest disk snapshot
     assert not await ops.unchanged(sandbox, "full")  # a full one compares with the newest full one
+
+    # A write that a full snapshot caught first still takes a disk snapshot: the cadence promotes disk
+    # snapshots, so the write must reach one to be in object storage within the promotion interval.
+    _write(paths.disk, 12 * MIB, b"another file")
+    full2 = await _snapshot(pool, tenant, sandbox, node, "full")
+    (fs / "snapshots" / sandbox / full2).mkdir()
+    reflink_or_copy(paths.disk, fs / "snapshots" / sandbox / full2 / "disk.img")
+    reflink_or_copy(paths.ram, fs / "snapshots" / sandbox / full2 / "ram")
+    assert await ops.unchanged(sandbox, "full") and not await ops.unchanged(sandbox, "disk")
 
     # A snapshot of an earlier generation (before a rollback) is no baseline; nor is a missing file.
     host.vms[sandbox].generation = 2

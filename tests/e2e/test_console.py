@@ -228,6 +228,25 @@ def test_another_tenant_gets_404_for_the_page_and_the_terminal(stack: Any, brows
             c.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_a_template_build_streams_its_log_into_the_page(stack: Any, browser: Any, shots: Path) -> None:
+    name = f"console-{secrets.token_hex(3)}"
+    page = _page(browser, stack)
+    try:
+        _sign_in(page, stack.api_key)
+        page.goto("/console#/templates")
+        page.get_by_label("Name (name or name:tag)").fill(name)
+        page.get_by_label("Dockerfile").fill("FROM base\nRUN echo console-build-$((6*7))\n")
+        page.get_by_role("button", name="Build", exact=True).click()
+        log = page.get_by_label("Build log")
+        log.get_by_text("console-build-42").wait_for(timeout=300_000)
+        log.get_by_text(f"built {name}").wait_for(timeout=300_000)
+        page.screenshot(path=str(shots / "template-build.png"))
+    finally:
+        page.context.close()
+        with api_client(stack) as c:
+            c.delete(f"/v1/templates/{name}")
+
+
 def test_screenshots_are_kept(shots: Path) -> None:
     """Copies this run's screenshots to docs/console/ when PODBAY_CONSOLE_SHOTS_TO_DOCS=1 (for the reviewer)."""
     import os

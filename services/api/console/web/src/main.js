@@ -160,12 +160,48 @@ async function sandboxesPage(params) {
 async function templatesPage() {
   const [t, pools] = await Promise.all([get("/v1/templates"), get("/v1/pools").catch(() => ({}))]);
   const poolOf = new Map(firstArray(pools).map((p) => [p.template, p]));
+  const name = h("input", { name: "name", required: true, pattern: "[a-z0-9-]+(:[a-z0-9][a-z0-9._-]*)?", placeholder: "my-template" });
+  const dockerfile = h("textarea.code", { name: "dockerfile", rows: 6, required: true, value: "FROM base\nRUN echo hello\n" });
+  const log = h("pre.log", { id: "build-log", "aria-live": "polite", "aria-label": "Build log", hidden: true });
+  const form = h("form.card", { on: { submit: async (ev) => {
+    ev.preventDefault();
+    const body = new FormData();
+    body.append("name", name.value);
+    body.append("dockerfile", dockerfile.value);
+    log.hidden = false;
+    log.textContent = "";
+    const line = (text) => { log.textContent += text + "\n"; log.scrollTop = log.scrollHeight; };
+    await act(ev.submitter, async () => {
+      // The build's NDJSON stream (BuildEvent per line), shown as it arrives.
+      const r = await call("POST", "/v1/templates", { body, raw: true });
+      const reader = r.body.getReader();
+      const dec = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += dec.decode(value, { stream: true });
+        let i;
+        while ((i = buf.indexOf("\n")) >= 0) {
+          const raw = buf.slice(0, i).trim();
+          buf = buf.slice(i + 1);
+          if (!raw) continue;
+          const e = JSON.parse(raw);
+          if (e.type === "step") line(`── step ${e.step}/${e.total ?? "?"}${e.cached ? " (cached)" : ""}${e.text ? ": " + e.text : ""}`);
+          else if (e.type === "log") line((e.text || "").replace(/\n$/, ""));
+          else if (e.type === "done") line(`✔ built ${e.template ? e.template.name : ""}`);
+          else if (e.type === "failed") line(`✘ failed: ${e.code || ""} ${e.message || ""}\n${e.output_tail || ""}`);
+        }
+      }
+    });
+  } } }, h("h2", { text: "Build from a Dockerfile" }), h("div.inline", {}, field("Name (name or name:tag)", name)),
+  field("Dockerfile", dockerfile), h("button.primary", { type: "submit", text: "Build" }), log);
   page("Templates", table("Templates", [
     ["Name", (x) => x.name], ["State", (x) => x.state || "ready"], ["Tags", (x) => (x.tags || []).map((g) => g.tag || g).join(", ")],
     ["Size", (x) => `${x.vcpus} vCPU · ${x.memory_mib} MiB`], ["Image", (x) => bytes(x.size_bytes)],
     ["Warm pool", (x) => { const p = poolOf.get(x.name); return p ? `${p.ready ?? p.size ?? ""} / ${p.size ?? p.target ?? ""}` : ""; }],
     ["Digest", (x) => h("code", { text: (x.digest || "").slice(0, 19) })], ["Created", (x) => when(x.created_at)],
-  ], t.templates));
+  ], t.templates), form);
 }
 
 function crudPage({ title, path, columns, form, idOf, revokeLabel = "Delete", after }) {

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import sys
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import report, stop_on_sigterm, summarise  # noqa: E402
 
 from podbay import db  # noqa: E402
-from podbay.bus import connect_bus  # noqa: E402
+from podbay.bus import Bus, connect_bus  # noqa: E402
 from podbay.config import Settings  # noqa: E402
 from podbay.devstack import servers as srv  # noqa: E402
 from podbay.devstack.simnode import SimFleet, start_control_plane  # noqa: E402
@@ -143,6 +144,9 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]
     nats = srv.start_nats(servers_dir / "nats", nats_port, log_dir=logs, monitor_port=monitor_port)
     pg = srv.start_postgres(servers_dir / "postgres", pg_port, log_dir=logs, durable=False)
     stack: Stack | None = None
+    pool: asyncpg.Pool | None = None
+    bus: Bus | None = None
+    fleet: SimFleet | None = None
     try:
         conn = await asyncpg.connect(pg.superuser_dsn)
         await conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
@@ -214,11 +218,16 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]
             "top_statements_per_create": {"value": {q[:160]: round(c / ok, 3) for q, c in top}},
             "costliest_statements_ms_per_create": {"value": {q[:160]: round(ms / ok, 3) for q, ms in costly}},
         }
-        await fleet.stop()
-        await bus.close()
-        await pool.close()
         return results
     finally:
+        # Ours first (also on SIGTERM or an error), while the servers still answer.
+        with contextlib.suppress(Exception):
+            if fleet is not None:
+                await asyncio.wait_for(fleet.stop(), timeout=30)
+            if bus is not None:
+                await bus.close()
+            if pool is not None:
+                await pool.close()
         if stack is not None:
             stack.stop(grace_s=5.0)
         pg.stop()

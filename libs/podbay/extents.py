@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Extent", "fiemap", "same_extents", "unchanged_ranges", "extents_equal_files"]
+__all__ = ["Extent", "fiemap", "same_extents", "unchanged_ranges", "extents_equal_files", "differing_ranges"]
 
 _FS_IOC_FIEMAP = 0xC020660B  # linux/fs.h: _IOWR('f', 11, struct fiemap)
 FIEMAP_FLAG_SYNC = 0x1
@@ -139,3 +139,37 @@ def unchanged_ranges(current: list[Extent], baseline: list[Extent], size: int, c
             same[i] = False
     return same
 
+
+
+def differing_ranges(a: list[Extent], b: list[Extent], size: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[(start, end), ...]`` of a ``size``-byte file where two extent maps (file order, as
+    :func:`fiemap` gives them) differ: mapped to other blocks, mapped in one only, or mapped inexactly in
+    either. Empty when :func:`same_extents`. Linear in the number of extents."""
+    idx = [0, 0]
+
+    def at(k: int, exts: list[Extent], pos: int) -> tuple[int, Extent | None]:
+        """(where the piece of ``exts`` at ``pos`` ends, the extent covering ``pos`` or None: a hole)."""
+        i = idx[k]
+        while i < len(exts) and exts[i].logical + exts[i].length <= pos:
+            i += 1
+        idx[k] = i
+        if i < len(exts) and exts[i].logical <= pos:
+            return exts[i].logical + exts[i].length, exts[i]
+        return (exts[i].logical if i < len(exts) else size), None
+
+    out: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        end_a, ea = at(0, a, pos)
+        end_b, eb = at(1, b, pos)
+        end = min(end_a, end_b, size)
+        same = (ea is None and eb is None) or (
+            ea is not None and eb is not None and ea.exact and eb.exact
+            and ea.physical + (pos - ea.logical) == eb.physical + (pos - eb.logical))
+        if not same:
+            if out and out[-1][1] == pos:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((pos, end))
+        pos = end
+    return out

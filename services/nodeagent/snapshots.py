@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from podbay.contracts.channel import ExecSpec
 from podbay.contracts.messages import ForkCmd, Resources, RestoreCmd, SnapshotCmd
 from podbay.errors import PodbayError
+from podbay.extents import Extent, differing_ranges, extents_equal_files, fiemap, same_extents
 from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
@@ -46,6 +47,7 @@ log = logging.getLogger("podbay.nodeagent.snapshots")
 # How long guestd keeps a filesystem-only auto-pause's freeze before thawing by itself (guest time): longer
 # than the snapshot and the pause take, so the freeze lasts until the guest stops.
 FS_PAUSE_FREEZE_S = 30.0
+THAW_BYTES = 4096  # block 0 of the guest's disk: what a filesystem thaw rewrites (the ext4 superblock), no file data
 FORK_CONCURRENCY = 2  # children restored at once; each restore is CPU-bound under TCG
 
 
@@ -56,6 +58,14 @@ def _flush(path: Path) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
+
+
+def _same_map(path: Path, extents: list[Extent]) -> bool:
+    """Whether ``path`` has exactly the extent map ``extents`` (False when it cannot be read)."""
+    try:
+        return same_extents(fiemap(path), extents)
+    except OSError:
+        return False
 
 
 def _allocated_bytes(path: Path) -> int:
@@ -90,6 +100,8 @@ class SnapshotOps:
 
     def __init__(self, host: VmHost) -> None:
         self.m = host
+        #: per sandbox: (its newest frozen disk snapshot, the extent map of its live disk just after the thaw)
+        self._post_thaw: dict[str, tuple[str, list[Extent]]] = {}
 
     async def snapshot(self, cmd: SnapshotCmd) -> None:
         """Take ``cmd.snapshot_id`` (idempotent: a ready or failed snapshot is left as it is)."""
@@ -143,6 +155,9 @@ class SnapshotOps:
             else:
                 held_ms = await self._disk_snapshot(vm, part, frozen=not paused and not held_frozen)
             os.replace(part, final)
+            if kind == "disk" and not paused:
+                await asyncio.to_thread(self._note_thaw, sandbox_id, snapshot_id, vm.handle.process.paths.disk,
+                                        final / "disk.img")
         except Exception as exc:
             shutil.rmtree(part, ignore_errors=True)
             reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
@@ -218,6 +233,21 @@ class SnapshotOps:
                 parent, row["generation"])
             return await self.take(sandbox_id, row["generation"], snap_id, kind, held_frozen=held_frozen)
 
+    def _note_thaw(self, sandbox_id: str, snapshot_id: str, live: Path, snap: Path) -> None:
+        """After a frozen disk snapshot: the guest's thaw rewrote its filesystem's superblock (ext4 marks the
+        journal in use again), so the live disk already differs from the snapshot, in block 0 alone. Keep the
+        live disk's extent map as this snapshot's baseline when that is the only difference, so an idle guest
+        is not snapshotted again for the snapshot's own write. A difference anywhere else is a real write
+        (the guest runs again): nothing is kept and the next check takes a snapshot. Blocking."""
+        self._post_thaw.pop(sandbox_id, None)
+        try:
+            size = live.stat().st_size
+            now, then = fiemap(live), fiemap(snap)
+        except OSError:
+            return
+        if size == snap.stat().st_size and all(end <= THAW_BYTES for _, end in differing_ranges(now, then, size)):
+            self._post_thaw[sandbox_id] = (snapshot_id, now)
+
     async def unchanged(self, sandbox_id: str, kind: str) -> bool:
         """Whether a cadence snapshot of ``kind`` would hold nothing new: the sandbox's ``disk.img`` (and, for
         ``full``, its ``ram``) still has exactly the extents of its baseline's reflink (:mod:`podbay.extents`).
@@ -227,8 +257,6 @@ class SnapshotOps:
         taken meanwhile is not promoted by the cadence (services/snapshotter/main.py), so the disk snapshot
         that brings the write to object storage must still be taken. False whenever it cannot be told (no VM,
         no baseline, files gone, no FIEMAP): then the snapshot is taken."""
-        from podbay.extents import extents_equal_files
-
         m = self.m
         vm = m.vms.get(sandbox_id)
         if vm is None:
@@ -248,6 +276,9 @@ class SnapshotOps:
         except PodbayError:  # an id that cannot name a path
             return False
         paths = vm.handle.process.paths
+        post = self._post_thaw.get(sandbox_id)
+        if kind == "disk" and post is not None and post[0] == snap:
+            return await asyncio.to_thread(_same_map, paths.disk, post[1])
         pairs = [(paths.disk, base / "disk.img")] + ([(paths.ram, base / "ram")] if kind == "full" else [])
         return await asyncio.to_thread(lambda: all(extents_equal_files(cur, old) for cur, old in pairs))
 
@@ -436,6 +467,7 @@ class SnapshotOps:
         """Remove a deleted sandbox's snapshot files and mark its snapshots deleted, except pinned promoted
         ones: they stay ready, restorable from object storage."""
         m = self.m
+        self._post_thaw.pop(sandbox_id, None)
         await asyncio.to_thread(shutil.rmtree, m.store.sandbox_snapshots_dir(sandbox_id), True)
         await m.pool.execute("UPDATE snapshots SET state='deleted' WHERE sandbox_id=$1 AND state <> 'deleted'"
                              " AND NOT (pinned AND promotion = 'promoted')", sandbox_id)

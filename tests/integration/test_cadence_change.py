@@ -162,6 +162,21 @@ async def test_unchanged_compares_with_the_last_snapshot_or_else_the_template(po
     reflink_or_copy(paths.ram, fs / "snapshots" / sandbox / full2 / "ram")
     assert await ops.unchanged(sandbox, "full") and not await ops.unchanged(sandbox, "disk")
 
+    # A frozen disk snapshot's thaw rewrites the superblock (block 0): that alone does not count as a change.
+    _write(paths.disk, 14 * MIB, b"more")
+    thawed = await _snapshot(pool, tenant, sandbox, node, "disk")
+    (fs / "snapshots" / sandbox / thawed).mkdir()
+    reflink_or_copy(paths.disk, fs / "snapshots" / sandbox / thawed / "disk.img")
+    _write(paths.disk, 1024, b"needs_recovery")  # what ext4_unfreeze writes
+    assert not await ops.unchanged(sandbox, "disk")  # without the note: block 0 differs
+    ops._note_thaw(sandbox, thawed, paths.disk, fs / "snapshots" / sandbox / thawed / "disk.img")  # noqa: SLF001
+    assert await ops.unchanged(sandbox, "disk")
+    _write(paths.disk, 1024, b"superblock again")  # block 0 written again later: a change after all
+    assert not await ops.unchanged(sandbox, "disk")
+    _write(paths.disk, 15 * MIB, b"a write right after the thaw")  # beyond block 0: nothing noted
+    ops._note_thaw(sandbox, thawed, paths.disk, fs / "snapshots" / sandbox / thawed / "disk.img")  # noqa: SLF001
+    assert not await ops.unchanged(sandbox, "disk")
+
     # A snapshot of an earlier generation (before a rollback) is no baseline; nor is a missing file.
     host.vms[sandbox].generation = 2
     assert not await ops.unchanged(sandbox, "disk")

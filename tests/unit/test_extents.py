@@ -127,3 +127,16 @@ def test_manifest_without_a_usable_previous_hashes_everything(fs: Path) -> None:
     assert again == before and stats["hashed"] == 8 << 20
     other, _ = build_manifest(cur, 64 << 10, previous=(prev, before), stats=(s2 := {}))  # another chunk size
     assert s2["hashed"] == 8 << 20 and other.chunk_size == 64 << 10
+
+
+def test_differing_ranges_are_the_written_blocks(fs: Path) -> None:
+    from podbay.extents import differing_ranges
+
+    disk, snap = fs / "disk.img", fs / "snap.img"
+    size = 32 << 20
+    _disk(disk, size)
+    reflink_or_copy(disk, snap)
+    assert differing_ranges(fiemap(disk), fiemap(snap), size) == []
+    _write(disk, 1024, b"superblock")  # block 0 (what a filesystem thaw rewrites)
+    _write(disk, 20 << 20, b"into a hole")
+    assert differing_ranges(fiemap(disk), fiemap(snap), size) == [(0, 4096), (20 << 20, (20 << 20) + 4096)]

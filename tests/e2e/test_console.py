@@ -177,6 +177,22 @@ def test_console_end_to_end(stack: Any, browser: Any, shots: Path) -> None:
             assert c.get(f"/v1/sandboxes/{child}").status_code == 200
             until("the fork to run", lambda: c.get(f"/v1/sandboxes/{child}").json()["state"] == "running", 180)
             c.delete(f"/v1/sandboxes/{child}")
+            # A second snapshot after a change, then the file-level diff of the two from the tree.
+            assert c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/root/diffme.txt"}, content=b"new\n").is_success
+            # The diff reads the snapshots' disks: the write must have left the guest's page cache.
+            assert c.post(f"/v1/sandboxes/{sid}/exec", json={"shell": "sync"}).json()["exit_code"] == 0
+            page.get_by_role("button", name="Snapshot now").click()
+            until("two ready snapshots", lambda: page.locator("li[data-snapshot] > .node .state[data-state=ready]").count() == 2,
+                  120)
+            for box in page.get_by_role("checkbox").all():
+                box.check()
+            page.get_by_role("button", name="Compare selected").click()
+            try:
+                page.locator("#snapshot-diff tr[data-path='/root/diffme.txt']").wait_for()
+            except Exception:
+                raise AssertionError(f"no diff: {page.locator('#toast').inner_text()!r} "
+                                     f"{page.locator('#snapshot-diff').inner_text()[:2000]!r}") from None
+            page.screenshot(path=str(shots / "snapshot-diff.png"), full_page=True)
 
             for name, heading in (("templates", "Templates"), ("volumes", "Volumes"), ("credentials", "Credentials"),
                                   ("webhooks", "Webhooks"), ("keys", "API keys"), ("audit", "Audit"), ("nodes", "Nodes")):

@@ -115,8 +115,25 @@ const forksOf = () => JSON.parse(sessionStorage.getItem(FORKS_KEY) || "{}");
 async function snapshotsView(id, panel, refreshHead) {
   const enc = encodeURIComponent(id);
   const tree = h("div.tree", { id: "snapshot-tree" });
+  const diffOut = h("div", { id: "snapshot-diff", "aria-live": "polite" });
+  const selected = new Set();
+  let known = [];
+  const compare = async () => {
+    const two = known.filter((s) => selected.has(s.id)).sort((x, y) => x.created_at.localeCompare(y.created_at));
+    if (two.length !== 2) {
+      toast("choose two snapshots to compare", true);
+      return;
+    }
+    const d = await act(null, () => get(`/v1/sandboxes/${enc}/snapshots/${two[0].id}/diff/${two[1].id}`));
+    if (!d) return;
+    diffOut.replaceChildren(h("h2", { text: `${two[0].id} → ${two[1].id}` }),
+      h("p.muted", { text: `${d.added} added · ${d.changed} changed · ${d.removed ?? 0} removed${d.truncated ? " (list truncated)" : ""}` }),
+      table("Changed paths", [["Path", (e) => h("code", { text: e.path })], ["Change", (e) => e.change], ["Kind", (e) => e.kind],
+        ["Size", (e) => bytes(e.size)]], d.entries, (e) => ({ "data-path": e.path })));
+  };
   const load = async () => {
     const { snapshots } = await get(`/v1/sandboxes/${enc}/snapshots`);
+    known = snapshots;
     const forks = forksOf();
     const byParent = new Map();
     const ids = new Set(snapshots.map((s) => s.id));
@@ -127,6 +144,8 @@ async function snapshotsView(id, panel, refreshHead) {
     }
     const node = (s) => h("li", { "data-snapshot": s.id },
       h("div.node", {},
+        h("input", { type: "checkbox", "aria-label": `Compare ${s.id}`, checked: selected.has(s.id), disabled: s.state !== "ready",
+          on: { change: (ev) => (ev.currentTarget.checked ? selected.add(s.id) : selected.delete(s.id)) } }),
         h("code", { text: s.id }), h("span.state", { "data-state": s.state, text: s.state }),
         h("span.muted", { text: `${s.kind} · ${when(s.created_at)}${s.size_bytes ? " · " + bytes(s.size_bytes) : ""}` }),
         h("button", { type: "button", text: "Roll back", "aria-label": `Roll back to ${s.id}`, disabled: s.state !== "ready",
@@ -151,7 +170,8 @@ async function snapshotsView(id, panel, refreshHead) {
     ev.preventDefault();
     await act(ev.submitter, () => post(`/v1/sandboxes/${enc}/snapshots`, { kind: kind.value }, { wait: true }), "snapshot taken");
     load();
-  } } }, field("Kind", kind), h("button.primary", { type: "submit", text: "Snapshot now" })), tree);
+  } } }, field("Kind", kind), h("button.primary", { type: "submit", text: "Snapshot now" }),
+  h("button", { type: "button", text: "Compare selected", on: { click: compare } })), tree, diffOut);
   await load();
   const t = setInterval(() => load().catch(() => {}), 5000);
   return () => clearInterval(t);

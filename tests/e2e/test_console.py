@@ -162,6 +162,12 @@ def test_console_end_to_end(stack: Any, browser: Any, shots: Path) -> None:
             page.get_by_role("tab", name="Events").click()
             page.locator("ol.events li").first.wait_for()
             page.screenshot(path=str(shots / "events.png"))
+            # Its audit log: opening the terminal was recorded.
+            page.get_by_role("link", name="Audit log of this sandbox").click()
+            page.get_by_role("cell", name="sandbox.pty", exact=True).first.wait_for()
+            page.screenshot(path=str(shots / "sandbox-audit.png"))
+            page.goto(f"/console#/sandboxes/{sid}")
+            page.get_by_text("connected", exact=True).wait_for()
 
             # Snapshot now, then fork from the tree: the child shows under its snapshot and exists in the API.
             page.get_by_role("tab", name="Snapshots").click()

@@ -181,7 +181,7 @@ async function snapshotsView(id, panel, refreshHead) {
 
 async function eventsView(id, panel) {
   const list = h("ol.events", { "aria-live": "polite" });
-  panel.append(list);
+  panel.append(h("p", {}, h("a", { href: `#/audit?sandbox_id=${encodeURIComponent(id)}`, text: "Audit log of this sandbox" })), list);
   const abort = new AbortController();
   const add = (e) => list.prepend(h("li", {}, h("span.muted", { text: when(e.at) + " " }), h("strong", { text: e.type }),
     e.state ? ` → ${e.state}` : ""));

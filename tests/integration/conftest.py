@@ -7,7 +7,10 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from access_helpers import Tenant, new_tenant
+
 from podbay import db
+from podbay.devstack.stack import Stack
 
 
 @pytest.fixture
@@ -17,3 +20,15 @@ async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
     await db.migrate(p)
     yield p
     await p.close()
+
+
+@pytest.fixture
+def acme(stack: Stack) -> Tenant:
+    """A fresh tenant with an API key of its own (access_helpers.new_tenant); a module may override it."""
+    return new_tenant(stack, "acme")
+
+
+@pytest.fixture
+def other(stack: Stack) -> Tenant:
+    """A second fresh tenant, for what one tenant must not see or touch of another's."""
+    return new_tenant(stack, "other")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, second_api, template_and_sandbox
+from access_helpers import Tenant, second_api, template_and_sandbox
 
 from podbay import db
 from podbay.bus import connect_bus
@@ -33,14 +33,6 @@ from podbay.webhooks import ALLOW_PRIVATE_SETTING, Deliverer, resolve_host, veri
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture()
-def acme(stack: Stack) -> Tenant:
-    return new_tenant(stack, "acme")
-
-
-@pytest.fixture()
-def other(stack: Stack) -> Tenant:
-    return new_tenant(stack, "other")
 
 
 def emit(stack: Stack, *events: tuple[str, str]) -> None:

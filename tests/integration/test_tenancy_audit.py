@@ -8,7 +8,7 @@ import secrets
 import asyncpg
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, sql, template_and_sandbox
+from access_helpers import Tenant, sql, template_and_sandbox
 
 from podbay.devstack.stack import Stack
 from podbay.naming import sandbox_hostname
@@ -16,14 +16,6 @@ from podbay.naming import sandbox_hostname
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture()
-def acme(stack: Stack) -> Tenant:
-    return new_tenant(stack, "acme")
-
-
-@pytest.fixture()
-def other(stack: Stack) -> Tenant:
-    return new_tenant(stack, "other")
 
 
 def test_keys_create_list_revoke(stack: Stack, acme: Tenant) -> None:

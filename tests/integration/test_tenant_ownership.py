@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from access_helpers import Tenant, new_tenant, sql
+from access_helpers import Tenant, sql
 
 from podbay.devstack.stack import Stack
 from podbay.outbox import new_id
@@ -21,14 +21,6 @@ from podbay.outbox import new_id
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture()
-def acme(stack: Stack) -> Tenant:
-    return new_tenant(stack, "acme")
-
-
-@pytest.fixture()
-def other(stack: Stack) -> Tenant:
-    return new_tenant(stack, "other")
 
 
 def _template(stack: Stack, owner: Tenant | None, tag: str | None = None) -> str:

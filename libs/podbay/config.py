@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     api_url: str | None = Field(None, description="Client side: where the API answers.")
     api_key: str | None = Field(None, description="Client side: bearer API key.")
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
+    api_body_max_mib: int = Field(32, ge=1, description="Largest request body the API reads into memory, MiB "
+                                  "(JSON and form bodies: an exec takes up to 16 MiB of stdin and 2 MiB of arguments); larger ones are "
+                                  "refused with 413 body_too_large "
+                                  "before they are read. File uploads, build contexts and envd traffic stream "
+                                  "and have limits of their own.")
     idempotency_key_ttl_s: float = Field(86400.0, gt=0, description="How long an `Idempotency-Key` of a "
                                          "create is remembered (seconds): a retry within it returns the "
                                          "sandbox the key made; after it the key is free again and the "

@@ -27,6 +27,7 @@ from podbay.contracts import subjects
 from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_secrets, e2b_snapshots, e2b_volumes,
                events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
 from .auth import authenticate
+from .bodylimit import BodyLimit
 from .context import ApiContext
 from .errors import install_error_handlers
 from .schedules import routes as schedule_routes
@@ -137,6 +138,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_volumes.router)
     app.include_router(e2b_secrets.router)
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
+    # Inside EnvdRouting and the port edge: it sees the rewritten envd paths, never a guest port's traffic.
+    app.add_middleware(BodyLimit, max_bytes=settings.api_body_max_mib << 20)
     app.add_middleware(e2b_envd.EnvdRouting, domain=settings.e2b_domain)
     # Guest ports ({port}-{sandbox}.{ports_domain}, /ports/..., E2B's hosts for ports other than envd's):
     # outside EnvdRouting, so it sees E2B's hosts first and leaves envd's port to it.

@@ -53,6 +53,7 @@ function signInPage() {
         const info = await act(form.querySelector("button"), () => post("/console/session", { key: key.value }));
         if (info) {
           setSession(info);
+          early = null; // asked before sign-in, it was refused: the list asks again now
           location.hash = "#/sandboxes";
         }
       },
@@ -336,7 +337,13 @@ async function route() {
   }
   renderNav(parts[0]);
   try {
-    if (parts[0] === "sandboxes" && parts[1]) await sandboxPage(decodeURIComponent(parts[1]), { page, onLeave, lifecycleButtons });
+    if (parts[0] === "sandboxes" && parts[1]) {
+      // An id is letters, digits, _ and -: anything else (".", "..", a slash once decoded) would be a
+      // different API path after the browser normalises the URL, so it is no sandbox's page.
+      const id = decodeURIComponent(parts[1]);
+      if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw Object.assign(new Error(`no sandbox ${id}`), { status: 404, code: "not_found" });
+      await sandboxPage(id, { page, onLeave, lifecycleButtons });
+    }
     else await (ROUTES[parts[0]] || sandboxesPage)(params);
   } catch (e) {
     page(e.status === 404 ? "Not found" : "Error", h("p.card", { role: "alert", text: `${e.code || "error"}: ${e.message}` }));

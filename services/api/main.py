@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from typing import Any
 
@@ -28,6 +29,7 @@ import uvloop
 from podbay import db
 from podbay.config import ConfigError, Settings, get_settings
 from podbay.devstack.supervisor import STATE_FILE, stack_env
+from podbay.contracts.ids import ID_RE
 from podbay.errors import PodbayError
 from podbay.grants import GrantKeyError, GrantSigner, new_keypair
 from podbay.telemetry import setup_logging
@@ -100,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("api", settings.log_level)
     try:
         if args.cmd == "create-key":
+            if not re.fullmatch(ID_RE, args.tenant):
+                # A tenant is named in routes (/v1/tenants/{tenant}/quota) and logs: '', 'a b', '../etc' or
+                # 'DEV' beside 'dev' would make tenants an operator cannot address or tell apart.
+                print(f"podbay-api: --tenant {args.tenant!r} is not a tenant name: lowercase letters, digits, "
+                      "'_' and '-', starting with a letter or digit, at most 64", file=sys.stderr)
+                sys.exit(2)
             print(json.dumps(uvloop.run(_create_key(args.tenant, args.name, args.replace))))
             return
         if args.cmd == "migrate":

@@ -103,3 +103,22 @@ def test_replace_revokes_the_live_keys_of_that_name_only(pg_dsn: str, tmp_path: 
             await conn.close()
 
     assert sorted(asyncio.run(live())) == sorted([third["key_id"], other["key_id"]])
+
+
+@pytest.mark.parametrize("tenant", ["", "a b", "../etc", "DEV", "x" * 65, "_lead"])
+def test_create_key_refuses_a_tenant_name_an_operator_could_not_address(pg_dsn: str, tmp_path: Path,
+                                                                         tenant: str) -> None:
+    done = subprocess.run([API, "create-key", "--tenant", tenant, "--name", "ops"], capture_output=True, text=True,
+                          timeout=120, env=_env(tmp_path / "data", PODBAY_PG_DSN=pg_dsn))
+    assert done.returncode == 2, done.stdout
+    assert "is not a tenant name" in done.stderr and not done.stdout
+    rows = asyncio.run(_tenants_named(pg_dsn, tenant))
+    assert rows == 0  # nothing was made
+
+
+async def _tenants_named(dsn: str, name: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM tenants WHERE name = $1", name))
+    finally:
+        await conn.close()

@@ -61,13 +61,25 @@ _KNOWN_POSTS = ("/exec", "/timeout", "/schedules", "/files/mkdir", "/computer/mo
                 "/computer/screenshot")
 
 
+def _live_node(stack: Any) -> str:
+    """The id of a node whose data plane answers: the session's database also holds the rows of nodes other
+    modules made up (unreachable addresses), and a snapshot on one of those would make a diff answer 503."""
+    for row in sql(stack, "SELECT id, dataplane_url FROM nodes WHERE state = 'ready' ORDER BY id"):
+        try:
+            if httpx.get(f"{row['dataplane_url']}/healthz", timeout=2).status_code == 200:
+                return str(row["id"])
+        except httpx.HTTPError:
+            continue
+    raise AssertionError("the stack has no node whose data plane answers")
+
+
 def _objects(stack: Any) -> dict[str, str]:
     """Rows of the stack's (operator) tenant for generated requests to find: a suspended sandbox with two
     snapshots and a schedule, its template, a volume, a credential."""
     me = Tenant(name="dev", tenant_id=stack.tenant_id, key=stack.api_key, api_url=stack.api_url)
     tpl, sbx = template_and_sandbox(stack, me)
     snaps = [f"snap_{secrets.token_hex(10)}" for _ in range(2)]
-    node = sql(stack, "SELECT id FROM nodes ORDER BY id LIMIT 1")[0]["id"]  # snapshots live on a node
+    node = _live_node(stack)  # snapshots live on a node
     for s in snaps:
         sql(stack, "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, generation) "
             "VALUES ($1, $2, $3, $4, 'full', 'ready', 1)", s, me.tenant_id, sbx, node)

@@ -70,8 +70,10 @@ def test_the_display_has_the_desktop_size_and_xdotool_reaches_it(stack: Any, des
     sid, _ = desktop
     with api_client(stack) as h:
         assert sh(h, sid, "DISPLAY=:0 xdotool getdisplaygeometry").split() == [str(n) for n in SCREEN]
-        # Chromium's window is on the display (the window manager mapped it).
-        assert sh(h, sid, "DISPLAY=:0 xdotool search --onlyvisible --class chromium | head -1").strip()
+        # Chromium's window is on the display (the window manager mapped it). The template is ready when noVNC
+        # answers; Chromium maps its window on its own time, later on a loaded host.
+        until("Chromium's window on the display",
+              lambda: sh(h, sid, "DISPLAY=:0 xdotool search --onlyvisible --class chromium | head -1").strip(), 60)
 
 
 def test_the_novnc_page_is_served_through_the_port_url(stack: Any, desktop: tuple[str, str]) -> None:

@@ -13,6 +13,7 @@ DEB_PACKAGES=(
   skopeo umoci  # FROM an OCI image (services/nodeagent/build/oci.py reads with skopeo); umoci: tests make images
   prometheus  # only for promtool, which checks deploy/prometheus rules in the tests
   chromium  # the console's Playwright tests drive Debian's Chromium (never `playwright install`)
+  libnss-myhostname  # *.localhost -> loopback for every program: the dev stack's E2B domain (e2b.localhost)
 )
 
 log="$(mktemp -t podbay-setup.XXXXXX)"
@@ -75,6 +76,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
     as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
   fi
   python="$(pick_python)"
+fi
+
+# The package adds `myhostname` to the hosts line of /etc/nsswitch.conf when it is installed; put it back where
+# that line lost it, so that E2B's https://{port}-{sandboxID}.e2b.localhost names resolve (docs/operations.md).
+if [ -f /etc/nsswitch.conf ] && ! grep -Eq '^hosts:.*[[:space:]]myhostname([[:space:]]|$)' /etc/nsswitch.conf; then
+  run "adding myhostname to the hosts line of /etc/nsswitch.conf" \
+    as_root sed -i -E '/^hosts:/ s/([[:space:]])files([[:space:]]|$)/\1files myhostname\2/' /etc/nsswitch.conf
 fi
 
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then

@@ -74,9 +74,39 @@ async def request_body(receive: Receive) -> AsyncIterator[bytes]:
 
 
 async def relay_response(resp: httpx.Response, send: Send, on_bytes: Callable[[int], None] | None = None,
-                         drop: frozenset[str] = HOP_BY_HOP) -> None:
+                         drop: frozenset[str] = HOP_BY_HOP, receive: Receive | None = None) -> bool:
     """Send ``resp`` (opened with ``stream=True``) to the ASGI client as it arrives: status, end-to-end headers,
-    then each raw chunk (``on_bytes(n)`` after each)."""
+    then each raw chunk (``on_bytes(n)`` after each). True once the response is relayed whole.
+
+    ``receive``: the request's channel, its body already read (httpx sends a request's whole body before it
+    returns the response): the relay then stops when the client disconnects, and returns False (the caller
+    closes ``resp``, so the upstream sees its connection close). Without it a vanished client goes unnoticed:
+    uvicorn's ``send`` drops what is sent after a disconnect without an error, so a stream that never ends (an
+    execution's keepalives) would be relayed into the void for ever and its upstream never told."""
+    if receive is None:
+        await _relay(resp, send, on_bytes, drop)
+        return True
+    relay = asyncio.ensure_future(_relay(resp, send, on_bytes, drop))
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (relay, gone):
+            task.cancel()
+        await asyncio.gather(relay, gone, return_exceptions=True)
+    if relay.done() and not relay.cancelled():
+        relay.result()
+        return True
+    return False
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _relay(resp: httpx.Response, send: Send, on_bytes: Callable[[int], None] | None,
+                 drop: frozenset[str]) -> None:
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.multi_items()
                if k.lower() not in drop]
     await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})

@@ -7,12 +7,18 @@ boundary. Streams (docs/DESIGN.md §4):
   the operation id is the ``Nats-Msg-Id`` so duplicate publishes within the dedupe window are dropped.
 - ``PODBAY_EVT``: limits retention over ``podbay.evt.>`` (7 days, 1 GiB).
 - KV ``podbay_nodes``: heartbeats with a TTL, read through one watcher per process (``podbay.nodewatch``).
+
+A cluster: ``PODBAY_NATS_URL`` may list several servers separated by commas (:func:`nats_servers`); the client
+connects to any and moves to another when its server is lost or stops answering pings. Streams and KV buckets
+are declared with :attr:`Bus.replicas` replicas (R3 on a cluster of three or more; see :func:`stream_replicas`),
+so JetStream keeps them, and their consumers, through the loss of any one server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -40,20 +46,50 @@ from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
 from podbay.nodewatch import NodeWatch
 
-__all__ = ["Bus", "connect_bus", "consume", "MAX_DELIVER"]
+__all__ = ["Bus", "connect_bus", "consume", "MAX_DELIVER", "nats_servers", "stream_replicas", "PING_INTERVAL_S",
+           "PUBLISH_RETRY_S"]
 
 log = logging.getLogger("podbay.bus")
 
 #: Deliveries of one command before JetStream gives up on it (handlers that retry by nak must answer on the last).
 MAX_DELIVER = 20
+#: Seconds between the client's pings; two unanswered ones mark the connection stale and the client moves to
+#: another server. nats-py's default (120 s) left a client on a frozen or cut-off server for four minutes.
+PING_INTERVAL_S = 2.0
+#: How long :meth:`Bus.publish_command` keeps trying (s): longer than a JetStream stream's leader election
+#: after a server is lost (a few seconds) plus a client's move to another server (two missed pings).
+PUBLISH_RETRY_S = 15.0
+
+
+def nats_servers(url: str) -> list[str]:
+    """The server URLs of ``PODBAY_NATS_URL``: one URL, or several separated by commas (spaces ignored), in
+    order. Raises ``ValueError`` when none is given."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError("PODBAY_NATS_URL names no server")
+    return servers
+
+
+def stream_replicas(configured: int, cluster_size: int) -> int:
+    """Replicas of podbay's streams and KV buckets: ``configured`` when above 0, else 3 on a cluster of at
+    least three servers and 1 otherwise (JetStream's replicas are at most 5 and at most the cluster's size).
+
+    ``cluster_size``: the servers of the cluster the client learned of (its own plus those the server
+    announced in ``connect_urls``), or those listed in the URL if more.
+    """
+    if configured > 0:
+        return min(configured, 5)
+    return 3 if cluster_size >= 3 else 1
 
 
 class Bus:
     """A connected NATS client with its JetStream context and the podbay streams declared."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, *, heartbeat_ttl_s: float) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, *, heartbeat_ttl_s: float, replicas: int = 1) -> None:
         self.nc = nc
         self.js = js
+        #: Replicas of every stream and KV bucket this bus declares (:func:`stream_replicas`).
+        self.replicas = replicas
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._nodes_kv: KeyValue | None = None
         self._node_watch: NodeWatch | None = None
@@ -67,6 +103,7 @@ class Bus:
                 retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE,
                 duplicate_window=120.0,
+                num_replicas=self.replicas,
             )
         )
         await self._ensure_stream(
@@ -78,6 +115,7 @@ class Bus:
                 max_age=7 * 24 * 3600.0,
                 max_bytes=1 << 30,
                 duplicate_window=120.0,
+                num_replicas=self.replicas,
             )
         )
         await self.nodes_kv()
@@ -86,7 +124,11 @@ class Bus:
         try:
             await self.js.add_stream(cfg)
         except BadRequestError:
-            # Exists with another config (e.g. an older version): update in place.
+            # Exists with another config (an older version, or R1 before the cluster grew): update in place;
+            # JetStream moves a stream to more replicas by itself. Never to fewer: a process that started
+            # while a server was down saw a smaller cluster, and must not strip the stream of its copies.
+            current = await self.js.stream_info(cfg.name or "")
+            cfg.num_replicas = max(cfg.num_replicas or 1, current.config.num_replicas or 1)
             await self.js.update_stream(cfg)
 
     async def nodes_kv(self) -> KeyValue:
@@ -96,7 +138,8 @@ class Bus:
                 self._nodes_kv = await self.js.key_value(subjects.NODES_KV)
             except NotFoundError:
                 self._nodes_kv = await self.js.create_key_value(
-                    KeyValueConfig(bucket=subjects.NODES_KV, ttl=self._heartbeat_ttl_s, history=1)
+                    KeyValueConfig(bucket=subjects.NODES_KV, ttl=self._heartbeat_ttl_s, history=1,
+                                   replicas=self.replicas)
                 )
         return self._nodes_kv
 
@@ -128,12 +171,29 @@ class Bus:
         await self.ensure_consumer(durable, filter_subject, ack_wait_s=ack_wait_s)
         return await self.js.pull_subscribe_bind(durable=durable, stream=subjects.CMD_STREAM)
 
-    async def publish_command(self, subject: str, msg: BaseModel, *, msg_id: str) -> None:
-        """Publish a command on the work-queue stream; ``msg_id`` (the operation id) deduplicates."""
-        try:
-            await self.js.publish(subject, msg.model_dump_json().encode(), headers={"Nats-Msg-Id": msg_id})
-        except Exception as exc:  # nats-py raises several unrelated types on a lost server
-            raise Unavailable(f"could not publish {subject}: {exc}") from exc
+    async def publish_command(self, subject: str, msg: BaseModel, *, msg_id: str,
+                              retry_s: float = PUBLISH_RETRY_S) -> None:
+        """Publish a command on the work-queue stream; ``msg_id`` (the operation id) deduplicates.
+
+        Retried for up to ``retry_s`` seconds: the caller has usually committed the state change the command
+        carries out, and on a cluster a lost server or a new stream leader refuses or drops publishes for a
+        few seconds (no responders, timeouts, a reconnect). A retry is safe: JetStream drops a second copy with
+        the same ``Nats-Msg-Id`` within the stream's duplicate window. Raises ``Unavailable`` after that.
+        """
+        data = msg.model_dump_json().encode()
+        deadline = time.monotonic() + retry_s
+        delay = 0.1
+        while True:
+            try:
+                await self.js.publish(subject, data, headers={"Nats-Msg-Id": msg_id},
+                                      timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                return
+            except Exception as exc:  # nats-py raises several unrelated types on a lost server
+                if time.monotonic() + delay >= deadline:
+                    raise Unavailable(f"could not publish {subject}: {exc}") from exc
+                log.warning("publish of %s failed (%s: %s); retrying", subject, type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
 
     async def close(self) -> None:
         """Flush what was published, then close. (``drain`` would wait up to 30 s on an idle pull
@@ -150,8 +210,19 @@ class Bus:
             pass
 
 
-async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, timeout_s: float = 30.0) -> Bus:
-    """Connect with retries (``Unavailable`` after ``timeout_s``), declare the streams, return the ``Bus``."""
+async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, timeout_s: float = 30.0,
+                      replicas: int | None = None) -> Bus:
+    """Connect with retries (``Unavailable`` after ``timeout_s``), declare the streams, return the ``Bus``.
+
+    ``url``: one server or several separated by commas (:func:`nats_servers`); the client reconnects without
+    end, to any of them or any other server the cluster announces. ``replicas``: of the streams and buckets
+    (:func:`stream_replicas`; None: the ``PODBAY_NATS_REPLICAS`` setting, whose 0 means by cluster size).
+    """
+    servers = nats_servers(url)
+    if replicas is None:
+        from podbay.config import get_settings  # here: the bus is also used by tools that load no settings
+
+        replicas = get_settings().nats_replicas
 
     async def _disconnected() -> None:
         log.warning("disconnected from NATS")
@@ -171,17 +242,24 @@ async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, tim
         ):
             with attempt:
                 nc = await nats.connect(
-                    url,
+                    servers=servers,
                     name=name,
                     connect_timeout=2,
+                    allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    ping_interval=PING_INTERVAL_S,
+                    max_outstanding_pings=2,
                     disconnected_cb=_disconnected,
                     reconnected_cb=_reconnected,
                     error_cb=_error,
                 )
                 js = nc.jetstream(timeout=10)
-                bus = Bus(nc, js, heartbeat_ttl_s=heartbeat_ttl_s)
+                # The cluster's size as this client sees it: the servers listed, or the ones its server
+                # announced (a clustered server's connect_urls name every member up, itself included).
+                info = getattr(nc, "_server_info", None) or {}
+                size = max(len(servers), len(info.get("connect_urls") or []), 1)
+                bus = Bus(nc, js, heartbeat_ttl_s=heartbeat_ttl_s, replicas=stream_replicas(replicas, size))
                 await bus.ensure_streams()
                 return bus
     except Exception as exc:

@@ -1,7 +1,9 @@
 """Where the CLI and SDK find the API: ``PODBAY_API_URL``/``PODBAY_API_KEY``, else the dev config file.
 
 ``podbay up`` writes ``$XDG_CONFIG_HOME/podbay/config.json`` (``~/.config/podbay/config.json``, mode 0600)
-as ``{"api_url": "http://127.0.0.1:8080", "api_key": "pb_..."}``; ``PODBAY_CONFIG`` overrides the path.
+as ``{"api_url": "http://127.0.0.1:8080", "api_key": "pb_...", "e2b_domain": "e2b.localhost:8443",
+"ca_cert": ".../edge-ca.pem", "ca_bundle": ".../edge-trust.pem"}`` (the last three: the stack's TLS edge, for
+``podbay env --e2b``); ``PODBAY_CONFIG`` overrides the path.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import BaseModel
 
 from podbay.errors import InvalidRequest
 
-__all__ = ["ClientConfig", "config_path", "load_client_config", "save_client_config"]
+__all__ = ["ClientConfig", "config_path", "load_client_config", "save_client_config", "stack_edge", "StackEdge"]
 
 
 class ClientConfig(BaseModel):
@@ -23,6 +25,16 @@ class ClientConfig(BaseModel):
 
     api_url: str
     api_key: str | None = None
+
+
+class StackEdge(BaseModel):
+    """A dev stack's TLS edge as ``podbay up`` recorded it beside the URL and key: its E2B domain
+    (``e2b.localhost:8443``), its edge CA (PEM path) and a bundle of the system's roots with that CA (PEM path);
+    None when not known."""
+
+    e2b_domain: str | None = None
+    ca_cert: str | None = None
+    ca_bundle: str | None = None
 
 
 def config_path() -> Path:
@@ -53,7 +65,7 @@ def _read_file(path: Path) -> dict[str, str]:
         ) from exc
     if not isinstance(data, dict):
         raise InvalidRequest(f"the podbay config file {path} must hold a JSON object, not {type(data).__name__}")
-    for key in ("api_url", "api_key"):
+    for key in ("api_url", "api_key", "e2b_domain", "ca_cert", "ca_bundle"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise InvalidRequest(f"the podbay config file {path}: {key} must be a string")
     return data
@@ -82,6 +94,16 @@ def load_client_config(api_url: str | None = None, api_key: str | None = None, *
     return ClientConfig(api_url=_checked_url(url or "http://127.0.0.1:8080").rstrip("/"), api_key=key)
 
 
+def stack_edge(api_url: str) -> StackEdge | None:
+    """The config file's record when it is of the stack at ``api_url`` (with its E2B domain and trust files),
+    else None: a URL given by flag or environment for another API must not get this stack's domain. Raises
+    like :func:`load_client_config` for a malformed file."""
+    data = _read_file(config_path())
+    if not data.get("api_url") or str(data["api_url"]).rstrip("/") != api_url.rstrip("/"):
+        return None
+    return StackEdge(**{k: data.get(k) for k in StackEdge.model_fields})
+
+
 def _checked_url(url: str) -> str:
     """``url`` when it is an absolute http(s) URL with a host (parsed as httpx parses it), else
     ``InvalidRequest`` saying so: a typo must not surface later as an internal error or a vague failure to
@@ -95,12 +117,13 @@ def _checked_url(url: str) -> str:
     return url
 
 
-def save_client_config(cfg: ClientConfig) -> Path:
-    """Write the config file with mode 0600; returns its path."""
+def save_client_config(cfg: ClientConfig, edge: StackEdge | None = None) -> Path:
+    """Write the config file (``cfg``, and ``edge``'s values that are set) with mode 0600; returns its path."""
     path = config_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(cfg.model_dump_json(indent=2))
+    data = {**cfg.model_dump(), **(edge.model_dump(exclude_none=True) if edge is not None else {})}
+    tmp.write_text(json.dumps(data, indent=2))
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path

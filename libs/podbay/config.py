@@ -62,7 +62,12 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Build cache (templates, kernels).")
 
     # servers
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream; for a cluster, several "
+                          "servers' URLs separated by commas (clients connect to any and move to another when "
+                          "theirs is lost).")
+    nats_replicas: int = Field(0, ge=0, le=5, description="JetStream replicas of podbay's streams and KV buckets; "
+                               "0: 3 when the cluster has at least three servers (listed in PODBAY_NATS_URL or "
+                               "announced by the server), else 1.")
     pg_dsn: str = Field("postgresql://podbay@127.0.0.1:5432/podbay", description="PostgreSQL DSN.")
     s3_url: str = Field("http://127.0.0.1:8333", description="S3 endpoint.")
     s3_bucket: str = Field("podbay", description="Bucket for snapshots.")
@@ -70,6 +75,9 @@ class Settings(BaseSettings):
 
     # ports of the servers `podbay up` starts itself
     nats_port: int = Field(4222, description="NATS port for the dev stack.")
+    nats_servers: int = Field(1, ge=1, le=5, description="NATS servers the dev stack starts: 1, or a JetStream "
+                              "cluster of 3 (the first on PODBAY_NATS_PORT, the others and the routes on free "
+                              "ports).")
     pg_port: int = Field(5432, description="PostgreSQL port for the dev stack.")
     s3_port: int = Field(8333, description="S3 (SeaweedFS) port for the dev stack.")
     bin_dir: Path | None = Field(None, description="Where the podbay-* entry points live; default beside python.")
@@ -85,6 +93,23 @@ class Settings(BaseSettings):
                                     "Upgrade) besides HTTP/1.1 and WebSocket, for clients and TLS terminators "
                                     "that speak HTTP/2. Unset: only PODBAY_API_PORT (uvicorn, HTTP/1.1). "
                                     "`podbay up` sets it (default 8081).")
+    api_tls_port: int | None = Field(None, ge=1, le=65535, description="Also serve the API, port edge included, "
+                                     "over HTTPS on this port, for E2B's https://{port}-{sandboxID}.{domain} "
+                                     "addresses (`Sandbox.get_host`). Needs PODBAY_API_TLS_CERT_FILE and "
+                                     "PODBAY_API_TLS_KEY_FILE (an operator's wildcard certificate), or "
+                                     "PODBAY_API_TLS_CA_CERT_FILE and PODBAY_API_TLS_CA_KEY_FILE (a CA the edge "
+                                     "mints a certificate per name from). Clients reach it on 443 unless "
+                                     "PODBAY_E2B_DOMAIN carries this port. `podbay up` sets it (default 8443).")
+    api_tls_cert_file: Path | None = Field(None, description="PEM certificate chain the TLS edge serves for "
+                                           "every name: a wildcard for *.PODBAY_E2B_DOMAIN (and "
+                                           "*.PODBAY_PORTS_DOMAIN). Sandbox ids hold '_', which OpenSSL-based "
+                                           "clients never match against a wildcard: see docs/operations.md.")
+    api_tls_key_file: Path | None = Field(None, description="PEM private key of PODBAY_API_TLS_CERT_FILE.")
+    api_tls_ca_cert_file: Path | None = Field(None, description="PEM CA certificate from which the TLS edge mints "
+                                              "a certificate per server name under the E2B and ports domains "
+                                              "(when no PODBAY_API_TLS_CERT_FILE is set). `podbay up` makes one: "
+                                              "DATA_DIR/edge-ca.pem.")
+    api_tls_ca_key_file: Path | None = Field(None, description="PEM private key of PODBAY_API_TLS_CA_CERT_FILE.")
     api_url: str | None = Field(None, description="Client side: where the API answers.")
     api_key: str | None = Field(None, description="Client side: bearer API key.")
     create_timeout_s: float = Field(60.0, description="Upper bound a waiting create/delete call blocks.")
@@ -120,8 +145,11 @@ class Settings(BaseSettings):
                                         "for single-tenant set-ups; `podbay up` turns it on unless the "
                                         "environment or the config file sets it.")
     e2b_domain: str | None = Field(None, description="Wildcard domain routed to the API: E2B SDK traffic for "
-                                   "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API.")
-    # ports (services/api/ports*.py): guest ports reached through the API's edge
+                                   "{port}-{sandboxID}.DOMAIN goes to that sandbox's envd API, and other ports to "
+                                   "the port edge; returned to E2B's SDK as the sandbox's `domain`. It may carry "
+                                   "a port (`e2b.localhost:8443`) when the TLS edge is not on 443. `podbay up` "
+                                   "sets `e2b.localhost:<PODBAY_API_TLS_PORT>`.")
+    # ports (services/api/routes/ports*.py): guest ports reached through the API's edge
     ports_domain: str = Field("localhost", description="Guest ports answer at {port}-{sandbox}.DOMAIN on the API "
                               "(the sandbox id spelled with '-' for '_'); `localhost` resolves to loopback with "
                               "no DNS set-up. The path form /ports/{port}-{sandbox}/ needs no wildcard DNS.")
@@ -222,7 +250,7 @@ class Settings(BaseSettings):
                                           "migration), per sandbox.")
     vmm_memory_overhead_mib: int = Field(256, ge=64, description="memory.max of a QEMU: guest RAM + TCG's "
                                          "translation buffer + this (QEMU's heap and page tables; measured in "
-                                         "services/nodeagent/cgroups.py). Guest RAM is a shared file mapping, so "
+                                         "services/nodeagent/vm/cgroups.py). Guest RAM is a shared file mapping, so "
                                          "at the limit the kernel writes RAM pages back to their file rather "
                                          "than killing.")
     vmm_pids_max: int = Field(128, ge=16, description="pids.max of a QEMU's cgroup (its threads: vCPUs, I/O "
@@ -416,6 +444,16 @@ class Settings(BaseSettings):
     openbao_addr: str = Field("", description="openbao backend: server URL, e.g. http://127.0.0.1:8200.")
     openbao_token: str = Field("", description="openbao backend: token with read/write on openbao_mount.")
     openbao_mount: str = Field("secret", description="openbao backend: KV version 2 mount.")
+
+    # workload identity (podbay.oidc): podbay as an OIDC issuer of the tokens the gateway mints
+    oidc_issuer: str | None = Field(None, description="Issuer URL of workload identity tokens (their iss); the "
+                                    "API serves <issuer>/.well-known/openid-configuration and JWKS, so it must "
+                                    "reach the API. Default: http://<api_host>:<api_port>.")
+    oidc_token_ttl_s: int = Field(300, ge=30, le=3600, description="Lifetime of a workload identity token the "
+                                  "gateway mints per request, seconds.")
+    oidc_key_rotate_s: int = Field(86400, ge=900, description="A new signing key after this many seconds "
+                                   "(published in the JWKS 10 minutes before it signs); the JWKS lists it, the "
+                                   "current and the previous one.")
 
     log_level: str = Field("INFO")
     log_format: Literal["text", "json"] = Field("text", description="Service logs on stderr: readable text, or "

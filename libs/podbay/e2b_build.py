@@ -1,6 +1,6 @@
 """E2B's template build (the SDK's ``Template()`` builder) as a podbay :class:`~podbay.contracts.templates.BuildSpec`.
 
-Pure: no I/O. The API (``services/api/e2b_templates.py``) receives E2B's ``TemplateBuildStartV2`` body
+Pure: no I/O. The API (``services/api/e2b/templates.py``) receives E2B's ``TemplateBuildStartV2`` body
 (:class:`E2bBuildStart`: ``fromImage``/``fromTemplate``, ``steps`` of ``{type, args, filesHash, force}``,
 ``startCmd``, ``readyCmd``) and :func:`translate` turns it into the spec podbay's builder runs, with E2B's
 semantics where they differ from a Dockerfile's:

@@ -2,7 +2,7 @@
 
 One table, :data:`DENIED_RANGES`, read by the gateway (``services/gateway/policy.py``: every connection and
 every DNS answer, on the address actually used) and rendered into the node's nftables ruleset
-(``services/nodeagent/netfilter.py``: a guest's packets to these ranges are never redirected to the proxy,
+(``services/nodeagent/net/netfilter.py``: a guest's packets to these ranges are never redirected to the proxy,
 so they meet the ruleset's reject even if the gateway were to fail open). A tenant's ``0.0.0.0/0`` (or
 ``::/0``) therefore means the public internet.
 

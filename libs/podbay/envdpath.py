@@ -1,6 +1,6 @@
 """The envd routes (E2B's in-sandbox API) a client may reach, and the one parser of a client's envd path.
 
-The API's envd proxy (services/api/e2b_envd.py) and the node's grant check (services/nodeagent/grant_check.py)
+The API's envd proxy (services/api/edge/envd.py) and the node's grant check (services/nodeagent/dataplane/grant_check.py)
 both take a path from the wire. Neither concatenates it into a URL: :func:`parse_envd_path` reads the raw
 bytes once, refuses every spelling that could mean something else after one more decoding or normalisation
 (percent signs at all, backslashes, empty and dot segments, control and non-ASCII bytes), then looks the path

@@ -52,7 +52,7 @@ _MAX_WIRE = 2048
 
 class GrantKind(StrEnum):
     """The kinds of node operation a grant can allow, one per family of node routes
-    (services/nodeagent/grant_check.py maps each route to its kind)."""
+    (services/nodeagent/dataplane/grant_check.py maps each route to its kind)."""
 
     EXEC = "exec"            # /internal/v1/sandboxes/{id}/exec, /exec/stream
     FILES = "files"          # /internal/v1/sandboxes/{id}/files, /files/{stat,list,mkdir}
@@ -64,6 +64,7 @@ class GrantKind(StrEnum):
     DIFF = "diff"            # /internal/v1/sandboxes/{id}/snapshots/{a}/diff/{b}
     BUILD = "build"          # /internal/v1/templates/build (subject: the build id)
     BUILD_STATUS = "build_status"  # /internal/v1/templates/building/{name} (subject: the template name)
+    VOLUME = "volume"        # /internal/v1/volumes/{id}/content/{path,dir,file} (subject: the volume id)
 
 
 class GrantKeyError(ValueError):

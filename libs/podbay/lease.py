@@ -46,7 +46,8 @@ async def leases_kv(bus: Bus, ttl_s: float) -> KeyValue:
         return await bus.js.key_value(subjects.LEASES_KV)
     except NotFoundError:
         try:
-            return await bus.js.create_key_value(KeyValueConfig(bucket=subjects.LEASES_KV, ttl=ttl_s, history=1))
+            return await bus.js.create_key_value(KeyValueConfig(bucket=subjects.LEASES_KV, ttl=ttl_s, history=1,
+                                                                      replicas=bus.replicas))
         except BadRequestError:  # another replica created it meanwhile
             return await bus.js.key_value(subjects.LEASES_KV)
 

@@ -14,10 +14,10 @@ Shapes (docs/ARCHITECTURE.md, "Lifecycle"):
   when the fence refused (someone else moved the sandbox first).
 - :func:`update_sql` is the UPDATE itself as SQL text over caller-named placeholders, and
   :func:`outcome_sql` the operation's outcome, for the few statements that must stay one round trip (the
-  node's warm start, services/nodeagent/warm.py): they compose them rather than copy them.
+  node's warm start, services/nodeagent/ops/warm.py): they compose them rather than copy them.
 - :func:`insert` writes a new sandbox row (born ``pending``, ``starting`` or ``suspended``) with its
   operation, ``created`` event and audit record; :func:`insert_sql` is that INSERT as SQL text, which the
-  warm claim (services/api/warm.py ``CLAIM_SQL``) composes to stay one round trip. Both own what every new
+  warm claim (services/api/services/warm.py ``CLAIM_SQL``) composes to stay one round trip. Both own what every new
   row shares: the state, ``desired_state`` running, the hostname (podbay.naming) and a lease that runs
   from now.
 - Leases (:func:`renew_lease`, :func:`renew_lease_sql` to compose, :func:`set_lease`, :func:`expire_lease`,
@@ -38,15 +38,19 @@ from typing import Any, Final
 
 import asyncpg
 
+from podbay.contracts.events import EventType
 from podbay.audit import record
 from podbay.contracts.states import ALLOWED, OperationState, SandboxCommand, SandboxState
 from podbay.errors import Conflict, InvalidState
 from podbay.naming import sandbox_hostname_sql
 from podbay.outbox import emit_sandbox_event
+from podbay import snapshot_state
+from podbay import operation_state
+from podbay.transitions import TransitionTable
 
 __all__ = [
     "Verb", "TRANSITIONS", "next_state", "sources", "targets", "update_sql", "outcome_sql", "apply", "renew_lease",
-    "renew_lease_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot", "suspend",
+    "renew_lease_sql", "renew_leases_sql", "insert_sql", "insert", "BIRTH_STATES", "set_lease", "expire_lease", "copy_lease_action", "forget_suspended_snapshot", "suspend",
     "starting_from_snapshots",
     "LEASE_RENEWAL", "LEASE_CHANNEL", "notify_lease",
     "NewOperation", "OperationOutcome", "SandboxEvent", "AuditRecord", "ANY_NODE", "KEEP",
@@ -112,19 +116,17 @@ def _table() -> dict[tuple[SandboxState, Verb], SandboxState]:
 TRANSITIONS: Final[Mapping[tuple[SandboxState, Verb], SandboxState]] = _table()
 
 
+_TABLE: Final = TransitionTable(TRANSITIONS, states=SandboxState, refusal="cannot {verb} a sandbox that is {state}")
+
+
 def next_state(state: SandboxState | str, verb: Verb) -> SandboxState:
     """The state ``verb`` takes a sandbox in ``state`` to. Raises ``InvalidState`` (409) when it does not apply."""
-    st = SandboxState(state)
-    try:
-        return TRANSITIONS[(st, verb)]
-    except KeyError:
-        raise InvalidState(f"cannot {verb.value} a sandbox that is {st.value}",
-                           details={"state": st.value, "verb": verb.value}) from None
+    return _TABLE.next_state(state, verb)
 
 
 def sources(verb: Verb) -> frozenset[SandboxState]:
     """The states ``verb`` applies in."""
-    return frozenset(s for (s, v) in TRANSITIONS if v == verb)
+    return _TABLE.sources(verb)
 
 
 def targets(verb: Verb, states: Iterable[SandboxState | str] | None = None) -> SandboxState | None:
@@ -202,8 +204,7 @@ def update_sql(verb: Verb, states: Iterable[SandboxState | str] | None, *, sandb
     sets.append("updated_at=now()")
     where = [f"id={sandbox}"]
     if froms is not None:
-        where.append(f"state='{froms[0].value}'" if len(froms) == 1
-                     else "state IN (" + ", ".join(f"'{s.value}'" for s in froms) + ")")
+        where.append(_TABLE.fence(froms))
     if generation is not None:
         where.append(f"generation={generation}")
     if node_is_null:
@@ -248,7 +249,7 @@ class SandboxEvent:
     """The sandbox event the transition emits (podbay.outbox.emit_sandbox_event); its ``state`` is the new
     state. ``new_generation``: the event carries the generation the UPDATE wrote (instead of ``generation``)."""
 
-    type: str
+    type: EventType
     reason: str | None = None
     node_id: str | None = None
     tenant_id: str | None = None
@@ -424,10 +425,8 @@ async def insert(
 
 
 async def _start_operation(conn: asyncpg.Connection, sandbox_id: str, op: NewOperation) -> None:
-    await conn.execute(
-        "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, finished_at)"
-        " VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 THEN now() END)",
-        op.id, op.tenant_id, sandbox_id, op.kind, op.state.value, op.finished)
+    await operation_state.insert(conn, op.id, tenant_id=op.tenant_id, sandbox_id=sandbox_id, kind=op.kind,
+                                 state=op.state, finished=op.finished)
 
 
 def outcome_sql(state: OperationState, *, operation: str = "$1", error_code: str | None | _Sentinel = KEEP,
@@ -467,10 +466,17 @@ async def _record_outcome(conn: asyncpg.Connection, op: OperationOutcome) -> Non
 
 def renew_lease_sql(*, where: str = "", returning: str = "") -> str:
     """The lease renewal of sandbox ``$1`` as SQL, for a statement that does more in the same round trip (the
-    data plane's lookup, services/api/dataplane.py): ``where`` adds conditions (``"state='running'"``),
+    data plane's lookup, services/api/nodes_client.py): ``where`` adds conditions (``"state='running'"``),
     ``returning`` the RETURNING list."""
     return (f"UPDATE sandboxes SET {LEASE_RENEWAL} WHERE id=$1" + (f" AND {where}" if where else "")
             + (f" RETURNING {returning}" if returning else ""))
+
+
+def renew_leases_sql() -> str:
+    """The lease renewal of every sandbox in ``$1`` (a text array of ids) that is still running, as one
+    statement: the batched renewals of the data plane's calls (:mod:`podbay.renewals`)."""
+    return (f"UPDATE sandboxes SET {LEASE_RENEWAL} WHERE id = ANY($1::text[])"
+            f" AND state = '{SandboxState.RUNNING.value}'")
 
 
 async def suspend(
@@ -505,26 +511,24 @@ async def suspend(
                        "retry the suspend shortly", details={"sandbox_id": sandbox_id, "starting_sandbox_id": starting})
     parent = await conn.fetchval("SELECT id FROM snapshots WHERE sandbox_id=$1 AND state='ready'"
                                  " ORDER BY created_at DESC LIMIT 1", sandbox_id)
-    await conn.execute(
-        "INSERT INTO snapshots (id, tenant_id, sandbox_id, node_id, kind, state, parent_id, generation)"
-        " VALUES ($1,$2,$3,$4,'full','creating',$5,$6)", snapshot_id, tenant_id, sandbox_id, node_id, parent,
-        generation)
+    await snapshot_state.insert(conn, snapshot_id, tenant_id=tenant_id, sandbox_id=sandbox_id, node_id=node_id,
+                                kind="full", parent_id=parent, generation=generation)
     row = await apply(
         conn, sandbox_id, Verb.SUSPEND, states=state, generation=generation if fence else None,
         node=node_id if fence else ANY_NODE, values={"suspended_snapshot_id": snapshot_id},
         operation=NewOperation(operation_id, tenant_id, "suspend"),
-        event=SandboxEvent("suspending", tenant_id=tenant_id, node_id=node_id, generation=generation,
+        event=SandboxEvent(EventType.SUSPENDING, tenant_id=tenant_id, node_id=node_id, generation=generation,
                            data={"operation_id": operation_id, "snapshot_id": snapshot_id, **(event_data or {})}),
         audit=AuditRecord(tenant_id, actor, "sandbox.suspend", detail=dict(audit_detail) if audit_detail else None))
     if row is None:  # someone moved the sandbox first: no snapshot will be taken
-        await conn.execute("DELETE FROM snapshots WHERE id=$1", snapshot_id)
+        await snapshot_state.forget(conn, snapshot_id)
     return row
 
 
 async def starting_from_snapshots(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str) -> str | None:
     """The id of a sandbox (pending, starting or resuming) that starts from one of ``sandbox_id``'s snapshots,
     or None. Such a snapshot must outlive that start: the same states refuse deleting a snapshot in use
-    (services/api/e2b_snapshots.py)."""
+    (services/api/e2b/snapshots.py)."""
     found: str | None = await conn.fetchval(
         "SELECT c.id FROM snapshots s JOIN sandboxes c ON c.source_snapshot_id = s.id WHERE s.sandbox_id=$1"
         " AND c.state IN ('pending', 'starting', 'resuming') ORDER BY c.id LIMIT 1", sandbox_id)
@@ -559,7 +563,7 @@ async def set_lease(conn: asyncpg.Connection | asyncpg.Pool, sandbox_id: str, le
 
 
 #: The PostgreSQL NOTIFY channel on which a node hears that a lease of one of its sandboxes changed (payload:
-#: the node id): its lease loop (services/nodeagent/lease.py) then sleeps until the new nearest deadline.
+#: the node id): its lease loop (services/nodeagent/ops/lease.py) then sleeps until the new nearest deadline.
 LEASE_CHANNEL = "podbay_lease"
 
 

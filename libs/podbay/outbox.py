@@ -18,6 +18,7 @@ from typing import Any
 
 import asyncpg
 
+from podbay.contracts.events import EventType
 from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import Event
@@ -45,7 +46,7 @@ async def emit(conn: asyncpg.Connection, subject: str, event: Event) -> None:
 async def emit_sandbox_event(
     conn: asyncpg.Connection,
     sandbox_id: str,
-    event_type: str,
+    event_type: EventType,
     *,
     state: str | None = None,
     reason: str | None = None,
@@ -71,7 +72,7 @@ async def emit_sandbox_event(
     return event
 
 
-def sandbox_event(sandbox_id: str, event_type: str, *, seq: int, state: str | None = None, reason: str | None = None,
+def sandbox_event(sandbox_id: str, event_type: EventType, *, seq: int, state: str | None = None, reason: str | None = None,
                   node_id: str | None = None, tenant_id: str | None = None, generation: int | None = None,
                   data: dict[str, Any] | None = None) -> Event:
     """A new sandbox event (``data.seq`` = ``seq``), for callers that write its outbox row themselves: a

@@ -41,6 +41,7 @@ from pathlib import Path
 import asyncpg
 from prometheus_client import Histogram
 
+from podbay.contracts.events import EventType
 from podbay.chunks import (
     ChunkRef,
     FileManifest,
@@ -61,6 +62,7 @@ from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
 from podbay.reflink import reflink_or_copy
 from podbay.telemetry import CADENCE_SKIPPED, CADENCE_WORK_SECONDS, PROMOTION_BYTES
+from podbay import snapshot_state
 
 __all__ = [
     "PromoteResult",
@@ -257,10 +259,7 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
     hashes = sorted(manifest.hashes())
     res.total_bytes, res.chunks = manifest.total_bytes(), len(hashes)
     async with pool.acquire() as conn, conn.transaction():
-        updated = await conn.fetchval(
-            "UPDATE snapshots SET promotion='promoting', manifest=$2, promotion_error=NULL"
-            " WHERE id=$1 AND promotion <> 'promoted' AND state='ready' RETURNING id",
-            snapshot_id, manifest.model_dump())
+        updated = await snapshot_state.start_promotion(conn, snapshot_id, manifest.model_dump())
         if updated is None:
             raise PodbayError(f"snapshot {snapshot_id} changed while being promoted")
         await conn.execute("DELETE FROM snapshot_chunks WHERE snapshot_id=$1", snapshot_id)
@@ -268,20 +267,13 @@ async def promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, sn
                            snapshot_id, hashes)
         await conn.execute("UPDATE chunks SET last_ref_at=now() WHERE hash = ANY($1::text[])", hashes)
     fault_point("promote.manifest")
-    async with pool.acquire() as conn, conn.transaction():
-        # FOR SHARE waits for a garbage collection that is deleting one of these rows right now.
-        stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
-            "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
-    missing = [h for h in hashes if h not in stored]
-    await _upload_missing(pool, store, settings, missing, where, stored, res, f"snapshot {snapshot_id}", progress)
+    await _upload_missing(pool, store, settings, hashes, where, res, f"snapshot {snapshot_id}", progress)
     fault_point("promote.verified")
     async with pool.acquire() as conn, conn.transaction():
-        marked = await conn.fetchval(
-            "UPDATE snapshots SET promotion='promoted', promoted_at=now(), uploaded_bytes=$2, stored_bytes=$3"
-            " WHERE id=$1 AND promotion='promoting' RETURNING id", snapshot_id, res.uploaded_bytes,
-            res.stored_bytes)
+        marked = await snapshot_state.mark_promoted(conn, snapshot_id, uploaded_bytes=res.uploaded_bytes,
+                                                    stored_bytes=res.stored_bytes)
         if marked:
-            await emit_sandbox_event(conn, row["sandbox_id"], "promoted", tenant_id=row["tenant_id"],
+            await emit_sandbox_event(conn, row["sandbox_id"], EventType.PROMOTED, tenant_id=row["tenant_id"],
                                      data={"snapshot_id": snapshot_id, "kind": row["kind"],
                                            "uploaded_bytes": res.uploaded_bytes, "total_bytes": res.total_bytes})
     res.seconds = time.perf_counter() - t0
@@ -320,11 +312,17 @@ async def _previous_promoted(pool: asyncpg.Pool, snapshot_id: str, sandbox_id: s
     return (pdir, manifest) if pdir.is_dir() else None
 
 
-async def _upload_missing(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, missing: list[str],
-                          where: dict[str, tuple[Path, ChunkRef]], stored: dict[str, int], res: PromoteResult,
-                          what: str, progress: Progress | None) -> None:
-    """Upload the chunks ``missing`` from the bucket (read from ``where``), verify each object written, then
-    record their ``chunks`` rows (steps 2 and 3 of the module docstring). Adds to ``res``'s counters."""
+async def _upload_missing(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, hashes: list[str],
+                          where: dict[str, tuple[Path, ChunkRef]], res: PromoteResult, what: str,
+                          progress: Progress | None) -> None:
+    """Upload those of the chunks ``hashes`` that have no ``chunks`` row to the bucket (read from ``where``),
+    verify each object written, then record their ``chunks`` rows (steps 2 and 3 of the module docstring).
+    Adds to ``res``'s counters."""
+    async with pool.acquire() as conn, conn.transaction():
+        # FOR SHARE waits for a garbage collection that is deleting one of these rows right now.
+        stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
+            "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
+    missing = [h for h in hashes if h not in stored]
     done = [0]
 
     fresh: list[tuple[str, int, int]] = []
@@ -571,11 +569,7 @@ async def promote_template(pool: asyncpg.Pool, store: ObjectStore, settings: Set
         await conn.execute("INSERT INTO template_chunks (name, digest, hash) SELECT $1, $2, unnest($3::text[])",
                            name, digest, hashes)
         await conn.execute("UPDATE chunks SET last_ref_at=now() WHERE hash = ANY($1::text[])", hashes)
-    async with pool.acquire() as conn, conn.transaction():
-        stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
-            "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
-    missing = [h for h in hashes if h not in stored]
-    await _upload_missing(pool, store, settings, missing, where, stored, res, f"template {ident}", progress)
+    await _upload_missing(pool, store, settings, hashes, where, res, f"template {ident}", progress)
     await pool.execute(
         "UPDATE template_promotions SET state='promoted', promoted_at=now(), uploaded_bytes=$3, stored_bytes=$4"
         " WHERE name=$1 AND digest=$2", name, digest, res.uploaded_bytes, res.stored_bytes)

@@ -61,8 +61,10 @@ def up(
     detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return."),
     # No literal default: an unset --nodes leaves PODBAY_NODES (or its default, 1) in force, which a
     # "[default: 0]" in the help would misstate.
-    nodes: int | None = typer.Option(None, "--nodes", min=1, max=64, show_default=False,
-                                     help="Nodes to run, 1..64, each in its own network namespace "
+    # --hosts is the same option: each node runs as a simulated host (its own network namespace, address and
+    # link to the bridge, which a test can cut), so N hosts and N nodes are one thing on one machine.
+    nodes: int | None = typer.Option(None, "--nodes", "--hosts", min=1, max=64, show_default=False,
+                                     help="Nodes (hosts) to run, 1..64, each in its own network namespace "
                                      "(default: PODBAY_NODES, else 1)."),
 ) -> None:
     """Start the all-in-one dev stack (NATS, PostgreSQL, S3, API and services) on this host."""

@@ -10,6 +10,7 @@ SIGINT, so each service shuts down by finishing its own work rather than by bein
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import json
 import signal
@@ -26,9 +27,17 @@ from podbay.health import Check, readiness_response
 from podbay.metricsauth import metrics_response, token_matches, unauthorized_response
 from podbay.telemetry import setup_logging
 
-__all__ = ["run_service", "serve_http", "health_app", "readyz_route"]
+__all__ = ["run_service", "serve_http", "health_app", "readyz_route", "wait_stop"]
 
 log = logging.getLogger("podbay.service")
+
+
+async def wait_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait ``seconds``, or less when ``stop`` is set meanwhile: the pause of a service's periodic loop.
+    Returns whether ``stop`` is set (the loop should end)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    return stop.is_set()
 
 
 def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, log_level: str | None = None,

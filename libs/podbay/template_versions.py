@@ -45,12 +45,14 @@ async def tag_build(conn: asyncpg.Connection, name: str, tag: str, digest: str, 
         name, tag, digest, memory_mib, vcpus)
 
 
-async def resolve(conn: asyncpg.Connection | asyncpg.Pool, name: str, tag: str | None) -> asyncpg.Record | None:
+async def resolve(conn: asyncpg.Connection | asyncpg.Pool, name: str, tag: str | None, *,
+                  shown: str | None = None) -> asyncpg.Record | None:
     """The build a create of ``name`` (``tag`` None: its current build) or ``name:tag`` uses: a record of
     ``name``, ``digest``, ``memory_mib``, ``vcpus``, ``size_bytes`` (its disk's size; None when not known: a
     tagged build other than the current one, or a row from before sizes were recorded); None when the
     template does not exist (or was removed). Raises :class:`TagNotFound` when the template exists but has
-    no tag ``tag``."""
+    no tag ``tag``. ``name`` is the template's key (``templates.name``); ``shown``, the name its owner gave
+    (``templates.alias``), is what errors say (default ``name``)."""
     if tag is None:
         return await conn.fetchrow("SELECT name, digest, memory_mib, vcpus, size_bytes FROM templates"
                                    " WHERE name=$1 AND deleted_at IS NULL", name)
@@ -62,12 +64,13 @@ async def resolve(conn: asyncpg.Connection | asyncpg.Pool, name: str, tag: str |
     if row is None:
         return None
     if not row["tagged"]:
-        raise TagNotFound(f"template {name!r} has no tag {tag!r}", details={"template": name, "tag": tag})
+        shown = shown or name
+        raise TagNotFound(f"template {shown!r} has no tag {tag!r}", details={"template": shown, "tag": tag})
     return row
 
 
 async def tags_by_template(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, list[TemplateTag]]:
-    """Every tag of templates that exist, by template name, each list sorted by tag."""
+    """Every tag of templates that exist, by template key (``templates.name``), each list sorted by tag."""
     out: dict[str, list[TemplateTag]] = defaultdict(list)
     for r in await conn.fetch("SELECT g.name, g.tag, g.digest, g.memory_mib, g.vcpus, g.created_at"
                               " FROM template_tags g JOIN templates t ON t.name = g.name"
@@ -77,20 +80,22 @@ async def tags_by_template(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str,
     return dict(out)
 
 
-async def remove_tag(conn: asyncpg.Connection, name: str, tag: str) -> str:
+async def remove_tag(conn: asyncpg.Connection, name: str, tag: str, *, shown: str | None = None) -> str:
     """Remove tag ``tag`` of template ``name`` (call inside a transaction) and return the digest it named; the
     build stays while something else references it. Raises ``NotFound`` (no such template),
     :class:`TagNotFound`, ``Conflict`` while sandboxes (not deleted) use the tagged build, as a template's
-    removal is refused while sandboxes use it."""
-    if await conn.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", name) is None:
+    removal is refused while sandboxes use it. ``name``: the template's key; ``shown``: the name its owner
+    gave, what errors say (default ``name``)."""
+    key, name = name, shown or name
+    if await conn.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", key) is None:
         raise NotFound(f"template {name!r} does not exist", details={"template": name})
-    digest = await conn.fetchval("SELECT digest FROM template_tags WHERE name=$1 AND tag=$2 FOR UPDATE", name, tag)
+    digest = await conn.fetchval("SELECT digest FROM template_tags WHERE name=$1 AND tag=$2 FOR UPDATE", key, tag)
     if digest is None:
         raise TagNotFound(f"template {name!r} has no tag {tag!r}", details={"template": name, "tag": tag})
     users = await conn.fetchval("SELECT count(*) FROM sandboxes WHERE template=$1 AND template_digest=$2"
-                                " AND state <> 'deleted'", name, digest)
+                                " AND state <> 'deleted'", key, digest)
     if users:
         raise Conflict(f"tag {name}:{tag} is in use by {users} sandbox(es) on its build",
                        details={"template": name, "tag": tag, "sandboxes": int(users)})
-    await conn.execute("DELETE FROM template_tags WHERE name=$1 AND tag=$2", name, tag)
+    await conn.execute("DELETE FROM template_tags WHERE name=$1 AND tag=$2", key, tag)
     return str(digest)

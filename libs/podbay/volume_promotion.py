@@ -36,6 +36,7 @@ from pathlib import Path
 
 import asyncpg
 
+from podbay import volume_state
 from podbay.chunks import Manifest
 from podbay.config import Settings
 from podbay.errors import NotFound, PodbayError
@@ -141,22 +142,14 @@ async def _promote(pool: asyncpg.Pool, store: ObjectStore, settings: Settings, v
         await conn.execute("INSERT INTO volume_snapshot_chunks (snapshot_id, hash) SELECT $1, unnest($2::text[])",
                            snap_id, hashes)
         await conn.execute("UPDATE chunks SET last_ref_at=now() WHERE hash = ANY($1::text[])", hashes)
-    async with pool.acquire() as conn, conn.transaction():
-        # FOR SHARE waits for a garbage collection that is deleting one of these rows right now.
-        stored = {r["hash"]: r["stored_size"] for r in await conn.fetch(
-            "SELECT hash, stored_size FROM chunks WHERE hash = ANY($1::text[]) FOR SHARE", hashes)}
-    missing = [h for h in hashes if h not in stored]
-    await _upload_missing(pool, store, settings, missing, where, stored, res, f"volume snapshot {snap_id}", None)
+    await _upload_missing(pool, store, settings, hashes, where, res, f"volume snapshot {snap_id}", None)
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute(
             "UPDATE volume_snapshots SET state='promoted', promoted_at=now(), uploaded_bytes=$2, stored_bytes=$3"
             " WHERE id=$1", snap_id, res.uploaded_bytes, res.stored_bytes)
         # A later copy (a suspend racing the cadence) may have got there first: the newest copy wins. A copy
         # taken before the volume was released or restored (released_at) is of data that is no longer its.
-        await conn.execute(
-            "UPDATE volumes SET snapshot_id=$2, snapshot_at=$3 WHERE id=$1"
-            " AND (snapshot_at IS NULL OR snapshot_at < $3) AND (released_at IS NULL OR released_at < $3)",
-            volume_id, snap_id, taken_at)
+        await volume_state.record_snapshot(conn, volume_id, snap_id, taken_at)
         await conn.execute(
             "DELETE FROM volume_snapshots WHERE volume_id=$1 AND id NOT IN (SELECT id FROM volume_snapshots"
             " WHERE volume_id=$1 AND state='promoted' ORDER BY taken_at DESC LIMIT $2)"

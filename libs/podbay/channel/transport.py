@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from podbay.channel import frames
 from podbay.channel.frames import Frame, FrameType
 from podbay.config import get_settings
-from podbay.contracts.channel import ChannelErrorBody, GuestInfo, Op
+from podbay.contracts.channel import PROTOCOL_VERSION, ChannelErrorBody, GuestInfo, Op
 from podbay.errors import (Conflict, GuestError, InvalidRequest, NoSpace, NotFound, PermissionDenied, PodbayError,
                            Timeout)
 
@@ -181,7 +181,8 @@ class Transport:
 
     async def _say_hello(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        hello = frames.encode_json(FrameType.HELLO, frames.CONNECTION_STREAM, {"version": 1, "session": self._session})
+        hello = frames.encode_json(FrameType.HELLO, frames.CONNECTION_STREAM,
+                                   {"version": PROTOCOL_VERSION, "session": self._session})
         retry = _HELLO_RETRY_FIRST_S
         while True:
             self.send(hello)

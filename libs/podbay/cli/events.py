@@ -28,7 +28,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def note_unknown_types(types: list[str]) -> None:
-    """A note on stderr for each type podbay does not emit (``EVENT_TYPES``): the API accepts any well-formed
+    """A note on stderr for each type podbay does not emit (``EventType``'s values): the API accepts any well-formed
     type, for types to come, so a typo would otherwise match nothing without a word. A malformed type gets no
     note: the request is refused with its own error."""
     for t in types:

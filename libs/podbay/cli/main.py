@@ -21,6 +21,7 @@ from podbay.cli import access, computer, env, events, files, node, pool, sandbox
 from podbay.cli._common import CliState, OneLineErrorsGroup, fail
 from podbay.cli.exec_cmd import exec_command
 from podbay.cli.mcp_server import mcp_command
+from podbay.cli.run_code import run_code_command
 
 __all__ = ["app", "main", "PLUGIN_GROUP", "SERVER_PACKAGE"]
 
@@ -56,6 +57,7 @@ app.add_typer(events.webhook_app, name="webhook")
 app.add_typer(template.template_app, name="template")
 app.add_typer(template.operation_app, name="operation")
 app.command("exec")(exec_command)
+app.command("run-code")(run_code_command)
 app.command("env")(env.env)
 app.command("mcp")(mcp_command)
 

@@ -118,6 +118,8 @@ class SandboxInfo(BaseModel):
     on_lease_expiry: str | None = None
     created_at: datetime
     updated_at: datetime
+    parent_id: str | None = Field(None, description="For a fork child: the sandbox it was forked from (it may be "
+                                  "deleted since); null for a sandbox created from a template.")
     operation_id: str | None = Field(None, description="The operation that this call started, if any.")
 
 
@@ -430,6 +432,11 @@ class PoolInfo(BaseModel):
     target: int = Field(description="Sum of the nodes' targets: the bounds applied to recent demand.")
     ready: int
     nodes: list[PoolNode]
+    hits: int = Field(0, description="The caller's creates of this template in the last hour served from a warm "
+                      "slot (a slot the node then refused, restored instead, still counts here).")
+    misses: int = Field(0, description="The caller's creates of this template in the last hour that took the "
+                        "restore path (no ready slot, a tag, volumes, a larger disk, or wait=false).")
+    hit_rate: float | None = Field(None, description="hits / (hits + misses); null without creates in the hour.")
 
 
 class PoolList(BaseModel):
@@ -495,6 +502,8 @@ class NodeInfo(BaseModel):
     started_at: datetime
     state_changed_at: datetime | None = None
     lost_at: datetime | None = None
+    drain_operation_id: str | None = Field(None, description="The node's newest drain (running or ended); follow "
+                                           "its progress at ``GET /v1/operations/{id}``. null: never drained.")
 
 
 class NodeList(BaseModel):

@@ -8,7 +8,7 @@ these models, because the guest is untrusted (docs/DESIGN.md §4, guest channel)
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,8 +16,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Op",
     "GuestErrorCode",
-    "OpenRequest",
-    "HelloRequest",
     "GuestInfo",
     "PtySize",
     "ExecSpec",
@@ -26,10 +24,7 @@ __all__ = [
     "ExecStarted",
     "ExecExit",
     "FileStat",
-    "PathRequest",
-    "ReadRequest",
     "ReadResult",
-    "WriteRequest",
     "ListResult",
     "MkdirRequest",
     "RemoveRequest",
@@ -37,7 +32,6 @@ __all__ = [
     "MoveRequest",
     "WatchRequest",
     "WatchEvent",
-    "WatchResult",
     "GuestNet",
     "GUEST_EXTRA_CA_MAX",
     "AfterRestoreRequest",
@@ -102,21 +96,6 @@ class _Strict(BaseModel):
 class _Lenient(BaseModel):
     # Guest answers may gain fields in later guest versions; unknown ones are ignored.
     model_config = ConfigDict(extra="ignore")
-
-
-class OpenRequest(_Strict):
-    """Payload of an OPEN frame: ``{"op": ..., "args": {...}}``."""
-
-    op: Op
-    args: dict[str, Any] = Field(default_factory=dict)
-
-
-class HelloRequest(_Strict):
-    """Payload of the host's HELLO frame (stream 0). ``session`` is a fresh random token per connection:
-    guestd abandons every stream of an earlier session when it sees a new one."""
-
-    version: int = PROTOCOL_VERSION
-    session: str = Field(min_length=1, max_length=64)
 
 
 class GuestInfo(_Lenient):
@@ -198,37 +177,10 @@ class FileStat(_Lenient):
     xattrs: dict[str, str] | None = Field(None, description="Extended attributes, when asked for by prefix.")
 
 
-class PathRequest(_Strict):
-    """Arguments of ``stat`` and ``list``; ``xattrs``: also report extended attributes with this name prefix."""
-
-    path: str = Field(min_length=1)
-    xattrs: str | None = None
-
-
-class ReadRequest(_Strict):
-    """Arguments of ``read``: bytes from ``offset`` up to ``length`` (all when None), as DATA fd 3."""
-
-    path: str = Field(min_length=1)
-    offset: int = Field(0, ge=0)
-    length: int | None = Field(None, ge=0)
-
-
 class ReadResult(_Lenient):
     """RESULT payload of ``read``: ``size`` is the number of bytes sent."""
 
     size: int
-
-
-class WriteRequest(_Strict):
-    """Arguments of ``write``: data follows as DATA fd 3 chunks and one EOF. Without ``append`` the file is
-    written to a temporary file beside it and renamed into place; ``user`` (name or uid) owns the result."""
-
-    path: str = Field(min_length=1)
-    mode: int = Field(0o644, ge=0, le=0o7777)
-    append: bool = False
-    user: str | int | None = None
-    parents: bool = False
-    xattrs: dict[str, str] | None = Field(None, description="user.* extended attributes to set on the file.")
 
 
 class ListResult(_Lenient):
@@ -359,12 +311,6 @@ class WatchEvent(_Lenient):
     name: str = Field(max_length=4096)
     type: Literal["create", "write", "remove", "rename", "chmod"]
     stat: FileStat | None = None
-
-
-class WatchResult(_Lenient):
-    """RESULT of ``watch``, sent when the watched directory went away: events reported in all."""
-
-    events: int
 
 
 class KeptProcess(_Lenient):

@@ -12,6 +12,8 @@ Policy semantics (the gateway is the one place that applies them):
 * ``transforms`` set HTTP headers on requests to a host (E2B's ``network.rules``): on plain HTTP, and on HTTPS,
   which the gateway then intercepts with the sandbox's own CA (as for a credential). A transform allows
   nothing by itself; a header already on the request is replaced; a credential for the same header wins.
+  ``transform_match`` ``most_specific`` (E2B's rules) applies only the transforms of the most specific
+  matching domain instead of every matching one.
 * Whatever the policy says, the gateway never connects to loopback, link-local (169.254.0.0/16, fe80::/10,
   including the metadata address 169.254.169.254), multicast, the node's own addresses or the sandbox
   network: those are refused before any rule is read.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -124,6 +126,12 @@ class EgressPolicy(BaseModel):
     # Left out when empty, so a policy without transforms keeps its plain {"allow", "deny"} shape.
     transforms: list[HeaderTransform] = Field(default_factory=list, max_length=64, exclude_if=lambda v: not v,
                                               description="Headers set on HTTP(S) requests to matching hosts.")
+    # E2B's network.rules: only the most specific matching domain's transforms apply (left out when "all").
+    transform_match: Literal["all", "most_specific"] = Field(
+        "all", exclude_if=lambda v: v == "all",
+        description="'all': every matching transform applies, in order (a later one wins a header); "
+                    "'most_specific': only those of the most specific matching domain (an exact name, else "
+                    "the longest wildcard), as E2B's network rules.")
 
 
 class NetBinding(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 __all__ = [
     "EVENT_TYPE_PATTERN",
     "EVENT_TYPES",
+    "EventType",
     "EventOut",
     "WebhookCreate",
     "WebhookInfo",
@@ -27,12 +29,39 @@ __all__ = [
 #: (``schedule.fired``); each token is one NATS subject token, so a filter on it stays one subject.
 EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]{0,31}(\.[a-z][a-z0-9_]{0,31})?$"
 
-#: The sandbox lifecycle event types podbay emits today (docs/DESIGN.md §4); filters accept any well-formed type.
-EVENT_TYPES = ("created", "started", "paused", "resumed", "snapshotted", "promoted", "suspending", "suspended",
-               "resuming", "restored", "forked", "reattached", "failed", "deleted", "schedule.fired",
-               "schedule.finished")
 
-EventType = Annotated[str, StringConstraints(pattern=EVENT_TYPE_PATTERN)]
+
+class EventType(StrEnum):
+    """The sandbox event types podbay emits, on ``podbay.evt.sandbox.<id>.<type>`` (the one list: emitters
+    pass these members to ``podbay.lifecycle.SandboxEvent``/``podbay.outbox.emit_sandbox_event``, the CLI
+    notes a filter type outside it, docs/sdk.md's table lists it; a unit test checks all three). Filters
+    accept any well-formed type (``EVENT_TYPE_PATTERN``), for types to come. A member is its wire string."""
+
+    CREATED = "created"  # the API accepted a create or a fork child (state starting)
+    STARTED = "started"  # the guest runs on its node (create, warm claim, fork child)
+    PAUSED = "paused"  # held in memory; also a suspend that failed and left it paused
+    RESUMED = "resumed"  # runs again after a pause, or after a wake from suspended
+    SNAPSHOTTED = "snapshotted"  # a disk or full snapshot was taken on the node
+    PROMOTED = "promoted"  # a snapshot's files reached the object store
+    SUSPENDING = "suspending"  # on its way to the object store
+    SUSPENDED = "suspended"  # no VM, no node files: only the object store holds it
+    RESUMING = "resuming"  # a wake from suspended was placed
+    RESTORED = "restored"  # rolled back to one of its snapshots
+    FORKED = "forked"  # the parent's event once its children started
+    REATTACHED = "reattached"  # a restarted node agent found the VM alive and took it back
+    MIGRATED = "migrated"  # live-migrated to another node (a drain)
+    RESCHEDULED = "rescheduled"  # its node was lost; placed again from its newest snapshot
+    FAILED = "failed"
+    DELETED = "deleted"
+    SCHEDULE_FIRED = "schedule.fired"  # a schedule's run started
+    SCHEDULE_FINISHED = "schedule.finished"  # a schedule's run ended (data.state, data.exit_code)
+
+
+#: The values of ``EventType``, in its order (what the CLI names in its note).
+EVENT_TYPES: tuple[str, ...] = tuple(t.value for t in EventType)
+
+#: A type a filter names: any well-formed type, not only ``EventType``'s.
+EventTypeName = Annotated[str, StringConstraints(pattern=EVENT_TYPE_PATTERN)]
 
 
 class EventOut(BaseModel):
@@ -62,7 +91,7 @@ class WebhookCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(min_length=8, max_length=2048, description="http:// or https:// URL that receives POSTs.")
-    types: list[EventType] = Field(default_factory=list, max_length=32,
+    types: list[EventTypeName] = Field(default_factory=list, max_length=32,
                                    description="Only these event types; empty means every type.")
 
     @field_validator("url")

@@ -11,12 +11,14 @@ Events travel on ``PODBAY_EVT``; each is written to the outbox in the transactio
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from podbay.contracts.ids import SafeId
+from podbay.contracts.events import EventType  # re-exported: the one list of sandbox event types
 
 __all__ = [
     "PlaceSandbox",
@@ -41,6 +43,12 @@ __all__ = [
     "MigratePrepareReply",
     "MigrateFinish",
     "MigrateFinishReply",
+    "NodeVerb",
+    "NodeCommand",
+    "NODE_COMMANDS",
+    "NodeHandlers",
+    "UnknownNodeCommand",
+    "dispatch_node_command",
 ]
 
 
@@ -238,10 +246,6 @@ class NodeHeartbeat(_Msg):
         return room + (self.memory_reclaimable_mib if with_reclaimable else 0)
 
 
-EventType = Literal["created", "started", "paused", "resumed", "failed", "deleted", "reattached", "suspending",
-                    "suspended", "resuming", "promoted", "snapshotted", "restored", "forked", "rescheduled", "migrated"]
-
-
 class Event(_Msg):
     """A lifecycle event on ``podbay.evt.sandbox.<id>.<type>``; ``seq`` orders one sandbox's events."""
 
@@ -325,3 +329,62 @@ class MigrateFinishReply(_Msg):
     committed: bool
     error: str | None = None
     generation: int | None = None
+
+
+# ------------------------------------------------------------------------------------ node commands, one union
+
+#: The verbs of ``podbay.cmd.node.<node>.<verb>``: the subject's last token is the discriminator (the body
+#: carries no kind, so the wire format is the model's fields alone).
+NodeVerb = Literal["create", "delete", "snapshot", "restore", "fork", "pause", "resume", "suspend", "wake",
+                   "migrate_out"]
+
+#: Every body a node command carries.
+NodeCommand = (CreateSandboxCmd | DeleteSandboxCmd | SnapshotCmd | RestoreCmd | ForkCmd | SandboxOpCmd | WakeCmd
+               | MigrateOutCmd)
+
+#: The body model of each verb (``pause``, ``resume`` and ``suspend`` share ``SandboxOpCmd``).
+NODE_COMMANDS: dict[str, type[NodeCommand]] = {
+    "create": CreateSandboxCmd,
+    "delete": DeleteSandboxCmd,
+    "snapshot": SnapshotCmd,
+    "restore": RestoreCmd,
+    "fork": ForkCmd,
+    "pause": SandboxOpCmd,
+    "resume": SandboxOpCmd,
+    "suspend": SandboxOpCmd,
+    "wake": WakeCmd,
+    "migrate_out": MigrateOutCmd,
+}
+
+
+class NodeHandlers(TypedDict):
+    """A node agent's handler for every verb, each taking its verb's body: a table missing a verb, or with a
+    handler of another body, is a type error (mypy), so the dispatch is exhaustive."""
+
+    create: Callable[[CreateSandboxCmd], Awaitable[None]]
+    delete: Callable[[DeleteSandboxCmd], Awaitable[None]]
+    snapshot: Callable[[SnapshotCmd], Awaitable[None]]
+    restore: Callable[[RestoreCmd], Awaitable[None]]
+    fork: Callable[[ForkCmd], Awaitable[None]]
+    pause: Callable[[SandboxOpCmd], Awaitable[None]]
+    resume: Callable[[SandboxOpCmd], Awaitable[None]]
+    suspend: Callable[[SandboxOpCmd], Awaitable[None]]
+    wake: Callable[[WakeCmd], Awaitable[None]]
+    migrate_out: Callable[[MigrateOutCmd], Awaitable[None]]
+
+
+class UnknownNodeCommand(ValueError):
+    """A ``podbay.cmd.node.<node>.<verb>`` whose verb is not a ``NodeVerb``."""
+
+
+async def dispatch_node_command(handlers: NodeHandlers, verb: str, data: bytes | str) -> None:
+    """Parse ``data`` (the message body, JSON) as ``verb``'s model and await its handler.
+
+    Raises ``UnknownNodeCommand`` for a verb outside ``NodeVerb`` and ``pydantic.ValidationError`` (a
+    ``ValueError`` too) for a malformed body, both before any handler runs; the handler's own errors pass.
+    """
+    if verb not in get_args(NodeVerb):
+        raise UnknownNodeCommand(f"unknown node command {verb!r}")
+    cmd = NODE_COMMANDS[verb].model_validate_json(data)
+    handler: Callable[[Any], Awaitable[None]] = handlers[cast(NodeVerb, verb)]  # checked above
+    await handler(cmd)

@@ -1,4 +1,4 @@
-"""Per-tenant quota bodies (``/v1/tenants/{tenant}/quota``; services/api/quotas.py).
+"""Per-tenant quota bodies (``/v1/tenants/{tenant}/quota``; services/api/services/quotas.py).
 
 A quota bounds what a tenant holds at once: sandboxes that hold a VM or are getting one (pending, starting,
 running, paused, suspending, resuming), their vCPUs, guest memory (MiB) and root disks (MiB), and template

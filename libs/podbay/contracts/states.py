@@ -9,7 +9,9 @@ from enum import StrEnum
 
 from podbay.errors import InvalidState
 
-__all__ = ["SandboxState", "SandboxCommand", "ALLOWED", "TERMINAL", "check_allowed", "OperationState"]
+__all__ = ["SandboxState", "SandboxCommand", "ALLOWED", "TERMINAL", "check_allowed", "OperationState",
+           "SnapshotState", "PromotionState",
+           "WarmSlotState", "VolumeState", "E2BBuildState"]
 
 
 class SandboxState(StrEnum):
@@ -43,6 +45,52 @@ class OperationState(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+
+
+class SnapshotState(StrEnum):
+    """A snapshot's ``state`` (the snapshots table's CHECK; podbay.snapshot_state moves it)."""
+
+    CREATING = "creating"
+    READY = "ready"
+    FAILED = "failed"
+    DELETED = "deleted"
+
+
+class PromotionState(StrEnum):
+    """A snapshot's ``promotion`` to object storage (the snapshots table's CHECK; podbay.snapshot_state)."""
+
+    LOCAL = "local"
+    PROMOTING = "promoting"
+    PROMOTED = "promoted"
+    FAILED = "failed"
+
+
+class WarmSlotState(StrEnum):
+    """A warm slot's ``state`` (the warm_slots table's CHECK; podbay.warm_slot_state moves it)."""
+
+    PREPARING = "preparing"
+    READY = "ready"
+    CLAIMED = "claimed"
+    FAILED = "failed"
+    RETIRED = "retired"
+
+
+class VolumeState(StrEnum):
+    """A volume's ``state`` (the volumes table's CHECK; podbay.volume_state moves it)."""
+
+    AVAILABLE = "available"  # a named volume, listed and attachable
+    VIEW = "view"            # a fork child's read-only view of its parent's volume, gone with its sandbox
+    DELETING = "deleting"    # its node removes its file, then its row
+
+
+class E2BBuildState(StrEnum):
+    """An E2B template build's ``state`` (the e2b_template_builds table's CHECK; podbay.build_state moves it;
+    the values are E2B's, served as they are by its status route)."""
+
+    WAITING = "waiting"
+    BUILDING = "building"
+    READY = "ready"
+    ERROR = "error"
 
 
 TERMINAL: frozenset[SandboxState] = frozenset({SandboxState.DELETED})

@@ -47,7 +47,6 @@ __all__ = [
     "BuildSpec",
     "BuildState",
     "BuildEvent",
-    "TemplateBuildParams",
     "TemplateDetail",
     "TemplateDetailList",
     "step_text",
@@ -212,19 +211,6 @@ class BuildEvent(BaseModel):
     message: str | None = None
     output_tail: str | None = None
     template: TemplateDetail | None = None
-
-
-class TemplateBuildParams(BaseModel):
-    """The form fields of ``POST /v1/templates`` beside the ``context`` tarball."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: TemplateName
-    dockerfile: str = Field(min_length=1, max_length=256 << 10, description="The Dockerfile's text.")
-    build_args: dict[str, str] = Field(default_factory=dict)
-    memory_mib: int | None = Field(None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)
-    vcpus: int | None = Field(None, ge=VCPUS_MIN, le=VCPUS_MAX)
-    disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX)
 
 
 class TemplateTag(BaseModel):

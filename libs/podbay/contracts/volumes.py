@@ -21,7 +21,7 @@ __all__ = ["VolumeCreate", "VolumeRestore", "VolumeInfo", "VolumeList", "VolumeM
 VOLUME_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 #: Smallest volume (an ext4 journal and its metadata need a few MiB).
 MIN_VOLUME_BYTES = 16 << 20
-#: Volume slots of the machine (services/nodeagent/vmm.py VOLUME_SLOTS).
+#: Volume slots of the machine (services/nodeagent/vm/vmm.py VOLUME_SLOTS).
 MAX_VOLUMES_PER_SANDBOX = 4
 #: Guest directories a volume may neither be mounted at nor under: the OS and what guestd and the init need.
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",

@@ -46,6 +46,9 @@ __all__ = [
     "S3Endpoint",
     "free_port",
     "start_nats",
+    "start_nats_cluster",
+    "nats_server_name",
+    "ClusterMember",
     "start_postgres",
     "start_s3",
     "probe_nats",
@@ -97,6 +100,8 @@ class NatsServer(ServerProcess):
 
     url: str = ""
     store_dir: Path = field(default_factory=Path)
+    #: Set for a server of a cluster: what :func:`start_nats` needs to start it again as the same member.
+    member: ClusterMember | None = None
 
 
 @dataclass
@@ -262,7 +267,8 @@ def _wait_ready(server: ServerProcess, probe: Callable[[], Awaitable[None]], tim
 
 
 async def probe_nats(url: str) -> None:
-    """Connect with nats-py and read the JetStream account info; raises on any failure."""
+    """Connect with nats-py and read the JetStream account info; raises on any failure. ``url``: one server, or
+    several separated by commas (a cluster: any of them answering will do)."""
     import nats
 
     async def quiet(_: Exception) -> None:
@@ -270,7 +276,7 @@ async def probe_nats(url: str) -> None:
 
     # nats-py retries a refused initial connect forever when max_reconnect_attempts is 0; 1 makes it give up.
     nc = await nats.connect(
-        url, connect_timeout=1, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.05,
+        servers=[u.strip() for u in url.split(",") if u.strip()], connect_timeout=1, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.05,
         error_cb=quiet,
     )  # fmt: skip
     try:
@@ -281,26 +287,82 @@ async def probe_nats(url: str) -> None:
 
 def start_nats(
     data_dir: Path, port: int, *, log_dir: Path | None = None, timeout_s: float = 30.0, host: str = _HOST,
-    monitor_port: int | None = None,
+    monitor_port: int | None = None, member: ClusterMember | None = None, wait: bool = True,
 ) -> NatsServer:
     """Start ``nats-server -js`` with its store in ``data_dir`` on ``host:port`` (default ``127.0.0.1``; a
     multi-node stack binds the bridge address so that node network namespaces reach it).
 
     ``monitor_port``: also serve the HTTP monitoring endpoints (``/varz``) on ``host:monitor_port``.
-    Returns once JetStream answers. Raises :class:`ServerError` (with the log tail) on failure and
-    ``FileNotFoundError`` when the binary is missing.
+    ``member``: run it as one server of a JetStream cluster (:func:`start_nats_cluster`); its name is then
+    ``member.name`` and its log ``<member.name>.log``. Returns once JetStream answers (``wait``; a cluster's
+    first server cannot answer before a quorum of the others runs). Raises :class:`ServerError` (with the log
+    tail) on failure and ``FileNotFoundError`` when the binary is missing.
     """
+    name = member.name if member else "nats"
     data_dir.mkdir(parents=True, exist_ok=True)
-    _check_port("nats", port)
-    log_path = (log_dir or data_dir) / "nats.log"
+    _check_port(name, port)
+    log_path = (log_dir or data_dir) / f"{name}.log"
     argv = [str(find_binary("nats-server")), "-js", "-sd", str(data_dir), "-a", host, "-p", str(port)]
     if monitor_port is not None:  # HTTP monitoring (/varz: message counters), for benchmarks
         argv += ["-m", str(monitor_port)]
-    proc, offset = _spawn("nats", argv, log_path)
+    if member is not None:
+        _check_port(f"{name} cluster", member.cluster_port)
+        # JetStream clustering needs a server name unique in the cluster and a cluster name; the routes list
+        # every member (a server ignores the route to itself).
+        argv += ["-n", member.name, "--cluster_name", member.cluster_name,
+                 "--cluster", f"nats://{host}:{member.cluster_port}",
+                 "--routes", ",".join(f"nats://{host}:{p}" for p in member.route_ports)]
+    proc, offset = _spawn(name, argv, log_path)
     url = f"nats://{host}:{port}"
-    server = NatsServer("nats", proc, log_path, port, signal.SIGTERM, offset, url=url, store_dir=data_dir)
-    _wait_ready(server, lambda: probe_nats(url), timeout_s)
+    server = NatsServer(name, proc, log_path, port, signal.SIGTERM, offset, url=url, store_dir=data_dir,
+                        member=member)
+    if wait:
+        _wait_ready(server, lambda: probe_nats(url), timeout_s)
     return server
+
+
+@dataclass(frozen=True)
+class ClusterMember:
+    """One server of a NATS cluster: its server ``name`` (``nats``, ``nats-2``, ...), the port it takes routes
+    on, the route ports of every member (its own included) and the cluster's name."""
+
+    name: str
+    cluster_port: int
+    route_ports: tuple[int, ...]
+    cluster_name: str = "podbay"
+
+
+def start_nats_cluster(
+    data_dir: Path, ports: list[int], cluster_ports: list[int], *, log_dir: Path | None = None,
+    timeout_s: float = 60.0, host: str = _HOST,
+) -> list[NatsServer]:
+    """Start ``len(ports)`` JetStream servers clustered over routes on ``host`` (client port ``ports[i]``,
+    route port ``cluster_ports[i]``, store ``data_dir/<name>``), named ``nats``, ``nats-2``, ``nats-3``...
+
+    All are spawned first, then each is waited for: JetStream answers only once its meta group has a leader,
+    which needs a majority of the servers running. Raises :class:`ServerError` (every server started is
+    stopped first) or ``FileNotFoundError``.
+    """
+    if len(ports) != len(cluster_ports) or not ports:
+        raise ValueError("one client port and one cluster port per server")
+    servers: list[NatsServer] = []
+    try:
+        for i, (port, cport) in enumerate(zip(ports, cluster_ports, strict=True)):
+            member = ClusterMember(nats_server_name(i), cport, tuple(cluster_ports))
+            servers.append(start_nats(data_dir / member.name, port, log_dir=log_dir, host=host, member=member,
+                                      wait=False))
+        for server in servers:
+            _wait_ready(server, lambda url=server.url: probe_nats(url), timeout_s)  # type: ignore[misc]
+    except BaseException:
+        for server in servers:
+            server.stop(grace_s=5.0)
+        raise
+    return servers
+
+
+def nats_server_name(index: int) -> str:
+    """The dev stack's name of NATS server ``index`` (0-based): ``nats``, then ``nats-2``, ``nats-3``..."""
+    return "nats" if index == 0 else f"nats-{index + 1}"
 
 
 # --- PostgreSQL ------------------------------------------------------------------------------------------

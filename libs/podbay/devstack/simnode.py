@@ -25,6 +25,13 @@ deduplication and acks are the real ones.
 
 Record for invariant checks: :attr:`SimFleet.started` maps each sandbox to the (node, generation) pairs that
 ran it (more than one pair: it was started twice); :attr:`SimFleet.timings` when each was placed.
+
+A host's link cut (:meth:`SimFleet.cut_link`, the fault tests): the node stops heartbeating and its commands
+wait (unacknowledged, kept alive) as if they were in flight to an unreachable host; its sandboxes keep
+"running". :meth:`SimFleet.restore_link` does what the agent does when the link returns
+(``services/nodeagent/ops/fence.py``): it drops every sandbox whose row moved to another node or generation (the
+fence sweep), marks a ``lost`` node ``ready`` again (``rejoin``), then lets the waiting commands through, which
+meet the fence of ``create`` and ``delete`` with their stale generation.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import Any
 import asyncpg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from podbay.contracts.events import EventType
 from podbay import lifecycle
 from podbay.bus import MAX_DELIVER, Bus, consume
 from podbay.contracts import subjects
@@ -49,7 +57,7 @@ from podbay.contracts.states import OperationState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay
 
-from .stack import SERVICES, Stack
+from .stack import SERVICES, ServiceProcess, Stack, replica_counts
 
 __all__ = ["SimFleet", "SimNode", "Timing", "NODES_PER_CONSUMER", "CONTROL_PLANE", "start_control_plane"]
 
@@ -62,13 +70,22 @@ CONTROL_PLANE = ("api", "scheduler", "warmpool")
 
 
 def start_control_plane(stack: Stack) -> None:
-    """Start ``stack``'s :data:`CONTROL_PLANE` services, each waited for (the API first: it migrates), after
-    its servers (:meth:`Stack.start_servers`). :meth:`Stack.stop` stops them. Raises ``StackError``."""
+    """Start ``stack``'s :data:`CONTROL_PLANE` services after its servers (:meth:`Stack.start_servers`), each
+    with the stack's replica count (``api``, ``api-2``, ...): the API's processes first, waited for (the first
+    migrates), then the others together, each waited for. :meth:`Stack.stop` stops them. Raises
+    ``StackError``."""
+    counts = replica_counts(stack.base_env, stack.replicas)
+    groups: list[list[ServiceProcess]] = [[], []]
     for spec in SERVICES:
         if spec.name in CONTROL_PLANE:
-            svc = stack._service(spec)  # noqa: SLF001 - the stack's own recipe, for a subset of its services
+            for i in range(1, counts.get(spec.name, 1) + 1):
+                # The stack's own recipe, for a subset of its services.
+                groups[0 if spec.name == "api" else 1].append(stack._service(spec, i))  # noqa: SLF001
+    for group in groups:
+        for svc in group:
             stack.services[svc.name] = svc
             svc.start()
+        for svc in group:
             svc.wait_healthy(stack.start_timeout_s)
 
 
@@ -141,7 +158,10 @@ class SimFleet:
         self.commands: dict[str, int] = defaultdict(int)
         self.started: dict[str, list[tuple[str, int]]] = defaultdict(list)
         self.refused = 0
+        #: Sandboxes a restored node dropped because they had moved on (:meth:`restore_link`).
+        self.fenced: list[str] = []
         self.timings: dict[str, Timing] = {}
+        self._links: dict[str, asyncio.Event] = {}  # node -> set while its link is up; absent: up
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._consumers: list[str] = []
@@ -221,6 +241,8 @@ class SimFleet:
             for i, n in enumerate(nodes):
                 if self._stop.is_set():
                     return
+                if not self.link_up(n.node_id):
+                    continue
                 try:
                     await kv.put(n.node_id, n.heartbeat(names).model_dump_json().encode())
                 except Exception as exc:  # noqa: BLE001 - a real agent logs and tries again next period
@@ -229,12 +251,62 @@ class SimFleet:
                 if delay > 0:
                     await asyncio.sleep(delay)
 
+    # --- a host's link ------------------------------------------------------------------------------------
+
+    def link_up(self, node_id: str) -> bool:
+        """Whether ``node_id``'s link is up (not cut by :meth:`cut_link`)."""
+        ev = self._links.get(node_id)
+        return ev is None or ev.is_set()
+
+    def cut_link(self, node_id: str) -> None:
+        """Cut ``node_id`` off: no heartbeats, its commands wait until :meth:`restore_link`. ``KeyError``: no
+        such node."""
+        if node_id not in self.nodes:
+            raise KeyError(node_id)
+        self._links[node_id] = asyncio.Event()
+
+    async def restore_link(self, node_id: str) -> list[str]:
+        """Bring ``node_id`` back as its agent would: fence sweep, rejoin, then its waiting commands. Returns
+        the sandboxes it dropped (their rows name another node, none, or a higher generation)."""
+        node = self.nodes[node_id]
+        held = {sid: max((g for n, g in self.started.get(sid, []) if n == node_id), default=0)
+                for sid in node.running}
+        rows = {r["id"]: r for r in await self.pool.fetch(
+            "SELECT id, node_id, generation FROM sandboxes WHERE id = ANY($1::text[])", list(held))}
+        dropped = []
+        for sid, gen in held.items():
+            r = rows.get(sid)
+            # The rule of services/nodeagent/ops/fence.py (stale): the row is gone, elsewhere, or newer.
+            if r is None or r["node_id"] != node_id or r["generation"] > gen:
+                node.running.pop(sid, None)
+                dropped.append(sid)
+        self.fenced += dropped
+        await self.pool.execute("UPDATE nodes SET state='ready', lost_at=NULL, state_changed_at=now()"
+                                " WHERE id=$1 AND state='lost'", node_id)
+        kv = await self.bus.nodes_kv()
+        await kv.put(node_id, node.heartbeat(sorted(self.templates)).model_dump_json().encode())
+        ev = self._links.pop(node_id, None)
+        if ev is not None:
+            ev.set()
+        return dropped
+
+    async def _wait_link(self, node_id: str, msg: Any) -> None:
+        """Hold ``msg`` while ``node_id``'s link is cut, telling JetStream it is still being worked on (so it is
+        not redelivered meanwhile, as a command in flight to an unreachable host is not)."""
+        while (ev := self._links.get(node_id)) is not None and not ev.is_set():
+            try:
+                await asyncio.wait_for(ev.wait(), timeout=5.0)
+            except TimeoutError:
+                await msg.in_progress()
+
     # --- commands -----------------------------------------------------------------------------------------
 
     async def _one(self, msg: Any) -> None:
         # podbay.cmd.node.<node>.<verb>
         parts = msg.subject.split(".")
         node_id, verb = parts[3], parts[-1]
+        if not self.link_up(node_id):
+            await self._wait_link(node_id, msg)
         self.commands[verb] += 1
         node = self.nodes.get(node_id)
         try:
@@ -266,7 +338,7 @@ class SimFleet:
                 conn, cmd.sandbox_id, Verb.STARTED, states="starting", generation=cmd.generation,
                 node=node.node_id, values={"failure_reason": None},
                 operation=OperationOutcome(cmd.operation_id, OperationState.SUCCEEDED),
-                event=SandboxEvent("started", node_id=node.node_id, tenant_id=cmd.tenant_id,
+                event=SandboxEvent(EventType.STARTED, node_id=node.node_id, tenant_id=cmd.tenant_id,
                                    generation=cmd.generation, data={"ms": 0.0, "simulated": True}))
         if updated is None:
             self.refused += 1
@@ -287,7 +359,7 @@ class SimFleet:
             await lifecycle.apply(
                 conn, cmd.sandbox_id, Verb.DELETED, states=lifecycle.sources(Verb.DELETED),
                 operation=OperationOutcome(cmd.operation_id, OperationState.SUCCEEDED, always=True),
-                event=SandboxEvent("deleted", node_id=node.node_id, tenant_id=row["tenant_id"],
+                event=SandboxEvent(EventType.DELETED, node_id=node.node_id, tenant_id=row["tenant_id"],
                                    generation=row["generation"]))
         self.relay.kick()
         node.running.pop(cmd.sandbox_id, None)

@@ -14,6 +14,11 @@ Replicas: ``PODBAY_API_REPLICAS``, ``PODBAY_SCHEDULER_REPLICAS`` and ``PODBAY_WA
 ``PODBAY_<SERVICE>_PORT`` set to it), logging to ``<log_dir>/api-2.log``. They share everything else, as
 replicas on several hosts would. Other services run once per host and refuse a replica count.
 
+NATS cluster: ``PODBAY_NATS_SERVERS=3`` (or ``Stack(nats_servers=3)``) starts three JetStream servers clustered
+over routes on loopback ports (``nats`` on the usual port, ``nats-2`` and ``nats-3`` and every route port on free
+ones; stores ``servers/nats/<name>/``); ``PODBAY_NATS_URL`` then lists all three, and podbay's streams and KV
+buckets get three replicas (:func:`podbay.bus.stream_replicas`). The default stays one server.
+
 Layout under ``data_dir``: ``servers/{nats,postgres,s3}/`` for server state; the services use ``data_dir``
 itself (``PODBAY_DATA_DIR``) for theirs.
 """
@@ -49,6 +54,7 @@ from podbay.devstack.vms import find_strays, kill_strays, node_stores, unmount_n
 from podbay.devstack.procs import free_port, free_ports, port_is_free, process_start_ticks, run_sync, stop_process, tail
 from podbay.errors import Unavailable
 from podbay.grants import new_keypair, public_key_of
+from podbay.edge_tls import ensure_dev_ca, write_trust_bundle
 from podbay.hostca import host_extra_cas, to_pem
 from podbay.stacknet import register_stack
 
@@ -140,8 +146,10 @@ class StackPorts(BaseModel):
     pg: int = 5432
     s3: int = 8333
     api: int = 8080
-    #: The API's HTTP/2-capable listener (PODBAY_API_H2_PORT; services/api/serving.py).
+    #: The API's HTTP/2-capable listener (PODBAY_API_H2_PORT; services/api/core/serving.py).
     api_h2: int = 8081
+    #: The API's HTTPS listener, the TLS edge (PODBAY_API_TLS_PORT; services/api/edge/tls.py).
+    api_tls: int = 8443
     node: int = 8090
     scheduler: int = 8091
     snapshotter: int = 8092
@@ -161,6 +169,7 @@ class StackPorts(BaseModel):
             **servers,
             api=settings.api_port,
             api_h2=settings.api_h2_port or cls.model_fields["api_h2"].default,
+            api_tls=settings.api_tls_port or cls.model_fields["api_tls"].default,
             node=settings.node_port,
             scheduler=settings.scheduler_port,
             snapshotter=settings.snapshotter_port,
@@ -214,11 +223,11 @@ class PortInUse(StackError):
 # The variable that moves each port (the message tells the user which one to set).
 _PORT_VARIABLES = {
     "nats": "PODBAY_NATS_PORT", "pg": "PODBAY_PG_PORT", "s3": "PODBAY_S3_PORT", "api": "PODBAY_API_PORT",
-    "api_h2": "PODBAY_API_H2_PORT", "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
+    "api_h2": "PODBAY_API_H2_PORT", "api_tls": "PODBAY_API_TLS_PORT", "node": "PODBAY_NODE_PORT", "scheduler": "PODBAY_SCHEDULER_PORT", "snapshotter": "PODBAY_SNAPSHOTTER_PORT",
     "warmpool": "PODBAY_WARMPOOL_PORT", "gateway": "PODBAY_GATEWAY_PORT",
     "gateway_proxy": "PODBAY_GATEWAY_PROXY_PORT", "gateway_dns": "PODBAY_GATEWAY_DNS_PORT",
 }  # fmt: skip
-_PART_OF_PORT = {"api_h2": "api", "pg": "postgres", "node": "nodeagent", "gateway_proxy": "gateway", "gateway_dns": "gateway"}
+_PART_OF_PORT = {"api_h2": "api", "api_tls": "api", "pg": "postgres", "node": "nodeagent", "gateway_proxy": "gateway", "gateway_dns": "gateway"}
 
 
 def check_ports_free(ports: StackPorts, external: External | None = None) -> None:
@@ -474,6 +483,8 @@ class Stack(NodeOps):
     openbao_port: int = 0
     #: Processes per replicable service (see the module docstring); empty: from ``base_env``.
     replicas: dict[str, int] = field(default_factory=dict)
+    #: NATS servers to start (1, or a cluster of 3); 0: ``PODBAY_NATS_SERVERS`` from ``base_env``, else 1.
+    nats_servers: int = 0
     #: Multi-node: ids of the nodes, each with its own network namespace, node agent, snapshotter and gateway
     #: (:mod:`podbay.devstack.netns`); the servers then listen on the bridge address. Empty: one node
     #: (``PODBAY_NODE_ID``) in the host's namespace, servers on 127.0.0.1.
@@ -598,7 +609,9 @@ class Stack(NodeOps):
         finally:
             # Completion order put them in any order; stop (reverse order) and status expect this one.
             order = [*SERVER_NAMES, "openbao"]
-            self.servers = {n: self.servers[n] for n in sorted(self.servers, key=order.index)}
+            # A cluster's further servers (nats-2, nats-3) sort right after nats.
+            self.servers = {n: self.servers[n] for n in sorted(
+                self.servers, key=lambda n: (order.index(n.split("-")[0]), n))}
         self.env = self._service_env()
 
     def _start_nats(self) -> None:
@@ -607,9 +620,31 @@ class Stack(NodeOps):
             self._probe_external("nats", srv.probe_nats(ext.nats_url))
             self.nats_url = ext.nats_url
             return
+        count = self.nats_server_count()
+        if count > 1:
+            host = self._server_kwargs("nats").get("host", "127.0.0.1")
+            cluster = srv.start_nats_cluster(self.data_dir / "servers" / "nats",
+                                             [self.ports.nats, *free_ports(count - 1)], free_ports(count),
+                                             log_dir=self.log_dir, host=host)
+            for server in cluster:
+                self.servers[server.name] = server
+            self.nats_url = ",".join(server.url for server in cluster)
+            return
         nats = srv.start_nats(self.data_dir / "servers" / "nats", self.ports.nats, log_dir=self.log_dir,
                               **self._server_kwargs("nats"))
         self.servers["nats"], self.nats_url = nats, nats.url
+
+    def nats_server_count(self) -> int:
+        """NATS servers this stack starts: :attr:`nats_servers`, else ``PODBAY_NATS_SERVERS``, else 1. Raises
+        :class:`StackError` for anything but 1 or 3 to 5 (two servers have no majority left after one is lost)."""
+        raw = self.nats_servers or self.base_env.get("PODBAY_NATS_SERVERS") or 1
+        try:
+            n = int(raw)
+        except (TypeError, ValueError):
+            n = 0
+        if n != 1 and not 3 <= n <= 5:
+            raise StackError(f"PODBAY_NATS_SERVERS must be 1 or 3 to 5, not {raw!r}", details={"part": "nats"})
+        return n
 
     def _start_postgres(self) -> None:
         ext = self.external
@@ -724,7 +759,12 @@ class Stack(NodeOps):
             self.servers[name].stop()
             sdir = self.data_dir / "servers" / name
             kw = self._server_kwargs(name)
-            if name == "nats":
+            old = self.servers[name]
+            if isinstance(old, srv.NatsServer) and old.member is not None:
+                # One server of a cluster: same name, ports, routes and store; it rejoins and catches up.
+                self.servers[name] = srv.start_nats(old.store_dir, old.port, log_dir=self.log_dir, member=old.member,
+                                                    host=urlsplit(old.url).hostname or "127.0.0.1")
+            elif name == "nats":
                 self.servers[name] = srv.start_nats(sdir, self.ports.nats, log_dir=self.log_dir, **kw)
             elif name == "postgres":
                 self.servers[name] = srv.start_postgres(sdir, self.ports.pg, log_dir=self.log_dir,
@@ -807,8 +847,10 @@ class Stack(NodeOps):
             raise StackError(f"{spec.script} not found in {self.bin_dir}", details={"part": spec.name})
         port = getattr(self.ports, spec.port_field)
         # Only the API mints node grants; no other process holds the key that signs them.
+        # Likewise only the API holds the edge CA's key.
         base = self.env if spec.name == "api" else {k: v for k, v in self.env.items()
-                                                     if k != "PODBAY_GRANT_SIGNING_KEY"}
+                                                     if k not in ("PODBAY_GRANT_SIGNING_KEY",
+                                                                  "PODBAY_API_TLS_CA_KEY_FILE")}
         if node_id is None or self.network is None:
             if replica == 1:
                 return ServiceProcess(spec, [str(script)], base, self.log_path(spec.name), port)
@@ -817,6 +859,7 @@ class Stack(NodeOps):
             env = {**base, REPLICABLE[spec.name]: str(port)}
             if spec.name == "api":
                 env["PODBAY_API_H2_PORT"] = str(free_port())
+                env["PODBAY_API_TLS_PORT"] = str(free_port())  # another host's edge: a port of its own here
             return ServiceProcess(spec, [str(script)], env, self.log_path(name), port, instance=name)
         link = self.network.node(node_id)
         # Each namespace has its own ports, so every node uses the same ones; the data plane listens on the
@@ -847,6 +890,7 @@ class Stack(NodeOps):
             "PODBAY_API_HOST": "127.0.0.1",
             "PODBAY_API_PORT": str(p.api),
             "PODBAY_API_H2_PORT": str(p.api_h2),
+            "PODBAY_API_TLS_PORT": str(p.api_tls),
             "PODBAY_API_URL": self.api_url,
             "PODBAY_NODE_HOST": "127.0.0.1",
             "PODBAY_NODE_PORT": str(p.node),
@@ -870,8 +914,29 @@ class Stack(NodeOps):
             ours["PODBAY_GUEST_CA_FILE"] = str(guest_ca)
         # A client key from the caller's shell means nothing to a service of another stack.
         base = {k: v for k, v in self.base_env.items() if k not in ("PODBAY_API_KEY", "PODBAY_CONFIG")}
-        defaults = {"PODBAY_WEBHOOK_ALLOW_PRIVATE": "1" if self.webhook_allow_private else "0"}
+        defaults = {"PODBAY_WEBHOOK_ALLOW_PRIVATE": "1" if self.webhook_allow_private else "0",
+                    **self._edge_defaults()}
         return {**defaults, **base, **ours}
+
+    def _edge_defaults(self) -> dict[str, str]:
+        """The TLS edge's settings unless the environment gives its own (docs/operations.md "Ports by
+        hostname"): E2B's domain ``e2b.localhost:<tls port>``, whose every name resolves to loopback through
+        nss-myhostname (scripts/setup.sh), and the stack's CA (kept in ``DATA_DIR/edge-ca.{pem,key}``) from
+        which the edge mints a certificate per name. Writes ``DATA_DIR/edge-trust.pem`` (system roots + that
+        CA) for ``podbay env --e2b``."""
+        ca_cert, ca_key = ensure_dev_ca(self.data_dir)
+        write_trust_bundle(self.data_dir / "edge-trust.pem", ca_cert)
+        return {"PODBAY_E2B_DOMAIN": f"e2b.localhost:{self.ports.api_tls}",
+                "PODBAY_API_TLS_CA_CERT_FILE": str(ca_cert), "PODBAY_API_TLS_CA_KEY_FILE": str(ca_key)}
+
+    def edge_client(self) -> dict[str, str]:
+        """What a client of this (started) stack needs for the TLS edge: ``e2b_domain``, ``ca_cert`` (the
+        stack's CA) and ``ca_bundle`` (system roots + that CA); an empty value when not in use."""
+        ca = self.env.get("PODBAY_API_TLS_CA_CERT_FILE", "")
+        bundle = self.data_dir / "edge-trust.pem"
+        own = ca == str(self.data_dir / "edge-ca.pem")
+        return {"e2b_domain": self.env.get("PODBAY_E2B_DOMAIN", ""), "ca_cert": ca if own else "",
+                "ca_bundle": str(bundle) if own and bundle.is_file() else ""}
 
     def _probe_external(self, name: str, probe: Coroutine[Any, Any, None]) -> None:
         try:

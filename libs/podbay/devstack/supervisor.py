@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.text import Text
 
-from podbay.clientconfig import ClientConfig, save_client_config
+from podbay.clientconfig import ClientConfig, StackEdge, save_client_config
 from podbay.config import Settings
 from podbay.devstack import servers as srv
 from podbay.devstack.netns import node_ids_for, purge_networks
@@ -246,6 +246,7 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
         data_dir=settings.data_dir, log_dir=settings.logs, cache_dir=settings.cache_dir,
         ports=StackPorts.from_settings(settings), external=_external(settings),
         node_ids=node_ids_for(settings.nodes) if settings.nodes > 1 else [],
+        nats_servers=settings.nats_servers,
         # On unless the environment or the config file says otherwise (the stack is one user's).
         webhook_allow_private=(settings.webhook_allow_private
                                if "webhook_allow_private" in settings.model_fields_set else True),
@@ -279,7 +280,8 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
             stack.start(on_ready=ready)
             # One live dev key per data directory: each start replaces the one the last start saved.
             stack.create_api_key("dev", "dev", replace=True)
-            path = save_client_config(ClientConfig(api_url=stack.api_url, api_key=stack.api_key))
+            edge = StackEdge(**{k: v or None for k, v in stack.edge_client().items()})
+            path = save_client_config(ClientConfig(api_url=stack.api_url, api_key=stack.api_key), edge)
         except _StopRequested:
             stack.stop(grace_s=5.0)
             console.print("start-up interrupted; stopped")
@@ -309,8 +311,10 @@ def _run(settings: Settings, console: Console, *, daemon: bool) -> int:
 
 
 def _url_of(stack: Stack, name: str) -> str:
-    if name == "nats":
-        return stack.nats_url
+    if name == "nats" or name.startswith("nats-"):
+        # A cluster's server: its own URL (the stack's PODBAY_NATS_URL lists them all).
+        server = stack.servers.get(name)
+        return server.url if isinstance(server, srv.NatsServer) else stack.nats_url
     if name == "postgres":
         return stack.pg_dsn.split("@")[-1]
     if name == "s3":
@@ -323,7 +327,8 @@ def _url_of(stack: Stack, name: str) -> str:
 
 def _record(settings: Settings, state: StackState, stack: Stack) -> None:
     parts: list[PartRecord] = []
-    for name in ("nats", "postgres", "s3", "openbao"):
+    cluster = [n for n in stack.servers if n.startswith("nats-")]
+    for name in ("nats", *cluster, "postgres", "s3", "openbao"):
         server = stack.servers.get(name)
         url = _url_of(stack, name)
         if server is not None:
@@ -531,6 +536,8 @@ async def _probe_all(state: StackState, supervised: bool) -> list[PartStatus]:
                 raise RuntimeError("process not running")
             if part.name == "nats":
                 await asyncio.wait_for(srv.probe_nats(env.get("PODBAY_NATS_URL", part.url)), 3)
+            elif part.name.startswith("nats-"):  # one server of a cluster, at its own URL
+                await asyncio.wait_for(srv.probe_nats(part.url), 3)
             elif part.name == "postgres":
                 await asyncio.wait_for(srv.probe_postgres(env["PODBAY_PG_DSN"]), 3)
             elif part.name == "s3":

@@ -1,6 +1,7 @@
 """Credentials, API keys, the audit log and egress policy in the SDK (docs/DESIGN.md §6).
 
-``client.credentials`` and ``client.keys`` are small namespaces over the client's own connection;
+``client.credentials`` and ``client.keys`` are small namespaces over the client's own connection
+(``podbay.sdk._async_namespaces``, and the generated ``_sync_namespaces``);
 ``client.audit(...)``, ``client.get_network(id)``/``client.set_network(id, policy)`` and the template
 variants are plain methods. Builders (``*_call``) are shared by the sync and async clients, like
 ``podbay.sdk._calls``. A credential's value is sent once and never comes back: no result carries it.
@@ -9,7 +10,7 @@ variants are plain methods. Builders (``*_call``) are shared by the sync and asy
 from __future__ import annotations
 
 import builtins
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -45,10 +46,6 @@ __all__ = [
     "set_network_call",
     "get_template_network_call",
     "set_template_network_call",
-    "Credentials",
-    "Keys",
-    "AsyncCredentials",
-    "AsyncKeys",
 ]
 
 T = TypeVar("T")
@@ -153,94 +150,3 @@ def get_template_network_call(template: str) -> Call[NetworkInfo]:
 def set_template_network_call(template: str, policy: NetworkArg) -> Call[NetworkInfo]:
     """``PUT /v1/templates/{name}/network``."""
     return Call("PUT", _template_path(template), _model(NetworkInfo), json=policy_body(policy))
-
-
-class Credentials:
-    """``client.credentials``: create, list, get and delete credentials (values are write-only)."""
-
-    def __init__(self, call: Callable[[Call[Any]], Any]) -> None:
-        self._call = call
-
-    def create(self, name: str, value: str, hosts: Sequence[str], *, path_prefix: str | None = None,
-               header: str | None = None, format: str | None = None, expires_at: datetime | None = None,
-               rate_limit_per_min: int | None = None, sandboxes: Sequence[str] | None = None,
-               templates: Sequence[str] | None = None) -> CredentialInfo:
-        """Store a credential for ``hosts``; the gateway sets ``header: format`` (``{value}`` replaced) on
-        matching requests. Returns everything but the value. ``Conflict`` when the name is taken."""
-        return self._call(create_credential_call(  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-            name, value, hosts, path_prefix=path_prefix, header=header, format=format, expires_at=expires_at,
-            rate_limit_per_min=rate_limit_per_min, sandboxes=list(sandboxes) if sandboxes is not None else None,
-            templates=list(templates) if templates is not None else None))
-
-    def list(self) -> builtins.list[CredentialInfo]:
-        """The tenant's credentials."""
-        return self._call(list_credentials_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def get(self, name: str) -> CredentialInfo:
-        """One credential; ``NotFound`` when missing."""
-        return self._call(get_credential_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def delete(self, name: str) -> None:
-        """Delete a credential (its value is destroyed)."""
-        self._call(delete_credential_call(name))
-
-
-class Keys:
-    """``client.keys``: create (the key is returned once), list (prefixes) and revoke API keys."""
-
-    def __init__(self, call: Callable[[Call[Any]], Any]) -> None:
-        self._call = call
-
-    def create(self, name: str) -> KeyCreated:
-        """A new key of the caller's tenant; ``.key`` is shown this once."""
-        return self._call(create_key_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def list(self, all: bool = False) -> builtins.list[KeyInfo]:
-        """The tenant's keys (revoked ones too with ``all``)."""
-        return self._call(list_keys_call(all))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def revoke(self, key_id: str) -> KeyInfo:
-        """Revoke a key; ``Conflict`` when it is the caller's own and the tenant's last."""
-        return self._call(revoke_key_call(key_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-
-class AsyncCredentials:
-    """``AsyncClient.credentials``: as :class:`Credentials`, awaitable."""
-
-    def __init__(self, call: Callable[[Call[Any]], Awaitable[Any]]) -> None:
-        self._call = call
-
-    async def create(self, name: str, value: str, hosts: Sequence[str], **scope: Any) -> CredentialInfo:
-        """See ``Credentials.create`` (same keyword arguments)."""
-        return await self._call(create_credential_call(name, value, hosts, **scope))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def list(self) -> builtins.list[CredentialInfo]:
-        """The tenant's credentials."""
-        return await self._call(list_credentials_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def get(self, name: str) -> CredentialInfo:
-        """One credential."""
-        return await self._call(get_credential_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def delete(self, name: str) -> None:
-        """Delete a credential."""
-        await self._call(delete_credential_call(name))
-
-
-class AsyncKeys:
-    """``AsyncClient.keys``: as :class:`Keys`, awaitable."""
-
-    def __init__(self, call: Callable[[Call[Any]], Awaitable[Any]]) -> None:
-        self._call = call
-
-    async def create(self, name: str) -> KeyCreated:
-        """A new key (shown once)."""
-        return await self._call(create_key_call(name))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def list(self, all: bool = False) -> builtins.list[KeyInfo]:
-        """The tenant's keys."""
-        return await self._call(list_keys_call(all))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def revoke(self, key_id: str) -> KeyInfo:
-        """Revoke a key."""
-        return await self._call(revoke_key_call(key_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients

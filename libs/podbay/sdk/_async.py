@@ -6,15 +6,20 @@
             print(event.type, event.data)
 
 Requests, parsing and errors are shared with the blocking SDK (``_calls``, ``_http``); this module only
-awaits them. Method docstrings say what differs; the rest is documented on the sync twin.
+awaits them. It is the source of the blocking SDK too: scripts/gen_sync_sdk.py rewrites it into ``_sync.py``
+(``unasync``: ``async``/``await`` dropped, ``AsyncClient`` -> ``Client``, ``aclose`` -> ``close``, ...), so
+docstrings here are written for both (an ``AsyncX`` method returns when its awaitable would). Run
+``.venv/bin/python scripts/gen_sync_sdk.py`` after every change here; a unit test fails on drift.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import inspect
 import io
 import itertools
+from time import monotonic
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from contextlib import asynccontextmanager
@@ -45,10 +50,11 @@ from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _computer as computer_calls
 from podbay.sdk import _ports as ports_calls
+from podbay.sdk import _code as code_calls
+from podbay.sdk._code import CodeExecution, OutputHandler
 from podbay.contracts.api import PortAccess, PortList, PortUrl
 from podbay.contracts.computer import CdpEndpoint, ComputerResult, FillResult
-from podbay.sdk import _schedules as sched
-from podbay.sdk import _volumes as vols
+from podbay.sdk import _async_namespaces as ns
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
 from podbay.contracts.templates import BuildEvent, BuildInfo, TemplateDetail
@@ -71,8 +77,15 @@ T = TypeVar("T")
 
 
 class AsyncClient:
-    """Async twin of ``podbay.sdk.Client``: one pooled ``httpx.AsyncClient``; ``await client.aclose()``
-    or ``async with``. ``transport`` takes an ``httpx.AsyncBaseTransport`` (tests: ``MockTransport``)."""
+    """A connection to the podbay API; every endpoint as a method. Close it (or use ``with``) when done: in the
+    asyncio SDK ``await client.aclose()`` or ``async with``.
+
+    ``api_url``/``api_key`` default to ``PODBAY_API_URL``/``PODBAY_API_KEY``, then the config file that
+    ``podbay up`` writes (``podbay.clientconfig``). ``timeout_s`` bounds connecting and waiting for each
+    answer (exec waits as long as the command's own timeout). ``transport`` swaps httpx's transport
+    (tests use ``httpx.MockTransport``; an async one for the asyncio SDK). One ``httpx.Client`` (or
+    ``httpx.AsyncClient``) per object: connections are pooled.
+    """
 
     def __init__(
         self,
@@ -90,14 +103,14 @@ class AsyncClient:
         self.auto_resume = auto_resume
         self._http = httpx.AsyncClient(transport=transport, **opts)
         #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
-        self.credentials = access.AsyncCredentials(self._call)
-        self.keys = access.AsyncKeys(self._call)
+        self.credentials = ns.AsyncCredentials(self._call)
+        self.keys = ns.AsyncKeys(self._call)
         #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
-        self.webhooks = sdk_events.AsyncWebhooks(self._call)
+        self.webhooks = ns.AsyncWebhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
-        self.schedules = sched.AsyncSchedules(self._call)
+        self.schedules = ns.AsyncSchedules(self._call)
         #: ``volumes.create/list/get/snapshots/restore/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
-        self.volumes = vols.AsyncVolumes(self._call)
+        self.volumes = ns.AsyncVolumes(self._call)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
@@ -115,8 +128,8 @@ class AsyncClient:
         for attempt in itertools.count():
             try:
                 with network_errors(self.api_url):
-                    resp = await self._http.request(call.method, call.path,
-                                                    **request_options(call, self._timeout_s))
+                    resp = await self._http.request(
+                        call.method, call.path, **request_options(call, self._timeout_s))
                 break
             except Unavailable as exc:
                 delay = retry_delay(call, attempt, exc)
@@ -139,6 +152,8 @@ class AsyncClient:
                     raise error_for_response(resp)
                 yield resp
 
+    # sandboxes
+
     async def create_sandbox(
         self,
         template: str = "base",
@@ -151,33 +166,36 @@ class AsyncClient:
         network: NetworkArg | None = None,
         volumes: Sequence[Any] | None = None,
     ) -> SandboxInfo:
-        """See ``Client.create_sandbox``."""
+        """Create a sandbox; with ``wait`` the answer comes when it runs (or failed), else at once with
+        ``operation_id``. Raises ``InvalidRequest``/``Unprocessable`` (bad values), ``NotFound`` (template)."""
         return await self._call(
             calls.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=metadata,
                                  wait=wait, network=network, volumes=volumes)
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        """See ``Client.get_sandbox``."""
+        """The sandbox's current ``SandboxInfo``; ``NotFound`` if it is not this tenant's."""
         return await self._call(calls.get_sandbox(sandbox_id))
 
     async def list_sandboxes(self) -> builtins.list[SandboxInfo]:
-        """See ``Client.list_sandboxes``."""
+        """The tenant's sandboxes."""
         return await self._call(calls.list_sandboxes())
 
     async def delete_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
-        """See ``Client.delete_sandbox``."""
+        """Delete a sandbox; with ``wait`` the answer comes when it is gone, else with ``operation_id``."""
         return await self._call(calls.delete_sandbox(sandbox_id, wait=wait))
 
 
     # credentials, keys, audit, egress policy (podbay.sdk._access)
 
-    async def audit(self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
-              before: int | None = None, limit: int = 100) -> AuditPage:
+    async def audit(
+        self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
+        before: int | None = None, limit: int = 100,
+    ) -> AuditPage:
         """The tenant's audit log, newest first (``action`` may end in ``*``); page with
         ``before=page.next_before``."""
-        return await self._call(access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before,
-                                               limit=limit))
+        return await self._call(
+            access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before, limit=limit))
 
     async def get_network(self, sandbox_id: str) -> NetworkInfo:
         """The sandbox's effective egress policy and its source (sandbox, template or default)."""
@@ -202,8 +220,9 @@ class AsyncClient:
         (``delta_x``, ``delta_y``) at CSS pixel ``(x, y)`` of the page."""
         return await self._call(computer_calls.mouse_call(sandbox_id, action, x, y, **kw))
 
-    async def keyboard(self, sandbox_id: str, *, text: str | None = None,
-                 keys: list[str] | None = None) -> ComputerResult:
+    async def keyboard(
+        self, sandbox_id: str, *, text: str | None = None, keys: list[str] | None = None,
+    ) -> ComputerResult:
         """Type ``text`` at the focus, or press ``keys`` (``["Enter"]``, ``["Control+a", "Backspace"]``)."""
         return await self._call(computer_calls.keyboard_call(sandbox_id, text=text, keys=keys))
 
@@ -259,8 +278,10 @@ class AsyncClient:
         read-write volumes too, to their copies in that full snapshot (they are not rolled back otherwise)."""
         return await self._call(calls.restore_call(sandbox_id, snapshot_id, volumes))
 
-    async def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
-                     schedules: bool = False, volumes: str | None = None) -> ForkResult:
+    async def fork_sandbox(
+        self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
+        schedules: bool = False, volumes: str | None = None,
+    ) -> ForkResult:
         """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child. With
         ``schedules`` each child gets a copy of the parent's schedules (by default none). ``volumes``: what a
         child gets of the parent's read-write volumes: ``readonly`` (default) a read-only view as of the fork,
@@ -268,7 +289,7 @@ class AsyncClient:
         return await self._call(calls.fork_call(sandbox_id, count, snapshot_id, schedules, volumes))
 
     async def pause_sandbox(self, sandbox_id: str, *, wait: bool = True) -> SandboxInfo:
-        """See ``Client.pause_sandbox``."""
+        """Pause a running sandbox in memory (409 ``InvalidState`` unless running)."""
         return await self._call(calls.lifecycle_call(sandbox_id, "pause", wait=wait))
 
     async def resume_sandbox(self, sandbox_id: str, *, wait: bool = True, fallback: bool = False) -> SandboxInfo:
@@ -283,19 +304,28 @@ class AsyncClient:
         return await self._call(calls.suspend_call(sandbox_id, wait=wait))
 
     async def get_operation(self, operation_id: str) -> OperationInfo:
-        """See ``Client.get_operation``."""
+        """The state of an operation started with ``wait=False``."""
         return await self._call(calls.get_operation(operation_id))
 
     async def list_templates(self) -> builtins.list[TemplateDetail]:
-        """See ``Client.list_templates``."""
+        """The templates sandboxes can be created from."""
         return await self._call(calls.list_templates())
 
-    async def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
-                             build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
-                             ready_port: int | None = None, egress: Any = None,
-                             memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
-                             on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
-        """As the sync ``Client.build_template``."""
+    async def build_template(
+        self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
+        build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
+        ready_port: int | None = None, egress: Any = None,
+        memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
+        on_event: Callable[[BuildEvent], None] | None = None,
+    ) -> TemplateDetail:
+        """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory (``web:v2``:
+        build ``web`` and also tag the build ``v2``, which ``Sandbox.create("web:v2")`` uses after later
+        rebuilds); calls ``on_event`` with each step and log event; returns the template. With a start command (CMD or
+        ENTRYPOINT), ``ready_cmd`` (exits 0) or ``ready_port`` (answers) says when it is ready to snapshot.
+        ``egress``: the RUN steps' network policy (an ``EgressPolicy`` or its JSON shape; default the FROM
+        template's). ``memory_mib``, ``vcpus``, ``disk_mib``: the template's resources (default the FROM
+        template's; others cost one boot of its disk before the steps). Raises ``TemplateBuildFailed`` (a
+        step failed: ``details`` has step, exit_code, output_tail) or the API's typed 4xx errors."""
         call = _tpl.build_call(name, dockerfile, context, build_args, ready_cmd, ready_port, egress,
                                memory_mib, vcpus, disk_mib)
         build_id: str | None = None
@@ -320,9 +350,12 @@ class AsyncClient:
         return await self._follow_build(name, build_id, cause)
 
     async def _follow_build(self, name: str, build_id: str, cause: PodbayError) -> TemplateDetail:
-        """See ``Client._follow_build``."""
-        deadline = asyncio.get_running_loop().time() + _tpl.FOLLOW_S
-        while asyncio.get_running_loop().time() < deadline:
+        """A build whose stream broke off or ended without an outcome (``cause``) may still end on its node:
+        its row, polled every ``_templates.FOLLOW_POLL_S`` s for up to ``_templates.FOLLOW_S`` s (API errors
+        while the API restarts are retried), answers as the stream would have. Returns the template; raises
+        ``TemplateBuildFailed`` (the row's code, e.g. ``interrupted``) or ``Unavailable`` (not ended)."""
+        deadline = monotonic() + _tpl.FOLLOW_S
+        while monotonic() < deadline:
             try:
                 build = next((b for b in await self.list_builds(name.split(":", 1)[0]) if b.id == build_id), None)
                 if build is not None and build.state != "running":
@@ -339,45 +372,100 @@ class AsyncClient:
         return await self._call(calls.list_builds_call(name))
 
     async def delete_template(self, name: str) -> None:
-        """Remove template ``name`` (409 while sandboxes or a pool use it)."""
+        """Remove template ``name`` (409 while sandboxes or a pool use it); ``name:tag`` removes only the tag
+        (409 while sandboxes use its build)."""
         await self._call(calls.delete_template_call(name))
 
     async def set_pool(self, template: str, size: int, max_size: int | None = None) -> PoolInfo:
-        """See ``Client.set_pool``."""
+        """Keep at least ``size`` warm slots of ``template`` (up to ``max_size`` when demand asks);
+        ``size`` 0 ends the pool. Creates from the template then claim a slot instead of restoring."""
         return await self._call(calls.set_pool_call(template, size, max_size))
 
     async def list_nodes(self) -> builtins.list[NodeInfo]:
-        """See ``Client.list_nodes``."""
+        """Every node (operator tenant only): state, liveness, capacity, used and free resources, counts.
+        Raises ``Forbidden`` for other tenants."""
         return await self._call(calls.list_nodes_call())
 
     async def drain_node(self, node_id: str) -> DrainStarted:
-        """See ``Client.drain_node``."""
+        """Start moving every sandbox off ``node_id`` (operator tenant only): running ones by live migration,
+        paused ones paused; follow the returned operation with ``get_operation`` (``progress``)."""
         return await self._call(calls.drain_node_call(node_id))
 
     async def undrain_node(self, node_id: str) -> NodeUndrained:
-        """See ``Client.undrain_node``."""
+        """Take a ``draining`` or ``drained`` node back into placement (operator tenant only): after
+        maintenance, or after a drain that ended ``drain_incomplete``. Raises ``Forbidden``, ``NotFound``, and
+        ``InvalidState`` while its drain runs or for a lost node."""
         return await self._call(calls.undrain_node_call(node_id))
 
     async def list_pools(self) -> builtins.list[PoolInfo]:
-        """See ``Client.list_pools``."""
+        """Every warm pool: bounds, target, and per node ready, preparing, claimed and failing slots."""
         return await self._call(calls.list_pools_call())
 
+    # processes
+
     async def exec(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
-        """See ``Client.exec``."""
+        """Run ``cmd`` (argv list, or a ``str`` run by ``/bin/sh -c``) and wait for it to end.
+
+        A non-zero exit is a result, not an error. Raises ``InvalidState`` (409) unless the sandbox runs,
+        ``InvalidRequest`` for a bad request (see ``podbay.sdk._calls.exec_request``).
+        """
         req = calls.exec_request(cmd, **opts)
         return await self._call(calls.exec_call(sandbox_id, req))
 
-    def exec_stream(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
-        """An async iterator of the command's events as produced (not awaited: ``async for``).
+    async def run_code(self, sandbox_id: str, code: str, *, language: str | None = None, context: Any = None,
+                       env: Mapping[str, str] | None = None, timeout: float | None = None,
+                       on_stdout: OutputHandler | None = None, on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None) -> CodeExecution:
+        """Run ``code`` in the sandbox's code interpreter (a sandbox of the ``code-interpreter`` template,
+        docs/code-interpreter.md) and return its ``CodeExecution`` (``results``, ``stdout``,
+        ``stderr``, ``error``, ``execution_count``; ``.text`` is the value of the last expression).
 
-        See ``Client.exec_stream`` for the events and errors.
+        ``language``: ``python`` (default) or ``bash``, each language's default context; or ``context``: a
+        context id (or an object with ``id``, as E2B's ``Context``), not both. ``env``: environment variables
+        for this run only. ``timeout``: seconds, after which the kernel is interrupted and ``error`` is
+        ``TimeoutError``. ``on_stdout``/``on_stderr`` get each text chunk as it is printed, ``on_result`` each
+        ``CodeResult``, ``on_error`` the ``CodeError`` (in the asyncio SDK they may be coroutines). An error
+        in the code is a result (``error``), not an exception. Raises ``InvalidRequest`` (arguments),
+        ``NotFound`` (no such sandbox or context), ``Unavailable`` (nothing answers on port 49999: not a
+        code-interpreter sandbox).
+        """
+        call = code_calls.run_code_call(sandbox_id, code, language=language, context=context, env=env,
+                                        timeout=timeout)
+        execution = CodeExecution()
+        async with self._stream(call) as resp:
+            async for line in resp.aiter_lines():
+                ended, out = code_calls.apply_line(execution, line, on_stdout=on_stdout, on_stderr=on_stderr,
+                                                   on_result=on_result, on_error=on_error)
+                # An asyncio handler's coroutine is awaited here (the blocking SDK has nothing to await).
+                _ = await out if inspect.isawaitable(out) else None
+                if ended:
+                    return execution
+        raise Unavailable(f"the code interpreter of sandbox {sandbox_id} ended its answer early")
+
+    def exec_stream(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
+        """Run ``cmd`` and yield its ``ExecEvent``s as the process produces them.
+
+        ``start`` first, then ``stdout``/``stderr`` events with ``data``, last ``exit`` with ``exit_code``
+        (and ``timed_out``). An ``error`` event raises the typed error it carries; a stream that ends
+        without ``exit`` raises ``Unavailable``. The request is checked before this returns; the HTTP
+        call starts on the first ``next()``. Breaking out of the loop closes the connection. In the asyncio SDK
+        this is not awaited: ``async for event in client.exec_stream(...)``.
         """
         req = calls.exec_request(cmd, **opts)
         return self._events(calls.exec_stream_call(sandbox_id, req))
 
-    async def events(self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
-                     after: int | None = None, follow: bool = False) -> AsyncIterator[EventOut]:
-        """The tenant's lifecycle events after stream position ``after`` (``async for``); see ``Client.events``."""
+    async def events(
+        self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
+        after: int | None = None, follow: bool = False,
+    ) -> AsyncIterator[EventOut]:
+        """Yield the tenant's lifecycle events (``EventOut``) after stream position ``after``, in order.
+
+        ``sandbox`` (one id or several) and ``types`` filter. Without ``follow`` it ends at the newest
+        event; with it, it waits for new ones forever, and a dropped connection is reopened after the last
+        ``seq`` seen, so nothing is lost or repeated. Keep ``event.seq`` to resume later with ``after``.
+        Raises ``InvalidRequest`` for a bad filter; without ``follow``, ``Unavailable``/``Timeout`` too.
+        """
         last, wait = after, sdk_events.RECONNECT_S
         while True:
             call = sdk_events.events_call(sandbox=sandbox, types=types, after=last, follow=follow)
@@ -405,8 +493,10 @@ class AsyncClient:
                     yield event
         reader.finish()
 
+    # files
+
     async def read_file_into(self, sandbox_id: str, path: str, dest: IO[bytes]) -> int:
-        """See ``Client.read_file_into`` (``dest`` is a plain binary file-like object)."""
+        """Stream the file at absolute ``path`` into ``dest``; returns the number of bytes written."""
         written = 0
         async with self._stream(calls.read_file(sandbox_id, path)) as resp:
             async for chunk in resp.aiter_bytes():
@@ -415,34 +505,35 @@ class AsyncClient:
         return written
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """See ``Client.read_file``."""
+        """The whole file at absolute ``path``; ``NotFound`` if it does not exist."""
         buf = io.BytesIO()
         await self.read_file_into(sandbox_id, path, buf)
         return buf.getvalue()
 
     async def write_file(self, sandbox_id: str, path: str, data: FileData, *, mode: int = 0o644) -> FileInfo:
-        """See ``Client.write_file``; a file-like ``data`` may have a sync or an async ``read``."""
+        """Write ``data`` (bytes, str as UTF-8, or a file-like object, streamed) to ``path`` with ``mode``; in the
+        asyncio SDK a file-like ``data`` may have a sync or an async ``read``."""
         return await self._call(calls.write_file(sandbox_id, path, async_body(data), mode))
 
     async def stat_file(self, sandbox_id: str, path: str) -> FileInfo:
-        """See ``Client.stat_file``."""
+        """``FileInfo`` of ``path``; ``NotFound`` if it does not exist."""
         return await self._call(calls.stat_file(sandbox_id, path))
 
     async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
-        """See ``Client.list_files``."""
+        """The entries of the directory ``path``."""
         return await self._call(calls.list_files(sandbox_id, path))
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileInfo:
-        """See ``Client.mkdir``."""
+        """Create the directory ``path`` (and its parents, by default); returns its ``FileInfo``."""
         return await self._call(calls.mkdir(sandbox_id, path, parents=parents))
 
     async def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        """See ``Client.remove_file``."""
+        """Remove ``path``; a non-empty directory needs ``recursive``."""
         await self._call(calls.remove_file(sandbox_id, path, recursive=recursive))
 
 
 class AsyncFiles:
-    """``sandbox.files`` of an ``AsyncSandbox``: the methods of ``Files``, awaited."""
+    """``sandbox.files``: the sandbox's filesystem. Paths are absolute paths inside the guest."""
 
     def __init__(self, client: AsyncClient, sandbox_id: str) -> None:
         self._client = client
@@ -458,7 +549,8 @@ class AsyncFiles:
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The file decoded as ``encoding``."""
-        return (await self.read(path)).decode(encoding)
+        data = await self.read(path)
+        return data.decode(encoding)
 
     async def read_into(self, path: str, dest: IO[bytes]) -> int:
         """Stream the file into ``dest``; returns the byte count."""
@@ -473,7 +565,7 @@ class AsyncFiles:
         return await self._client.stat_file(self._id, path)
 
     async def exists(self, path: str) -> bool:
-        """Whether ``path`` exists."""
+        """Whether ``path`` exists (a ``stat`` that answers ``NotFound`` means no)."""
         try:
             await self.stat(path)
         except NotFound:
@@ -490,7 +582,11 @@ class AsyncFiles:
 
 
 class AsyncSandbox:
-    """Async twin of ``Sandbox``: ``await AsyncSandbox.create(...)``; ``async with`` deletes it at the end."""
+    """One sandbox. Build it with ``Sandbox.create`` or ``Sandbox.connect``; ``with`` deletes it at the end.
+
+    Each ``Sandbox`` made by ``create``/``connect`` owns its ``Client`` (closed by ``close``/``delete``)
+    unless one is passed in with ``client=``, which lets many sandboxes share one connection pool.
+    """
 
     def __init__(self, client: AsyncClient, info: SandboxInfo, *, owns_client: bool = False) -> None:
         self._client = client
@@ -499,9 +595,9 @@ class AsyncSandbox:
         self.files = AsyncFiles(client, info.id)
 
     @property
-    def schedules(self) -> sched.AsyncBoundSchedules:
+    def schedules(self) -> ns.AsyncBoundSchedules:
         """This sandbox's schedules (``add(cron=..., tz=..., command=[...])``, ``list()``, ``runs(id)``, ``remove(id)``)."""
-        return sched.AsyncBoundSchedules(self._client.schedules, self.id)
+        return ns.AsyncBoundSchedules(self._client.schedules, self.id)
 
     @property
     def id(self) -> str:
@@ -533,7 +629,12 @@ class AsyncSandbox:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
-        """See ``Sandbox.create``."""
+        """Create a sandbox from ``template`` (see ``Client.create_sandbox``) and return it.
+
+        With ``wait`` (default) it is running when this returns; ``memory_mib``/``vcpus`` default to the
+        template's; ``disk_mib`` makes the root disk larger than the template's (its filesystem grows to fill
+        it). ``timeout_s`` bounds each HTTP call (not exec). Errors: ``podbay.errors`` classes.
+        """
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = await http.create_sandbox(
@@ -556,7 +657,7 @@ class AsyncSandbox:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
-        """See ``Sandbox.connect``."""
+        """The existing sandbox ``sandbox_id``; ``NotFound`` if there is none (for this tenant)."""
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             info = await http.get_sandbox(sandbox_id)
@@ -575,7 +676,7 @@ class AsyncSandbox:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         client: AsyncClient | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """See ``Sandbox.list``."""
+        """The tenant's sandboxes, as ``SandboxInfo``."""
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
             return await http.list_sandboxes()
@@ -589,16 +690,26 @@ class AsyncSandbox:
         return self.info
 
     async def exec(self, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
-        """See ``Client.exec``."""
+        """Run ``cmd`` and wait: see ``Client.exec``."""
         return await self._client.exec(self.id, cmd, **opts)
 
+    async def run_code(self, code: str, *, language: str | None = None, context: Any = None,
+                       env: Mapping[str, str] | None = None, timeout: float | None = None,
+                       on_stdout: OutputHandler | None = None, on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None) -> CodeExecution:
+        """Run ``code`` in this sandbox's code interpreter: see ``Client.run_code``."""
+        return await self._client.run_code(self.id, code, language=language, context=context, env=env,
+                                           timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr,
+                                           on_result=on_result, on_error=on_error)
+
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
-        """``async for event in sb.exec_stream(...)``: see ``Client.exec_stream``."""
+        """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
         return self._client.exec_stream(self.id, cmd, **opts)
 
     def events(self, *, types: Sequence[str] | None = None, after: int | None = None,
                follow: bool = False) -> AsyncIterator[EventOut]:
-        """``async for event in sb.events(follow=True)``: this sandbox's lifecycle events (``Client.events``)."""
+        """This sandbox's lifecycle events: see ``Client.events``."""
         return self._client.events(sandbox=self.id, types=types, after=after, follow=follow)
 
 
@@ -662,15 +773,16 @@ class AsyncSandbox:
         self.info = await self._client.restore_sandbox(self.id, snapshot_id, volumes=volumes)
         return self.info
 
-    async def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,
-                   volumes: str | None = None) -> ForkResult:
+    async def fork(
+        self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False, volumes: str | None = None,
+    ) -> ForkResult:
         """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``.
         ``schedules``: copy this sandbox's schedules to each child; ``volumes``: ``readonly`` or ``copy``
         (``fork_sandbox``)."""
         return await self._client.fork_sandbox(self.id, count, snapshot_id, schedules=schedules, volumes=volumes)
 
     async def pause(self, wait: bool = True) -> SandboxInfo:
-        """See ``Sandbox.pause``."""
+        """Pause the sandbox in memory: its processes stop and carry on after ``resume()``."""
         self.info = await self._client.pause_sandbox(self.id, wait=wait)
         return self.info
 
@@ -686,7 +798,7 @@ class AsyncSandbox:
         return self.info
 
     async def delete(self, wait: bool = True) -> SandboxInfo:
-        """Delete the sandbox, then close an owned client."""
+        """Delete the sandbox (see ``Client.delete_sandbox``), then close an owned client."""
         try:
             self.info = await self._client.delete_sandbox(self.id, wait=wait)
         finally:
@@ -715,6 +827,7 @@ class AsyncSandbox:
         except PodbayError:
             if exc is None:
                 raise
+            # else the block's own error is the one worth seeing; it propagates after this
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, state={self.info.state!r})"
+        return f"{type(self).__name__}(id={self.id!r}, state={self.info.state!r})"

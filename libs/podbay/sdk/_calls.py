@@ -12,9 +12,9 @@ import builtins
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, Protocol, TypedDict, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -126,6 +126,19 @@ class Call(Generic[T]):
     #: Waits (seconds) before sending the call again after its connection broke or was refused; one entry
     #: per retry. Only for calls that are safe to repeat: a create carries an ``Idempotency-Key``.
     retry_delays_s: tuple[float, ...] = ()
+
+
+class Caller(Protocol):
+    """What a namespace (``client.credentials``, ``client.volumes``, ...) sends its calls through: the blocking
+    client's ``_call``, which answers with the parsed result."""
+
+    def __call__(self, call: Call[T], /) -> T: ...
+
+
+class AsyncCaller(Protocol):
+    """The asyncio client's ``_call``: the parsed result, awaited (``Caller``'s twin)."""
+
+    def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
 
 
 def _model(cls: type[M]) -> Callable[[httpx.Response], M]:

@@ -1,4 +1,5 @@
-"""Event subscription and webhooks for the SDK: request builders, the NDJSON line parser, namespaces.
+"""Event subscription and webhooks for the SDK: request builders and the NDJSON line parser (the
+``client.webhooks`` namespace is in ``podbay.sdk._async_namespaces`` and the generated ``_sync_namespaces``).
 
 ``client.events(...)`` (sync iterator) and ``async for e in async_client.events(...)`` yield ``EventOut``
 models; ``event.seq`` is the stream position to resume after. While following, a dropped connection is
@@ -8,7 +9,7 @@ reopened from the last position seen (no loss, no repeat), waiting ``RECONNECT_S
 from __future__ import annotations
 
 import builtins
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -22,8 +23,6 @@ __all__ = [
     "RECONNECT_S",
     "events_call",
     "parse_event_line",
-    "Webhooks",
-    "AsyncWebhooks",
 ]
 
 #: First wait before reopening a followed stream that dropped, in seconds (doubles, at most 10 s).
@@ -82,36 +81,3 @@ def list_webhooks_call() -> Call[builtins.list[WebhookInfo]]:
 
 def delete_webhook_call(webhook_id: str) -> Call[WebhookInfo]:
     return Call("DELETE", _webhook_path(webhook_id), parse=_model(WebhookInfo))
-
-
-class Webhooks:
-    """``client.webhooks``: ``create(url, types=None)`` (the answer's ``secret`` is shown once), ``list()``
-    (with delivery state), ``delete(id)``. Verify deliveries with ``podbay.webhooks.verify_signature``."""
-
-    def __init__(self, call: Callable[[Call[Any]], Any]) -> None:
-        self._call = call
-
-    def create(self, url: str, types: Sequence[str] | None = None) -> WebhookCreated:
-        return self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def list(self) -> builtins.list[WebhookInfo]:
-        return self._call(list_webhooks_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    def delete(self, webhook_id: str) -> WebhookInfo:
-        return self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-
-class AsyncWebhooks:
-    """Async twin of ``Webhooks``."""
-
-    def __init__(self, call: Callable[[Call[Any]], Awaitable[Any]]) -> None:
-        self._call = call
-
-    async def create(self, url: str, types: Sequence[str] | None = None) -> WebhookCreated:
-        return await self._call(create_webhook_call(url, types))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def list(self) -> builtins.list[WebhookInfo]:
-        return await self._call(list_webhooks_call())  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients
-
-    async def delete(self, webhook_id: str) -> WebhookInfo:
-        return await self._call(delete_webhook_call(webhook_id))  # type: ignore[no-any-return]  # _call returns Any: one helper serves the sync and async clients

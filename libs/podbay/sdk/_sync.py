@@ -5,6 +5,9 @@
         sb.files.write("/tmp/x.py", "print(6*7)")
         print(sb.exec(["python3", "/tmp/x.py"]).stdout)   # "42\\n"
 
+GENERATED from ``_async.py`` by scripts/gen_sync_sdk.py: do not edit; change ``_async.py`` and run
+``.venv/bin/python scripts/gen_sync_sdk.py`` (a unit test fails on drift). Method documentation is there too.
+
 Requests are built and parsed in ``podbay.sdk._calls``; errors are mapped in ``podbay.sdk._http``
 (``podbay.errors`` classes with the server's code, message and details; network failures become
 ``Unavailable``/``Timeout`` naming the URL).
@@ -12,11 +15,13 @@ Requests are built and parsed in ``podbay.sdk._calls``; errors are mapped in ``p
 
 from __future__ import annotations
 
+import time
 import builtins
+import inspect
 import io
 import itertools
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from time import monotonic
+from collections.abc import Iterator, Callable, Mapping, Sequence
 from pathlib import Path
 from contextlib import contextmanager
 from datetime import datetime
@@ -46,10 +51,11 @@ from podbay.contracts.access import AuditPage, NetworkInfo
 from podbay.sdk import _access as access
 from podbay.sdk import _computer as computer_calls
 from podbay.sdk import _ports as ports_calls
+from podbay.sdk import _code as code_calls
+from podbay.sdk._code import CodeExecution, OutputHandler
 from podbay.contracts.api import PortAccess, PortList, PortUrl
 from podbay.contracts.computer import CdpEndpoint, ComputerResult, FillResult
-from podbay.sdk import _schedules as sched
-from podbay.sdk import _volumes as vols
+from podbay.sdk import _sync_namespaces as ns
 from podbay.sdk import _calls as calls
 from podbay.sdk import _templates as _tpl
 from podbay.contracts.templates import BuildEvent, BuildInfo, TemplateDetail
@@ -72,12 +78,14 @@ T = TypeVar("T")
 
 
 class Client:
-    """A connection to the podbay API; every endpoint as a method. Close it (or use ``with``) when done.
+    """A connection to the podbay API; every endpoint as a method. Close it (or use ``with``) when done: in the
+    asyncio SDK ``await client.aclose()`` or ``async with``.
 
     ``api_url``/``api_key`` default to ``PODBAY_API_URL``/``PODBAY_API_KEY``, then the config file that
     ``podbay up`` writes (``podbay.clientconfig``). ``timeout_s`` bounds connecting and waiting for each
     answer (exec waits as long as the command's own timeout). ``transport`` swaps httpx's transport
-    (tests use ``httpx.MockTransport``). One ``httpx.Client`` per object: connections are pooled.
+    (tests use ``httpx.MockTransport``; an async one for the asyncio SDK). One ``httpx.Client`` (or
+    ``httpx.AsyncClient``) per object: connections are pooled.
     """
 
     def __init__(
@@ -96,14 +104,14 @@ class Client:
         self.auto_resume = auto_resume
         self._http = httpx.Client(transport=transport, **opts)
         #: ``credentials.create/list/get/delete`` (values are write-only) and ``keys.create/list/revoke``.
-        self.credentials = access.Credentials(self._call)
-        self.keys = access.Keys(self._call)
+        self.credentials = ns.Credentials(self._call)
+        self.keys = ns.Keys(self._call)
         #: ``webhooks.create/list/delete`` (the secret is returned once, at create).
-        self.webhooks = sdk_events.Webhooks(self._call)
+        self.webhooks = ns.Webhooks(self._call)
         #: ``schedules.add/list/get/runs/remove``: wake a sandbox on a cron expression or at a time.
-        self.schedules = sched.Schedules(self._call)
+        self.schedules = ns.Schedules(self._call)
         #: ``volumes.create/list/get/snapshots/restore/delete``: named ext4 volumes, mounted at create (``volumes=[...]``).
-        self.volumes = vols.Volumes(self._call)
+        self.volumes = ns.Volumes(self._call)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -121,7 +129,8 @@ class Client:
         for attempt in itertools.count():
             try:
                 with network_errors(self.api_url):
-                    resp = self._http.request(call.method, call.path, **request_options(call, self._timeout_s))
+                    resp = self._http.request(
+                        call.method, call.path, **request_options(call, self._timeout_s))
                 break
             except Unavailable as exc:
                 delay = retry_delay(call, attempt, exc)
@@ -137,11 +146,12 @@ class Client:
         if self.auto_resume:
             call = calls.with_auto_resume(call)
         opts = request_options(call, self._timeout_s)
-        with network_errors(self.api_url), self._http.stream(call.method, call.path, **opts) as resp:
-            if resp.is_error:
-                resp.read()
-                raise error_for_response(resp)
-            yield resp
+        with network_errors(self.api_url):
+            with self._http.stream(call.method, call.path, **opts) as resp:
+                if resp.is_error:
+                    resp.read()
+                    raise error_for_response(resp)
+                yield resp
 
     # sandboxes
 
@@ -179,12 +189,14 @@ class Client:
 
     # credentials, keys, audit, egress policy (podbay.sdk._access)
 
-    def audit(self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
-              before: int | None = None, limit: int = 100) -> AuditPage:
+    def audit(
+        self, *, action: str | None = None, sandbox_id: str | None = None, since: datetime | None = None,
+        before: int | None = None, limit: int = 100,
+    ) -> AuditPage:
         """The tenant's audit log, newest first (``action`` may end in ``*``); page with
         ``before=page.next_before``."""
-        return self._call(access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before,
-                                               limit=limit))
+        return self._call(
+            access.audit_call(action=action, sandbox_id=sandbox_id, since=since, before=before, limit=limit))
 
     def get_network(self, sandbox_id: str) -> NetworkInfo:
         """The sandbox's effective egress policy and its source (sandbox, template or default)."""
@@ -209,8 +221,9 @@ class Client:
         (``delta_x``, ``delta_y``) at CSS pixel ``(x, y)`` of the page."""
         return self._call(computer_calls.mouse_call(sandbox_id, action, x, y, **kw))
 
-    def keyboard(self, sandbox_id: str, *, text: str | None = None,
-                 keys: list[str] | None = None) -> ComputerResult:
+    def keyboard(
+        self, sandbox_id: str, *, text: str | None = None, keys: list[str] | None = None,
+    ) -> ComputerResult:
         """Type ``text`` at the focus, or press ``keys`` (``["Enter"]``, ``["Control+a", "Backspace"]``)."""
         return self._call(computer_calls.keyboard_call(sandbox_id, text=text, keys=keys))
 
@@ -266,8 +279,10 @@ class Client:
         read-write volumes too, to their copies in that full snapshot (they are not rolled back otherwise)."""
         return self._call(calls.restore_call(sandbox_id, snapshot_id, volumes))
 
-    def fork_sandbox(self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
-                     schedules: bool = False, volumes: str | None = None) -> ForkResult:
+    def fork_sandbox(
+        self, sandbox_id: str, count: int = 1, snapshot_id: str | None = None, *,
+        schedules: bool = False, volumes: str | None = None,
+    ) -> ForkResult:
         """Start ``count`` children from a new full snapshot (or ``snapshot_id``); one outcome per child. With
         ``schedules`` each child gets a copy of the parent's schedules (by default none). ``volumes``: what a
         child gets of the parent's read-write volumes: ``readonly`` (default) a read-only view as of the fork,
@@ -297,11 +312,13 @@ class Client:
         """The templates sandboxes can be created from."""
         return self._call(calls.list_templates())
 
-    def build_template(self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
-                       build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
-                       ready_port: int | None = None, egress: Any = None,
-                       memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
-                       on_event: Callable[[BuildEvent], None] | None = None) -> TemplateDetail:
+    def build_template(
+        self, name: str, dockerfile: str | Path, context: str | Path | None = None, *,
+        build_args: Mapping[str, str] | None = None, ready_cmd: str | None = None,
+        ready_port: int | None = None, egress: Any = None,
+        memory_mib: int | None = None, vcpus: int | None = None, disk_mib: int | None = None,
+        on_event: Callable[[BuildEvent], None] | None = None,
+    ) -> TemplateDetail:
         """Build template ``name`` from ``dockerfile`` (text or path) and the ``context`` directory (``web:v2``:
         build ``web`` and also tag the build ``v2``, which ``Sandbox.create("web:v2")`` uses after later
         rebuilds); calls ``on_event`` with each step and log event; returns the template. With a start command (CMD or
@@ -338,8 +355,8 @@ class Client:
         its row, polled every ``_templates.FOLLOW_POLL_S`` s for up to ``_templates.FOLLOW_S`` s (API errors
         while the API restarts are retried), answers as the stream would have. Returns the template; raises
         ``TemplateBuildFailed`` (the row's code, e.g. ``interrupted``) or ``Unavailable`` (not ended)."""
-        deadline = time.monotonic() + _tpl.FOLLOW_S
-        while time.monotonic() < deadline:
+        deadline = monotonic() + _tpl.FOLLOW_S
+        while monotonic() < deadline:
             try:
                 build = next((b for b in self.list_builds(name.split(":", 1)[0]) if b.id == build_id), None)
                 if build is not None and build.state != "running":
@@ -396,19 +413,53 @@ class Client:
         req = calls.exec_request(cmd, **opts)
         return self._call(calls.exec_call(sandbox_id, req))
 
+    def run_code(self, sandbox_id: str, code: str, *, language: str | None = None, context: Any = None,
+                       env: Mapping[str, str] | None = None, timeout: float | None = None,
+                       on_stdout: OutputHandler | None = None, on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None) -> CodeExecution:
+        """Run ``code`` in the sandbox's code interpreter (a sandbox of the ``code-interpreter`` template,
+        docs/code-interpreter.md) and return its ``CodeExecution`` (``results``, ``stdout``,
+        ``stderr``, ``error``, ``execution_count``; ``.text`` is the value of the last expression).
+
+        ``language``: ``python`` (default) or ``bash``, each language's default context; or ``context``: a
+        context id (or an object with ``id``, as E2B's ``Context``), not both. ``env``: environment variables
+        for this run only. ``timeout``: seconds, after which the kernel is interrupted and ``error`` is
+        ``TimeoutError``. ``on_stdout``/``on_stderr`` get each text chunk as it is printed, ``on_result`` each
+        ``CodeResult``, ``on_error`` the ``CodeError`` (in the asyncio SDK they may be coroutines). An error
+        in the code is a result (``error``), not an exception. Raises ``InvalidRequest`` (arguments),
+        ``NotFound`` (no such sandbox or context), ``Unavailable`` (nothing answers on port 49999: not a
+        code-interpreter sandbox).
+        """
+        call = code_calls.run_code_call(sandbox_id, code, language=language, context=context, env=env,
+                                        timeout=timeout)
+        execution = CodeExecution()
+        with self._stream(call) as resp:
+            for line in resp.iter_lines():
+                ended, out = code_calls.apply_line(execution, line, on_stdout=on_stdout, on_stderr=on_stderr,
+                                                   on_result=on_result, on_error=on_error)
+                # An asyncio handler's coroutine is awaited here (the blocking SDK has nothing to await).
+                _ = out if inspect.isawaitable(out) else None
+                if ended:
+                    return execution
+        raise Unavailable(f"the code interpreter of sandbox {sandbox_id} ended its answer early")
+
     def exec_stream(self, sandbox_id: str, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and yield its ``ExecEvent``s as the process produces them.
 
         ``start`` first, then ``stdout``/``stderr`` events with ``data``, last ``exit`` with ``exit_code``
         (and ``timed_out``). An ``error`` event raises the typed error it carries; a stream that ends
         without ``exit`` raises ``Unavailable``. The request is checked before this returns; the HTTP
-        call starts on the first ``next()``. Breaking out of the loop closes the connection.
+        call starts on the first ``next()``. Breaking out of the loop closes the connection. In the asyncio SDK
+        this is not awaited: ``async for event in client.exec_stream(...)``.
         """
         req = calls.exec_request(cmd, **opts)
         return self._events(calls.exec_stream_call(sandbox_id, req))
 
-    def events(self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
-               after: int | None = None, follow: bool = False) -> Iterator[EventOut]:
+    def events(
+        self, *, sandbox: str | Sequence[str] | None = None, types: Sequence[str] | None = None,
+        after: int | None = None, follow: bool = False,
+    ) -> Iterator[EventOut]:
         """Yield the tenant's lifecycle events (``EventOut``) after stream position ``after``, in order.
 
         ``sandbox`` (one id or several) and ``types`` filter. Without ``follow`` it ends at the newest
@@ -461,7 +512,8 @@ class Client:
         return buf.getvalue()
 
     def write_file(self, sandbox_id: str, path: str, data: FileData, *, mode: int = 0o644) -> FileInfo:
-        """Write ``data`` (bytes, str as UTF-8, or a file-like object, streamed) to ``path`` with ``mode``."""
+        """Write ``data`` (bytes, str as UTF-8, or a file-like object, streamed) to ``path`` with ``mode``; in the
+        asyncio SDK a file-like ``data`` may have a sync or an async ``read``."""
         return self._call(calls.write_file(sandbox_id, path, sync_body(data), mode))
 
     def stat_file(self, sandbox_id: str, path: str) -> FileInfo:
@@ -498,7 +550,8 @@ class Files:
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The file decoded as ``encoding``."""
-        return self.read(path).decode(encoding)
+        data = self.read(path)
+        return data.decode(encoding)
 
     def read_into(self, path: str, dest: IO[bytes]) -> int:
         """Stream the file into ``dest``; returns the byte count."""
@@ -543,9 +596,9 @@ class Sandbox:
         self.files = Files(client, info.id)
 
     @property
-    def schedules(self) -> sched.BoundSchedules:
+    def schedules(self) -> ns.BoundSchedules:
         """This sandbox's schedules (``add(cron=..., tz=..., command=[...])``, ``list()``, ``runs(id)``, ``remove(id)``)."""
-        return sched.BoundSchedules(self._client.schedules, self.id)
+        return ns.BoundSchedules(self._client.schedules, self.id)
 
     @property
     def id(self) -> str:
@@ -585,8 +638,10 @@ class Sandbox:
         """
         http, owns = cls._open(client, api_url, api_key, timeout_s)
         try:
-            info = http.create_sandbox(template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib,
-                                       metadata=metadata, wait=wait, network=network, volumes=volumes)
+            info = http.create_sandbox(
+                template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=metadata, wait=wait,
+                network=network, volumes=volumes
+            )
         except BaseException:
             if owns:
                 http.close()
@@ -638,6 +693,16 @@ class Sandbox:
     def exec(self, cmd: Command, **opts: Unpack[ExecOptions]) -> ExecResult:
         """Run ``cmd`` and wait: see ``Client.exec``."""
         return self._client.exec(self.id, cmd, **opts)
+
+    def run_code(self, code: str, *, language: str | None = None, context: Any = None,
+                       env: Mapping[str, str] | None = None, timeout: float | None = None,
+                       on_stdout: OutputHandler | None = None, on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None) -> CodeExecution:
+        """Run ``code`` in this sandbox's code interpreter: see ``Client.run_code``."""
+        return self._client.run_code(self.id, code, language=language, context=context, env=env,
+                                           timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr,
+                                           on_result=on_result, on_error=on_error)
 
     def exec_stream(self, cmd: Command, **opts: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
         """Run ``cmd`` and iterate its events as produced: see ``Client.exec_stream``."""
@@ -709,8 +774,9 @@ class Sandbox:
         self.info = self._client.restore_sandbox(self.id, snapshot_id, volumes=volumes)
         return self.info
 
-    def fork(self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False,
-             volumes: str | None = None) -> ForkResult:
+    def fork(
+        self, count: int = 1, snapshot_id: str | None = None, *, schedules: bool = False, volumes: str | None = None,
+    ) -> ForkResult:
         """Start ``count`` children of this sandbox; connect to each with ``connect(child.sandbox_id)``.
         ``schedules``: copy this sandbox's schedules to each child; ``volumes``: ``readonly`` or ``copy``
         (``fork_sandbox``)."""
@@ -765,4 +831,4 @@ class Sandbox:
             # else the block's own error is the one worth seeing; it propagates after this
 
     def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, state={self.info.state!r})"
+        return f"{type(self).__name__}(id={self.id!r}, state={self.info.state!r})"

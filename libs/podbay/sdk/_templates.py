@@ -29,7 +29,7 @@ from . import _calls as calls
 __all__ = ["TemplateBuildFailed", "build_call", "parse_line", "outcome", "followed", "not_ended", "following_event",
            "BUILD_ID_HEADER", "FOLLOW_S", "FOLLOW_POLL_S"]
 
-#: The build stream's header naming its build (services/api/templates.py).
+#: The build stream's header naming its build (services/api/routes/templates.py).
 BUILD_ID_HEADER = "x-podbay-build-id"
 #: How long a client follows a build whose stream broke off, s; and how often it asks, s.
 FOLLOW_S = 300.0

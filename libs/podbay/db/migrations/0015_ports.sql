@@ -1,4 +1,4 @@
--- Guest ports reached through the API's edge (services/api/ports*.py): a port is private unless a row here
+-- Guest ports reached through the API's edge (services/api/routes/ports*.py): a port is private unless a row here
 -- marks it public. Every change is also an audit row (sandbox.port.public / sandbox.port.private).
 CREATE TABLE sandbox_ports (
     sandbox_id  text NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,

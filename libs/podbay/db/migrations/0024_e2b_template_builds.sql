@@ -1,4 +1,4 @@
--- E2B's template build API (services/api/e2b_templates.py, docs/e2b.md): a build is requested
+-- E2B's template build API (services/api/e2b/templates.py, docs/e2b.md): a build is requested
 -- (POST /v3/templates: state 'waiting'), its files are uploaded, then it is started with its steps
 -- (state 'building', the podbay build it runs as in podbay_build_id) and ends 'ready' or 'error' (reason:
 -- {message, step}). origins maps podbay's step n (1-based) to E2B's step origins[n-1]. Its log entries are

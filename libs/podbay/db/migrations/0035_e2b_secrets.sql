@@ -1,4 +1,4 @@
--- E2B's Secrets API (services/api/e2b_secrets.py): an E2B secret is a podbay credential (its value sealed by
+-- E2B's Secrets API (services/api/e2b/secrets.py): an E2B secret is a podbay credential (its value sealed by
 -- the credential store, never returned) whose id starts with sec_; this table holds what E2B adds to it:
 -- customer metadata, the version an update bumps, and the time of the last update. Such a credential is
 -- created with an empty sandbox scope, so it is injected nowhere until a rule names it.

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from podbay import build_state
 from podbay.buildcontext import MissingSource, sources_digest
 from podbay.channel.client import GuestChannel
 from podbay.contracts.channel import ExecSpec
@@ -61,15 +62,15 @@ from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
 from podbay.promotion import promote_template, template_root
 from podbay.template_versions import REFERENCED_DIGESTS_SQL, tag_build
 
-from ..template import TemplateSnapshot
-from ..vmdriver import TemplateImage, VmHandle
-from ..vmm import reflink_or_copy
+from .template import TemplateSnapshot
+from ..vm.vmdriver import TemplateImage, VmHandle
+from ..vm.vmm import reflink_or_copy
 from .layers import LAYER_FILES, LayerCache, layer_key, start_key, template_digest, uncached_key
 from .oci import image_ref, prepare_oci_template
 from .resources import Resources, leftover_vm_dirs, resize_key, resized_root, resolve
 
 if TYPE_CHECKING:
-    from ..sandboxes import SandboxManager
+    from ..ops.sandboxes import SandboxManager
 
 __all__ = ["BuildRequest", "StepFailed", "TemplateNameTaken", "TemplateBuilder", "STEP_TIMEOUT_S", "OUTPUT_TAIL_BYTES", "Emit"]
 
@@ -104,7 +105,8 @@ def inherit(parent: ImageConfig | None, req: BuildRequest, steps: list[BuildStep
 
 
 class TemplateNameTaken(Conflict):
-    """The build's template name is held by another owner (409 ``template_name_taken``, as the API's)."""
+    """The build's template key is held by another owner (409 ``template_name_taken``): not expected, since the
+    API gives each owner's name its own key (services/api/services/template_access.build_key); kept as the last guard."""
 
     code = "template_name_taken"
 
@@ -360,10 +362,8 @@ class TemplateBuilder:
         for tdir in sorted(self.m.store.templates_dir.iterdir()) if self.m.store.templates_dir.exists() else ():
             if tdir.name not in self.m.templates or self.m.templates[tdir.name].snapshot.parent is not None:
                 await self.reclaim(tdir.name)  # removed templates' builds, and builds left by earlier versions
-        await self.m.pool.execute(
-            "UPDATE template_builds SET state='failed', finished_at=now(), error=$2::jsonb"
-            " WHERE node_id=$1 AND state='running'", self.m.node_id,
-            {"code": "interrupted", "message": "the node agent restarted during the build"})
+        await build_state.fail_interrupted_builds(
+            self.m.pool, self.m.node_id, {"code": "interrupted", "message": "the node agent restarted during the build"})
 
     async def reclaim(self, name: str) -> list[str]:
         """Remove builds of template ``name`` from this node's store that nothing references any more: not its
@@ -634,23 +634,25 @@ class TemplateBuilder:
         """The template's row (new creates use this build), this node's holding of it, and the agent's map.
         ``parent``: the FROM template's name; None for a root template (an OCI image's, shared like base:
         ``build_id`` None). ``tag``: also tag this build so, in the same transaction. ``build_id``: the
-        build's row, whose ``owner_tenant`` (the API's decision, services/api/template_access.py) the
-        template gets; a template of that name that another owner holds (not removed) is left alone and the
-        build fails with :class:`TemplateNameTaken` (names are global; the API checked before the build, this
-        closes the race with a first build of the name by another tenant)."""
+        build's row, whose ``owner_tenant`` and ``alias`` (the API's decisions, services/api/services/template_access.py)
+        the template gets (``img.name`` is the template's key; the alias is the name its owner gave, what
+        the returned detail shows); a template of that key that another owner holds (not removed) is left
+        alone and the build fails with :class:`TemplateNameTaken`."""
         snap = img.snapshot
         size = (snap.dir / "disk.img").stat().st_size
         cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
         async with self.m.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
-                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes, owner_tenant)"
-                " VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7,(SELECT owner_tenant FROM template_builds WHERE id=$8))"
+                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes, owner_tenant,"
+                " alias) VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7,(SELECT owner_tenant FROM template_builds WHERE id=$8),"
+                " (SELECT alias FROM template_builds WHERE id=$8))"
                 " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
                 " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now(),"
                 " owner_tenant=CASE WHEN $8::text IS NULL THEN templates.owner_tenant ELSE EXCLUDED.owner_tenant END"
                 " WHERE $8::text IS NULL OR templates.deleted_at IS NOT NULL"
                 " OR templates.owner_tenant IS NOT DISTINCT FROM EXCLUDED.owner_tenant"
-                " RETURNING created_at, updated_at",
+                " RETURNING created_at, updated_at, alias,"
+                " coalesce((SELECT p.alias FROM templates p WHERE p.name = $5), $5) AS parent_alias",
                 img.name, img.digest, snap.memory_mib, snap.vcpus, parent, cfg, size, build_id)
             if row is None:
                 raise TemplateNameTaken(f"the template name {img.name!r} was taken while this build ran; "
@@ -661,8 +663,8 @@ class TemplateBuilder:
             if tag is not None:
                 await tag_build(conn, img.name, tag, img.digest, snap.memory_mib, snap.vcpus)
         self.m.templates[img.name] = img
-        return TemplateDetail(name=img.name, digest=img.digest, memory_mib=snap.memory_mib, vcpus=snap.vcpus,
-                              created_at=row["updated_at"], parent=parent, config=snap.config,
+        return TemplateDetail(name=row["alias"], digest=img.digest, memory_mib=snap.memory_mib, vcpus=snap.vcpus,
+                              created_at=row["updated_at"], parent=row["parent_alias"], config=snap.config,
                               size_bytes=size, tags=[TemplateTag(tag=tag, digest=img.digest,
                                                                  memory_mib=snap.memory_mib, vcpus=snap.vcpus,
                                                                  created_at=row["updated_at"])] if tag else [])

@@ -16,7 +16,7 @@ from podbay.contracts.api import ExecRequest
 from podbay.contracts.templates import ImageConfig
 
 if TYPE_CHECKING:
-    from ..sandboxes import SandboxManager
+    from ..ops.sandboxes import SandboxManager
 
 __all__ = ["ExecDefaults", "apply"]
 

@@ -24,6 +24,7 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from podbay import build_state
 from podbay.buildcontext import unpack_context
 from podbay.contracts.templates import BuildEvent, BuildState, NodeBuildRequest
 from podbay.errors import GrantRefused, InvalidRequest, PodbayError
@@ -32,7 +33,7 @@ from podbay.naming import safe_component
 from .builder import BuildRequest, StepFailed
 
 if TYPE_CHECKING:
-    from ..sandboxes import SandboxManager
+    from ..ops.sandboxes import SandboxManager
 
 __all__ = ["add_build_routes", "record_outcome"]
 
@@ -48,9 +49,8 @@ async def record_outcome(pool: asyncpg.Pool, build_id: str, state: BuildState, d
     stays ``running`` and refuses every later build of the name. A database error is logged, not raised;
     a cancellation of the caller is re-raised once the write is done.
     """
-    write = asyncio.create_task(pool.execute(
-        "UPDATE template_builds SET state=$2, digest=$3, error=$4::jsonb, finished_at=now()"
-        " WHERE id=$1 AND state='running'", build_id, state.value, digest, error), name=f"finish-{build_id}")
+    write = asyncio.create_task(build_state.finish_build(pool, build_id, state, digest, error),
+                                name=f"finish-{build_id}")
     cancelled = False
     while True:
         try:

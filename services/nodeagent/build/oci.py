@@ -51,10 +51,10 @@ from podbay.config import Settings
 from podbay.contracts.templates import ImageConfig
 from podbay.errors import PodbayError, Unprocessable
 
-from ..accel import host_tsc_khz, qemu_version, resolve_accel
-from ..image import ASSETS_DIR, BaseImage, ProgressFn, build_base_image, debootstrap_tarball, guestd_sources
-from ..template import TemplateSnapshot, boot_and_snapshot, guest_aslr, locked, snapshot_key
-from ..vmm import Vmm
+from ..vm.accel import host_tsc_khz, qemu_version, resolve_accel
+from .image import ASSETS_DIR, BaseImage, ProgressFn, build_base_image, debootstrap_tarball, guestd_sources
+from .template import TemplateSnapshot, boot_and_snapshot, guest_aslr, locked, snapshot_key
+from ..vm.vmm import Vmm
 from .rootfs import Root
 from .unpack import UnpackPolicy, UnsafeImage, blob_path, unpack_layout
 

@@ -37,9 +37,9 @@ from podbay.errors import PodbayError, Unprocessable
 from podbay.config import Settings
 from podbay.reflink import reflink_or_copy
 
-from ..image import BaseImage
-from ..template import TemplateSnapshot, boot_and_snapshot
-from ..vmm import Vmm
+from .image import BaseImage
+from .template import TemplateSnapshot, boot_and_snapshot
+from ..vm.vmm import Vmm
 from .layers import LAYER_FILES, LayerCache
 
 __all__ = ["Resources", "resolve", "resize_key", "grow_disk", "root_image", "resized_root", "ResizeError",

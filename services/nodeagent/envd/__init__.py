@@ -1,7 +1,7 @@
 """The envd protocol (E2B's in-sandbox API) on the node's data plane, translated onto the guest channel.
 
 Mounted by the data plane at ``/internal/e2b/{sandbox_id}/``, behind the internal token and generation
-fencing like every data-plane route; the API proxies E2B SDK traffic here (services/api/e2b_envd.py).
+fencing like every data-plane route; the API proxies E2B SDK traffic here (services/api/edge/envd.py).
 
     /process.Process/{List,Connect,Start,Update,StreamInput,SendInput,SendSignal,CloseStdin}   Connect RPC
     /filesystem.Filesystem/{Stat,MakeDir,Move,ListDir,Remove,WatchDir,CreateWatcher,...}       Connect RPC
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from ..build.defaults import ExecDefaults
-    from ..sandboxes import SandboxManager
+    from ..ops.sandboxes import SandboxManager
 
 __all__ = ["EnvdApp", "SANDBOX_HEADER", "PREFIX"]
 
@@ -60,7 +60,8 @@ class EnvdApp:
         self._http_app = Starlette(routes=[
             Route("/health", health, methods=["GET"]),
             Route("/files", functools.partial(download, channel_for=self._http_channel), methods=["GET"]),
-            Route("/files", functools.partial(upload, channel_for=self._http_channel), methods=["POST"]),
+            Route("/files", functools.partial(upload, channel_for=self._http_channel, changed=self._uploaded),
+                  methods=["POST"]),
         ])
 
     def _channel(self, sandbox_id: str, generation: str | None) -> GuestChannel:
@@ -87,6 +88,9 @@ class EnvdApp:
         headers = ctx.request_headers
         sandbox_id = headers.get(SANDBOX_HEADER, "")
         return sandbox_id, self._channel(sandbox_id, headers.get(_GENERATION_HEADER))
+
+    def _uploaded(self, request: Request, path: str) -> None:
+        self.filesystem.note_change(request.headers.get(SANDBOX_HEADER, ""), path)
 
     def _http_channel(self, request: Request) -> GuestChannel:
         return self._channel(request.headers.get(SANDBOX_HEADER, ""), request.headers.get(_GENERATION_HEADER))

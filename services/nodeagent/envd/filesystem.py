@@ -5,12 +5,25 @@ caller's user (default ``user``). ``WatchDir`` streams guestd ``watch`` events; 
 (``CreateWatcher``, ``GetWatcherEvents``, ``RemoveWatcher``, used by the synchronous SDK) keep a guestd
 watch open on the node and buffer its events (at most ``MAX_BUFFERED_EVENTS``) until they are fetched; a
 watcher not fetched for ``WATCHER_IDLE_S`` is stopped.
+
+The synchronous SDK reads a watcher right after its own write returns (``files.write`` then
+``get_new_events``), and envd answers with that write's events. Here the events take a detour (guestd
+batches inotify events a few milliseconds apart, then the channel), so the node remembers, per watcher, the
+end of the last change made through envd under the watched path (uploads, MakeDir, Move, Remove:
+:meth:`FilesystemService.note_change`); ``GetWatcherEvents`` waits (at most ``WATCHER_SETTLE_S``) until an
+event received after that change is buffered, plus ``_QUIET_S`` for the rest of its batch. A poll with no
+such change pending answers at once.
+
+A symlink's entry (Stat, ListDir) has its target's type and ``symlink_target``, the absolute path it
+resolves to, as envd reports them; the node resolves it in the guest with ``realpath -e`` (an argv, no
+shell).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import posixpath
 import secrets
 import time
@@ -25,13 +38,17 @@ from protobuf import Oneof
 
 from podbay.channel.client import GuestChannel
 from podbay.channel.watch import DirWatch
+from podbay.contracts.channel import ExecSpec, FileStat
 from podbay.errors import InvalidRequest, NotFound, PodbayError
 
 from .proto.filesystem import filesystem_pb as pb
 from .proto.filesystem.filesystem_connect import Filesystem
 from .translate import DEFAULT_USER, METADATA_XATTR_PREFIX, connect_error, entry_info, filesystem_event, user_from_authorization
 
-__all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH", "WATCHER_IDLE_S"]
+__all__ = ["FilesystemService", "resolve_path", "home_of", "MAX_BUFFERED_EVENTS", "MAX_LIST_DEPTH", "WATCHER_IDLE_S",
+           "WATCHER_SETTLE_S"]
+
+log = logging.getLogger(__name__)
 
 MAX_BUFFERED_EVENTS = 10000
 # A polling watcher nobody fetched for this long is stopped and forgotten.
@@ -39,6 +56,11 @@ WATCHER_IDLE_S = 60.0
 _IDLE_CHECK_S = 5.0
 MAX_LIST_DEPTH = 16
 _KEEPALIVE_S = 30.0
+# How long GetWatcherEvents waits for the events of a change made through envd just before it; then the
+# rest of that batch (guestd sends a batch 20 ms after its first event).
+WATCHER_SETTLE_S = 2.0
+_QUIET_S = 0.03
+_RESOLVE_TIMEOUT_S = 10.0
 
 
 def home_of(user: str) -> str:
@@ -58,15 +80,25 @@ def resolve_path(path: str, user: str) -> str:
     return posixpath.normpath(path) if path != "/" else "/"
 
 
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 @dataclass
 class _Watcher:
     sandbox_id: str
+    root: str
     watch: DirWatch
     include_entry: bool
     events: list[pb.FilesystemEvent] = field(default_factory=list)
     error: ConnectError | None = None
     task: asyncio.Task[None] | None = None
     last_poll: float = field(default_factory=time.monotonic)
+    # monotonic time the last event arrived, and the end of the last change through envd under ``root``
+    # whose events a poll still waits for (0: none)
+    last_event: float = 0.0
+    change: float = 0.0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class FilesystemService(Filesystem):
@@ -85,32 +117,82 @@ class FilesystemService(Filesystem):
             raise connect_error(exc) from exc
         return sandbox_id, ch, user
 
+    def note_change(self, sandbox_id: str, *paths: str) -> None:
+        """A change through envd (an upload, MakeDir, Move, Remove) of ``paths`` just ended: the next poll
+        of each watcher of the sandbox over one of them waits for its events (module docstring)."""
+        now = time.monotonic()
+        for w in self._watchers.values():
+            if w.sandbox_id == sandbox_id and any(_under(p, w.root) for p in paths):
+                w.change = now
+
+    async def _settle(self, w: _Watcher) -> None:
+        """Wait until an event that arrived after ``w.change`` is buffered (at most WATCHER_SETTLE_S), then
+        _QUIET_S for the rest of its batch; at once when no change is pending or the watch ended."""
+        if not w.change:
+            return
+        deadline = time.monotonic() + WATCHER_SETTLE_S
+        while w.last_event < w.change and w.error is None and w.task is not None and not w.task.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            w.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.arrived.wait(), left)
+        if w.last_event >= w.change:
+            await asyncio.sleep(_QUIET_S)
+        w.change = 0.0
+
+    async def _entry(self, ch: GuestChannel, st: FileStat) -> pb.EntryInfo:
+        """``entry_info`` of ``st``, a symlink's resolved in the guest first (``realpath -e``, as envd's
+        EvalSymlinks: every link on the way followed, the result absolute; unresolvable -> the link's path)."""
+        if st.type != "symlink":
+            return entry_info(st)
+        target: FileStat | None = None
+        resolved = st.path
+        try:
+            out, _, ex = await ch.run(ExecSpec(argv=["realpath", "-e", "--", st.path], timeout_s=_RESOLVE_TIMEOUT_S))
+            if ex.exit_code == 0 and out.strip():
+                resolved = out.decode(errors="replace").rstrip("\n")
+                target = await ch.stat(resolved)
+        except PodbayError as exc:
+            log.debug("cannot resolve the symlink %s: %s", st.path, exc.message)
+            resolved, target = st.path, None
+        return entry_info(st, (resolved, target))
+
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any]) -> pb.StatResponse:
-        """Metadata of a path (NOT_FOUND when missing)."""
+        """Metadata of a path (NOT_FOUND when missing); a symlink's as envd shows it (module docstring)."""
         _, ch, user = self._ctx(ctx)
         try:
             st = await ch.stat(resolve_path(request.path, user), xattrs=METADATA_XATTR_PREFIX)
-            return pb.StatResponse(entry=entry_info(st))
+            return pb.StatResponse(entry=await self._entry(ch, st))
         except PodbayError as exc:
             raise connect_error(exc) from exc
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any]) -> pb.MakeDirResponse:
         """Create a directory and its parents, owned by the user; ALREADY_EXISTS when it exists."""
-        _, ch, user = self._ctx(ctx)
+        sandbox_id, ch, user = self._ctx(ctx)
+        path = resolve_path(request.path, user)
         try:
-            st = await ch.mkdir(resolve_path(request.path, user), parents=True, exist_ok=False, user=user)
+            st = await ch.mkdir(path, parents=True, exist_ok=False, user=user)
         except PodbayError as exc:
             raise connect_error(exc) from exc
+        finally:
+            self.note_change(sandbox_id, path)
         return pb.MakeDirResponse(entry=entry_info(st))
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any]) -> pb.MoveResponse:
-        """Rename ``source`` to ``destination``."""
-        _, ch, user = self._ctx(ctx)
+        """Rename ``source`` to ``destination`` -> the destination's entry with its metadata (rename keeps the
+        inode, so its ``user.e2b.*`` attributes go with it)."""
+        sandbox_id, ch, user = self._ctx(ctx)
+        source, destination = resolve_path(request.source, user), resolve_path(request.destination, user)
         try:
-            st = await ch.move(resolve_path(request.source, user), resolve_path(request.destination, user))
+            await ch.move(source, destination)
+            st = await ch.stat(destination, xattrs=METADATA_XATTR_PREFIX)
+            return pb.MoveResponse(entry=await self._entry(ch, st))
         except PodbayError as exc:
             raise connect_error(exc) from exc
-        return pb.MoveResponse(entry=entry_info(st))
+        finally:
+            self.note_change(sandbox_id, source, destination)
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext[Any, Any]) -> pb.ListDirResponse:
         """Entries under a directory down to ``depth`` levels (0 and 1: its own entries), by path."""
@@ -129,7 +211,7 @@ class FilesystemService(Filesystem):
                         if d == root:
                             raise
                         continue  # removed while listing
-                    out.extend(entry_info(e) for e in entries)
+                    out.extend([await self._entry(ch, e) for e in entries])
                     nxt.extend(e.path for e in entries if e.type == "dir")
                 level = nxt
         except PodbayError as exc:
@@ -138,13 +220,16 @@ class FilesystemService(Filesystem):
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> pb.RemoveResponse:
         """Remove a file or a directory with its contents; a path that does not exist is no error (envd)."""
-        _, ch, user = self._ctx(ctx)
+        sandbox_id, ch, user = self._ctx(ctx)
+        path = resolve_path(request.path, user)
         try:
-            await ch.remove(resolve_path(request.path, user), recursive=True)
+            await ch.remove(path, recursive=True)
         except NotFound:
             pass
         except PodbayError as exc:
             raise connect_error(exc) from exc
+        finally:
+            self.note_change(sandbox_id, path)
         return pb.RemoveResponse()
 
     async def _open_watch(self, ch: GuestChannel, path: str, recursive: bool) -> DirWatch:
@@ -204,12 +289,13 @@ class FilesystemService(Filesystem):
                              ) -> pb.CreateWatcherResponse:
         """Start a watch whose events are fetched with GetWatcherEvents."""
         sandbox_id, ch, user = self._ctx(ctx)
+        root = resolve_path(request.path, user)
         try:
-            watch = await self._open_watch(ch, resolve_path(request.path, user), request.recursive)
+            watch = await self._open_watch(ch, root, request.recursive)
         except PodbayError as exc:
             raise connect_error(exc) from exc
         wid = "w_" + secrets.token_hex(12)
-        w = _Watcher(sandbox_id, watch, request.include_entry)
+        w = _Watcher(sandbox_id, root, watch, request.include_entry)
         w.task = asyncio.create_task(self._collect(wid, w), name=f"envd-watcher-{wid}")
         self._watchers[wid] = w
         return pb.CreateWatcherResponse(watcher_id=wid)
@@ -231,9 +317,12 @@ class FilesystemService(Filesystem):
                     w.error = ConnectError(Code.RESOURCE_EXHAUSTED, "too many unread watch events")
                     break
                 w.events.append(filesystem_event(ev, w.include_entry))
+                w.last_event = time.monotonic()
+                w.arrived.set()
         except PodbayError as exc:
             w.error = connect_error(exc)
         finally:
+            w.arrived.set()
             await w.watch.close()
         # Keep the outcome for the client's next fetch, but not forever.
         while time.monotonic() - w.last_poll < WATCHER_IDLE_S and wid in self._watchers:
@@ -250,8 +339,11 @@ class FilesystemService(Filesystem):
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
                                  ) -> pb.GetWatcherEventsResponse:
-        """Events since the last call; the watcher's error once it stopped and every event was read."""
+        """Events since the last call (after those of a change through envd just before: module docstring);
+        the watcher's error once it stopped and every event was read."""
         w = self._watcher(ctx, request.watcher_id)
+        w.last_poll = time.monotonic()
+        await self._settle(w)
         w.last_poll = time.monotonic()
         events, w.events = w.events, []
         if not events and w.error is not None:

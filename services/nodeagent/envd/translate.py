@@ -42,6 +42,7 @@ __all__ = [
     "METADATA_HEADER_PREFIX",
     "file_metadata",
     "metadata_xattrs",
+    "validate_metadata",
     "ENV_HEADER",
     "default_env",
     "KNOWN_OWNERS",
@@ -83,16 +84,29 @@ def permissions(kind: str, mode: int) -> str:
     return head + stat_mod.filemode(mode & 0o7777)[1:]
 
 
-def entry_info(st: FileStat) -> fs_pb.EntryInfo:
-    """The envd ``EntryInfo`` of a guest ``FileStat`` (type, size in bytes, mode bits, owner, mtime)."""
+def entry_info(st: FileStat, link: tuple[str, FileStat | None] | None = None) -> fs_pb.EntryInfo:
+    """The envd ``EntryInfo`` of a guest ``FileStat`` (type, size in bytes, mode bits, owner, mtime).
+
+    For a symlink, ``link`` is ``(resolved absolute path, FileStat of it or None)``: as envd does, the entry
+    then has the target's type and permission bits and ``symlink_target`` set to the resolved path (the
+    link's own path when it does not resolve, the type then UNSPECIFIED); size, owner, mtime and the
+    ``L...`` permission string stay the link's own, and ``is_symlink`` stays unset: envd's EntryInfo has no such
+    field (E2B infra, packages/envd/spec/filesystem/filesystem.proto), and an SDK that reads it would report
+    the link as SYMLINK instead of its target's type. Without ``link`` a symlink is reported as SYMLINK
+    (``is_symlink`` set), as before resolution."""
     ts = Timestamp()
     seconds = int(st.mtime)
     ts.seconds, ts.nanos = seconds, int(round((st.mtime - seconds) * 1e9)) % 1_000_000_000
+    kind, mode, target = _TYPES.get(st.type, fs_pb.FileType.UNSPECIFIED), st.mode, None
+    if st.type == "symlink" and link is not None:
+        target = link[0]
+        kind = _TYPES.get(link[1].type, fs_pb.FileType.UNSPECIFIED) if link[1] is not None else fs_pb.FileType.UNSPECIFIED
+        mode = link[1].mode if link[1] is not None else 0
     return fs_pb.EntryInfo(
-        name=st.name, type=_TYPES.get(st.type, fs_pb.FileType.UNSPECIFIED), path=st.path,
-        size=st.size, mode=st.mode, permissions=permissions(st.type, st.mode), owner=owner_name(st.uid),
-        group=owner_name(st.gid), modified_time=ts, is_symlink=st.type == "symlink",
-        metadata=file_metadata(st.xattrs),
+        name=st.name, type=kind, path=st.path,
+        size=st.size, mode=mode, permissions=permissions(st.type, st.mode), owner=owner_name(st.uid),
+        group=owner_name(st.gid), modified_time=ts, is_symlink=st.type == "symlink" and target is None,
+        metadata=file_metadata(st.xattrs), symlink_target=target,
     )
 
 
@@ -100,6 +114,33 @@ def file_metadata(xattrs: dict[str, str] | None) -> dict[str, str]:
     """E2B's file metadata from a file's extended attributes: ``user.e2b.<key>`` -> ``<key>``."""
     return {k[len(METADATA_XATTR_PREFIX):]: v for k, v in (xattrs or {}).items()
             if k.startswith(METADATA_XATTR_PREFIX)}
+
+
+# envd's limits (E2B infra, packages/shared/pkg/filesystem/xattr.go): an xattr name is at most 255 bytes with
+# its prefix, and all of a file's metadata (names with the prefix, plus values) fits one 4 KiB ext4 block.
+MAX_METADATA_KEY_LEN = 255 - len(METADATA_XATTR_PREFIX)
+MAX_METADATA_TOTAL_LEN = 4096
+
+
+def validate_metadata(xattrs: dict[str, str]) -> None:
+    """Check ``user.e2b.<key>`` attributes as envd checks upload metadata: keys non-empty and at most
+    MAX_METADATA_KEY_LEN bytes, keys and values printable ASCII (0x20-0x7e), the whole at most
+    MAX_METADATA_TOTAL_LEN bytes. Raises ``InvalidRequest`` ``invalid metadata: ...`` (400)."""
+    total = 0
+    for name, value in xattrs.items():
+        key = name[len(METADATA_XATTR_PREFIX):]
+        if not key:
+            raise InvalidRequest("invalid metadata: metadata key must not be empty")
+        if len(key.encode()) > MAX_METADATA_KEY_LEN:
+            raise InvalidRequest(f"invalid metadata: metadata key {key!r} exceeds {MAX_METADATA_KEY_LEN} bytes")
+        for label, text in (("key", key), (f"value for key {key!r}", value)):
+            bad = next(((i, c) for i, c in enumerate(text.encode()) if c < 0x20 or c > 0x7E), None)
+            if bad is not None:
+                raise InvalidRequest(f"invalid metadata: metadata {label} contains non-printable-ASCII byte "
+                                     f"0x{bad[1]:02x} at offset {bad[0]}")
+        total += len(name.encode()) + len(value.encode())
+    if total > MAX_METADATA_TOTAL_LEN:
+        raise InvalidRequest(f"invalid metadata: total metadata size {total} exceeds {MAX_METADATA_TOTAL_LEN} bytes")
 
 
 def metadata_xattrs(headers: Any) -> dict[str, str]:

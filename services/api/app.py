@@ -19,23 +19,27 @@ from podbay.errors import Forbidden
 from podbay.httpmetrics import RequestMetrics
 from podbay.metricsauth import metrics_response, token_matches
 from podbay.outbox import Relay
+from podbay.renewals import LeaseRenewals
 from podbay.service import readyz_route
 from podbay.webhooks import Deliverer
 
 from podbay.contracts import subjects
 
-from . import (audit_log, computer, credentials, dataplane, drain, e2b, e2b_envd, e2b_network, e2b_secrets, e2b_snapshots, e2b_volumes,
-               events, keys, network, nodes, pools, ports, ports_edge, sandboxes, snapshots, suspend, webhooks)
-from .auth import authenticate
-from .bodylimit import BodyLimit
-from .context import ApiContext
-from .errors import install_error_handlers
+from .routes import audit_log, computer, credentials, dataplane, drain, events, keys, network, nodes, pools, ports, sandboxes, snapshots, suspend, webhooks
+from .e2b import sandboxes as e2b, network as e2b_network, secrets as e2b_secrets, snapshots as e2b_snapshots, volumes as e2b_volumes
+from .edge import envd as e2b_envd, ports as ports_edge
+from .core.auth import authenticate
+from .core.bodylimit import BodyLimit
+from .core.context import ApiContext
+from .core.errors import install_error_handlers
 from .schedules import routes as schedule_routes
-from . import e2b_template_admin, e2b_templates
-from . import templates as template_routes
-from . import volumes as volume_routes
-from . import idempotency
-from . import quotas, template_access
+from .e2b import template_admin as e2b_template_admin, templates as e2b_templates
+from .routes import templates as template_routes
+from .routes import volumes as volume_routes
+from .services import idempotency, sandbox_service
+from .services import template_access
+from .routes import quotas as quota_routes
+from .routes import oidc as oidc_routes
 from .console import pty as console_pty, routes as console_routes
 from .schedules.firer import ScheduleFirer
 
@@ -74,11 +78,14 @@ def create_app(settings: Settings) -> FastAPI:
         await ctx.waiter.start(bus)
         await bus.nc.subscribe(subjects.API_KEY_REVOKED, cb=keys.on_revoked)
         relay_task = asyncio.create_task(relay.run(), name="outbox-relay")
+        ctx.renewals = LeaseRenewals(pool)
+        renewals_stop = asyncio.Event()
+        renewals_task = asyncio.create_task(ctx.renewals.run(renewals_stop), name="lease-renewals")
         app.state.ctx = ctx
         ready_checks.clear()
         ready_checks.update({"postgres": pg_check(pool), "nats": nats_check(bus),
                              "outbox relay": task_check("outbox relay", lambda: relay_task)})
-        await suspend.republish_unfinished(ctx)
+        await sandbox_service.republish_unfinished(ctx)
         # Webhook delivery runs beside the API (podbay.webhooks): replicas share one durable consumer.
         hooks_stop = asyncio.Event()
         hooks_task: asyncio.Task[None] | None = None
@@ -111,6 +118,11 @@ def create_app(settings: Settings) -> FastAPI:
                 except Exception:  # its runs stay `running`; the next lease holder puts their sandboxes back
                     firer_task.cancel()
             keys_task.cancel()
+            renewals_stop.set()  # its last pass writes what it holds
+            try:
+                await asyncio.wait_for(renewals_task, timeout=5)
+            except Exception:
+                renewals_task.cancel()
             relay_task.cancel()
             await nodes_http.aclose()
             await nodes_json.close()
@@ -137,6 +149,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(e2b_network.router)
     app.include_router(e2b_volumes.router)
     app.include_router(e2b_secrets.router)
+    app.include_router(oidc_routes.router)  # /.well-known: the workload identity issuer's public documents
     app.include_router(e2b.fallback_router)  # last of the /e2b routes: unknown ones answer E2B's 404
     # Inside EnvdRouting and the port edge: it sees the rewritten envd paths, never a guest port's traffic.
     app.add_middleware(BodyLimit, max_bytes=settings.api_body_max_mib << 20)
@@ -156,7 +169,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(events.router)
     app.include_router(webhooks.router)
     app.include_router(drain.router)
-    app.include_router(quotas.router)
+    app.include_router(quota_routes.router)
     app.include_router(schedule_routes.router)
     app.include_router(volume_routes.router)
     app.include_router(console_routes.router)  # the web console at /console (services/api/console/)

@@ -30,13 +30,14 @@ from podbay import db
 from podbay.config import ConfigError, Settings, get_settings
 from podbay.devstack.supervisor import STATE_FILE, stack_env
 from podbay.contracts.ids import ID_RE
+from podbay.edge_tls import EdgeCertificates, domain_host
 from podbay.errors import PodbayError
 from podbay.grants import GrantKeyError, GrantSigner, new_keypair
 from podbay.telemetry import setup_logging
 
 from .app import create_app
-from .auth import create_key, ensure_tenant, revoke_keys_named
-from .serving import serve
+from .core.auth import create_key, ensure_tenant, revoke_keys_named
+from .core.serving import serve
 
 __all__ = ["main"]
 
@@ -127,8 +128,27 @@ def main(argv: list[str] | None = None) -> None:
               "32-byte Ed25519 key: `podbay-api grant-keys` makes a pair; `podbay up` keeps one in "
               "DATA_DIR/grant.key)", file=sys.stderr)
         sys.exit(2)
+    certs = _edge_certificates(settings)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    serve(create_app(settings), host=settings.api_host, port=settings.api_port, h2_port=settings.api_h2_port)
+    serve(create_app(settings), host=settings.api_host, port=settings.api_port, h2_port=settings.api_h2_port,
+          tls_port=settings.api_tls_port, tls_certs=certs)
+
+
+def _edge_certificates(settings: Settings) -> EdgeCertificates | None:
+    """The TLS edge's certificates when ``PODBAY_API_TLS_PORT`` is set (services/api/edge/tls.py); exits 2
+    with the settings to give when neither a certificate nor a CA is configured, or one does not load."""
+    if settings.api_tls_port is None:
+        return None
+    domains = [domain_host(d) for d in (settings.e2b_domain, settings.ports_domain) if d]
+    try:
+        return EdgeCertificates(domains=domains, cert_file=settings.api_tls_cert_file,
+                                key_file=settings.api_tls_key_file, ca_cert_file=settings.api_tls_ca_cert_file,
+                                ca_key_file=settings.api_tls_ca_key_file)
+    except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError
+        print(f"podbay-api: PODBAY_API_TLS_PORT is set but the TLS edge has no usable certificate ({exc}): set "
+              "PODBAY_API_TLS_CERT_FILE and PODBAY_API_TLS_KEY_FILE, or PODBAY_API_TLS_CA_CERT_FILE and "
+              "PODBAY_API_TLS_CA_KEY_FILE", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

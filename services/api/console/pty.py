@@ -41,9 +41,9 @@ from podbay.contracts.states import SandboxCommand
 from podbay.errors import PodbayError, Unavailable
 from podbay.grants import GrantKind
 
-from .. import dataplane
-from ..auth import Principal
-from ..context import ApiContext
+from .. import nodes_client
+from ..core.auth import Principal
+from ..core.context import ApiContext
 from .session import websocket_principal
 
 __all__ = ["router", "Resize", "envelope", "read_envelopes"]
@@ -51,7 +51,7 @@ __all__ = ["router", "Resize", "envelope", "read_envelopes"]
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-_ENV_HEADER = "x-podbay-e2b-env"  # the sandbox's default command environment (services/api/e2b_envd.py)
+_ENV_HEADER = "x-podbay-e2b-env"  # the sandbox's default command environment (services/api/edge/envd.py)
 _SHELL = {"cmd": "/bin/sh", "args": ["-c", "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi"],
           "envs": {"TERM": "xterm-256color"}}
 _MAX_INPUT = 64 * 1024  # bytes of one keystroke or paste frame
@@ -122,7 +122,7 @@ async def pty(websocket: WebSocket, sandbox_id: str, cols: int = Query(80, ge=1,
     ctx: ApiContext = websocket.app.state.ctx
     try:
         who = await websocket_principal(ctx.pool, websocket.headers, websocket.cookies, csrf)
-        base, gen, env = await dataplane.lookup(ctx, who, sandbox_id, SandboxCommand.EXEC,
+        base, gen, env = await nodes_client.lookup(ctx, who, sandbox_id, SandboxCommand.EXEC,
                                                 audit_action="sandbox.pty", audit_detail={"cols": cols, "rows": rows})
     except PodbayError as exc:
         await _refuse(websocket, exc)

@@ -8,6 +8,9 @@
   (how the page learns its token after a reload). ``DELETE /console/session``: sign out (CSRF token needed).
 * ``GET /console/events/position``: the event stream's last position, so that the live sandbox list follows
   ``/v1/events`` from now on instead of replaying the stream's history.
+* ``GET /console/sandboxes/{id}/metrics``: the sandbox's resource samples (CPU, memory, disk), oldest first,
+  sampling a running sandbox now: the same samples as E2B's ``GET /e2b/sandboxes/{id}/metrics``, which only
+  takes an API key, not the console's cookie.
 * ``GET /v1/sandboxes/{id}/pty`` (WebSocket, pty.py): the terminal.
 
 Every other call the page makes is the public API (``/v1/...``) with the session cookie, through
@@ -21,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, Field
 
@@ -30,9 +33,10 @@ from podbay.errors import NotFound, Unauthorized
 from podbay.contracts import subjects
 from podbay.errors import Unavailable
 
-from ..auth import Principal, authenticate
-from ..context import ApiContext
-from ..deps import ctx_dep, principal_dep
+from ..e2b import sandboxes as e2b
+from ..core.auth import Principal, authenticate
+from ..core.context import ApiContext
+from ..core.deps import ctx_dep, principal_dep
 from . import session
 
 __all__ = ["router", "STATIC", "SessionInfo", "SignIn"]
@@ -153,3 +157,14 @@ async def event_position(ctx: CtxDep, who: PrincipalDep) -> EventPosition:
     except Exception as exc:  # nats-py raises several unrelated types here
         raise Unavailable(f"the event stream did not answer: {exc}") from exc
     return EventPosition(last_seq=int(info.state.last_seq))
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(sandbox_id: str, ctx: CtxDep, who: PrincipalDep,
+                          start: int | None = Query(None, ge=0)) -> Response:
+    """The caller's sandbox's resource samples since ``start`` (unix seconds; default: all kept, at most
+    ``e2b.METRICS_KEEP``), oldest first -> 200 ``[{"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct",
+    "memUsed", "memTotal", "memCache", "diskUsed", "diskTotal"}]`` (bytes; percent of all vCPUs). A running
+    sandbox is sampled now (at most once a second). 404 ``not_found`` for another tenant's or no sandbox;
+    503 ``unavailable`` when the guest did not answer."""
+    return await e2b.metrics(sandbox_id, ctx, who, start, None)

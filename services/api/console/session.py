@@ -28,7 +28,7 @@ from starlette.datastructures import Headers
 
 from podbay.errors import CsrfRefused, Unauthorized
 
-from ..auth import Principal, authenticate
+from ..core.auth import Principal, authenticate
 
 __all__ = ["COOKIE", "CSRF_HEADER", "SAFE_METHODS", "SESSION_TTL_S", "ConsoleSession", "open_session", "find_session",
            "close_session", "cookie_principal", "request_principal", "websocket_principal"]

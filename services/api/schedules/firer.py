@@ -31,13 +31,15 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from podbay.contracts.events import EventType
 from podbay.contracts.schedules import ScheduleRunState
 from podbay.lease import Lease
 from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import emit_sandbox_event, new_id
 from podbay.telemetry import SCHEDULE_RUNS
+from podbay import schedule_run_state
 
-from ..context import ApiContext
+from ..core.context import ApiContext
 from .cron import due_after_missed, jitter
 from .run import Run, execute, finish_event, recover
 
@@ -97,8 +99,7 @@ class ScheduleFirer:
 
     async def _heartbeat(self) -> None:
         if self.tasks:
-            await self.ctx.pool.execute("UPDATE schedule_runs SET heartbeat_at=now() WHERE id = ANY($1::text[])"
-                                        " AND state='running'", list(self.tasks))
+            await schedule_run_state.heartbeat(self.ctx.pool, list(self.tasks))
 
     async def tick(self) -> None:
         """One pass as the lease holder: recovery, fire due schedules, start due runs."""
@@ -107,10 +108,8 @@ class ScheduleFirer:
         await self._start_due()
 
     async def _take_over_stale(self) -> None:
-        rows = await self.ctx.pool.fetch(
-            "UPDATE schedule_runs SET owner=$1, heartbeat_at=now() WHERE state='running' AND NOT (id = ANY($3::text[]))"
-            " AND (heartbeat_at IS NULL OR heartbeat_at < now() - make_interval(secs => $2)) RETURNING id, sandbox_id",
-            self.owner, self.stale_after_s, list(self.tasks))
+        rows = await schedule_run_state.take_over_stale(self.ctx.pool, self.owner, self.stale_after_s,
+                                                        list(self.tasks))
         for r in rows:
             log.warning("schedules: run %s lost its process; putting sandbox %s back", r["id"], r["sandbox_id"])
             self._spawn(r["id"], r["sandbox_id"], UNPLACED, recover(self.ctx, r["id"], self.owner))
@@ -138,11 +137,9 @@ class ScheduleFirer:
                     state, reason = ScheduleRunState.SKIPPED, "overlap"
                 due_at = (now if missed else fire_at) + jitter(s["id"], fire_at, self.settings.schedule_jitter_s)
                 run_id = new_id("run")
-                inserted = await conn.fetchval(
-                    "INSERT INTO schedule_runs (id, schedule_id, sandbox_id, tenant_id, fire_at, due_at, state, reason,"
-                    " finished_at) VALUES ($1,$2,$3,$4,$5,$6,$7,$8, CASE WHEN $7 = 'skipped' THEN now() END)"
-                    " ON CONFLICT (schedule_id, fire_at) DO NOTHING RETURNING id",
-                    run_id, s["id"], s["sandbox_id"], s["tenant_id"], fire_at, due_at, state.value, reason)
+                inserted = await schedule_run_state.insert(
+                    conn, run_id, schedule_id=s["id"], sandbox_id=s["sandbox_id"], tenant_id=s["tenant_id"],
+                    fire_at=fire_at, due_at=due_at, state=state, reason=reason)
                 await conn.execute("UPDATE schedules SET next_fire_at=$2 WHERE id=$1", s["id"],
                                    due_after_missed(cron=s["cron"], tz=s["tz"], fire_at=fire_at, now=now))
                 if inserted is None:
@@ -151,7 +148,7 @@ class ScheduleFirer:
                 if state == ScheduleRunState.SKIPPED:
                     assert reason is not None
                     skipped.append((run_id, s["id"], s["sandbox_id"], s["tenant_id"], reason))
-                    await emit_sandbox_event(conn, s["sandbox_id"], "schedule.finished", tenant_id=s["tenant_id"],
+                    await emit_sandbox_event(conn, s["sandbox_id"], EventType.SCHEDULE_FINISHED, tenant_id=s["tenant_id"],
                                              data=finish_event(run_id, s["id"], state, reason=reason,
                                                                fire_at=fire_at.isoformat()))
         if skipped:

@@ -1,4 +1,4 @@
-"""What a fork does with its parent's schedules (services/api/snapshot_service.py calls it)."""
+"""What a fork does with its parent's schedules (services/api/services/snapshot_service.py calls it)."""
 
 from __future__ import annotations
 

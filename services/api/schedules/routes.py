@@ -24,10 +24,10 @@ from podbay.contracts.schedules import (
 from podbay.errors import InvalidState, LimitExceeded, NotFound
 from podbay.outbox import new_id
 
-from ..auth import Principal
-from ..context import ApiContext
-from ..deps import ctx_dep, principal_dep
-from ..sandbox_lookup import audit, load_sandbox
+from ..core.auth import Principal
+from ..core.context import ApiContext
+from ..core.deps import ctx_dep, principal_dep
+from ..services.sandbox_lookup import audit, load_sandbox
 from .cron import first_fire
 
 __all__ = ["router", "run_info"]

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from podbay.contracts.events import EventType
 from podbay.contracts.api import ExecRequest, ExecResult
 from podbay.contracts.schedules import OUTPUT_KEEP_BYTES, ScheduleRunState
 from podbay.contracts.states import SandboxCommand, SandboxState
@@ -31,11 +32,12 @@ from podbay.grants import GrantKind
 from podbay.objstore import ObjectStore
 from podbay.outbox import emit_sandbox_event
 from podbay.telemetry import SCHEDULE_LATENESS_SECONDS, SCHEDULE_RUNS, SCHEDULE_WAKE_SECONDS
+from podbay import schedule_run_state
 
-from ..auth import Principal
-from ..context import ApiContext
-from ..dataplane import exec_body, lookup
-from .. import sandbox_service
+from ..core.auth import Principal
+from ..core.context import ApiContext
+from ..nodes_client import exec_body, lookup
+from ..services import sandbox_service
 
 __all__ = ["Run", "execute", "recover", "put_back", "split_output", "finish_event"]
 
@@ -127,7 +129,7 @@ async def _exec(ctx: ApiContext, run: Run) -> ExecResult:
     base, gen, guest_env = await lookup(ctx, run.who, run.sandbox_id, SandboxCommand.EXEC, "sandbox.exec",
                                         {"program": str(cmd["argv"][0])[:256], "shell": False,
                                          "schedule_id": run.schedule_id})
-    await ctx.pool.execute("UPDATE schedule_runs SET command_started_at=now() WHERE id=$1", run.id)
+    await schedule_run_state.mark_command_started(ctx.pool, run.id)
     SCHEDULE_LATENESS_SECONDS.observe(max(0.0, (datetime.now(UTC) - run.fire_at).total_seconds()))
     headers = ctx.node_headers(run.who.tenant_id, run.sandbox_id, gen, GrantKind.EXEC)
     try:
@@ -165,15 +167,11 @@ async def _finish(ctx: ApiContext, run: Run, owner: str, state: ScheduleRunState
         cols["stdout_head"], cols["stdout_tail"], cols["stdout_bytes"] = split_output(result.stdout)
         cols["stderr_head"], cols["stderr_tail"], cols["stderr_bytes"] = split_output(result.stderr)
     async with ctx.pool.acquire() as conn, conn.transaction():
-        done = await conn.fetchval(
-            "UPDATE schedule_runs SET state=$3, reason=$4, message=$5, finished_at=now(), exit_code=$6,"
-            " stdout_head=$7, stdout_tail=$8, stdout_bytes=$9, stderr_head=$10, stderr_tail=$11, stderr_bytes=$12,"
-            " output_key=$13 WHERE id=$1 AND owner=$2 AND state='running' RETURNING id",
-            run.id, owner, state.value, reason, message, cols["exit_code"], cols["stdout_head"], cols["stdout_tail"],
-            cols["stdout_bytes"], cols["stderr_head"], cols["stderr_tail"], cols["stderr_bytes"], output_key)
+        done = await schedule_run_state.finish(conn, run.id, owner, state, reason=reason, message=message,
+                                               output=cols, output_key=output_key)
         if done is None:
             return  # the schedule was removed (or the sandbox deleted) meanwhile, or another firer took it over
-        await emit_sandbox_event(conn, run.sandbox_id, "schedule.finished", tenant_id=run.tenant_id, data=finish_event(
+        await emit_sandbox_event(conn, run.sandbox_id, EventType.SCHEDULE_FINISHED, tenant_id=run.tenant_id, data=finish_event(
             run.id, run.schedule_id, state, exit_code=cols["exit_code"], reason=reason))
     ctx.relay.kick()
     SCHEDULE_RUNS.labels(state.value).inc()
@@ -183,14 +181,11 @@ async def execute(ctx: ApiContext, store: ObjectStore | None, run: Run, owner: s
     """Claim the queued run ``run`` for ``owner`` and carry it out to the end (never raises, except
     cancellation: a cancelled run stays ``running`` for the next firer to put back and mark interrupted)."""
     async with ctx.pool.acquire() as conn, conn.transaction():
-        prior = await conn.fetchval(
-            "UPDATE schedule_runs SET state='running', owner=$2, started_at=now(), heartbeat_at=now(),"
-            " prior_state=(SELECT state FROM sandboxes WHERE id=sandbox_id) WHERE id=$1 AND state='queued'"
-            " RETURNING prior_state", run.id, owner)
+        prior = await schedule_run_state.claim(conn, run.id, owner)
         if prior is None and not await conn.fetchval("SELECT true FROM schedule_runs WHERE id=$1"
                                                      " AND owner=$2 AND state='running'", run.id, owner):
             return  # claimed by another firer, or removed
-        await emit_sandbox_event(conn, run.sandbox_id, "schedule.fired", tenant_id=run.tenant_id, data={
+        await emit_sandbox_event(conn, run.sandbox_id, EventType.SCHEDULE_FIRED, tenant_id=run.tenant_id, data={
             "run_id": run.id, "schedule_id": run.schedule_id, "fire_at": run.fire_at.isoformat(),
             "prior_state": prior})
     ctx.relay.kick()
@@ -200,7 +195,7 @@ async def execute(ctx: ApiContext, store: ObjectStore | None, run: Run, owner: s
                       message=f"sandbox is {prior}")
         return
     # The state actually woken from (a passing state seen at the claim settles into one of these).
-    await ctx.pool.execute("UPDATE schedule_runs SET prior_state=$2 WHERE id=$1", run.id, prior)
+    await schedule_run_state.set_prior_state(ctx.pool, run.id, prior)
     t0 = time.perf_counter()
     try:
         await _wake(ctx, run, prior)
@@ -210,7 +205,7 @@ async def execute(ctx: ApiContext, store: ObjectStore | None, run: Run, owner: s
         await _finish(ctx, run, owner, ScheduleRunState.WAKE_FAILED, reason=exc.code, message=exc.message)
         return
     SCHEDULE_WAKE_SECONDS.labels(prior).observe(time.perf_counter() - t0)
-    await ctx.pool.execute("UPDATE schedule_runs SET awake_at=now() WHERE id=$1", run.id)
+    await schedule_run_state.mark_awake(ctx.pool, run.id)
     state, reason, message = ScheduleRunState.SUCCEEDED, None, None
     result: ExecResult | None = None
     output_key: str | None = None

@@ -2,7 +2,6 @@
 import "@xterm/xterm/css/xterm.css";
 import "./app.css";
 import { call, del, followNdjson, get, post, session, setSession } from "./api.js";
-import { sandboxPage } from "./sandbox.js";
 import { act, bytes, field, firstArray, h, table, toast, when } from "./ui.js";
 
 const main = document.getElementById("main");
@@ -200,7 +199,10 @@ async function templatesPage() {
   page("Templates", table("Templates", [
     ["Name", (x) => x.name], ["State", (x) => x.state || "ready"], ["Tags", (x) => (x.tags || []).map((g) => g.tag || g).join(", ")],
     ["Size", (x) => `${x.vcpus} vCPU · ${x.memory_mib} MiB`], ["Image", (x) => bytes(x.size_bytes)],
-    ["Warm pool", (x) => { const p = poolOf.get(x.name); return p ? `${p.ready ?? p.size ?? ""} / ${p.size ?? p.target ?? ""}` : ""; }],
+    ["Warm pool (ready / size)", (x) => { const p = poolOf.get(x.name); return p ? h("span", { "data-pool": x.name,
+      text: `${p.ready} / ${p.size}${p.max_size > p.size ? "–" + p.max_size : ""}` }) : "none"; }],
+    ["Warm hits (last hour)", (x) => { const p = poolOf.get(x.name); return p ? h("span", { "data-hit-rate": x.name,
+      text: p.hit_rate === null ? `no creates` : `${Math.round(p.hit_rate * 100)}% · ${p.hits} of ${p.hits + p.misses}` }) : ""; }],
     ["Digest", (x) => h("code", { text: (x.digest || "").slice(0, 19) })], ["Created", (x) => when(x.created_at)],
   ], t.templates), form);
 }
@@ -283,16 +285,48 @@ const keysPage = crudPage({
 
 // --- nodes (operator), audit ----------------------------------------------------------------------------------
 
+// A drain's progress (GET /v1/operations/{id}: total, moved, failed, moves with each one's downtime).
+function drainProgress(op) {
+  const p = op.progress || {};
+  const total = p.total ?? 0;
+  const done = (p.moved ?? 0) + (p.failed || []).length;
+  return h("div.drain", { "data-drain": op.id, "data-drain-state": op.state },
+    h("progress", { max: Math.max(total, 1), value: total ? done : op.state === "succeeded" ? 1 : 0,
+      "aria-label": `Drain of ${op.node_id}` }),
+    h("span", { text: ` ${op.state}: ${p.moved ?? 0} of ${total} moved${(p.failed || []).length ? `, ${p.failed.length} failed` : ""}` }),
+    (p.moves || []).length ? h("ul.moves", {}, p.moves.map((m) => h("li", { "data-moved": m.sandbox_id },
+      h("a", { href: `#/sandboxes/${m.sandbox_id}`, text: m.sandbox_id }),
+      ` → ${m.destination} (${m.how || "migrate"}, downtime ${m.downtime_ms ?? "?"} ms, ${m.total_ms ?? "?"} ms in all)`))) : null,
+    (p.failed || []).length ? h("ul.moves", {}, p.failed.map((f) => h("li.bad", { text: `${f.sandbox_id}: ${f.reason}` }))) : null);
+}
+
 async function nodesPage() {
-  const r = await get("/v1/nodes");
-  const res = (x) => (x ? `${x.vcpus ?? ""} vCPU · ${x.memory_mib ?? ""} MiB` : "");
-  const load = () => nodesPage();
-  page("Nodes", table("Nodes", [
-    ["Node", (n) => n.id], ["State", (n) => h("span.state", { "data-state": n.state, text: n.state })], ["Live", (n) => (n.live ? "yes" : "no")],
-    ["Capacity", (n) => res(n.capacity)], ["Free", (n) => res(n.free)], ["Sandboxes", (n) => `${n.running} running · ${n.paused} paused`],
-    ["Warm", (n) => n.warm_slots], ["", (n) => h("button", { type: "button", text: n.schedulable ? "Drain" : "Undrain",
-      on: { click: (ev) => act(ev.currentTarget, () => post(`/v1/nodes/${n.id}/${n.schedulable ? "drain" : "undrain"}`, {}, { wait: false }), "sent").then(load) } })],
-  ], firstArray(r)));
+  const out = h("div", { "aria-live": "polite" });
+  const draining = (n) => n.state === "draining" || n.state === "drained";
+  let live = false; // a drain runs: the table is reloaded every 1.5 s (not otherwise, so focus stays put)
+  const load = async () => {
+    const nodes = firstArray(await get("/v1/nodes"));
+    // Each node's newest drain, followed while it runs (the page polls; a drain takes seconds to minutes).
+    const ops = new Map(await Promise.all(nodes.filter((n) => n.drain_operation_id).map(async (n) =>
+      [n.id, await get(`/v1/operations/${encodeURIComponent(n.drain_operation_id)}`).catch(() => null)])));
+    const res = (x) => (x ? `${x.vcpus ?? ""} vCPU · ${x.memory_mib ?? ""} MiB` : "");
+    out.replaceChildren(table("Nodes", [
+      ["Node", (n) => n.id], ["State", (n) => h("span.state", { "data-state": n.state, text: n.state })], ["Live", (n) => (n.live ? "yes" : "no")],
+      ["Capacity", (n) => res(n.capacity)], ["Free", (n) => res(n.free)], ["Sandboxes", (n) => `${n.running} running · ${n.paused} paused`],
+      ["Warm", (n) => n.warm_slots],
+      ["Drain", (n) => (ops.get(n.id) && (draining(n) || ops.get(n.id).state === "running") ? drainProgress(ops.get(n.id)) : "")],
+      ["", (n) => h("button", { type: "button", text: draining(n) ? "Undrain" : "Drain", "aria-label": `${draining(n) ? "Undrain" : "Drain"} ${n.id}`,
+        on: { click: (ev) => (draining(n) || confirm(`Drain ${n.id}? Its sandboxes move to other nodes.`)) &&
+          act(ev.currentTarget, () => post(`/v1/nodes/${encodeURIComponent(n.id)}/${draining(n) ? "undrain" : "drain"}`), draining(n) ? "undrained" : "draining").then(load) } })],
+    ], nodes, (n) => ({ "data-node": n.id })));
+    // The node's own state follows its drain's end by a moment: followed for 10 s more.
+    live = nodes.some((n) => { const o = ops.get(n.id); return o && (o.state === "running" || o.state === "pending" ||
+      (n.state === "draining" && o.finished_at && Date.now() - Date.parse(o.finished_at) < 10000)); });
+  };
+  page("Nodes", out);
+  await load();
+  const t = setInterval(() => live && load().catch(() => {}), 1500);
+  onLeave(() => clearInterval(t));
 }
 
 async function auditPage(params) {
@@ -342,6 +376,8 @@ async function route() {
       // different API path after the browser normalises the URL, so it is no sandbox's page.
       const id = decodeURIComponent(parts[1]);
       if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw Object.assign(new Error(`no sandbox ${id}`), { status: 404, code: "not_found" });
+      // The sandbox page (its tabs and views) is a chunk of its own: the list, the first page, loads without it.
+      const { sandboxPage } = await import("./sandbox.js");
       await sandboxPage(id, { page, onLeave, lifecycleButtons });
     }
     else await (ROUTES[parts[0]] || sandboxesPage)(params);

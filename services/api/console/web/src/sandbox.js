@@ -1,8 +1,10 @@
 // One sandbox: its state and actions, a terminal, files, ports, snapshots as a tree, events.
 import { call, followNdjson, get, post } from "./api.js";
 import { act, bytes, field, h, table, toast, when } from "./ui.js";
+import { desktopView, NOVNC_PORT, networkView, processesView, resourcesView, schedulesView } from "./detail.js";
 
-const TABS = [["terminal", "Terminal"], ["files", "Files"], ["ports", "Ports"], ["snapshots", "Snapshots"], ["events", "Events"]];
+const TABS = [["terminal", "Terminal"], ["files", "Files"], ["processes", "Processes"], ["ports", "Ports"],
+  ["snapshots", "Snapshots"], ["resources", "Resources"], ["network", "Egress"], ["schedules", "Schedules"], ["events", "Events"]];
 
 export async function sandboxPage(id, { page, onLeave, lifecycleButtons }) {
   const sb = await get(`/v1/sandboxes/${encodeURIComponent(id)}`);
@@ -11,6 +13,9 @@ export async function sandboxPage(id, { page, onLeave, lifecycleButtons }) {
     const now = await get(`/v1/sandboxes/${encodeURIComponent(id)}`);
     head.replaceChildren(h("span.state", { "data-state": now.state, text: now.state }),
       h("span.muted", { text: `${now.template} · ${now.vcpus} vCPU · ${now.memory_mib} MiB · node ${now.node_id || "-"}` }),
+      // (replaceChildren would write a null as the text "null")
+      ...(now.parent_id ? [h("span", { id: "parent-link" }, "forked from ",
+        h("a", { href: `#/sandboxes/${now.parent_id}`, text: now.parent_id, "aria-label": `Parent sandbox ${now.parent_id}` }))] : []),
       lifecycleButtons(now, refreshHead));
   };
   const panel = h("section.panel", { id: "panel", role: "tabpanel" });
@@ -28,8 +33,14 @@ export async function sandboxPage(id, { page, onLeave, lifecycleButtons }) {
       panel.replaceChildren(h("p.card", { role: "alert", text: `${e.code || "error"}: ${e.message}` }));
     }
   };
-  for (const [name, label] of TABS) {
-    tabs.append(h("button.tab", { type: "button", role: "tab", "data-tab": name, text: label, on: { click: () => show(name) } }));
+  const addTab = (name, label) => tabs.append(h("button.tab", { type: "button", role: "tab", "data-tab": name, text: label,
+    "aria-controls": "panel", on: { click: () => show(name) } }));
+  for (const [name, label] of TABS) addTab(name, label);
+  // The desktop, when the sandbox serves noVNC (the desktop template does, on its port 6080).
+  if (sb.state === "running") {
+    get(`/v1/sandboxes/${encodeURIComponent(id)}/ports`).then((r) => {
+      if (r.ports.some((p) => p.port === NOVNC_PORT && p.listening && p.reachable)) addTab("desktop", "Desktop");
+    }).catch(() => {});
   }
   tabs.addEventListener("keydown", (ev) => {
     const all = [...tabs.children];
@@ -193,4 +204,5 @@ async function eventsView(id, panel) {
 // xterm.js is most of the shipped script: loaded only when a terminal opens.
 const terminalView = async (id, panel) => (await import("./terminal.js")).terminalView(id, panel);
 
-const VIEWS = { terminal: terminalView, files: filesView, ports: portsView, snapshots: snapshotsView, events: eventsView };
+const VIEWS = { terminal: terminalView, files: filesView, processes: processesView, ports: portsView, snapshots: snapshotsView,
+  resources: resourcesView, network: networkView, schedules: schedulesView, events: eventsView, desktop: desktopView };

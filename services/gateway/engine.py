@@ -12,23 +12,26 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from podbay.config import Settings
 from podbay.contracts.egress import NetBinding
 from podbay.credentials import Sealed, open_store
 from podbay.egress_ranges import parse_cidrs
+from podbay.oidc import KeyCache, mint
 from podbay.outbox import Relay
 from podbay.stacknet import gateway_denied_cidr
 
 from .identity import DnsMemory, node_addresses, read_binding
-from .metrics import DECISIONS
+from .metrics import DECISIONS, PLACEHOLDERS
+from podbay.egress_placeholders import MalformedPlaceholder, has_placeholder, parse, substitute
 from .policy import Decision, always_denied, decide, decide_name, normalise_name
 from .resolve import Resolver
 from .shaping import CredentialRow, TokenBuckets
 from .store import GatewayStore, SandboxContext, UseVerdict
 
-__all__ = ["Peer", "Gateway"]
+__all__ = ["Peer", "Gateway", "TransformRefused"]
 
 log = logging.getLogger("podbay.gateway")
 
@@ -46,6 +49,15 @@ class Peer:
     @property
     def sandbox_id(self) -> str | None:
         return self.binding.sandbox_id if self.binding else None
+
+
+class TransformRefused(Exception):
+    """A rule's header could not be resolved: the request is refused with ``status`` and ``code`` (the message
+    names the header and the placeholder's name, never a value)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
 
 
 class Gateway:
@@ -67,6 +79,7 @@ class Gateway:
         self._generations: dict[str, tuple[str, int]] = {}
         self._dns_denials: dict[tuple[str, str], float] = {}  # (sandbox, name) -> monotonic s of last audit
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._keys: KeyCache | None = None  # workload identity signing key, read on first use
 
     # --- identity ------------------------------------------------------------------------------------------
 
@@ -203,6 +216,59 @@ class Gateway:
         """The value of ``row``, read from its backend now (never cached)."""
         store = open_store(self.settings, row.backend)
         return await store.reveal(row.id, row.tenant_id, Sealed(row.backend, row.ciphertext, row.secret_ref))
+
+    async def resolve_transform(self, peer: Peer, headers: dict[str, str]) -> tuple[dict[str, str], set[str]]:
+        """``headers`` of the sandbox's rules (:func:`.policy.transform_headers`) with their placeholders
+        (:mod:`podbay.egress_placeholders`) resolved: a secret read from the credential store now, a workload identity token
+        minted now for the audience of the sandbox's ``iam.tokens`` entry. Returns the headers and every value
+        put in (for redaction). :class:`TransformRefused` (403) for a malformed placeholder, an unknown or
+        expired secret, or a token name the sandbox did not register; store errors pass through."""
+        ctx = peer.ctx
+        out: dict[str, str] = {}
+        revealed: set[str] = set()
+        for name, value in headers.items():
+            if not has_placeholder(value):
+                out[name] = value
+                continue
+            if ctx is None:
+                raise TransformRefused(403, "transform_unresolved", f"header {name}: no sandbox to resolve it for")
+            try:
+                found = parse(value)
+            except MalformedPlaceholder as exc:
+                raise TransformRefused(403, "transform_malformed", f"header {name}: {exc}") from exc
+            values: dict[tuple[str, str], str] = {}
+            for p in found:
+                if (p.kind, p.name) in values:
+                    continue
+                if p.kind == "secret":
+                    row = await self.store.secret(ctx.tenant_id, p.name)
+                    if row is None:
+                        PLACEHOLDERS.labels("secret", "secret_not_found").inc()
+                        raise TransformRefused(403, "secret_not_found",
+                                               f"header {name}: secret {p.name} does not exist")
+                    if row.expires_at is not None and row.expires_at <= datetime.now(UTC):
+                        PLACEHOLDERS.labels("secret", "credential_expired").inc()
+                        raise TransformRefused(403, "credential_expired", f"header {name}: secret {p.name} expired")
+                    values[(p.kind, p.name)] = await self.reveal(row)
+                    PLACEHOLDERS.labels("secret", "resolved").inc()
+                else:
+                    spec = ctx.iam_tokens.get(p.name)
+                    if spec is None:
+                        PLACEHOLDERS.labels("token", "identity_token_not_registered").inc()
+                        raise TransformRefused(403, "identity_token_not_registered",
+                                               f"header {name}: workload identity token {p.name!r} is not in the "
+                                               "sandbox's iam.tokens")
+                    if self._keys is None:
+                        self._keys = KeyCache(self.store.pool, self.settings)
+                    key = await self._keys.get()
+                    values[(p.kind, p.name)] = mint(key, self.settings, tenant_id=ctx.tenant_id,
+                                                    sandbox_id=ctx.sandbox_id, audience=str(spec["audience"]))
+                    PLACEHOLDERS.labels("token", "resolved").inc()
+                    log.info("identity token minted sandbox=%s token=%s aud=%s kid=%s", ctx.sandbox_id, p.name,
+                             spec["audience"], key.kid)
+            revealed.update(values.values())
+            out[name] = substitute(value, found, values)
+        return out, revealed
 
     async def use(self, row: CredentialRow, peer: Peer, *, host: str, method: str, path: str) -> UseVerdict:
         """Record (and decide) one use of ``row``; kicks the relay for its event."""

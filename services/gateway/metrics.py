@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-__all__ = ["CONNECTIONS", "DECISIONS", "CREDENTIAL_USES", "DNS_ANSWERS", "DNS_RATE_LIMITED", "REDACTIONS"]
+__all__ = ["CONNECTIONS", "DECISIONS", "CREDENTIAL_USES", "DNS_ANSWERS", "DNS_RATE_LIMITED", "REDACTIONS",
+           "PLACEHOLDERS"]
 
 CONNECTIONS = Counter(
     "podbay_gateway_connections_total",
@@ -33,4 +34,11 @@ DNS_RATE_LIMITED = Counter(
 REDACTIONS = Counter(
     "podbay_gateway_redactions_total",
     "Occurrences of an injected credential value replaced in responses before they reach the guest.",
+)
+PLACEHOLDERS = Counter(
+    "podbay_gateway_rule_placeholders_total",
+    "Placeholders of network rules resolved per request, by kind (secret, token: a minted workload identity "
+    "token) and outcome (resolved, or the refusal: secret_not_found, credential_expired, "
+    "identity_token_not_registered).",
+    ["kind", "outcome"],
 )

@@ -84,14 +84,20 @@ def normalise_name(name: str | None) -> str | None:
 
 def transform_headers(policy: EgressPolicy | None, name: str | None) -> dict[str, str]:
     """The headers the policy's ``transforms`` set on a request to ``name`` (every matching transform, in
-    order; a later one's value for a header wins; names compared case-insensitively). Empty without a name."""
+    order; a later one's value for a header wins; names compared case-insensitively). With ``transform_match``
+    ``most_specific`` (E2B's rules: "exact rules take precedence, followed by the longest matching wildcard
+    suffix, and matching rule sets are not merged") only the transforms of that one domain apply. Empty
+    without a name."""
     norm = normalise_name(name)
     if policy is None or norm is None:
         return {}
+    matching = [t for t in policy.transforms if name_matches(t.domain, norm)]
+    if matching and policy.transform_match == "most_specific":
+        best = max((t.domain for t in matching), key=lambda d: (d == norm, len(d)))
+        matching = [t for t in matching if t.domain == best]
     out: dict[str, tuple[str, str]] = {}
-    for t in policy.transforms:
-        if name_matches(t.domain, norm):
-            out.update({k.lower(): (k, v) for k, v in t.headers.items()})
+    for t in matching:
+        out.update({k.lower(): (k, v) for k, v in t.headers.items()})
     return dict(out.values())
 
 

@@ -18,7 +18,10 @@ Hooks, per client connection (state in :class:`_Conn`, keyed by mitmproxy's clie
 * ``request``: plain HTTP is decided by Host + port (denied -> 403 JSON with ``X-Podbay-Denied``). On an
   intercepted connection, the credential for host + path is checked (expired -> 403 ``credential_expired``,
   over its limit -> 429 ``credential_rate_limited``), revealed and injected. The transforms' headers for the
-  host are set on both (before the credential, which wins a header they share).
+  host are set on both (before the credential, which wins a header they share); on an intercepted connection
+  their ``${e2b.secrets.*}`` and ``${e2b.identity.tokens.*}`` placeholders are resolved first (a secret read,
+  a token minted per request; :meth:`Gateway.resolve_transform`), and a plain-HTTP request whose transform
+  holds one is refused (403 ``transform_requires_https``).
 * ``server_connect``: the choke point: an upstream connection opens only for a connection with an allowed
   decision to its original destination; a connection that reached it undecided (raw TCP) is decided here by
   CIDR, or by the name our DNS answered this guest for the address.
@@ -44,8 +47,9 @@ from podbay import hostca
 from podbay.config import Settings
 from podbay.contracts.egress import EgressPolicy
 
-from .engine import Gateway, Peer
+from .engine import Gateway, Peer, TransformRefused
 from .metrics import CONNECTIONS, CREDENTIAL_USES, REDACTIONS
+from podbay.egress_placeholders import has_placeholder
 from .policy import Decision, normalise_name, transform_headers
 from .shaping import (
     DENIED_HEADER,
@@ -56,6 +60,7 @@ from .shaping import (
     pick_credential,
     redact,
     redact_text,
+    remember_redacted,
 )
 
 __all__ = ["EgressAddon", "SandboxTlsConfig", "build_master", "upstream_bundle"]
@@ -193,7 +198,14 @@ class EgressAddon:
             return
         self.gw.allowed("http", decision)
         st.protocol, st.verdict = "http", decision
-        flow.request.headers.update(transform_headers(_policy(st), host))
+        headers = transform_headers(_policy(st), host)
+        if any(has_placeholder(v) for v in headers.values()):
+            # A secret or an identity token goes out only inside TLS (as a credential does): never in clear text.
+            flow.response = _refusal(403, "transform_requires_https",
+                                     f"the rules for {host} put a secret or an identity token in a header: "
+                                     "send this request over HTTPS")
+            return
+        flow.request.headers.update(headers)
 
     async def _inject(self, flow: http.HTTPFlow, st: _Conn) -> None:
         host = (st.sni or "").lower()
@@ -205,7 +217,18 @@ class EgressAddon:
             flow.response = _refusal(421, "misdirected_request",
                                      f"request for {named} on a connection to {host}")
             return
-        flow.request.headers.update(transform_headers(_policy(st), host))
+        try:
+            headers, revealed = await self.gw.resolve_transform(st.peer, transform_headers(_policy(st), host))
+        except TransformRefused as exc:
+            log.info("transform refused sandbox=%s host=%s reason=%s", st.peer.sandbox_id, host, exc.code)
+            flow.response = _refusal(exc.status, exc.code, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - fail closed, and say nothing about a value
+            log.error("transform not resolvable for %s: %s", host, type(exc).__name__)
+            flow.response = _refusal(503, "credential_unavailable", "the credential store did not answer")
+            return
+        flow.request.headers.update(headers)
+        remember_redacted(st.secrets, revealed)  # redacted in whatever comes back, as a credential's value
         try:
             # Read per request, so a credential deleted or changed applies to the next request on a
             # kept-alive connection too.

@@ -21,6 +21,8 @@ from podbay.contracts.egress import name_matches
 
 
 __all__ = [
+    "MAX_REDACTED",
+    "remember_redacted",
     "DENIED_HEADER",
     "REDACTED",
     "error_body",
@@ -52,6 +54,21 @@ def format_header(fmt: str, value: str) -> str:
     if "\r" in value or "\n" in value:
         raise ValueError("a credential value must not contain line breaks")
     return fmt.replace("{value}", value)
+
+
+#: Values redacted per connection at most (each response is searched for every one of them).
+MAX_REDACTED = 256
+
+
+def remember_redacted(known: set[str], new: Iterable[str], cap: int = MAX_REDACTED) -> None:
+    """Add ``new`` to the values redacted on a connection (``known``, changed in place). A workload identity
+    token is minted per request, so a long kept-alive connection would collect them without end (and every
+    response is searched for each): past ``cap`` the older values are dropped and only ``new`` kept (a
+    credential's value comes back with its next use)."""
+    fresh = set(new)
+    if len(known | fresh) > cap:
+        known.clear()
+    known.update(fresh)
 
 
 def redact(data: bytes, secrets: Iterable[str]) -> tuple[bytes, int]:

@@ -15,7 +15,7 @@ Errors: asyncpg errors are converted to :class:`podbay.errors.Unavailable` (retr
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -55,6 +55,8 @@ class SandboxContext:
     generation: int
     state: str
     policy: EgressPolicy | None
+    #: E2B's ``iam.tokens`` of the sandbox: ``{name: {"audience", "tokenType"}}`` (empty without workload identity).
+    iam_tokens: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,9 @@ class GatewayStore:
         try:
             row = await self._pool.fetchrow(
                 "SELECT s.id, s.tenant_id, s.template, s.generation, s.state,"
-                " coalesce(s.egress_policy, t.egress_policy) AS policy"
-                " FROM sandboxes s LEFT JOIN templates t ON t.name = s.template WHERE s.id = $1", sandbox_id)
+                " coalesce(s.egress_policy, t.egress_policy) AS policy, e.iam_tokens"
+                " FROM sandboxes s LEFT JOIN templates t ON t.name = s.template"
+                " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id WHERE s.id = $1", sandbox_id)
         except (asyncpg.PostgresError, OSError) as exc:
             raise Unavailable(f"gateway cannot read sandbox {sandbox_id}: {exc}") from exc
         if row is None:
@@ -95,7 +98,32 @@ class GatewayStore:
             except ValidationError as exc:
                 log.warning("sandbox=%s stored egress policy does not validate, denying all: %s", sandbox_id, exc)
         return SandboxContext(row["id"], row["tenant_id"], row["template"], int(row["generation"]), row["state"],
-                              policy)
+                              policy, dict(row["iam_tokens"] or {}))
+
+    async def secret(self, tenant_id: str, name: str) -> CredentialRow | None:
+        """The tenant's live E2B secret (a credential with an ``e2b_secrets`` row, services/api/e2b/secrets.py)
+        named ``name``, which a ``${e2b.secrets.<name>}`` placeholder in the sandbox's own rules names; ``None``
+        when there is none. A podbay credential that is not an E2B secret is never found: its ``hosts`` and
+        scope decide where it goes, and a rule must not send it elsewhere."""
+        try:
+            r = await self._pool.fetchrow(
+                "SELECT c.id, c.tenant_id, c.name, c.hosts, c.path_prefix, c.header, c.format, c.expires_at,"
+                " c.rate_limit_per_min, c.backend, c.ciphertext, c.secret_ref FROM credentials c"
+                " JOIN e2b_secrets e ON e.credential_id = c.id AND e.tenant_id = c.tenant_id"
+                " WHERE c.tenant_id = $1 AND c.name = $2 AND c.deleted_at IS NULL", tenant_id, name)
+        except (asyncpg.PostgresError, OSError) as exc:
+            raise Unavailable(f"gateway cannot read secret {name}: {exc}") from exc
+        if r is None:
+            return None
+        return CredentialRow(id=r["id"], tenant_id=r["tenant_id"], name=r["name"], hosts=tuple(r["hosts"]),
+                             header=r["header"], format=r["format"], backend=r["backend"],
+                             path_prefix=r["path_prefix"], expires_at=r["expires_at"],
+                             rate_limit_per_min=r["rate_limit_per_min"], ciphertext=r["ciphertext"],
+                             secret_ref=r["secret_ref"])
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
 
     async def _build(self, vm_id: str) -> SandboxContext | None:
         """A template build's builder VM (``build-<build id>``, services/nodeagent/build/): decided like a

@@ -6,7 +6,7 @@
 - ``running`` or ``paused``: the scheduler picks a destination with the same placement as creates (live,
   ``ready``, has the template, has room; never the draining node), records a ``migrate`` operation for the
   sandbox and sends ``podbay.cmd.node.<node>.migrate_out``; the node agents live-migrate it
-  (services/nodeagent/migrate.py; a paused guest moves paused) and the destination emits ``migrated``.
+  (services/nodeagent/vm/migrate.py; a paused guest moves paused) and the destination emits ``migrated``.
 - ``running`` or ``paused`` with read-write volumes: a live migration does not carry a volume's file, so the
   sandbox moves the way a suspend and a wake elsewhere do (:func:`_move_by_suspend`): the scheduler records
   a suspend (``suspend`` operation, snapshot row, state ``suspending``, through :func:`podbay.lifecycle.apply`)
@@ -36,14 +36,16 @@ from typing import Any
 
 import asyncpg
 
+from podbay.contracts.events import EventType
 from podbay import lifecycle
 from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat, PlaceSandbox, Resources, SandboxOpCmd
-from podbay.contracts.states import SandboxState
+from podbay.contracts.states import OperationState, SandboxState
 from podbay.errors import Conflict
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.outbox import new_id
+from podbay import operation_state
 
 from .placement import NodeLoad, NoCapacity, choose_node, ready_nodes
 
@@ -104,7 +106,7 @@ async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate
     bounds each step of a move by suspend and wake (default ``migrate_timeout_s``); ``kick`` wakes the outbox
     relay after a transition this drain recorded (it sweeps on its own otherwise)."""
     op_id = cmd.operation_id
-    await pool.execute("UPDATE operations SET state='running' WHERE id=$1 AND state='pending'", op_id)
+    await operation_state.start(pool, op_id)
     ids = [r["id"] for r in await pool.fetch(
         "SELECT id FROM sandboxes WHERE node_id=$1 AND state NOT IN ('deleted','failed','suspended')"
         " ORDER BY created_at", cmd.node_id)]
@@ -125,12 +127,11 @@ async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate
     async with pool.acquire() as conn, conn.transaction():
         if prog.complete:
             await conn.execute("UPDATE nodes SET state='drained' WHERE id=$1 AND state='draining'", cmd.node_id)
-            await conn.execute("UPDATE operations SET state='succeeded', finished_at=now() WHERE id=$1", op_id)
+            await operation_state.succeed(conn, op_id)
         else:
             msg = (f"{len(prog.failed)} of {prog.total} sandboxes could not move and still run on "
                    f"{cmd.node_id}: " + "; ".join(f"{f['sandbox_id']}: {f['reason']}" for f in prog.failed))
-            await conn.execute("UPDATE operations SET state='failed', error_code='drain_incomplete',"
-                               " error_message=$2, finished_at=now() WHERE id=$1", op_id, msg[:2000])
+            await operation_state.fail(conn, op_id, "drain_incomplete", msg[:2000])
     await _notify(bus, op_id, None if prog.complete else "drain_incomplete")
     log.info("drain of %s: %d of %d moved, %d failed", cmd.node_id, prog.moved, prog.total, len(prog.failed))
     return prog
@@ -194,8 +195,8 @@ async def _move_one(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row: Any, p
     if dest is None:
         return
     mig_op = new_id("op")
-    await pool.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state, node_id) VALUES"
-                       " ($1,$2,$3,'migrate','running',$4)", mig_op, row["tenant_id"], sid, cmd.node_id)
+    await operation_state.insert(pool, mig_op, tenant_id=row["tenant_id"], sandbox_id=sid, kind="migrate",
+                                 state=OperationState.RUNNING, node_id=cmd.node_id)
     out = MigrateOutCmd(operation_id=mig_op, sandbox_id=sid, generation=int(row["generation"]), dest_node=dest)
     await bus.publish_command(subjects.node_cmd(cmd.node_id, "migrate_out"), out,
                               msg_id=f"{mig_op}.g{out.generation}")
@@ -261,7 +262,7 @@ async def _move_by_suspend(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, row:
         woke = await lifecycle.apply(
             conn, sid, Verb.RESUME, states=SandboxState.SUSPENDED, renew_lease=True,
             operation=NewOperation(wake_op, tenant, "resume"),
-            event=SandboxEvent("resuming", tenant_id=tenant, data={"operation_id": wake_op, "fallback": False,
+            event=SandboxEvent(EventType.RESUMING, tenant_id=tenant, data={"operation_id": wake_op, "fallback": False,
                                                                    "drain": cmd.operation_id}),
             audit=AuditRecord(tenant, "scheduler", "sandbox.resume", detail={"drain": cmd.operation_id}))
     if woke is None:
@@ -292,8 +293,7 @@ async def _pause_again(pool: asyncpg.Pool, bus: Bus, sid: str, tenant: str, dest
     pause does: a ``pause`` operation and ``podbay.cmd.node.<node>.pause``; the node applies the transition.
     A pause that fails leaves it running on its new node: it did move, so only a warning is logged."""
     op_id = new_id("op")
-    await pool.execute("INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES"
-                       " ($1,$2,$3,'pause','pending')", op_id, tenant, sid)
+    await operation_state.insert(pool, op_id, tenant_id=tenant, sandbox_id=sid, kind="pause")
     await bus.publish_command(subjects.node_cmd(dest["node_id"], "pause"),
                               SandboxOpCmd(operation_id=op_id, sandbox_id=sid, generation=int(dest["generation"])),
                               msg_id=op_id)
@@ -304,7 +304,7 @@ async def _pause_again(pool: asyncpg.Pool, bus: Bus, sid: str, tenant: str, dest
 
 
 async def _save(pool: asyncpg.Pool, op_id: str, prog: DrainProgress) -> None:
-    await pool.execute("UPDATE operations SET progress=$2 WHERE id=$1", op_id, prog.as_json())
+    await operation_state.set_progress(pool, op_id, prog.as_json())
 
 
 async def _notify(bus: Bus, op_id: str, error: str | None) -> None:

@@ -2,7 +2,8 @@
 
 Counted from PostgreSQL rather than from heartbeats, so that placements made a moment ago (whose VMs have not
 started yet, or whose node has not heartbeated since) count, whichever scheduler replica made them. The
-caller holds the placement advisory lock, so no other placement commits between this read and its update.
+caller reads the chosen node's load once more under that node's placement lock (services/scheduler/main.py
+``Scheduler._reserve``), so no other placement on it commits between that read and its update.
 
 Work per placement stays flat with the fleet's size (:func:`candidate_loads`): placement scores K random
 fitting nodes plus the affine ones, so only those need a load. The live nodes are walked in a random order,

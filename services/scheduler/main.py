@@ -1,8 +1,9 @@
 """``podbay-scheduler``: places pending sandboxes on nodes (docs/DESIGN.md §1, §4).
 
 Consumes ``podbay.cmd.scheduler.place`` (durable consumer ``scheduler``, explicit ack). For each command, in
-one transaction serialised by an advisory lock: read live nodes from the ``podbay_nodes`` KV bucket and
-their committed load from PostgreSQL, choose a node, move the sandbox ``pending -> starting`` with a new
+one transaction: read live nodes from the ``podbay_nodes`` KV bucket (a watcher's cache) and the committed load
+of a few candidates from PostgreSQL, choose a node and reserve it (its own advisory lock, then its load read
+again: ``Scheduler._reserve``), move the sandbox ``pending -> starting`` with a new
 generation; then publish ``podbay.cmd.node.<node>.create``. A ``wake`` command places a ``resuming`` (suspended)
 sandbox the same way, on any node with room and its template, and sends ``wake`` (see ``wake.py``). A redelivered command finds the sandbox already
 ``starting`` and re-sends the same node command (same ``Nats-Msg-Id``, so the server drops a duplicate).
@@ -14,8 +15,9 @@ waiting for a node past ``PODBAY_PENDING_TIMEOUT_S`` (their command is gone; ``p
 
 Replicas: any number of schedulers may run. They share the one durable consumer, so JetStream hands each
 command to one of them; a command whose handler died unacked is redelivered (after ``ack_wait``) to any of
-them. Placement is exactly-once all the same: the advisory lock serialises placements (so two replicas never
-both count a node's last free MiB), the row is read ``FOR UPDATE``, and the update is conditional on the
+them. Placement is exactly-once all the same: placements on one node are serialised by that node's advisory
+lock, taken before its load is read the second time (so two replicas never both count a node's last free MiB,
+while placements on different nodes run in parallel), the row is read ``FOR UPDATE``, and the update is conditional on the
 state, node and generation just read; the node command's ``Nats-Msg-Id`` is ``<operation>.g<generation>``, so
 a re-send after a crash between commit and ack is dropped by the server. Load comes from a query of the
 candidate nodes' rows per placement (``load.py``: K random nodes placement keeps plus the affine ones, so its
@@ -31,10 +33,12 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import asyncpg
+from pydantic import BaseModel
 
-from podbay import db
+from podbay import db, volume_state
 from podbay.bus import MAX_DELIVER, Bus, connect_bus, consume
 from podbay.config import Settings, get_settings
 from podbay.contracts import subjects
@@ -59,7 +63,10 @@ __all__ = ["main"]
 
 log = logging.getLogger("podbay.scheduler")
 
+#: First key of a node's placement lock (two-int advisory lock: this, ``hashtext(node_id)``).
 PLACEMENT_LOCK_ID = 0x706C6163  # "plac"
+#: Nodes one placement tries to reserve before it gives up for this delivery (:meth:`Scheduler._reserve`).
+RESERVE_TRIES = 4
 #: Redelivery delay of a place command that found no node, seconds.
 NO_NODE_RETRY_DELAY_S = 1.0
 
@@ -87,6 +94,37 @@ class Scheduler:
         self.bus = bus
         self.relay = relay
 
+    async def _reserve(self, conn: asyncpg.Connection, candidates: list[NodeLoad], req: Request, *, k: int,
+                       tenant_id: str, digest: str | None, snapshot_id: str | None) -> NodeHeartbeat:
+        """Choose a node among ``candidates`` and hold it for this placement until the caller's transaction
+        ends: the node's advisory lock (:data:`PLACEMENT_LOCK_ID`, ``hashtext(node_id)``), then its load read again, which now counts
+        every placement on it that committed (a placement on a node holds its lock until its commit). When
+        the node no longer fits, the next best candidate is tried, up to :data:`RESERVE_TRIES` nodes.
+
+        Only the first lock is waited for; later ones are tried (``pg_try_advisory_xact_lock``) and a busy
+        node is passed by, so a transaction never waits while it holds a node's lock, and two placements
+        cannot deadlock. Raises :class:`NoCapacity` when every candidate filled meanwhile (the command is
+        then retried as for a full fleet)."""
+        left = list(candidates)
+        for attempt in range(RESERVE_TRIES):
+            chosen = choose_node(left, req, k=k)
+            if attempt == 0:
+                await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", PLACEMENT_LOCK_ID,
+                                   chosen.node_id)
+                got = True
+            else:
+                got = bool(await conn.fetchval("SELECT pg_try_advisory_xact_lock($1, hashtext($2))",
+                                               PLACEMENT_LOCK_ID, chosen.node_id))
+            if got:
+                [fresh] = await node_loads(conn, [chosen], tenant_id=tenant_id, template=req.template,
+                                           digest=digest, snapshot_id=snapshot_id)
+                if _kept(fresh, req):
+                    return chosen
+            left = [n for n in left if n.node_id != chosen.node_id]
+            if not left:
+                break
+        raise NoCapacity("the nodes with room filled up while this sandbox was being placed")
+
     async def handle(self, cmd: PlaceSandbox, waited_s: float, *, last_try: bool = False) -> bool:
         """Place one sandbox. Returns False to ask for redelivery (no node yet, within the retry window).
 
@@ -100,7 +138,6 @@ class Scheduler:
         create: CreateSandboxCmd | None = None
         node_id: str | None = None
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", PLACEMENT_LOCK_ID)
             row = await conn.fetchrow(
                 "SELECT state, node_id, generation, template_digest, hostname, memory_mib, vcpus,"
                 " suspended_snapshot_id FROM sandboxes WHERE id = $1 FOR UPDATE", cmd.sandbox_id)
@@ -115,9 +152,13 @@ class Scheduler:
             elif row["state"] != want:
                 return True  # deleted or failed meanwhile: nothing to do
             else:
-                volume_node = await conn.fetchval(
+                # Its volumes' rows stay locked until commit (in id order, so two sandboxes sharing them never
+                # deadlock): a second sandbox sharing a volume that has no node yet waits here, then sees the
+                # node the first one gave it, so both run where the volume lives.
+                volume_node = next((r["node_id"] for r in await conn.fetch(
                     "SELECT v.node_id FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id"
-                    " WHERE sv.sandbox_id = $1 AND v.node_id IS NOT NULL LIMIT 1", cmd.sandbox_id)
+                    " WHERE sv.sandbox_id = $1 ORDER BY v.id FOR UPDATE OF v", cmd.sandbox_id)
+                    if r["node_id"] is not None), None)
                 # A promoted build may go to any node holding the base it was built on (fetched there).
                 fetch_root = await conn.fetchval(
                     "SELECT root FROM template_promotions WHERE name=$1 AND digest=$2 AND state='promoted'",
@@ -152,7 +193,8 @@ class Scheduler:
                                          "and ready")
                     if not candidates and (why := unready_reason(nodes, states)) is not None:
                         raise NoCapacity(why)
-                    chosen = choose_node(candidates, req, k=k)
+                    chosen = await self._reserve(conn, candidates, req, k=k, tenant_id=cmd.tenant_id,
+                                                 digest=row["template_digest"], snapshot_id=snapshot_id)
                 except NoCapacity as exc:
                     if waited_s < self.settings.placement_retry_s and not last_try:
                         log.info("place %s: %s; retrying", cmd.sandbox_id, exc)
@@ -174,11 +216,9 @@ class Scheduler:
                     log.info("place %s: placed by another scheduler meanwhile", cmd.sandbox_id)
                     return True
                 gen = moved["generation"]
-                # Its volumes that have no node yet live where it runs from now on (under the placement lock,
-                # so two sandboxes sharing a new volume agree on the node).
-                await conn.execute(
-                    "UPDATE volumes SET node_id=$2 WHERE node_id IS NULL AND id IN"
-                    " (SELECT volume_id FROM sandbox_volumes WHERE sandbox_id=$1)", cmd.sandbox_id, node_id)
+                # Its volumes that have no node yet live where it runs from now on (their rows are locked
+                # since the start, so two sandboxes sharing a new volume agree on the node).
+                await volume_state.place_of_sandbox(conn, cmd.sandbox_id, node_id)
             if cmd.wake:
                 wake = await wake_command(conn, cmd, int(gen))
             create = CreateSandboxCmd(
@@ -198,16 +238,27 @@ class Scheduler:
         return True
 
 
+_Cmd = TypeVar("_Cmd", bound=BaseModel)
+
+
+async def _parse(msg: Any, model: type[_Cmd], what: str) -> _Cmd | None:
+    """The command a JetStream message (nats-py's ``Msg``: ``data`` is its JSON) carries, or None after a
+    malformed one was dropped (``term``: it is never redelivered)."""
+    try:
+        return model.model_validate_json(msg.data)
+    except ValueError as exc:
+        log.error("dropping malformed %s command: %s", what, exc)
+        await msg.term()
+        return None
+
+
 async def _consume(sched: Scheduler, stop: asyncio.Event, bound: dict[str, object]) -> None:
     sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_CONSUMER, subjects.SCHEDULER_PLACE, ack_wait_s=30.0)
     bound["sub"] = sub
 
     async def one(msg: object) -> None:
-        try:
-            cmd = PlaceSandbox.model_validate_json(msg.data)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
-        except ValueError as exc:
-            log.error("dropping malformed place command: %s", exc)
-            await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
+        cmd = await _parse(msg, PlaceSandbox, "place")
+        if cmd is None:
             return
         bind_log_context(sandbox_id=cmd.sandbox_id, operation_id=cmd.operation_id)
         # Time since the command was stored (JetStream's clock), so every replica and a restarted scheduler
@@ -234,11 +285,8 @@ async def _consume_drains(sched: Scheduler, stop: asyncio.Event) -> None:
     sub = await sched.bus.pull_subscribe(subjects.SCHEDULER_DRAIN_CONSUMER, subjects.SCHEDULER_DRAIN, ack_wait_s=60.0)
 
     async def one(msg: object) -> None:
-        try:
-            cmd = DrainNodeCmd.model_validate_json(msg.data)  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
-        except ValueError as exc:
-            log.error("dropping malformed drain command: %s", exc)
-            await msg.term()  # type: ignore[attr-defined]  # a nats-py JetStream Msg, typed object at the consumer callback
+        cmd = await _parse(msg, DrainNodeCmd, "drain")
+        if cmd is None:
             return
         last = time.monotonic()
 

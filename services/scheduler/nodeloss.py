@@ -9,7 +9,7 @@ last put. Each scheduler polls the bucket every ``PODBAY_NODE_LOSS_CHECK_S`` and
    schedulers running, exactly one gets the row back and goes on; the other does nothing.
 2. Each sandbox on the node is fenced: its generation goes up by one and its node is cleared, so any command
    the old node still acts on is refused (a node agent checks node and generation on every command), and a
-   node agent that comes back stops its copy (``services/nodeagent/fence.py``).
+   node agent that comes back stops its copy (``services/nodeagent/ops/fence.py``).
    - with a promoted full snapshot (the newest one): ``resuming`` from it, exactly like a resume of a
      suspended sandbox (``wake.py``); event ``rescheduled`` says which node was lost and how much work was
      lost (``lost_work_s``: seconds between that snapshot and the loss);
@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 
+from podbay.contracts.events import EventType
 from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import Event, PlaceSandbox, Resources
@@ -47,6 +48,10 @@ from podbay import lifecycle
 from podbay.contracts.states import OperationState
 from podbay.lifecycle import NewOperation, OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay, emit, new_id
+from podbay.service import wait_stop
+from podbay import operation_state
+from podbay import warm_slot_state
+from podbay import volume_state
 
 __all__ = ["WATCHED_STATES", "lost_nodes", "LossReport", "declare_lost", "NodeLossWatcher"]
 
@@ -118,11 +123,8 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     report.acted = True
     for r in await conn.fetch(_SANDBOXES, node_id):
         await _move(conn, node_id, r, report)
-    await conn.execute("UPDATE volumes SET node_id=NULL, released_at=now() WHERE node_id=$1"
-                       " AND snapshot_id IS NOT NULL", node_id)
-    await conn.execute(
-        "UPDATE warm_slots SET state='failed', reason=$2, failed_at=now() WHERE node_id=$1"
-        " AND state IN ('preparing', 'ready')", node_id, f"node {node_id} was lost")
+    await volume_state.release_of_lost_node(conn, node_id)
+    await warm_slot_state.fail_on_lost_node(conn, node_id, f"node {node_id} was lost")
     event = Event(id=new_id("evt"), type="lost", node_id=node_id, state="lost", at=datetime.now(UTC),
                   reason="heartbeat absent beyond the grace period",
                   data={"rescheduled": report.rescheduled, "replaced": report.replaced, "failed": report.failed,
@@ -135,16 +137,14 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
     sid, tenant, state = r["id"], r["tenant_id"], r["state"]
     lost = f"node {node_id} was lost"
     # Whatever was in flight on the lost node will not finish there.
-    await conn.execute(
-        "UPDATE operations SET state='failed', error_code='node_lost', error_message=$2, finished_at=now()"
-        " WHERE sandbox_id=$1 AND state IN ('pending', 'running')", sid, lost)
+    await operation_state.fail_in_flight(conn, sid, "node_lost", lost)
     res = Resources(memory_mib=r["memory_mib"], vcpus=r["vcpus"])
     if state == "deleting":
         await lifecycle.apply(
             conn, sid, Verb.DELETED, states=state, set_node=None, bump_generation=True,
             operation=OperationOutcome(r["op_id"], OperationState.SUCCEEDED, error_code=None, error_message=None,
                                        finished=None),
-            event=SandboxEvent("deleted", reason=lost, tenant_id=tenant, new_generation=True,
+            event=SandboxEvent(EventType.DELETED, reason=lost, tenant_id=tenant, new_generation=True,
                                data={"lost_node": node_id}))
         report.deleted.append(sid)
         return
@@ -157,7 +157,7 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
         await lifecycle.apply(
             conn, sid, Verb.SUSPENDED, states=state, set_node=None, bump_generation=True,
             values={"suspended_snapshot_id": snap["id"]},
-            event=SandboxEvent("suspended", tenant_id=tenant, new_generation=True,
+            event=SandboxEvent(EventType.SUSPENDED, tenant_id=tenant, new_generation=True,
                                reason=f"{lost} while suspending; suspended at snapshot {snap['id']}",
                                data={"lost_node": node_id, "snapshot_id": snap["id"],
                                      "lost_work_s": round(float(snap["age_s"]), 3)}))
@@ -170,7 +170,7 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
             conn, sid, Verb.RESCHEDULE, states=state, set_node=None, bump_generation=True,
             values={"suspended_snapshot_id": snap["id"]}, operation=NewOperation(op_id, tenant, "reschedule"),
             event=SandboxEvent(
-                "rescheduled", tenant_id=tenant, new_generation=True,
+                EventType.RESCHEDULED, tenant_id=tenant, new_generation=True,
                 reason=f"{lost}; restoring snapshot {snap['id']} taken {lost_work_s:.1f} s before the loss",
                 data={"lost_node": node_id, "previous_state": state, "snapshot_id": snap["id"],
                       "snapshot_at": snap["created_at"].isoformat(), "lost_work_s": lost_work_s,
@@ -192,7 +192,7 @@ async def _move(conn: asyncpg.Connection, node_id: str, r: asyncpg.Record, repor
     reason = f"{lost} and the sandbox had no promoted full snapshot to restore (or has a read-write volume)"
     await lifecycle.apply(
         conn, sid, Verb.FAIL, states=state, set_node=None, bump_generation=True, values={"failure_reason": reason},
-        event=SandboxEvent("failed", reason=reason, tenant_id=tenant, new_generation=True,
+        event=SandboxEvent(EventType.FAILED, reason=reason, tenant_id=tenant, new_generation=True,
                            data={"lost_node": node_id, "previous_state": state}))
     report.failed.append(sid)
 
@@ -241,7 +241,4 @@ class NodeLossWatcher:
                 await self.check()
             except Exception:
                 log.exception("node loss check failed; retrying")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+            await wait_stop(stop, self.interval_s)

@@ -25,10 +25,12 @@ import logging
 
 import asyncpg
 
+from podbay.contracts.events import EventType
 from podbay import lifecycle
 from podbay.contracts.states import OperationState, SandboxState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay
+from podbay.service import wait_stop
 
 __all__ = ["fail_unplaced", "sweep_unplaced", "PendingSweeper", "PLACEMENT_TIMEOUT"]
 
@@ -54,13 +56,13 @@ async def fail_unplaced(conn: asyncpg.Connection, *, sandbox_id: str, operation_
     if wake:
         moved = await lifecycle.apply(
             conn, sandbox_id, Verb.WAKE_FAILED, states=SandboxState.RESUMING, node=None, generation=generation,
-            operation=outcome, event=SandboxEvent("suspended", reason=f"resume failed: {reason}", tenant_id=tenant_id,
+            operation=outcome, event=SandboxEvent(EventType.SUSPENDED, reason=f"resume failed: {reason}", tenant_id=tenant_id,
                                                   generation=generation, data=data))
     else:
         moved = await lifecycle.apply(
             conn, sandbox_id, Verb.FAIL, states=SandboxState.PENDING, node=None, generation=generation,
             values={"failure_reason": reason}, operation=outcome,
-            event=SandboxEvent("failed", reason=reason, tenant_id=tenant_id, generation=generation, data=data))
+            event=SandboxEvent(EventType.FAILED, reason=reason, tenant_id=tenant_id, generation=generation, data=data))
     if moved is None:
         return False
     return True
@@ -111,7 +113,4 @@ class PendingSweeper:
                                 self.timeout_s, ", ".join(ended))
             except Exception:
                 log.exception("pending sweep failed; retrying")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+            await wait_stop(stop, self.interval_s)

@@ -8,7 +8,7 @@ TTL; load counted from PostgreSQL in one query, so placements in flight count). 
    room (:func:`fits`):
 
    - memory, on a node that reports measured memory (its heartbeat's ``memory_*`` fields,
-     services/nodeagent/memory.py): its room (available memory less its headroom, and less its sandboxes'
+     services/nodeagent/ops/memory.py): its room (available memory less its headroom, and less its sandboxes'
      measured use under ``NODE_MEMORY_MIB`` when that is set) plus what it could release (paused and idle
      sandboxes, ``memory_reclaimable_mib``) holds the sandboxes in flight to it (placed since its measurement,
      ``NodeLoad.inflight``) and this one, each at the expected cost of a fresh sandbox
@@ -238,7 +238,8 @@ def choose_node(nodes: list[NodeLoad], req: Request | None = None, *, template: 
     if not calm:
         worst = min((n.heartbeat.cpu_pressure or 0.0) for n in ok)
         raise NoCapacity(f"every node with room is under CPU pressure (the least at {worst:.0f}% of the time "
-                         "with tasks waiting for a CPU)")
+                         "with tasks waiting for a CPU; an operator sets the threshold with PODBAY_NODE_CPU_PRESSURE_MAX, 0 turns "
+                         "the check off)")
     ok = calm
     r = rng or random.Random()
     sample = r.sample(ok, min(max(1, k), len(ok)))

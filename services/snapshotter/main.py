@@ -5,7 +5,9 @@
   the message is kept alive with ``in_progress`` while it runs and acked after the outcome is in the row
   (``promoted``, or ``failed`` with ``promotion_error``). A crash leaves it unacked, so JetStream
   redelivers it and the promotion is finished; a start-up also resumes this node's ``promoting`` rows.
-  An error is retried on redelivery up to ``MAX_DELIVERIES`` times, then the promotion is ``failed``.
+  An error is retried on redelivery up to ``MAX_DELIVERIES`` times (an object store error up to
+  ``STORAGE_MAX_DELIVERIES``, over two minutes: S3 restarting; not for a suspend, whose caller waits), then
+  the promotion is ``failed``.
 - Cadence: every ``promote_disk_interval_s`` the newest ready disk snapshot of each live sandbox on this
   node is promoted, unless one of its snapshots was promoted more recently (a lost node loses at most that
   much disk work). The node agent takes a disk snapshot only when the disk changed, so an idle sandbox has
@@ -45,12 +47,17 @@ from podbay.promotion import PromoteResult, collect_garbage, promote, snapshot_p
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import PROMOTION_LAG_SECONDS
 from podbay.volume_promotion import due_volumes, fail_interrupted, snapshot_volume, volume_path, volume_snapshots_dir
+from podbay import snapshot_state
 
 __all__ = ["main", "Snapshotter"]
 
 log = logging.getLogger("podbay.snapshotter")
 
 MAX_DELIVERIES = 3
+#: Deliveries of a promotion that failed for the object store only (S3 down or restarting): the try after
+#: delivery n waits ``min(2 n, STORAGE_RETRY_CAP_S)`` s, so 12 deliveries wait out more than two minutes of outage.
+STORAGE_MAX_DELIVERIES = 12
+STORAGE_RETRY_CAP_S = 30.0
 PROMOTIONS_AT_ONCE = 2
 ACK_WAIT_S = 60.0
 
@@ -89,9 +96,7 @@ class Snapshotter:
             return res
 
     async def fail(self, snapshot_id: str, reason: str) -> None:
-        await self.pool.execute(
-            "UPDATE snapshots SET promotion='failed', promotion_error=$2 WHERE id=$1 AND promotion <> 'promoted'",
-            snapshot_id, reason[:2000])
+        await snapshot_state.fail_promotion(self.pool, snapshot_id, reason[:2000])
 
     async def handle(self, msg: Any) -> None:
         """One promote command: ack on an outcome, nak to retry a retryable error, term a malformed one."""
@@ -108,9 +113,16 @@ class Snapshotter:
         except Exception as exc:
             reason = exc.message if isinstance(exc, PodbayError) else f"{type(exc).__name__}: {exc}"
             deliveries = getattr(getattr(msg, "metadata", None), "num_delivered", 1) or 1
-            if (isinstance(exc, StorageError) or not isinstance(exc, PodbayError)) and deliveries < MAX_DELIVERIES:
+            # An object store outage (a restart, a rolling update) is waited out longer than other errors; a
+            # promotion is recorded only once all its objects are verified (podbay.promotion), so a retry
+            # finishes what the outage interrupted.
+            # A suspend's promotion is the exception: its caller waits, and a failure leaves the sandbox paused
+            # and intact with the error, so it fails as fast as any other error.
+            waited_out = isinstance(exc, StorageError) and cmd.reason != "suspend"
+            limit = STORAGE_MAX_DELIVERIES if waited_out else MAX_DELIVERIES
+            if (isinstance(exc, StorageError) or not isinstance(exc, PodbayError)) and deliveries < limit:
                 log.warning("promotion of %s failed (try %d): %s; retrying", cmd.snapshot_id, deliveries, reason)
-                await msg.nak(delay=2.0 * deliveries)
+                await msg.nak(delay=min(2.0 * deliveries, STORAGE_RETRY_CAP_S))
                 return
             log.warning("promotion of %s failed: %s", cmd.snapshot_id, reason)
             await self.fail(cmd.snapshot_id, reason)

@@ -10,7 +10,7 @@ Every ``warm_interval_s``, and at once when the API announces new bounds on ``po
 4. tidy: drop targets and unclaimed slot rows of nodes that are gone (so no create claims them), and
    claimed/failed slot rows older than the demand window.
 
-The node agents do the work (services/nodeagent/warm.py): this service never touches a VM.
+The node agents do the work (services/nodeagent/ops/warm.py): this service never touches a VM.
 
 Replicas: any number may run; one leads. The leader holds the ``warmpool`` lease in the ``podbay_leases`` KV
 bucket (``podbay.lease``: created when absent, renewed with a revision check every third of
@@ -35,6 +35,7 @@ from podbay.health import nats_check, pg_check, task_check
 from podbay.lease import Lease
 from podbay.service import health_app, run_service, serve_http
 from podbay.telemetry import HOP_SECONDS
+from podbay import warm_slot_state
 
 from .targets import NodeRoom, PoolBounds, pool_size, spread
 
@@ -93,11 +94,8 @@ async def reconcile_targets(settings: Settings, pool: asyncpg.Pool, bus: Bus) ->
         for key in set(old) - set(new):
             await conn.execute("DELETE FROM warm_targets WHERE template=$1 AND node_id=$2", *key)
         if live:  # no heartbeat at all is more likely our own NATS trouble than every node gone
-            await conn.execute("DELETE FROM warm_slots WHERE state IN ('preparing', 'ready', 'failed', 'retired')"
-                               " AND NOT (node_id = ANY($1::text[]))", live)
-        await conn.execute(
-            "DELETE FROM warm_slots WHERE (state='claimed' AND claimed_at < now() - make_interval(secs => $1))"
-            " OR (state IN ('failed', 'retired') AND failed_at < now() - make_interval(secs => $1))", window)
+            await warm_slot_state.prune_absent_nodes(conn, live)
+        await warm_slot_state.prune_old(conn, window)
     changed = {node for key, node in ((k, k[1]) for k in set(old) | set(new)) if old.get(key) != new.get(key)}
     for node_id in sorted(changed & set(live)):
         await bus.nc.publish(subjects.warm_kick(node_id), b"")

@@ -52,7 +52,7 @@ os.environ.setdefault("PODBAY_NODE_CPU_PRESSURE_MAX", "0")
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark tests by folder (``integration``, ``e2e``, ``security``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``;
+    """Mark tests by folder (``integration``, ``e2e``, ``security``, ``faults``) and skip e2e tests when ``PODBAY_SKIP_E2E=1``;
     run the modules that share ``multinode_stack`` one after the other.
 
     ``tests/security`` holds tests of one trust boundary each: they are marked ``security`` and, unless marked
@@ -64,6 +64,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for kind in ("integration", "e2e"):
             if (_TESTS / kind) in path.parents:
                 item.add_marker(getattr(pytest.mark, kind))
+        if (_TESTS / "faults") in path.parents:  # real servers too: run with the integration tests, or apart
+            item.add_marker(pytest.mark.faults)
+            item.add_marker(pytest.mark.integration)
         if (_TESTS / "security") in path.parents:
             item.add_marker(pytest.mark.security)
             if item.get_closest_marker("e2e") is None:
@@ -174,11 +177,12 @@ def stack(test_root: Path) -> Iterator[Stack]:
         external=External.from_env(),
         durable=False,
         # Paused sandboxes release their RAM after 6 s here (default 60 s), so tests can see it happen.
-        # PODBAY_E2B_DOMAIN: E2B envd traffic is also routed by host name (tests/e2e/test_e2b.py).
+        # PODBAY_E2B_DOMAIN: the stack's own (e2b.localhost:<its TLS edge port>), whose names resolve to
+        # loopback, unless the environment gives one (tests/security/test_e2b_tls_edge.py fetches
+        # https:// + get_host()).
         # PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS: the e2e tests' peers (namespaces on this host) use two documentation
         # ranges, opened here as an operator opens a private range; every other private range stays shut.
         base_env={**os.environ, "PODBAY_PAUSED_RELEASE_S": os.environ.get("PODBAY_PAUSED_RELEASE_S", "6"),
-                  "PODBAY_E2B_DOMAIN": os.environ.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test"),
                   "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": os.environ.get("PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS",
                                                                        TEST_PEER_NETS)},
     )

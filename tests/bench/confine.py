@@ -19,9 +19,9 @@ from pathlib import Path
 
 from podbay.channel.client import GuestChannel
 from podbay.config import get_settings
-from podbay_nodeagent import confine
-from podbay_nodeagent.template import TemplateSnapshot
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.vm import confine
+from podbay_nodeagent.build.template import TemplateSnapshot
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 try:
     from tests.bench._stats import report, summarise

@@ -68,8 +68,8 @@ from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
 from podbay.sdk import Client
 from podbay.vmmem import vm_memory
 from podbay.vmprocs import vm_processes
-from podbay_nodeagent.template import TemplateSnapshot
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.build.template import TemplateSnapshot
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 try:
     from tests.bench._stats import report, stop_on_sigterm, summarise

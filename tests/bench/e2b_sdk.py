@@ -42,6 +42,7 @@ import httpx
 
 from podbay.config import Settings
 from podbay.devstack.stack import External, Stack, StackPorts, kill_strays
+from podbay.naming import sandbox_id_from_e2b
 
 try:
     from tests.bench._stats import report, stop_on_sigterm, summarise
@@ -100,7 +101,7 @@ def _ops(c: httpx.Client, template: str, runs: int, samples: dict[str, list[floa
     from e2b import Sandbox
 
     sb = Sandbox.create(template=template, timeout=3600)
-    sid = sb.sandbox_id
+    sid = sandbox_id_from_e2b(sb.sandbox_id) or sb.sandbox_id  # podbay's /v1 takes the stored spelling
     try:
         sb.commands.run("true")  # warm the guest's page cache for bash
         for i in range(runs):
@@ -158,7 +159,7 @@ def _fs_snapshot(c: httpx.Client, template: str, runs: int, samples: dict[str, l
     from e2b import Sandbox
 
     sb = Sandbox.create(template=template, timeout=3600)
-    sid = sb.sandbox_id
+    sid = sandbox_id_from_e2b(sb.sandbox_id) or sb.sandbox_id  # podbay's /v1 takes the stored spelling
     try:
         sb.files.write("/home/user/fs.txt", "kept")
         snap = sb.create_snapshot(mode="filesystem")

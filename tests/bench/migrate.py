@@ -26,9 +26,9 @@ from pathlib import Path
 from podbay.channel.client import GuestChannel
 from podbay.config import get_settings
 from podbay.contracts.channel import ExecSpec
-from podbay_nodeagent import vmmigrate
-from podbay_nodeagent.template import TemplateSnapshot
-from podbay_nodeagent.vmm import QemuVmm, VmProcess
+from podbay_nodeagent.vm import vmmigrate
+from podbay_nodeagent.build.template import TemplateSnapshot
+from podbay_nodeagent.vm.vmm import QemuVmm, VmProcess
 
 try:
     from tests.bench._stats import report, summarise

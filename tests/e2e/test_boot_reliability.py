@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent.accel import host_tsc_khz, resolve_accel
-from podbay_nodeagent.image import build_base_image
-from podbay_nodeagent.template import wait_guest_ready
-from podbay_nodeagent.vmm import QemuVmm, VmConfig, reflink_or_copy
+from podbay_nodeagent.vm.accel import host_tsc_khz, resolve_accel
+from podbay_nodeagent.build.image import build_base_image
+from podbay_nodeagent.build.template import wait_guest_ready
+from podbay_nodeagent.vm.vmm import QemuVmm, VmConfig, reflink_or_copy
 
 RUNS = int(os.environ.get("PODBAY_BOOT_RUNS", "10"))
 PARALLEL = max(1, int(os.environ.get("PODBAY_BOOT_PARALLEL", "3")))

@@ -281,7 +281,7 @@ def test_credential_fill_types_from_outside_and_redacts(stack: Any, sandbox: str
             assert not _all_mask(before, pw)  # unmasked before the fill: the field's white box
             assert _all_mask(after, pw) and not _all_mask(after, user)  # masked after it; the user field not
             # The agent's own screenshot over CDP (Playwright's Page.captureScreenshot) is masked by the node's
-            # relay from the fill on, too (services/nodeagent/cdp_mask.py).
+            # relay from the fill on, too (services/nodeagent/computer/cdp_mask.py).
             agent_after = tab.screenshot()
             assert not _all_mask(agent_before, pw)
             assert _all_mask(agent_after, pw) and not _all_mask(agent_after, user)

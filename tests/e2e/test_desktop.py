@@ -10,7 +10,7 @@ screenshot through the computer API is the whole X screen (the desktop's size wh
 emulated smaller, and the override is cleared after); last, a tab's script state set over CDP is there after the
 sandbox is suspended to object storage and woken, noVNC answers again, and a credential filled into a password
 field before the suspend is still redacted from the agent's CDP stream and masked in the API's screenshot after
-the wake (the node re-arms both from the fill's audit row: services/nodeagent/fill_memory.py). The desktop on
+the wake (the node re-arms both from the fill's audit row: services/nodeagent/computer/fill_memory.py). The desktop on
 another node and its fork: test_desktop_nodes.py.
 """
 

@@ -12,7 +12,7 @@ script state and a cookie set over CDP.
   WebSocket through the same port URL and token (the RFB handshake's version line).
 
 Runs before ``test_node_loss.py`` and after the other modules of the shared stack (tests/conftest.py), since it
-leaves a node drained.
+drains a node (undrained at its end, so that ``test_node_loss.py`` can take the stack as it is).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def test_a_desktop_forks_into_independent_browsers_and_resumes_on_another_node(m
             sync_playwright() as p:
         parent = c.create_sandbox(template=template).id
         child: str | None = None
+        drained: str | None = None
         try:
             token = _token(h, parent)
             until("noVNC answers", lambda: novnc_get(stack, parent, token, "/vnc.html").status_code == 200, 120)
@@ -92,6 +93,7 @@ def test_a_desktop_forks_into_independent_browsers_and_resumes_on_another_node(m
             suspended = c.suspend_sandbox(parent)
             assert suspended.state == "suspended" and suspended.node_id is None, suspended
             drain = c.drain_node(first_node)
+            drained = first_node
             until(f"{first_node} is drained", lambda: c.get_operation(drain.operation_id).state == "succeeded", 300)
             woken = c.resume_sandbox(parent)
             assert woken.state == "running" and woken.node_id not in (None, first_node), woken
@@ -108,3 +110,7 @@ def test_a_desktop_forks_into_independent_browsers_and_resumes_on_another_node(m
             for sid in (child, parent):
                 if sid is not None:
                     h.delete(f"/v1/sandboxes/{sid}")
+            if drained is not None:
+                # The shared two-node stack is handed on with both nodes ready, so that test_node_loss.py takes
+                # it as it is instead of waiting for it and starting a new one (tests/conftest.py).
+                h.post(f"/v1/nodes/{drained}/undrain")

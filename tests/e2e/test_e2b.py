@@ -165,6 +165,12 @@ def test_watch_dir_sync_and_async(sbx: Any) -> None:
     assert any(e.name == "async.txt" for e in got)
 
 
+def _podbay_id(sb: Any) -> str:
+    """The podbay id (``sbx_...``, as podbay's own API takes it) of an E2B sandbox, whose ``sandbox_id`` is E2B's
+    spelling (``sbx-...``, a host label: podbay.naming.e2b_sandbox_id)."""
+    return str(sb.sandbox_id).replace("-", "_", 1)
+
+
 def _envd_token(stack: Any, sandbox_id: str) -> str:
     """The sandbox's envd access token, as E2B's REST API hands it out."""
     import httpx
@@ -282,7 +288,7 @@ def test_rest_error_shape_and_status_codes(stack: Any) -> None:
 def test_envd_routing_by_host_name(sbx: Any, stack: Any) -> None:
     import httpx
 
-    host = f"49983-{sbx.sandbox_id}.e2b.podbay.test"
+    host = f"49983-{sbx.sandbox_id}.{stack.env['PODBAY_E2B_DOMAIN']}"
     token = {"X-Access-Token": _envd_token(stack, sbx.sandbox_id)}
     r = httpx.post(f"{stack.api_url}/filesystem.Filesystem/Stat", json={"path": "/home/user"},
                    headers={"Host": host, **token})
@@ -291,7 +297,7 @@ def test_envd_routing_by_host_name(sbx: Any, stack: Any) -> None:
     assert r.status_code == 204
     # Hosts for other ports belong to the ports edge (tests/e2e/test_ports.py); a port nothing listens on
     # gets E2B's own answer: JSON for a program, the "Closed Port Error" page for a browser.
-    closed = {"Host": f"3999-{sbx.sandbox_id}.e2b.podbay.test"}
+    closed = {"Host": f"3999-{sbx.sandbox_id}.{stack.env['PODBAY_E2B_DOMAIN']}"}
     r = httpx.get(f"{stack.api_url}/", headers=closed, timeout=60)
     assert r.status_code == 502 and r.headers["content-type"] == "application/json; charset=utf-8", r.text
     assert r.json() == {"message": "The sandbox is running but port is not open", "sandboxId": sbx.sandbox_id,
@@ -364,7 +370,7 @@ def test_commands_cwd_pty_kill_files_remove_and_parents(sbx: Any, stack: Any) ->
     assert handle.pid not in [p.pid for p in sbx.commands.list()]
     sbx.files.remove("/home/user/never/was")  # no error, as in envd
     # podbay's own files API makes missing parents too.
-    r = httpx.put(f"{stack.api_url}/v1/sandboxes/{sbx.sandbox_id}/files", params={"path": "/tmp/p/q/r.txt"},
+    r = httpx.put(f"{stack.api_url}/v1/sandboxes/{_podbay_id(sbx)}/files", params={"path": "/tmp/p/q/r.txt"},
                   content=b"deep", headers={"Authorization": f"Bearer {stack.api_key}"})
     assert r.status_code == 200, r.text
     assert sbx.commands.run("cat /tmp/p/q/r.txt").stdout == "deep"
@@ -381,11 +387,11 @@ def test_short_timeout_listing_filters_metrics_history_and_network(e2b_env: dict
     try:
         # E2B's network options are the sandbox's podbay egress policy, which the gateway enforces.
         podbay = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {stack.api_key}"})
-        policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
+        policy = podbay.get(f"/v1/sandboxes/{_podbay_id(a)}/network").json()
         assert policy["source"] == "sandbox" and policy["policy"] == {"allow": [], "deny": []}, policy
         a.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"],
                           "rules": {"example.com": [{"transform": {"headers": {"X-Team": "blue"}}}]}})
-        policy = podbay.get(f"/v1/sandboxes/{a.sandbox_id}/network").json()
+        policy = podbay.get(f"/v1/sandboxes/{_podbay_id(a)}/network").json()
         # A domain in allow_out opens E2B's default DNS server too; rules are the gateway's header transforms.
         assert [(r["domain"], r["cidr"]) for r in policy["policy"]["allow"]] == [
             ("example.com", None), (None, "8.8.8.8/32")], policy
@@ -464,7 +470,7 @@ def test_a_command_past_its_timeout_is_killed_with_its_group(sbx: Any, stack: An
     assert sbx.commands.run(left).stdout.strip() == "none"
     import httpx
 
-    r = httpx.post(f"{stack.api_url}/v1/sandboxes/{sbx.sandbox_id}/exec", timeout=60,
+    r = httpx.post(f"{stack.api_url}/v1/sandboxes/{_podbay_id(sbx)}/exec", timeout=60,
                    headers={"authorization": f"Bearer {stack.api_key}"},
                    json={"shell": "sleep 303 & sleep 304", "timeout_s": 2})
     assert r.status_code == 200, r.text
@@ -532,7 +538,7 @@ def test_signed_file_urls(sbx: Any, stack: Any) -> None:
     import httpx
 
     # The URLs carry no sandbox id: they are used with the sandbox's host name (PODBAY_E2B_DOMAIN).
-    host = {"Host": f"49983-{sbx.sandbox_id}.e2b.podbay.test"}
+    host = {"Host": f"49983-{sbx.sandbox_id}.{stack.env['PODBAY_E2B_DOMAIN']}"}
     sbx.files.write("/home/user/signed.txt", "signed")
     url = sbx.download_url("/home/user/signed.txt", use_signature_expiration=120)
     r = httpx.get(url, headers=host)
@@ -584,7 +590,7 @@ def test_filesystem_only_pause_and_reboot_on_connect_boot_afresh(e2b_env: dict[s
         while e2b.Sandbox.get_info(sb.sandbox_id).state != e2b.SandboxState.PAUSED:
             assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
             time.sleep(1)
-        marker = asyncio.run(_cold_resume_snapshot(stack, sb.sandbox_id))
+        marker = asyncio.run(_cold_resume_snapshot(stack, _podbay_id(sb)))
         assert marker is not None and marker["kind"] == "disk" and marker["state"] == "ready", marker
     finally:
         sb.kill()
@@ -702,9 +708,24 @@ def test_volumes_create_mount_write_remount_read_list_and_delete(e2b_env: dict[s
     finally:
         second.kill()
     assert [v.volume_id for v in e2b.Volume.list() if v.name == name] == [vol.volume_id]
-    # E2B's volume content API (files without a sandbox) is not served: an E2B-shaped 501, not a crash.
-    with pytest.raises(e2b.VolumeException, match="does not serve"):
-        vol.read_file("/note.txt", api_url=e2b_env["E2B_API_URL"])
+    # E2B's volume content API: the volume's files without a sandbox, once no sandbox holds it (409 until the
+    # killed sandbox's VM has let go of it), and a write there is what the next sandbox mounts.
+    got = None
+    for _ in range(60):
+        try:
+            got = vol.read_file("/note.txt", api_url=e2b_env["E2B_API_URL"])
+            break
+        except e2b.VolumeException as exc:
+            if "409" not in str(exc):
+                raise
+            time.sleep(0.5)
+    assert got == "kept on the volume"
+    vol.write_file("/from-api.txt", "written without a sandbox", api_url=e2b_env["E2B_API_URL"])
+    third = e2b.Sandbox.create(template="base", timeout=300, volume_mounts={"/mnt/v": vol})
+    try:
+        assert third.files.read("/mnt/v/from-api.txt") == "written without a sandbox"
+    finally:
+        third.kill()
     assert e2b.Volume.destroy(vol.volume_id) is True
     assert e2b.Volume.destroy(vol.volume_id) is False
     assert all(v.name != name for v in e2b.Volume.list())

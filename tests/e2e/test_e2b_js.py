@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,23 @@ def test_the_e2b_js_sdk_runs_unmodified(stack: Any, sdk_dir: Path) -> None:
     assert all(c["stdout"] == "from js" and c["id"] != fork["parent"] for c in fork["children"])
     snap = steps["snapshot"]["value"]
     assert snap["stdout"] == "from js" and snap["listed"] is True and snap["deleted"] is True
+
+
+def test_get_host_over_https_from_node(stack: Any, sdk_dir: Path, tmp_path: Path) -> None:
+    """``fetch('https://' + sbx.getHost(port))`` from Node with the exports of ``podbay env --e2b`` (E2B_DOMAIN,
+    NODE_EXTRA_CA_CERTS) for a client config as ``podbay up`` writes it: the guest's page through the TLS edge."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"api_url": stack.api_url, "api_key": stack.api_key, **stack.edge_client()}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PODBAY_API_", "E2B_"))}
+    out = subprocess.run([str(Path(sys.executable).with_name("podbay")), "env", "--e2b"],
+                         env={**env, "PODBAY_CONFIG": str(cfg)}, capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    exports = dict(shlex.split(line)[1].split("=", 1) for line in out.splitlines() if line.startswith("export "))
+    done = subprocess.run(["node", str(sdk_dir / SCRIPT.name)], env={**env, **exports, "E2B_JS_STEPS": "host"},
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    host = next(r for r in rows if r["step"] == "host")
+    assert "error" not in host, host
+    assert host["value"]["host"].startswith("8001-") and host["value"]["host"].endswith(f".{exports['E2B_DOMAIN']}")
+    assert host["value"]["status"] == 200 and host["value"]["text"] == "js-tls\n", host

@@ -1,10 +1,10 @@
 """E2B's ``Template`` builder, unmodified, builds a podbay template that ``Sandbox.create`` starts from
-(services/api/e2b_templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
+(services/api/e2b/templates.py, podbay.e2b_build): one build from base with set_envs, set_workdir, run_cmd and
 copy, with ``memory_mb`` (the template's memory: its sandbox's guest has it), followed through the SDK's
 status polling, and one sandbox of it that sees each effect; the same build with ``skip_cache`` runs every
 step again (no step says CACHED). A registry image, and a memory size E2B
 refuses, are refused before anything runs. The template's tags are read, assigned and removed through the SDK,
-and the template listed, read and deleted through the API client it ships (services/api/e2b_template_admin.py).
+and the template listed, read and deleted through the API client it ships (services/api/e2b/template_admin.py).
 """
 
 from __future__ import annotations

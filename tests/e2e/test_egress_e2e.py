@@ -28,6 +28,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from e2e_http import api_client
 
+from podbay.naming import sandbox_id_from_e2b
+
 pytestmark = pytest.mark.e2e
 
 _PEERS = Path(__file__).parent.parent / "integration" / "gateway_peers.py"
@@ -211,3 +213,95 @@ def test_credential_is_injected_at_the_gateway_and_appears_nowhere_in_the_guest(
         finally:
             c.delete(f"/v1/sandboxes/{sid}")
             c.delete(f"/v1/credentials/{name}")
+
+
+#: Runs in the guest: one HTTPS GET of ``URL`` with urllib (the system's trust store), result as JSON.
+GUEST_GET = r"""
+import json, sys, urllib.request, urllib.error
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=30) as r:
+        print(json.dumps({"status": r.status, "headers": dict(r.headers), "body": r.read().decode()}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "headers": dict(e.headers), "body": e.read().decode()}))
+"""
+
+
+def test_e2b_rules_with_a_secret_and_a_workload_identity_token(stack: Any, upstream: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unmodified e2b SDK: a secret (Secret.create) and an iam token in network.rules, a transform callable
+    as E2B documents it. The destination receives the secret's value and a JWT that verifies against the JWKS
+    the API serves (discovery document first), with the audience asked for and a subject naming this sandbox;
+    the guest sees neither; get_info returns the rules; update_network replaces them."""
+    import httpx
+    import jwt
+
+    e2b = pytest.importorskip("e2b")
+    monkeypatch.setenv("E2B_API_URL", f"{stack.api_url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", stack.api_url)
+    monkeypatch.setenv("E2B_API_KEY", stack.api_key)
+    value = "pbsecret-" + secrets.token_hex(16)
+    name = f"upstream-key-{secrets.token_hex(3)}"
+    e2b.Secret.create(name, value)
+    rules = {_ALLOWED: [{"transform": lambda ctx: {"headers": {
+        "Authorization": f"Bearer {ctx.iam.tokens['aws']}", "X-Api-Key": e2b.Secret.fill(name), "X-Team": "blue"}}}]}
+    sb = e2b.Sandbox.create(
+        template="base", timeout=600,
+        network={"allow_out": [_ALLOWED], "deny_out": lambda ctx: [ctx.all_traffic], "rules": rules},
+        iam={"tokens": {"aws": e2b.Secret.iam_token(audience="sts.upstream.test", token_type="JWT-SVID")}})
+    try:
+        info = sb.get_info()
+        assert info.network is not None and info.network["allow_out"] == [_ALLOWED], info.network
+        assert info.network["rules"][_ALLOWED][0]["transform"]["headers"] == {
+            "Authorization": "Bearer ${e2b.identity.tokens.aws}", "X-Api-Key": e2b.Secret.fill(name),
+            "X-Team": "blue"}
+        before = upstream.read_text()
+        run = sb.commands.run(f"python3 -c '{GUEST_GET}' https://{_ALLOWED}/identity", timeout=120)
+        seen = json.loads(run.stdout)
+        assert seen["status"] == 200, seen
+        echoed = json.loads(seen["body"])["headers"]
+        assert echoed["Authorization"] == "Bearer [podbay:redacted]" and echoed["X-Team"] == "blue", echoed
+        assert echoed["X-Api-Key"] == "[podbay:redacted]" and value not in run.stdout, echoed
+        sent = [ln for ln in upstream.read_text()[len(before):].splitlines() if ln.startswith("/identity ")]
+        assert len(sent) == 1, sent
+        token = sent[0].split(" ", 2)[2]
+        assert token not in run.stdout
+
+        # A relying party: discovery document, then the JWKS it names, from the API without a key.
+        doc = httpx.get(f"{stack.api_url}/.well-known/openid-configuration", timeout=30).json()
+        keys = httpx.get(doc["jwks_uri"], timeout=30).json()
+        kid = jwt.get_unverified_header(token)["kid"]
+        jwk = next(k for k in keys["keys"] if k["kid"] == kid)
+        claims = jwt.decode(token, jwt.PyJWK(jwk), algorithms=doc["id_token_signing_alg_values_supported"],
+                            audience="sts.upstream.test", issuer=doc["issuer"])
+        # The token names podbay's stored id; E2B's SDK shows it in E2B's spelling (sbx-<hex>).
+        stored = sandbox_id_from_e2b(sb.sandbox_id)
+        assert stored is not None and stored != sb.sandbox_id
+        assert claims["sub"].startswith("spiffe://") and claims["sub"].endswith(f"/sandbox/{stored}")
+        assert claims["sandbox_id"] == stored and 0 < claims["exp"] - claims["iat"] <= 300
+
+        # A fork keeps the rules and tokens; its token names the child.
+        [child] = sb.fork(count=1, timeout=300)
+        assert not isinstance(child, Exception), child
+        try:
+            assert child.get_info().network["rules"] == info.network["rules"]
+            child.commands.run(f"python3 -c '{GUEST_GET}' https://{_ALLOWED}/child", timeout=120)
+            sent = [ln for ln in upstream.read_text().splitlines() if ln.startswith("/child ")]
+            assert len(sent) == 1, sent
+            child_token = sent[0].split(" ", 2)[2]
+            child_jwk = next(k for k in keys["keys"] if k["kid"] == jwt.get_unverified_header(child_token)["kid"])
+            child_claims = jwt.decode(child_token, jwt.PyJWK(child_jwk), algorithms=["RS256"],
+                                      audience="sts.upstream.test", issuer=doc["issuer"])
+            assert child_claims["sandbox_id"] == sandbox_id_from_e2b(child.sandbox_id) != stored
+        finally:
+            child.kill()
+
+        # update_network replaces the rules: no token, no secret from the next request on.
+        sb.update_network({"allow_out": [_ALLOWED], "deny_out": ["0.0.0.0/0"],
+                           "rules": {_ALLOWED: [{"transform": {"headers": {"X-Team": "green"}}}]}})
+        assert sb.get_info().network["rules"] == {_ALLOWED: [{"transform": {"headers": {"X-Team": "green"}}}]}
+        run = sb.commands.run(f"python3 -c '{GUEST_GET}' https://{_ALLOWED}/after", timeout=120)
+        echoed = json.loads(json.loads(run.stdout)["body"])["headers"]
+        assert echoed["X-Team"] == "green" and "Authorization" not in echoed and "X-Api-Key" not in echoed, echoed
+    finally:
+        sb.kill()
+        e2b.Secret.destroy(name)

@@ -1,4 +1,4 @@
-"""Idempotent create end to end (services/api/idempotency.py): two creates sent at once with one
+"""Idempotent create end to end (services/api/services/idempotency.py): two creates sent at once with one
 ``Idempotency-Key`` and one body make one sandbox and both answer with it; a retry later answers with it as it
 is now; the key with another body is 422 ``idempotency_key_reused`` and makes nothing. One create (a warm
 claim or a restore on the session stack), no boot."""

@@ -1,5 +1,5 @@
 """Snapshot and promotion work follows change, with a real microVM and short intervals (issue: idle costs
-nothing; services/nodeagent/cadence.py, libs/podbay/promotion.py): an idle sandbox takes no new disk
+nothing; services/nodeagent/ops/cadence.py, libs/podbay/promotion.py): an idle sandbox takes no new disk
 snapshot and promotes nothing, a paused one takes no new full snapshot; a write is snapshotted and promoted,
 with only the changed chunks, within the intervals."""
 
@@ -14,8 +14,8 @@ from e2e_http import api_client, own_stack, sh_output, until
 
 pytestmark = pytest.mark.e2e
 
-DISK_S, FULL_S, PROMOTE_S = 5, 10, 10
-TICK_S = 5  # services/nodeagent/cadence.py TICK_S
+DISK_S, FULL_S, PROMOTE_S = 5, 10, 5
+TICK_S = 5  # services/nodeagent/ops/cadence.py TICK_S
 SETTLE_S = 30  # a freshly started guest still writes its disk now and then for a while
 ENV = {"PODBAY_SNAPSHOT_DISK_INTERVAL_S": str(DISK_S), "PODBAY_SNAPSHOT_FULL_INTERVAL_S": str(FULL_S),
        "PODBAY_PROMOTE_DISK_INTERVAL_S": str(PROMOTE_S), "PODBAY_CADENCE_CPU_BUDGET": "0",

@@ -1,4 +1,4 @@
-"""Admission by measured memory and release under memory pressure (services/nodeagent/memory.py,
+"""Admission by measured memory and release under memory pressure (services/nodeagent/ops/memory.py,
 services/scheduler/placement.py), on a stack of its own whose node offers 400 MiB (``PODBAY_NODE_MEMORY_MIB``).
 
 Nominally that holds one 256 MiB sandbox. Measured, an idle sandbox costs about 95 MiB here, and admission
@@ -53,7 +53,7 @@ def small_node(memory_stack: Stack) -> Stack:
 
 
 def _node_metric(stack: Any, name: str, labels: str) -> float:
-    # The node's /metrics needs the stack's internal token (services/nodeagent/grant_check.py).
+    # The node's /metrics needs the stack's internal token (services/nodeagent/dataplane/grant_check.py).
     text = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics", timeout=10,
                      headers={"x-podbay-internal-token": stack.env.get("PODBAY_INTERNAL_TOKEN", "")}).text
     m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)

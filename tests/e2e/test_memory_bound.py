@@ -22,8 +22,8 @@ import pytest
 
 from podbay.config import Settings
 from podbay.vmmem import tcg_buffer_mib
-from podbay_nodeagent.template import ASLR_SYSCTL, prepare_template
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.build.template import ASLR_SYSCTL, prepare_template
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 pytestmark = [
     pytest.mark.e2e,

@@ -309,7 +309,7 @@ def test_e2b_get_host_and_its_traffic_access_token(stack: Any, box: Any, monkeyp
     import e2b
 
     _, podbay_sid, _ = box
-    domain = stack.env.get("PODBAY_E2B_DOMAIN", "e2b.podbay.test")
+    domain = stack.env["PODBAY_E2B_DOMAIN"]
     # A podbay sandbox is not opened through E2B's hosts without a token.
     r = httpx.get(f"{stack.api_url}/index.txt", headers={"host": f"8000-{podbay_sid}.{domain}"}, timeout=60)
     assert r.status_code == 403, r.text
@@ -352,3 +352,70 @@ def test_a_suspended_sandbox_wakes_from_object_storage_on_a_request(stack: Any, 
     r = _get(stack, 8000, sid, headers={"x-podbay-access-token": token})
     assert r.status_code == 200 and r.text == "hello-8000\n"  # the server's process came back with the guest
     assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+
+
+# A guest server whose every answer is the start of a chunked stream that never ends (connections kept open).
+ENDLESS = r'''
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(8)
+kept = []
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n6\r\nstart\n\r\n")
+    kept.append(c)
+'''
+
+
+def test_streams_end_when_the_sandbox_is_deleted(stack: Any) -> None:
+    """A response streaming from a guest's port, and a streamed exec, end soon after the sandbox is deleted
+    (the node cuts what it relays when the sandbox leaves: services/nodeagent/net/ports.py ``PortsProxy.left``),
+    rather than hanging while TCP waits for a guest that is gone. The time each took is printed."""
+    import threading
+    import time
+
+    with api_client(stack) as c:
+        r = c.post("/v1/sandboxes", json={"template": "base"})
+        assert r.status_code == 201, r.text
+        sid = str(r.json()["id"])
+        try:
+            sh(c, sid, f"cat > /tmp/endless.py <<'EOF'\n{ENDLESS}\nEOF\n"
+                       "(setsid python3 /tmp/endless.py 8100 >/dev/null 2>&1 </dev/null &)")
+            headers = {"host": _host(8100, sid), "authorization": f"Bearer {stack.api_key}"}
+            until("the endless server listens", lambda: any(
+                p["port"] == 8100 and p["listening"] for p in c.get(f"/v1/sandboxes/{sid}/ports").json()["ports"]),
+                  60)
+            exec_out: list[object] = []
+
+            def streamed_exec() -> None:
+                try:
+                    with httpx.stream("POST", f"{stack.api_url}/v1/sandboxes/{sid}/exec/stream",
+                                      json={"shell": "echo begun; sleep 600"},
+                                      headers={"authorization": f"Bearer {stack.api_key}"},
+                                      timeout=httpx.Timeout(None, connect=30)) as resp:
+                        for line in resp.iter_lines():
+                            exec_out.append(line)
+                    exec_out.append("ended")
+                except httpx.HTTPError as exc:
+                    exec_out.append(exc)
+
+            worker = threading.Thread(target=streamed_exec, daemon=True)
+            worker.start()
+            until("the streamed exec runs", lambda: any("begun" in str(x) for x in exec_out), 120)
+            with httpx.stream("GET", f"{stack.api_url}/", headers=headers,
+                              timeout=httpx.Timeout(None, connect=30)) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                assert next(lines) == "start"
+                t0 = time.monotonic()
+                assert c.delete(f"/v1/sandboxes/{sid}").status_code in (200, 202, 204)
+                with pytest.raises(httpx.RemoteProtocolError):
+                    for _ in lines:
+                        pass
+                print(f"port stream cut {time.monotonic() - t0:.1f} s after the delete was sent", flush=True)
+            worker.join(300)
+            assert not worker.is_alive(), "the streamed exec did not end after the delete"
+            print(f"streamed exec ended {time.monotonic() - t0:.1f} s after the delete: {exec_out[-1]!r}", flush=True)
+        finally:
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -1,5 +1,5 @@
 """A sandbox's root disk made larger than its template's at create (issue 17): the node grows the disk of the
-running guest and its filesystem online (services/nodeagent/diskgrow.py). One create, on the session stack."""
+running guest and its filesystem online (services/nodeagent/storage/diskgrow.py). One create, on the session stack."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_suspend_and_resume_keep_the_process_and_files(stack: Any) -> None:
 
         # Visible: promotion and restore durations, bytes up and down, chunk reuse as histograms.
         up = httpx.get(f"http://127.0.0.1:{stack.ports.snapshotter}/metrics").text
-        # The node's /metrics needs the stack's internal token (services/nodeagent/grant_check.py).
+        # The node's /metrics needs the stack's internal token (services/nodeagent/dataplane/grant_check.py).
         down = httpx.get(f"http://127.0.0.1:{stack.ports.node}/metrics",
                          headers={"x-podbay-internal-token": stack.env.get("PODBAY_INTERNAL_TOKEN", "")}).text
         for text, names in ((up, ("podbay_promotion_seconds_count", "podbay_object_transfer_bytes_count",
@@ -309,7 +309,11 @@ def test_resume_on_a_second_node_while_the_first_is_stopped(stack: Any, tmp_path
                     pass
                 assert node2.poll() is None, (tmp_path / "node2.log").read_text()[-3000:]
                 time.sleep(0.5)
-            time.sleep(12)  # the first node's heartbeat expires (TTL), so only node-2 has room
+            # The first node's heartbeat expires (TTL), so only node-2 is live: waited for as the API sees it
+            # (every process computes a heartbeat's expiry from its stored time alike), plus a second.
+            until("only node-2 is live", lambda: [n["id"] for n in c.get("/v1/nodes").json()["nodes"] if n["live"]]
+                  == ["node-2"], 60)
+            time.sleep(1)
             r = c.post(f"/v1/sandboxes/{sid}/resume")
             assert r.status_code == 200, r.text + (tmp_path / "node2.log").read_text()[-3000:]
             assert r.json()["node_id"] == "node-2" != first_node

@@ -1,4 +1,4 @@
-"""A tap deleted under a running guest is noticed and repaired (services/nodeagent/tapwatch.py): the guest
+"""A tap deleted under a running guest is noticed and repaired (services/nodeagent/net/tapwatch.py): the guest
 moves to a new QEMU on a new tap of the same name and address, keeps its memory (a tmpfs file) and its
 processes, reaches the gateway again, and the old QEMU is gone rather than left spinning on a dead tap."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_http import api_client, sh
+from e2e_http import api_client, sh, until
 
 from podbay.contracts.templates import BuildEvent
 from podbay.devstack.netns import purge_networks
@@ -66,7 +66,11 @@ def test_a_template_built_on_one_node_starts_on_another(stack: Any, tmp_path: Pa
                     pass
                 assert node2.poll() is None, (tmp_path / "node2.log").read_text()[-3000:]
                 time.sleep(0.5)
-            time.sleep(12)  # the first node's heartbeat expires (TTL), so only node-2 is live
+            # The first node's heartbeat expires (TTL), so only node-2 is live: waited for as the API sees it
+            # (every process computes a heartbeat's expiry from its stored time alike), plus a second.
+            until("only node-2 is live", lambda: [n["id"] for n in c.get("/v1/nodes").json()["nodes"] if n["live"]]
+                  == ["node-2"], 60)
+            time.sleep(1)
             r = c.post("/v1/sandboxes", json={"template": name})
             assert r.status_code == 201, r.text + (tmp_path / "node2.log").read_text()[-3000:]
             sid = r.json()["id"]

@@ -1,4 +1,4 @@
-"""Templates from Dockerfiles, with real VMs (services/nodeagent/build/, services/api/templates.py).
+"""Templates from Dockerfiles, with real VMs (services/nodeagent/build/, services/api/routes/templates.py).
 
 One build whose steps use RUN, COPY (--chown=USER: the user's primary group), ARG, ENV, WORKDIR and USER,
 and a sandbox that sees each effect; a rebuild changing only the last step reuses the earlier layers (its events say cached) while a

@@ -18,9 +18,9 @@ import pytest
 
 from podbay.config import Settings
 from podbay.errors import Timeout
-from podbay_nodeagent import vmmigrate
-from podbay_nodeagent.template import TemplateSnapshot, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmProcess, VmOperationError
+from podbay_nodeagent.vm import vmmigrate
+from podbay_nodeagent.build.template import TemplateSnapshot, prepare_template
+from podbay_nodeagent.vm.vmm import QemuVmm, VmProcess, VmOperationError
 
 pytestmark = [
     pytest.mark.e2e,

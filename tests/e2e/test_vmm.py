@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent.template import TemplateSnapshot, guest_aslr, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmGone, VmProcess
+from podbay_nodeagent.build.template import TemplateSnapshot, guest_aslr, prepare_template
+from podbay_nodeagent.vm.vmm import QemuVmm, VmGone, VmProcess
 
 pytestmark = [
     pytest.mark.e2e,

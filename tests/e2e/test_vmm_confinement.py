@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent.lease import cpu_ticks
-from podbay_nodeagent.template import TemplateSnapshot, prepare_template
-from podbay_nodeagent.vmm import QemuVmm, VmProcess
+from podbay_nodeagent.ops.lease import cpu_ticks
+from podbay_nodeagent.build.template import TemplateSnapshot, prepare_template
+from podbay_nodeagent.vm.vmm import QemuVmm, VmProcess
 
 pytestmark = [
     pytest.mark.e2e,
@@ -184,7 +184,7 @@ async def test_confined_vm_snapshots_restores_and_reattaches(
 async def test_confined_fresh_boot_reaches_guestd(vmm: QemuVmm, template: TemplateSnapshot, tmp_path: Path) -> None:
     """A boot (template build, rollback to a disk snapshot): QEMU creates its RAM file in a directory it
     cannot write, so the node agent makes it for it."""
-    from podbay_nodeagent.template import wait_guest_ready
+    from podbay_nodeagent.build.template import wait_guest_ready
     from podbay.reflink import reflink_or_copy
 
     vm_dir = tmp_path / "boot"
@@ -260,8 +260,8 @@ async def test_qemu_sits_in_a_cgroup_of_its_own_with_its_limits_under_seccomp(te
     """cgroups.py: the QEMU of a guest in ``podbay.slice/<vm dir>-<pid>``, with the limits of every
     controller this host delegates (a hybrid host's v2 mount may have none: then membership alone), gone with
     QEMU; and ``-sandbox`` on its command line."""
-    from podbay_nodeagent.cgroups import SLICE, VmCgroups, cgroup_values
-    from podbay_nodeagent.vmm import SECCOMP
+    from podbay_nodeagent.vm.cgroups import SLICE, VmCgroups, cgroup_values
+    from podbay_nodeagent.vm.vmm import SECCOMP
 
     root = _cgroup_v2_root()
     assert root is not None
@@ -300,7 +300,7 @@ async def test_with_a_uid_range_each_qemu_runs_as_a_uid_of_its_own(template: Tem
     restored next to them gets a third."""
     from dataclasses import replace
 
-    from podbay_nodeagent import confine
+    from podbay_nodeagent.vm import confine
 
     pool = confine.UidPool(confine.UidRange(210000, 16), registry=tmp_path / "uids")
     vmm = QemuVmm(confinement=replace(confine.Confinement.prepare(VMM_USER), uids=pool))

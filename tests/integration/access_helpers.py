@@ -73,8 +73,10 @@ def second_api(stack: Stack, log: Path, **env_over: str) -> Iterator[str]:
     """Another ``podbay-api`` process on the stack's servers, with ``env_over`` on top of the stack's env;
     yields its URL once ``/healthz`` answers, stops it at the end."""
     port = free_port()
-    # A port of its own for the HTTP/2 listener too: the stack's env names the first API's.
+    # Ports of its own for the HTTP/2 and TLS listeners too: the stack's env names the first API's.
     env = {**stack.env, "PODBAY_API_PORT": str(port), "PODBAY_API_H2_PORT": str(free_port()), **env_over}
+    if env.get("PODBAY_API_TLS_PORT"):
+        env["PODBAY_API_TLS_PORT"] = str(free_port())
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(stack.bin_dir / "podbay-api")], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

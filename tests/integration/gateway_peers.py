@@ -14,7 +14,7 @@ namespace, reaches the test's PostgreSQL and NATS, and the test reaches the gate
 ``python gateway_peers.py client JSON``: one client operation, result as JSON on stdout:
 ``{"op": "dns", "server": ip, "name": n, "qtype": "A"}`` -> ``{"rcode", "addrs"}``;
 ``{"op": "https", "addr", "port", "sni", "path", "cafile"}`` -> ``{"status", "headers", "body"}`` or
-``{"error"}``; ``{"op": "http", "addr", "port", "host", "path"}`` likewise; ``{"op": "raw", "addr",
+``{"error"}``; ``{"op": "http", "addr", "port", "host", "path"}`` likewise (both take ``"headers"`` to send); ``{"op": "raw", "addr",
 "port", "send": true}`` -> ``{"closed": bool, "data"}`` (connects, sends a line unless ``send`` is false, and
 reads until EOF or the timeout).
 """
@@ -161,8 +161,10 @@ def _read_http(sock: socket.socket | ssl.SSLSocket) -> dict:
     return {"status": status, "headers": headers, "body": body.decode("utf-8", "replace")}
 
 
-def _request(host: str, path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: podbay-test\r\n\r\n".encode()
+def _request(host: str, path: str, headers: dict[str, str] | None = None) -> bytes:
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    return (f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: podbay-test\r\n{extra}"
+            "\r\n").encode()
 
 
 def _client(op: dict) -> dict:
@@ -199,11 +201,11 @@ def _client(op: dict) -> dict:
             except (ssl.SSLError, OSError) as exc:
                 return {"error": f"tls: {type(exc).__name__}: {exc}"}
             issuer = dict(x[0] for x in tsock.getpeercert().get("issuer", ()))
-            tsock.sendall(_request(op.get("host", op["sni"]), op.get("path", "/")))
+            tsock.sendall(_request(op.get("host", op["sni"]), op.get("path", "/"), op.get("headers")))
             out = _read_http(tsock)
             out["issuer_cn"] = issuer.get("commonName", "")
             return out
-        sock.sendall(_request(op["host"], op.get("path", "/")))
+        sock.sendall(_request(op["host"], op.get("path", "/"), op.get("headers")))
         return _read_http(sock)
     except (OSError, ssl.SSLError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

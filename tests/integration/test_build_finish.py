@@ -1,7 +1,7 @@
 """A build's ``template_builds`` row never stays ``running`` with no build behind it (which would refuse every
 later build of the name), against a real PostgreSQL: the node records a build's end even when its task is
 cancelled while recording it (services/nodeagent/build/http.py ``record_outcome``), and the API fails a row
-whose node is gone before it refuses a new build (services/api/templates.py ``fail_stale_build``); and a
+whose node is gone before it refuses a new build (services/api/services/templates.py ``fail_stale_build``); and a
 build's row is finished before its stream's last event is sent, so a caller that lists the builds on ``done``
 finds it ``succeeded``."""
 
@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute
 from podbay.contracts.templates import BuildEvent, BuildSpec, BuildState, FromRef, NodeBuildRequest, TemplateDetail
 from podbay.errors import Unprocessable
 from podbay.outbox import new_id
-from podbay_api.templates import fail_stale_build
+from podbay_api.services.templates import fail_stale_build
 from podbay_nodeagent.build.http import add_build_routes, record_outcome
 
 

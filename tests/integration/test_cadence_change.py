@@ -1,4 +1,4 @@
-"""Snapshot and promotion work follows change (services/nodeagent/snapshots.py ``unchanged``, libs/podbay/promotion.py
+"""Snapshot and promotion work follows change (services/nodeagent/storage/snapshots.py ``unchanged``, libs/podbay/promotion.py
 chunk-hash reuse) against real PostgreSQL and S3, on a real loop-mounted btrfs: an unchanged sandbox needs no
 snapshot and an unchanged snapshot promotes no bytes; a changed one hashes and uploads only what changed."""
 
@@ -19,7 +19,7 @@ from podbay.objstore import ObjectStore, open_store
 from podbay.outbox import new_id
 from podbay.promotion import fetch, promote
 from podbay.reflink import reflink_or_copy
-from podbay_nodeagent.snapshots import SnapshotOps
+from podbay_nodeagent.storage.snapshots import SnapshotOps
 from tests.btrfs_loop import btrfs_dir
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""E2B's Secrets API (services/api/e2b_secrets.py) through the unmodified ``e2b`` SDK's ``Secret`` against the
+"""E2B's Secrets API (services/api/e2b/secrets.py) through the unmodified ``e2b`` SDK's ``Secret`` against the
 real stack (PostgreSQL credential store): values never come back, pagination, versions, another tenant's
 ids and encoded paths refused."""
 

@@ -1,5 +1,5 @@
 """``Sandbox.list_snapshots(name=...)`` of the unmodified ``e2b`` SDK (``GET /e2b/snapshots?name=``,
-services/api/e2b_snapshots.py) against the real stack, on snapshot rows no microVM needs: the filter keeps
+services/api/e2b/snapshots.py) against the real stack, on snapshot rows no microVM needs: the filter keeps
 the snapshot a name or id names (E2B's ``project/`` prefix and ``:tag`` ignored), and only the caller's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""services/nodeagent/fill_memory.py's durable record against a real PostgreSQL: a sandbox's filled set is the
+"""services/nodeagent/computer/fill_memory.py's durable record against a real PostgreSQL: a sandbox's filled set is the
 ``credential.fill`` ``allow`` audit rows of the sandbox and its ancestors (a fork child holds its parent's page,
 and its grandparent's), with each value revealed from the credential store as the fill reveals it; refusals,
 other sandboxes' fills and the values of deleted credentials are not in it, and no value is in the rows."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import asyncpg
 import pytest
-from podbay_nodeagent.fill_memory import PgFillRecord
+from podbay_nodeagent.computer.fill_memory import PgFillRecord
 
 from podbay import audit
 from podbay.credentials import PgCredentialStore, new_key

@@ -62,6 +62,7 @@ SECRET_A = "sekret-api-A-7f3e9d"
 SECRET_B = "sekret-api-B-41c2aa"
 SECRET_SCOPED = "sekret-scoped-9b1d"
 BASE_POLICY = {"allow": [{"domain": "*.test", "ports": [80, 443]}], "deny": [{"domain": "denied.test"}]}
+ISSUER = "https://issuer.podbay.test"
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -136,6 +137,7 @@ class Env:
     health_url: str
     creds: dict[str, str]
     private_addr: str
+    key: str  # the credential store's key (pg backend), as the gateway has it
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,8 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
     procs: list[subprocess.Popen[bytes]] = []
     codes: list[int | None] = []
     key = new_key()
+    # Signing keys are global; those of another run are sealed under another credential key.
+    await pool.execute("DELETE FROM oidc_keys")
 
     def node(*argv: str) -> None:
         _sh("ip", "-n", node_ns, *argv)
@@ -275,6 +279,7 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
                     "PODBAY_GATEWAY_PORT": str(health), "PODBAY_GATEWAY_PROXY_PORT": str(proxy_port),
                     "PODBAY_GATEWAY_DNS_PORT": str(dns_port), "PODBAY_SANDBOX_CIDR": f"10.250.{s}.0/24",
                     "PODBAY_GATEWAY_HOSTS_FILE": str(hosts), "PODBAY_CREDENTIAL_KEY": key,
+                    "PODBAY_OIDC_ISSUER": ISSUER,
                     # the operator opens the upstream's two addresses (private ones) and nothing else
                     "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": f"{up_addr}/32, {denied_addr}/32"}
         log = open(work / "gateway.log", "ab")  # noqa: SIM115 - closed with the process
@@ -296,7 +301,7 @@ async def env(pool: asyncpg.Pool, pg_dsn: str, nats_url: str, test_root: Path) -
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("gateway not healthy: " + (work / "gateway.log").read_text()[-3000:])
-        yield Env(a, b, up_addr, denied_addr, node_addr, ca_file, upstream_log, health_url, creds, private_addr)
+        yield Env(a, b, up_addr, denied_addr, node_addr, ca_file, upstream_log, health_url, creds, private_addr, key)
     finally:
         codes = [stop_process(p, grace_s=10) for p in reversed(procs)]
         for cmd in reversed(cleanup):
@@ -478,6 +483,143 @@ async def test_header_transforms_set_on_plain_and_intercepted_https(env: Env, po
     assert "X-Team" not in json.loads(out["body"])["headers"]
 
 
+IDENTITY_HEADERS = {"Authorization": "Bearer ${e2b.identity.tokens.aws}", "X-Api-Key": "k=${e2b.secrets.OpenAI}",
+                    "X-Team": "blue"}
+IDENTITY_RULES = {**BASE_POLICY, "transforms": [{"domain": "www.test", "headers": IDENTITY_HEADERS}]}
+SECRET_OPENAI = "sekret-openai-5d1e0c"
+
+
+async def _oidc_documents(pool: asyncpg.Pool, key: str) -> tuple[dict, dict]:
+    """The discovery document and JWKS as the API's routes (services/api/routes/oidc.py) serve them, over HTTP, with
+    the issuer and store key the gateway has."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from podbay.config import Settings
+    from podbay_api.routes import oidc as oidc_routes
+    from podbay_api.core.deps import ctx_dep
+
+    app = FastAPI()
+    app.include_router(oidc_routes.router)
+    settings = Settings(oidc_issuer=ISSUER, credential_key=key)
+    app.dependency_overrides[ctx_dep] = lambda: SimpleNamespace(pool=pool, settings=settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=ISSUER) as c:
+        doc = (await c.get("/.well-known/openid-configuration")).json()
+        assert doc["jwks_uri"] == f"{ISSUER}/.well-known/jwks.json"
+        return doc, (await c.get(urlsplit(doc["jwks_uri"]).path)).json()
+
+
+async def test_rule_placeholders_resolved_at_the_gateway_only_for_the_sandbox_that_owns_them(
+        env: Env, pool: asyncpg.Pool) -> None:
+    """E2B's network.rules with a workload identity token and a secret: the upstream receives a JWT that verifies
+    against the issuer's JWKS (aud, sub, exp right) and the secret's value; the guest sees neither. Another
+    tenant's sandbox with the same rules gets no token and not this tenant's secret; a placeholder the guest
+    writes itself, or sends to a host without a rule, goes out as literal text; plain HTTP is refused."""
+    import jwt
+
+    a, b = env.a, env.b
+    secret_id = new_id("sec")
+    sealed = await PgCredentialStore(env.key).seal(secret_id, a.tenant, SECRET_OPENAI)
+    # As the Secrets API makes one (services/api/e2b/secrets.py): lower-case name, an empty sandbox scope.
+    await pool.execute(
+        "INSERT INTO credentials (id, tenant_id, name, hosts, header, format, backend, ciphertext, scope_sandboxes)"
+        " VALUES ($1,$2,'openai','{}','Authorization','{value}','pg',$3,'{}')", secret_id, a.tenant,
+        sealed.ciphertext)
+    await pool.execute("INSERT INTO e2b_secrets (credential_id, tenant_id) VALUES ($1, $2)", secret_id, a.tenant)
+    tokens = {"aws": {"audience": "sts.test.example", "tokenType": "JWT-SVID"}}
+    for box in (a, b):
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", box.sandbox, IDENTITY_RULES)
+    await pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, iam_tokens) VALUES ($1, $2)", a.sandbox, tokens)
+    before = env.upstream_log.read_text()
+    try:
+        out = await asyncio.to_thread(a.https, env.up_addr, "www.test", a.ca_cert, "/identity")
+        assert out["status"] == 200, out
+        echoed = json.loads(out["body"])["headers"]
+        # What came back to the guest carries neither value (the echo of both is redacted).
+        assert echoed["Authorization"] == "Bearer [podbay:redacted]" and echoed["X-Team"] == "blue", echoed
+        assert echoed["X-Api-Key"] == "k=[podbay:redacted]", echoed
+        assert SECRET_OPENAI not in out["body"] and "eyJ" not in out["body"] + json.dumps(out["headers"])
+        sent = [line for line in env.upstream_log.read_text()[len(before):].splitlines()
+                if line.startswith("/identity ")]
+        assert len(sent) == 1
+        token = sent[0].split(" ", 2)[2]
+        doc, keys = await _oidc_documents(pool, env.key)
+        kid = jwt.get_unverified_header(token)["kid"]
+        jwk = next(k for k in keys["keys"] if k["kid"] == kid)
+        claims = jwt.decode(token, jwt.PyJWK(jwk), algorithms=["RS256"], audience="sts.test.example",
+                            issuer=doc["issuer"])
+        assert claims["sub"] == f"spiffe://issuer.podbay.test/tenant/{a.tenant}/sandbox/{a.sandbox}"
+        assert claims["exp"] - claims["iat"] == 300 and claims["sandbox_id"] == a.sandbox
+        # Minted per request: the next request carries another token.
+        await asyncio.to_thread(a.https, env.up_addr, "www.test", a.ca_cert, "/identity")
+        again = [line for line in env.upstream_log.read_text()[len(before):].splitlines()
+                 if line.startswith("/identity ")]
+        assert len(again) == 2 and again[1] != again[0]
+
+        # Tenant B's sandbox with A's rules: refused; with the token header alone, B registered no token; with
+        # the secret header alone, A's secret is not B's. Nothing reaches the upstream.
+        out = await asyncio.to_thread(b.https, env.up_addr, "www.test", b.ca_cert, "/identity-b")
+        assert out["status"] == 403, out
+        for header, code in (("Authorization", "identity_token_not_registered"), ("X-Api-Key", "secret_not_found")):
+            only = {**BASE_POLICY, "transforms": [
+                {"domain": "www.test", "headers": {header: IDENTITY_HEADERS[header]}}]}
+            await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", b.sandbox, only)
+            out = await asyncio.to_thread(b.https, env.up_addr, "www.test", b.ca_cert, "/identity-b")
+            assert out["status"] == 403 and out["headers"].get("x-podbay-denied") == code, out
+        assert "/identity-b" not in env.upstream_log.read_text()
+
+        # A podbay credential of A's (hosts api.test only) is not an E2B secret: a rule cannot send it elsewhere.
+        stray = {**BASE_POLICY, "transforms": [
+            {"domain": "www.test", "headers": {"X-Leak": "${e2b.secrets." + env.creds["api_a"] + "}"}}]}
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, stray)
+        out = await asyncio.to_thread(a.https, env.up_addr, "www.test", a.ca_cert, "/leak")
+        assert out["status"] == 403 and out["headers"].get("x-podbay-denied") == "secret_not_found", out
+        assert "/leak" not in env.upstream_log.read_text() and SECRET_A not in out["body"]
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, IDENTITY_RULES)
+
+        # A placeholder the guest writes: literal on a host without a rule, and on a host with one.
+        literal = "Bearer ${e2b.identity.tokens.aws}"
+        out = await asyncio.to_thread(a.run, {"op": "https", "addr": env.up_addr, "port": 443, "sni": "www.test",
+                                              "cafile": str(a.ca_cert), "path": "/own",
+                                              "headers": {"X-Own": "${e2b.secrets.openai}"}})
+        assert json.loads(out["body"])["headers"]["X-Own"] == "${e2b.secrets.openai}", out
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, BASE_POLICY)
+        out = await asyncio.to_thread(a.run, {"op": "https", "addr": env.up_addr, "port": 443, "sni": "www.test",
+                                              "cafile": str(env.upstream_ca), "path": "/norule",
+                                              "headers": {"Authorization": literal}})
+        assert out["status"] == 200 and out["issuer_cn"] == "upstream test CA", out  # not even intercepted
+        assert f"/norule {literal}" in env.upstream_log.read_text()
+
+        # Plain HTTP never carries a secret or a token: refused.
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, IDENTITY_RULES)
+        out = await asyncio.to_thread(a.run, {"op": "http", "addr": env.up_addr, "port": 80, "host": "www.test",
+                                              "path": "/plain-identity"})
+        assert out["status"] == 403 and out["headers"].get("x-podbay-denied") == "transform_requires_https", out
+        assert "/plain-identity" not in env.upstream_log.read_text()
+    finally:
+        for box in (a, b):
+            await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", box.sandbox, BASE_POLICY)
+            await pool.execute("DELETE FROM e2b_sandboxes WHERE sandbox_id = $1", box.sandbox)
+        await pool.execute("DELETE FROM e2b_secrets WHERE credential_id = $1", secret_id)
+        await pool.execute("UPDATE credentials SET deleted_at = now() WHERE id = $1", secret_id)
+
+
+async def test_tls_to_an_ip_literal(env: Env, pool: asyncpg.Pool) -> None:
+    """``https://<address>``: no SNI; decided by address (the operator-opened upstream) and passed through, so
+    the guest verifies the destination's own certificate against the address (its IP SAN). (A guest's curl to
+    https://1.1.1.1 that fails with exit 60 on a host whose own network re-signs TLS fails the same way on the
+    host: that proxy's certificate for an address carries no IP SAN.)"""
+    a = env.a
+    policy = {"allow": [{"cidr": f"{env.up_addr}/32", "ports": [443]}]}
+    await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, policy)
+    try:
+        out = await asyncio.to_thread(a.https, env.up_addr, env.up_addr, env.upstream_ca, "/by-address")
+        assert out.get("status") == 200 and out["issuer_cn"] == "upstream test CA", out
+    finally:
+        await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox, BASE_POLICY)
+
+
 async def test_metadata_and_node_addresses_refused_whatever_the_policy(env: Env, pool: asyncpg.Pool) -> None:
     a = env.a
     await pool.execute("UPDATE sandboxes SET egress_policy = $2 WHERE id = $1", a.sandbox,
@@ -536,3 +678,7 @@ def test_metrics_count_decisions(env: Env) -> None:
     assert 'podbay_gateway_decisions_total{protocol="dns",reason="allowed"}' in text
     assert 'podbay_gateway_credential_uses_total{outcome="allowed"}' in text
     assert "podbay_gateway_dns_answers_total" in text
+    # test_rule_placeholders_...: two tokens and two secrets resolved, and B's two refusals
+    for kind, outcome in (("token", "resolved"), ("secret", "resolved"), ("token", "identity_token_not_registered"),
+                          ("secret", "secret_not_found")):
+        assert f'podbay_gateway_rule_placeholders_total{{kind="{kind}",outcome="{outcome}"}}' in text, (kind, outcome)

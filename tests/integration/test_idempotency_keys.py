@@ -1,4 +1,4 @@
-"""Idempotency keys of creates (services/api/idempotency.py, migration 0028) against a real PostgreSQL: a key
+"""Idempotency keys of creates (services/api/services/idempotency.py, migration 0028) against a real PostgreSQL: a key
 is recorded once per tenant, a retry finds it, another body is refused, an expired key is ignored, replaced
 and swept; two creates with one key at once leave one record; the warm claim records the key in its one
 statement and claims nothing for a key that has a row."""
@@ -14,9 +14,9 @@ import pytest
 from podbay.contracts.api import SandboxCreate
 from podbay.errors import IdempotencyKeyReused
 from podbay.outbox import new_id
-from services.api import idempotency
-from services.api.idempotency import IdempotencyKey
-from services.api.warm import CLAIM_SQL
+from podbay_api.services import idempotency
+from podbay_api.services.idempotency import IdempotencyKey
+from podbay_api.services.warm import CLAIM_SQL
 
 TTL_S = 3600.0
 TEMPLATE = "idem-test"
@@ -138,7 +138,7 @@ def _claim_args(tenant: str, op_id: str, idem: IdempotencyKey | None) -> list[ob
             "key_test", new_id("evt"), "podbay.evt.sandbox.", ".created", event,
             {"sandbox_id": "", "data": {"audit_id": 0, "target": None}}, {"warm": True}, None, new_id("evt"),
             idem.key if idem else None, idem.request_hash if idem else None,
-            # The tenant's sandboxes, vCPU, memory and disk limits (services/api/quotas.py): generous.
+            # The tenant's sandboxes, vCPU, memory and disk limits (services/api/services/quotas.py): generous.
             1000, 1000, 1 << 30, 1 << 30]
 
 

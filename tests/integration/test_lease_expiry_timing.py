@@ -1,4 +1,4 @@
-"""The node's lease loop (services/nodeagent/lease.py) against a real PostgreSQL: a lease shortened through
+"""The node's lease loop (services/nodeagent/ops/lease.py) against a real PostgreSQL: a lease shortened through
 ``podbay.lifecycle.set_lease`` (E2B's ``set_timeout``) runs out within a fraction of a second of its deadline,
 woken by LISTEN/NOTIFY and the nearest-deadline sleep, not at the next periodic pass; a busy guest is still
 renewed instead."""
@@ -18,7 +18,7 @@ import pytest
 
 from podbay import lifecycle
 from podbay.outbox import new_id
-from podbay_nodeagent import lease as lease_mod
+from podbay_nodeagent.ops import lease as lease_mod
 
 pytestmark = pytest.mark.integration
 

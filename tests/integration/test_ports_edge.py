@@ -1,4 +1,4 @@
-"""The port edge's decisions that come before any guest (services/api/ports_edge.py), against the real stack
+"""The port edge's decisions that come before any guest (services/api/edge/ports.py), against the real stack
 with sandbox rows that no node runs (no microVM): unknown sandboxes, missing and wrong credentials, another
 tenant's key, the token link exchanged for a cookie, a sandbox that cannot serve (409, JSON or HTML), a public
 port passing access, and the audit rows of access changes."""

@@ -112,3 +112,73 @@ async def test_load_query_counts_what_placement_scores(pg_dsn: str) -> None:
         assert (lb.warm_ready, lb.has_digest, lb.holds_snapshot) == (1, False, True)
     finally:
         await pool.close()
+
+
+async def test_concurrent_placements_never_overcommit_a_node(nats_url: str, pg_dsn: str) -> None:
+    """Three replicas place 12 sandboxes at once on two nodes with room for 3 each (768 MiB, sandboxes of
+    256 MiB): each node's reservation (its advisory lock, then its load read again) lets exactly 3 land on it,
+    and the 6 others wait for capacity (asked to be redelivered), none placed on a full node."""
+    tag = os.urandom(3).hex()
+    tpl, nodes = f"oc-{tag}", [f"oa-{tag}", f"ob-{tag}"]
+    pool = await db.connect_pool(pg_dsn, min_size=1, max_size=12)
+    buses = [await connect_bus(nats_url, name=f"sched-oc-{i}", heartbeat_ttl_s=60) for i in range(3)]
+    kv = await buses[0].nodes_kv()
+    try:
+        await db.migrate(pool)
+        tenant = await _seed(pool, tag, tpl, nodes)
+        for node in nodes:
+            hb = _hb(node, tpl).model_copy(update={"memory_mib": 768})
+            await kv.put(node, hb.model_dump_json().encode())
+        scheds = [Scheduler(Settings(), pool, bus, Relay(pool, bus)) for bus in buses]
+        cmds = [await _pending(pool, tag, i, tenant, tpl) for i in range(12)]
+        done = await asyncio.gather(*(scheds[i % 3].handle(c, 0.0) for i, c in enumerate(cmds)))
+        per_node = {r["node_id"]: r["n"] for r in await pool.fetch(
+            "SELECT node_id, count(*)::int AS n FROM sandboxes WHERE node_id = ANY($1::text[])"
+            " AND state = 'starting' GROUP BY node_id", nodes)}
+        assert per_node == {nodes[0]: 3, nodes[1]: 3}
+        assert sorted(done) == [False] * 6 + [True] * 6
+        assert await pool.fetchval("SELECT count(*) FROM sandboxes WHERE tenant_id=$1 AND state='pending'",
+                                   tenant) == 6
+    finally:
+        for node in nodes:
+            await buses[0].js.purge_stream(subjects.CMD_STREAM, subject=subjects.node_cmd(node, "create"))
+            await kv.delete(node)
+        for bus in buses:
+            await bus.close()
+        await pool.close()
+
+
+async def test_sandboxes_sharing_a_new_volume_placed_at_once_land_on_its_node(nats_url: str, pg_dsn: str) -> None:
+    """Six sandboxes sharing a volume that has no node yet, placed at once by three replicas over four nodes
+    with room to spare: the first placement gives the volume its node (its row is locked until commit), and
+    every other one runs there too."""
+    tag = os.urandom(3).hex()
+    tpl, nodes = f"vt-{tag}", [f"vn-{tag}-{i}" for i in range(4)]
+    pool = await db.connect_pool(pg_dsn, min_size=1, max_size=12)
+    buses = [await connect_bus(nats_url, name=f"sched-vol-{i}", heartbeat_ttl_s=60) for i in range(3)]
+    kv = await buses[0].nodes_kv()
+    try:
+        await db.migrate(pool)
+        tenant = await _seed(pool, tag, tpl, nodes)
+        for node in nodes:
+            await kv.put(node, _hb(node, tpl).model_dump_json().encode())
+        vol = f"vol_{tag}"
+        await pool.execute("INSERT INTO volumes (id, tenant_id, name, size_bytes) VALUES ($1, $2, $1, 1048576)",
+                           vol, tenant)
+        cmds = [await _pending(pool, tag, i, tenant, tpl) for i in range(6)]
+        await pool.executemany("INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly)"
+                               " VALUES ($1, $2, 0, '/data', true)", [(c.sandbox_id, vol) for c in cmds])
+        scheds = [Scheduler(Settings(), pool, bus, Relay(pool, bus)) for bus in buses]
+        assert all(await asyncio.gather(*(scheds[i % 3].handle(c, 0.0) for i, c in enumerate(cmds))))
+        where = await pool.fetchval("SELECT node_id FROM volumes WHERE id=$1", vol)
+        assert where in nodes
+        placed = await pool.fetch("SELECT state, node_id FROM sandboxes WHERE id = ANY($1::text[])",
+                                  [c.sandbox_id for c in cmds])
+        assert [(r["state"], r["node_id"]) for r in placed] == [("starting", where)] * 6
+    finally:
+        for node in nodes:
+            await buses[0].js.purge_stream(subjects.CMD_STREAM, subject=subjects.node_cmd(node, "create"))
+            await kv.delete(node)
+        for bus in buses:
+            await bus.close()
+        await pool.close()

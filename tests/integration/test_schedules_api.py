@@ -27,7 +27,7 @@ from podbay.devstack.stack import Stack
 from podbay.errors import InvalidCron, InvalidRequest
 from podbay.sdk import Client
 from podbay.outbox import Relay
-from podbay_api.context import ApiContext
+from podbay_api.core.context import ApiContext
 from podbay_api.schedules.firer import ScheduleFirer
 
 pytestmark = pytest.mark.integration
@@ -135,7 +135,9 @@ def test_a_sandbox_that_cannot_wake_records_wake_failed_and_the_schedule_stays(s
     acme = new_tenant(stack, "sched")
     _, sbx = template_and_sandbox(stack, acme, state="failed")
     with acme.http() as http:
-        r = http.post(f"/v1/sandboxes/{sbx}/schedules", json={"cron": "* * * * *", "command": {"argv": ["true"]}})
+        # A cron whose own times are a year apart: an every-minute cron also fired on its own when the minute
+        # turned during the test, and that extra run (skipped) hid the one the test brought forward.
+        r = http.post(f"/v1/sandboxes/{sbx}/schedules", json={"cron": "0 3 1 1 *", "command": {"argv": ["true"]}})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         # Bring the fire time forward instead of waiting for the minute.

@@ -177,7 +177,7 @@ async def test_the_snapshotter_promotes_changed_volumes_of_its_node_once_per_per
 
 async def test_a_restored_volume_is_rebuilt_from_its_stale_file_and_the_stale_file_is_never_promoted(
         pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
-    # What POST /v1/volumes/{name}/restore records (services/api/volume_service.py), then what its node does.
+    # What POST /v1/volumes/{name}/restore records (services/api/services/volume_service.py), then what its node does.
     node = new_id("node")
     size = 32 * MIB
     vol = await _volume(pool, node, size)
@@ -219,7 +219,7 @@ async def test_a_fork_copy_volume_with_a_promoted_snapshot_is_fetched_not_copied
         pool: asyncpg.Pool, store: ObjectStore, settings: Settings) -> None:
     # A fork's copy volume (volumes.origin) written, suspended (promoted, released), then attached again on a
     # node that still has the fork's copy: its promoted snapshot wins, so the writes since the fork are kept.
-    from podbay_nodeagent.volumes import VolumeStore
+    from podbay_nodeagent.storage.volumes import VolumeStore
 
     node = new_id("node")
     size = 4 * MIB
@@ -239,8 +239,7 @@ async def test_a_fork_copy_volume_with_a_promoted_snapshot_is_fetched_not_copied
                        sid, tenant, tpl)
     await pool.execute("INSERT INTO sandbox_volumes (sandbox_id, volume_id, slot, path, readonly)"
                        " VALUES ($1,$2,0,'/data',false)", sid, vol)
-    vs = VolumeStore(store_dir / "volumes", pool, node)
-    vs.use_object_store(store, settings)
+    vs = VolumeStore(store_dir / "volumes", pool, node, objects=store, settings=settings)
     await vs.prepare(sid)  # first attach: the fork's copy
     src = vs.path(vol)
     assert _digest(src) == _digest(origin)

@@ -1,5 +1,5 @@
 """Client vs API: a request body the API would read into memory is bounded (``PODBAY_API_BODY_MAX_MIB``;
-services/api/bodylimit.py), with or without a key, declared or chunked; streamed routes keep their own
+services/api/core/bodylimit.py), with or without a key, declared or chunked; streamed routes keep their own
 limits (docs/SECURITY.md)."""
 
 from __future__ import annotations

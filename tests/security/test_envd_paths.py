@@ -5,7 +5,7 @@ of docs/SECURITY.md.
 The API side runs as the server does: ``EnvdRouting`` (the E2B SDK's ``E2b-Sandbox-Id`` header and
 ``{port}-{id}.{domain}`` host forms) and the router's own ``/e2b/envd/{id}/...`` form, with the ASGI ``path``
 decoded from ``raw_path`` as uvicorn decodes it; the node side is its gate's route table
-(services/nodeagent/grant_check.py). The variants tried are counted and printed (``-s``).
+(services/nodeagent/dataplane/grant_check.py). The variants tried are counted and printed (``-s``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from podbay.envdpath import ENVD_ROUTES, EnvdPathRefused, parse_envd_path
 from podbay.errors import GrantRefused
 from podbay.grants import GrantKind
-from podbay_api.e2b_envd import PREFIX, EnvdRouting, envd_route
-from podbay_nodeagent.grant_check import route_of
+from podbay_api.edge.envd import PREFIX, EnvdRouting, envd_route
+from podbay_nodeagent.dataplane.grant_check import route_of
 
 MINE, OTHER, DOMAIN = "sbx_mine", "sbx_other", "e2b.test"
 NODE = "http://10.0.0.7:8091"

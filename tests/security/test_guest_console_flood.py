@@ -1,5 +1,5 @@
 """Guest vs host: a guest that floods its serial console leaves a console log within its cap, and the node
-(here: the driver's event loop and the guest's channel) stays responsive (services/nodeagent/console.py).
+(here: the driver's event loop and the guest's channel) stays responsive (services/nodeagent/vm/console.py).
 
 A real microVM restored from the base template writes 16 MiB to /dev/ttyS0; QEMU's serial port is a socket
 the node agent reads into console.log, rotated at PODBAY_CONSOLE_LOG_MAX_KIB (1 MiB) with one older file kept,
@@ -19,9 +19,9 @@ import pytest
 from podbay.channel.client import GuestChannel
 from podbay.config import Settings
 from podbay.contracts.channel import ExecSpec
-from podbay_nodeagent.console import ConsoleLimits
-from podbay_nodeagent.template import prepare_template
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.vm.console import ConsoleLimits
+from podbay_nodeagent.build.template import prepare_template
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 pytestmark = [
     pytest.mark.e2e,

@@ -1,6 +1,6 @@
 """Guest vs host and the networks behind it: a sandbox whose egress policy allows everything (``0.0.0.0/0``)
 reaches no private or reserved range and none of the stack's own addresses (docs/egress.md, "Always denied";
-libs/podbay/egress_ranges.py, services/gateway/policy.py, services/nodeagent/netfilter.py).
+libs/podbay/egress_ranges.py, services/gateway/policy.py, services/nodeagent/net/netfilter.py).
 
 A real microVM of the session stack, its gateway running, probes with short timeouts, all at once (the whole
 probe is bounded to about 10 s): one address in each private range (10/8, 172.16/12, 192.168/16, CGNAT

@@ -1,5 +1,5 @@
 """Client vs operator: ``/metrics`` needs credentials and its labels carry no tenant or sandbox ids
-(docs/SECURITY.md; podbay.metricsauth, services/api/app.py, services/api/ports_access.py)."""
+(docs/SECURITY.md; podbay.metricsauth, services/api/app.py, services/api/edge/ports_access.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from access_helpers import Tenant, new_tenant, sql
 
 from podbay.devstack.stack import Stack
 from podbay.grants import HEADER, GrantKind, GrantSigner, new_keypair
-from podbay_api.e2b_common import envd_access_token
+from podbay_api.e2b.common import envd_access_token
 
 SBX_A, SBX_B = "sbx_grant_a", "sbx_grant_b"
 
@@ -46,11 +46,13 @@ def _code(r: httpx.Response) -> str:
     ("POST", f"/internal/e2b/{SBX_A}/process.Process/Start", GrantKind.ENVD),
     ("GET", f"/internal/ports/{SBX_A}/8080", GrantKind.TRAFFIC),
     ("GET", "/internal/v1/templates/building/some-template", GrantKind.BUILD_STATUS),
+    ("GET", "/internal/v1/volumes/vol_a/content/file?path=/x", GrantKind.VOLUME),
+    ("PUT", "/internal/v1/volumes/vol_a/content/file?path=/x", GrantKind.VOLUME),
 ])
 def test_every_node_route_refuses_a_missing_foreign_or_wrong_kind_grant(
         stack: Stack, method: str, path: str, kind: GrantKind) -> None:
     url = _node(stack) + path
-    subject = path.split("/")[4] if "/sandboxes/" in path else path.split("/")[3]
+    subject = path.split("/")[4] if "/sandboxes/" in path or "/volumes/" in path else path.split("/")[3]
     if kind == GrantKind.BUILD_STATUS:
         subject = "some-template"
     with httpx.Client(timeout=10) as http:

@@ -1,5 +1,5 @@
 """Image vs host, the pull: ``FROM docker://`` makes the node pull from a registry over its own network, outside
-every egress policy, so only the operator's tenant may build from a registry (services/api/templates.py);
+every egress policy, so only the operator's tenant may build from a registry (services/api/routes/templates.py);
 other tenants get 403 before any build starts and put images in the build context instead."""
 
 from __future__ import annotations

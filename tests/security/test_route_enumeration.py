@@ -71,14 +71,18 @@ EXEMPT = {
     "GET /readyz": "readiness probe; names no tenant object",
     "GET /metrics": "operator only (tests/security/test_metrics_access.py)",
     "GET /console/assets/{name}": "the web console's static files, the same for everyone; names no tenant object",
-    **{f"{m} /e2b/volumecontent/{{path:path}}": "answers 501 to everyone: podbay does not serve E2B's volume "
-       "content API, touches nothing" for m in ("GET", "POST", "PUT", "PATCH", "DELETE")},
+    "GET /.well-known/openid-configuration": "the workload identity issuer's metadata, the same for everyone "
+    "(tests/security/test_workload_identity_access.py)",
+    "GET /.well-known/jwks.json": "the issuer's public keys, the same for everyone "
+    "(tests/security/test_workload_identity_access.py)",
 }
 
 # Routes without a path parameter whose body names one of A's objects to act on it (not a name for B's own
 # new object): they must refuse too.
-REFERS = {"POST /v1/sandboxes", "POST /v1/templates", "POST /e2b/sandboxes", "POST /e2b/v2/sandboxes",
-          "POST /e2b/v3/templates", "POST /e2b/templates/tags", "DELETE /e2b/templates/tags"}
+# (A build under A's template name is not one: template names are per tenant, so it names B's own new
+# template; it must neither refuse with 409 nor show anything of A's.)
+REFERS = {"POST /v1/sandboxes", "POST /e2b/sandboxes", "POST /e2b/v2/sandboxes",
+          "POST /e2b/templates/tags", "DELETE /e2b/templates/tags"}
 
 # Creates from B's own template that mount A's volume: the volume lookup must be the caller's tenant's.
 MIXED_CREATES = {
@@ -98,15 +102,16 @@ CLEANUP = {
     "POST /v1/credentials": lambda c, w, r: c.delete(f"/v1/credentials/{w.ids['credential']}"),
     "POST /v1/keys": lambda c, w, r: c.delete(f"/v1/keys/{r.json()['id']}"),
     "POST /v1/webhooks": lambda c, w, r: c.delete(f"/v1/webhooks/{r.json()['id']}"),
+    "POST /v1/templates": lambda c, w, r: _drop_own_template(c, w),
 }
 
-# Cases that fail until template ownership settles (another change of issue #37), by route id: template
-# names are global (they key node stores and object-store keys), so a build under A's template name answers
-# 409 (name taken), which tells B that the name exists.
-TEMPLATE_OWNERSHIP: set[str] = {
-    "POST /v1/templates",
-    "POST /e2b/v3/templates",
-}
+
+def _drop_own_template(c: httpx.Client, w: World) -> httpx.Response:
+    """Remove B's own template named like A's, when B's build made one (a build that failed made none), and
+    B's build rows of that name (its build history is B's, and would answer B's later ``/builds`` call)."""
+    r = c.delete(f"/v1/templates/{w.ids['template']}")
+    sql(w.stack, "DELETE FROM template_builds WHERE tenant_id=$1 AND alias=$2", w.b.tenant_id, w.ids["template"])
+    return httpx.Response(204) if r.status_code == 404 else r
 
 
 @dataclass
@@ -119,6 +124,7 @@ class World:
     b_sandbox: str = ""
     b_template: str = ""
     secrets: set[str] = field(default_factory=set)
+    stack: Any = None
 
 
 def _columns(stack: Any, table: str) -> set[str]:
@@ -135,7 +141,7 @@ def world(stack: Any) -> World:
     node = sql(stack, "SELECT id FROM nodes ORDER BY id LIMIT 1")
     node_id = str(node[0]["id"]) if node else "node-1"
     op = f"op_{secrets.token_hex(10)}"
-    sql(stack, "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1, $2, $3, 'pause', 'done')",
+    sql(stack, "INSERT INTO operations (id, tenant_id, sandbox_id, kind, state) VALUES ($1, $2, $3, 'pause', 'succeeded')",
         op, a.tenant_id, sbx)
     snaps = [f"snap_{secrets.token_hex(10)}" for _ in range(2)]
     for s in snaps:
@@ -177,7 +183,7 @@ def world(stack: Any) -> World:
     b_tpl, b_sbx = template_and_sandbox(stack, b)
     if "owner_tenant" in _columns(stack, "templates"):
         sql(stack, "UPDATE templates SET owner_tenant=$1 WHERE name=$2", b.tenant_id, b_tpl)
-    return World(a=a, b=b, ids=ids, secrets=markers, b_sandbox=b_sbx, b_template=b_tpl)
+    return World(a=a, b=b, ids=ids, secrets=markers, b_sandbox=b_sbx, b_template=b_tpl, stack=stack)
 
 
 def _params(route: Route, w: World) -> list[dict[str, str]]:
@@ -209,7 +215,7 @@ def _params(route: Route, w: World) -> list[dict[str, str]]:
     if p.startswith("/e2b/envd/"):
         by_name["path"] = ["filesystem.Filesystem/Stat", "files", "health"]
     elif p.startswith("/e2b/volumecontent/"):
-        by_name["path"] = [f"{i['volume_id']}/x"]
+        by_name["op"] = ["path", "dir", "file"]  # authorised by the volume's token, not a key: 401 for B
     else:  # the E2B fallback: an unknown route that names A's sandbox
         by_name["path"] = [f"sandboxes/{i['sandbox']}/nothing"]
     variants: list[dict[str, str]] = [{}]
@@ -347,8 +353,6 @@ def test_another_tenants_objects_are_not_found(stack: Any, world: World, route: 
                                                request: pytest.FixtureRequest) -> None:
     if route.id in EXEMPT:
         pytest.skip(EXEMPT[route.id])
-    if route.id in TEMPLATE_OWNERSHIP:
-        request.applymarker(pytest.mark.xfail(reason="template ownership (B)", strict=False))
     problems: list[str] = []
     headers = {"authorization": f"Bearer {world.b.key}", "x-api-key": world.b.key}
     cases = [(v, False) for v in _params(route, world)] + [(v, True) for v in _mixed(route, world)]

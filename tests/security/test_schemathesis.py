@@ -149,8 +149,8 @@ def test_no_server_errors(stack: Any) -> None:
 
 
 # E2B's answers by design in the 5xx range: envd for a sandbox that is not running (502, what its SDK reads as
-# "not running"), and the volume content API podbay does not serve (501).
-_E2B_5XX_BY_DESIGN = ("/e2b/envd/", "/e2b/volumecontent/")
+# "not running").
+_E2B_5XX_BY_DESIGN = ("/e2b/envd/",)
 _MALFORMED: list[dict[str, Any]] = [
     {"content": b"{", "headers": {"content-type": "application/json"}},
     {"json": []},

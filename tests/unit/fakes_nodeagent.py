@@ -1,6 +1,6 @@
 """Fakes a node agent's operation modules run against in unit tests, and a fixture that wires them up.
 
-- :class:`FakeVmm` implements :class:`podbay_nodeagent.vmm.Vmm`: no QEMU; each VM is a record with a run state
+- :class:`FakeVmm` implements :class:`podbay_nodeagent.vm.vmm.Vmm`: no QEMU; each VM is a record with a run state
   (``running``, ``paused``, ``postmigrate``) and an exit event. Every call lands in ``calls`` as
   ``(operation, vm directory name)``; :meth:`FakeVmm.fail_next` makes the next call of an operation raise,
   :meth:`FakeVmm.crash` ends a VM as if QEMU died on its own. Snapshots write ``state``, ``ram`` and
@@ -45,12 +45,12 @@ from podbay.contracts.channel import AfterRestoreResult, ExecExit, ExecSpec, Gue
 from podbay.contracts.egress import NetBinding
 from podbay.contracts.states import OperationState, SandboxState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
-from podbay_nodeagent import warm as warm_module
-from podbay_nodeagent.sandboxes import SandboxManager
-from podbay_nodeagent.store import NodeStore
-from podbay_nodeagent.template import MACHINE, TemplateSnapshot
-from podbay_nodeagent.vmdriver import TemplateImage, VmDriver
-from podbay_nodeagent.vmm import SnapshotResult, VmConfig, VmGone, Vmm, VmPaths, VmProcess, VmStartError
+from podbay_nodeagent.ops import warm as warm_module
+from podbay_nodeagent.ops.sandboxes import SandboxManager
+from podbay_nodeagent.storage.store import NodeStore
+from podbay_nodeagent.build.template import MACHINE, TemplateSnapshot
+from podbay_nodeagent.vm.vmdriver import TemplateImage, VmDriver
+from podbay_nodeagent.vm.vmm import SnapshotResult, VmConfig, VmGone, Vmm, VmPaths, VmProcess, VmStartError
 
 NODE = "node-1"
 TEMPLATE = "base"
@@ -635,8 +635,6 @@ class FakeVolumes:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
-
-    def use_object_store(self, objects: object, settings: object) -> None: ...
 
     async def attach(self, sandbox_id: str, vm_dir: Path) -> list[Any]:
         self.calls.append(("attach", sandbox_id))

@@ -109,7 +109,7 @@ def test_sdk_sends_the_value_once_and_the_policy_as_json() -> None:
 
 
 async def test_a_forgotten_key_is_looked_up_again() -> None:
-    from podbay_api import auth
+    from podbay_api.core import auth
 
     key, _ = auth.generate_key()
 

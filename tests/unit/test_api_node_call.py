@@ -1,4 +1,4 @@
-"""The API's one-piece calls to a node's data plane (``services/api/dataplane._call_node``, aiohttp): the
+"""The API's one-piece calls to a node's data plane (``services/api/nodes_client.call_node``, aiohttp): the
 node's status, body and passed headers come back as they are; a node that does not answer is a retryable
 ``Unavailable``."""
 
@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from podbay.errors import Unavailable
-from podbay_api.dataplane import _call_node
+from podbay_api.nodes_client import call_node as _call_node
 
 PASS = ("content-type", "content-length", "x-podbay-file-size")
 

@@ -1,4 +1,4 @@
-"""Snapshot cadence (services/nodeagent/cadence.py) with a fake manager: which snapshots it asks for, what it
+"""Snapshot cadence (services/nodeagent/ops/cadence.py) with a fake manager: which snapshots it asks for, what it
 skips as unchanged, its phases, its budget (libs/podbay/budget.py) and its yielding to API work."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from podbay.budget import Budget
 from podbay.telemetry import CADENCE_SKIPPED
-from podbay_nodeagent import apiwork, cadence
+from podbay_nodeagent.ops import apiwork, cadence
 
 
 def test_due() -> None:

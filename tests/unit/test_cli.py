@@ -426,6 +426,20 @@ def test_up_nodes_reaches_the_supervisor_settings(
     assert CliRunner().invoke(app, ["up", "--nodes", "0"]).exit_code != 0  # at least 1
 
 
+def test_up_hosts_is_the_node_count(supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``podbay up --hosts N`` (issue 42's wording) starts N nodes, each a host of its own namespace."""
+    import podbay.devstack
+
+    seen: list[int] = []
+    monkeypatch.setenv("PODBAY_NODES", "1")
+    monkeypatch.setattr(podbay.devstack.supervisor, "up", lambda settings, detach: seen.append(settings.nodes))
+    assert CliRunner().invoke(app, ["up", "--detach", "--hosts", "3"]).exit_code == 0
+    assert seen == [3]
+    assert CliRunner().invoke(app, ["up", "--hosts", "65"]).exit_code != 0
+    helped = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"})
+    assert "--hosts" in helped.stdout
+
+
 def test_up_without_nodes_keeps_the_configured_count_and_says_so(
         supervisor: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     import podbay.devstack
@@ -563,7 +577,23 @@ def test_env_e2b_prints_the_e2b_variables(clean_env: None) -> None:
     result = CliRunner().invoke(app, ["--api-url", "http://h:1/", "--api-key", "pb_k", "env", "--e2b"])
     assert result.exit_code == 0
     assert result.stdout.splitlines() == ["export E2B_API_URL=http://h:1/e2b", "export E2B_SANDBOX_URL=http://h:1",
-                                          "export E2B_API_KEY=pb_k"]
+                                          "export E2B_VOLUME_API_URL=http://h:1/e2b", "export E2B_API_KEY=pb_k"]
+
+
+def test_env_e2b_exports_the_stacks_domain_and_trust_for_its_tls_edge(clean_env: None) -> None:
+    from podbay.clientconfig import ClientConfig, StackEdge, save_client_config
+
+    save_client_config(ClientConfig(api_url="http://h:1", api_key="pb_k"), StackEdge(
+        e2b_domain="e2b.localhost:8443", ca_cert="/d/edge-ca.pem", ca_bundle="/d/edge trust.pem"))
+    result = CliRunner().invoke(app, ["env", "--e2b"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[4:] == ["export E2B_DOMAIN=e2b.localhost:8443",
+                                              "export SSL_CERT_FILE='/d/edge trust.pem'",
+                                              "export REQUESTS_CA_BUNDLE='/d/edge trust.pem'",
+                                              "export NODE_EXTRA_CA_CERTS=/d/edge-ca.pem"]
+    # Another API (by flag) gets none of this stack's domain or trust.
+    result = CliRunner().invoke(app, ["--api-url", "http://other:2", "--api-key", "pb_k", "env", "--e2b"])
+    assert result.exit_code == 0 and "E2B_DOMAIN" not in result.stdout and "SSL_CERT_FILE" not in result.stdout
 def test_suspend_resume_and_snapshot_promotion_are_shown(fake_api: FakeApi) -> None:
     fake_api.add_sandbox("sb-s")
     result = run(fake_api, "sandbox", "suspend", "sb-s")

@@ -1,4 +1,4 @@
-"""Key names to CDP key events, and the computer-use bodies (services/nodeagent/computer.py,
+"""Key names to CDP key events, and the computer-use bodies (services/nodeagent/computer/computer.py,
 podbay.contracts.computer)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from podbay.contracts.computer import KeyboardAction, MouseAction
-from podbay_nodeagent.computer import key_events
+from podbay_nodeagent.computer.computer import key_events
 
 
 def test_a_printing_key_types_its_character() -> None:
@@ -62,7 +62,7 @@ def test_no_browser_comes_back_typed_from_the_wire() -> None:
 
 
 def test_fill_origin_matching() -> None:
-    from podbay_nodeagent.computer_fill import origin_host_allowed
+    from podbay_nodeagent.computer.computer_fill import origin_host_allowed
 
     assert origin_host_allowed(["example.com"], "https://Example.com/login?x=1") == ("https://example.com", True)
     assert origin_host_allowed(["*.example.com"], "https://a.b.example.com:8443/") == (
@@ -76,8 +76,8 @@ def test_fill_origin_matching() -> None:
 
 
 async def test_the_redactor_hides_filled_values_from_then_on() -> None:
-    from podbay_nodeagent.computer_fill import REDACTED, Filler
-    from podbay_nodeagent.fill_memory import Filled, FillMemory
+    from podbay_nodeagent.computer.computer_fill import REDACTED, Filler
+    from podbay_nodeagent.computer.fill_memory import Filled, FillMemory
 
     async def nothing_recorded(sandbox_id: str) -> Filled:
         return Filled()

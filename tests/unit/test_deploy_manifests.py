@@ -195,3 +195,20 @@ def test_config_examples_name_only_real_settings() -> None:
     cm = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "config.yaml").read_text())
               if d["kind"] == "ConfigMap")
     assert set(cm["data"]) <= fields, set(cm["data"]) - fields
+
+
+def test_the_bus_is_a_three_server_cluster_in_kubernetes_and_compose() -> None:
+    docs = [d for p in K8S for d in yaml.safe_load_all(p.read_text()) if d]
+    nats = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats")
+    assert nats["spec"]["replicas"] == 3 and nats["spec"]["volumeClaimTemplates"]
+    conf = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")
+    assert all(f"nats-{i}.nats.podbay.svc.cluster.local:6222" in conf["data"]["nats.conf"] for i in range(3))
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "podbay-config")
+    assert len(cm["data"]["PODBAY_NATS_URL"].split(",")) == 3
+    for name in ("podbay-api", "podbay-scheduler", "podbay-warmpool"):
+        assert next(d for d in docs if d["metadata"]["name"] == name)["spec"]["replicas"] >= 2, name
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    assert {"nats", "nats-2", "nats-3"} <= set(services)
+    assert len(services["api"]["environment"]["PODBAY_NATS_URL"].split(",")) == 3
+    for name in ("api", "scheduler", "warmpool"):
+        assert services[name]["deploy"]["replicas"] >= 2, name

@@ -1,4 +1,4 @@
-"""The tree comparison behind snapshot diffs (services/nodeagent/diff.py), on plain directories."""
+"""The tree comparison behind snapshot diffs (services/nodeagent/storage/diff.py), on plain directories."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from podbay.errors import InvalidRequest, NotFound, Timeout
-from podbay_nodeagent.diff import compare_trees, diff_snapshots
-from podbay_nodeagent.store import NodeStore
+from podbay_nodeagent.storage.diff import compare_trees, diff_snapshots
+from podbay_nodeagent.storage.store import NodeStore
 
 
 def _tree(root: Path) -> None:

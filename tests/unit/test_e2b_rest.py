@@ -1,4 +1,4 @@
-"""Pure parts of E2B's REST API on podbay (services/api/e2b.py) and the e2b_ key alias."""
+"""Pure parts of E2B's REST API on podbay (services/api/e2b/sandboxes.py) and the e2b_ key alias."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from podbay.contracts.e2b import from_e2b_key, to_e2b_key
 from podbay.errors import InvalidRequest
-from podbay_api.e2b import _started_after
+from podbay_api.e2b.sandboxes import _started_after
 
 
 def test_e2b_key_alias_names_the_same_key() -> None:
@@ -30,7 +30,7 @@ def test_started_after_reads_rfc3339_and_naive_times_as_utc() -> None:
 
 def test_file_url_signatures_match_the_sdks_and_expire() -> None:
     from e2b.sandbox.signature import get_signature
-    from podbay_api.e2b_envd import check_file_signature
+    from podbay_api.edge.envd import check_file_signature
 
     token = "t" * 64
     for user, exp in ((None, None), ("root", 60)):
@@ -49,7 +49,7 @@ def test_file_url_signatures_match_the_sdks_and_expire() -> None:
 
 
 def test_e2b_network_options_map_onto_podbay_egress_policy() -> None:
-    from podbay_api.e2b_network import egress_policy
+    from podbay_api.e2b.network import egress_policy
 
     def rules(policy: object, side: str) -> list[str]:
         return [r.cidr or r.domain for r in getattr(policy, side)]
@@ -76,7 +76,7 @@ def test_e2b_network_options_map_onto_podbay_egress_policy() -> None:
 
 
 def test_e2b_network_rules_dns_servers_and_egress_proxy() -> None:
-    from podbay_api.e2b_network import egress_policy
+    from podbay_api.e2b.network import egress_policy
 
     rules = {"api.example.com": [{"transform": {"headers": {"X-Team": "blue"}}}, {}],
              "*.example.org": [{"transform": {"headers": {"Authorization": "Bearer t"}}}]}
@@ -106,7 +106,7 @@ def test_e2b_network_rules_dns_servers_and_egress_proxy() -> None:
 
 
 def test_e2b_ingress_options_mask_host_and_refuse_https_ports_and_unknown_keys() -> None:
-    from podbay_api.e2b_network import egress_policy, mask_request_host
+    from podbay_api.e2b.network import egress_policy, mask_request_host
 
     assert mask_request_host(None) is None and mask_request_host({"allowOut": []}) is None
     assert mask_request_host({"maskRequestHost": "localhost:${PORT}"}, 3000) == "localhost:3000"
@@ -126,7 +126,7 @@ def test_e2b_ingress_options_mask_host_and_refuse_https_ports_and_unknown_keys()
 
 
 def test_e2b_network_update_refuses_keys_it_does_not_define() -> None:
-    from podbay_api.e2b_network import NetworkUpdate
+    from podbay_api.e2b.network import NetworkUpdate
 
     ok = NetworkUpdate.model_validate({"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"],
                                        "allow_internet_access": False})

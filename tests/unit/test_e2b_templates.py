@@ -1,11 +1,11 @@
-"""Pure parts of E2B's template build API on podbay (services/api/e2b_templates.py)."""
+"""Pure parts of E2B's template build API on podbay (services/api/e2b/templates.py)."""
 
 from __future__ import annotations
 
 import pytest
 from podbay.contracts.templates import BuildEvent
 from podbay.errors import Conflict, InvalidRequest
-from podbay_api.e2b_templates import _relative, _signature, _template_name, e2b_step, entries
+from podbay_api.e2b.templates import _relative, _signature, _template_name, e2b_step, entries
 
 
 def test_names_and_tags() -> None:

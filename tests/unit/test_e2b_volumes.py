@@ -1,5 +1,5 @@
-"""E2B's volume API on podbay (services/api/e2b_volumes.py): ``volumeMounts`` -> podbay's ``volumes``, and the
-volume content API's E2B-shaped refusal."""
+"""E2B's volume API on podbay (services/api/e2b/volumes.py): ``volumeMounts`` -> podbay's ``volumes``, and the
+volume content API's refusals before any lookup."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from fastapi import FastAPI
 from podbay.contracts.volumes import VolumeMount
 from podbay.errors import InvalidRequest
-from podbay_api.e2b import NewSandbox
-from podbay_api.e2b_volumes import CONTENT_NOT_SERVED, VolumeMountBody, router, volume_mounts
+from podbay_api.e2b.sandboxes import NewSandbox
+from podbay_api.e2b.volumes import VolumeMountBody, router, volume_content_token, volume_mounts
 
 
 def test_sdk_volume_mounts_become_read_write_podbay_volumes_in_order() -> None:
@@ -30,13 +30,26 @@ def test_a_volume_name_podbay_refuses_is_invalid_request_naming_the_entry() -> N
         volume_mounts([VolumeMountBody(name="ok", path="/mnt/a"), VolumeMountBody(name="Bad Name", path="/mnt/b")])
 
 
-async def test_volume_content_calls_answer_e2b_shaped_501() -> None:
+async def test_volume_content_calls_are_refused_before_any_lookup_without_the_volumes_token() -> None:
+    """No database here: every call below is answered before the volume is looked up."""
+    from types import SimpleNamespace
+
     app = FastAPI()
     app.include_router(router)
+    app.state.ctx = SimpleNamespace(settings=SimpleNamespace(internal_token="secret"))
+    token = volume_content_token("secret", "vol_x")
+    assert token != volume_content_token("secret", "vol_y") and token != volume_content_token("other", "vol_x")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        for method, path in (("GET", "/e2b/volumecontent/vol_x/file?path=/a"),
-                             ("PUT", "/e2b/volumecontent/vol_x/file"), ("DELETE", "/e2b/volumecontent/vol_x/path"),
-                             ("POST", "/e2b/volumecontent/vol_x/dir")):
-            r = await client.request(method, path)
-            assert r.status_code == 501
-            assert r.json() == {"code": 501, "message": CONTENT_NOT_SERVED}
+        for method, path, auth in (("GET", "/e2b/volumecontent/vol_x/file?path=/a", None),
+                                   ("PUT", "/e2b/volumecontent/vol_x/file?path=/a", "Bearer wrong"),
+                                   ("DELETE", "/e2b/volumecontent/vol_x/path?path=/a", f"Basic {token}"),
+                                   ("POST", "/e2b/volumecontent/vol_y/dir?path=/a", f"Bearer {token}")):
+            r = await client.request(method, path, headers={"authorization": auth} if auth else {})
+            assert r.status_code == 401 and r.json()["code"] == 401, (method, path, r.text)
+        ok = {"authorization": f"Bearer {token}"}
+        for method, path, status in (("GET", "/e2b/volumecontent/vol_x/other?path=/a", 404),
+                                     ("GET", "/e2b/volumecontent/vol%5Fx/file?path=/a", 404),
+                                     ("POST", "/e2b/volumecontent/vol_x/file?path=/a", 405),
+                                     ("PUT", "/e2b/volumecontent/vol_x/dir?path=/a", 405)):
+            r = await client.request(method, path, headers=ok)
+            assert r.status_code == status and r.json()["code"] == status, (method, path, r.text)

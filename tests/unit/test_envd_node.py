@@ -279,3 +279,82 @@ async def test_upload_metadata_becomes_user_e2b_xattrs_shown_by_stat_and_list(
     assert r.json()["entry"]["metadata"] == {"owner-team": "Blue", "k": "v"}
     r = await _unary(client, "filesystem.Filesystem/ListDir", {"path": str(tmp_path)})
     assert [e.get("metadata") for e in r.json()["entries"]] == [{"owner-team": "Blue", "k": "v"}]
+
+
+async def test_a_symlinks_entry_has_its_targets_type_and_resolved_absolute_path(
+        client: httpx.AsyncClient, tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f.txt").write_text("hello")
+    (tmp_path / "d" / "f.txt").chmod(0o600)
+    os.symlink("f.txt", tmp_path / "d" / "to_file")  # relative, as `ln -s f.txt to_file` makes it
+    os.symlink(str(tmp_path / "d"), tmp_path / "to_dir")
+    os.symlink("d/to_file", tmp_path / "chain")  # a link to a link: resolved all the way
+    os.symlink("missing", tmp_path / "broken")
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(tmp_path / "d" / "to_file")})
+    entry = r.json()["entry"]
+    assert entry["type"] == "FILE_TYPE_FILE" and entry["symlinkTarget"] == str(tmp_path / "d" / "f.txt")
+    assert entry["mode"] == 0o600 and entry["permissions"].startswith("L") and "isSymlink" not in entry
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(tmp_path / "to_dir")})
+    assert (r.json()["entry"]["type"], r.json()["entry"]["symlinkTarget"]) == ("FILE_TYPE_DIRECTORY", str(tmp_path / "d"))
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(tmp_path / "broken")})
+    broken = r.json()["entry"]
+    assert broken.get("type", "FILE_TYPE_UNSPECIFIED") == "FILE_TYPE_UNSPECIFIED"
+    assert broken["symlinkTarget"] == str(tmp_path / "broken")
+    r = await _unary(client, "filesystem.Filesystem/ListDir", {"path": str(tmp_path)})
+    listed = {e["name"]: e for e in r.json()["entries"]}
+    assert listed["chain"]["type"] == "FILE_TYPE_FILE" and listed["chain"]["symlinkTarget"] == str(tmp_path / "d" / "f.txt")
+    assert listed["to_dir"]["type"] == "FILE_TYPE_DIRECTORY" and "symlinkTarget" not in listed["d"]
+
+
+async def test_metadata_is_returned_on_upload_kept_by_move_and_dropped_by_an_overwrite(
+        client: httpx.AsyncClient, tmp_path: Path) -> None:
+    target = tmp_path / "m.txt"
+    params = {"path": str(target), "username": "root"}
+    r = await client.post(f"/internal/e2b/{SBX}/files", params=params, content=b"1",
+                          headers={"content-type": "application/octet-stream", "X-Metadata-Author": "mish"})
+    assert r.json() == [{"name": "m.txt", "type": "file", "path": str(target), "metadata": {"author": "mish"}}]
+    r = await _unary(client, "filesystem.Filesystem/Move", {"source": str(target), "destination": str(tmp_path / "n.txt")})
+    assert r.json()["entry"]["metadata"] == {"author": "mish"}
+    params["path"] = str(tmp_path / "n.txt")
+    r = await client.post(f"/internal/e2b/{SBX}/files", params=params, files=[("file", ("n.txt", b"2"))])
+    assert r.json() == [{"name": "n.txt", "type": "file", "path": str(tmp_path / "n.txt")}]
+    r = await _unary(client, "filesystem.Filesystem/Stat", {"path": str(tmp_path / "n.txt")})
+    assert "metadata" not in r.json()["entry"]
+
+
+@pytest.mark.parametrize("header", [("X-Metadata-Good", "bad\x7fvalue"), ("X-Metadata-Big", "v" * 4100),
+                                    ("X-Metadata-" + "k" * 250, "v")])
+async def test_invalid_metadata_is_refused_with_400_and_writes_nothing(
+        client: httpx.AsyncClient, tmp_path: Path, header: tuple[str, str]) -> None:
+    r = await client.post(f"/internal/e2b/{SBX}/files", params={"path": str(tmp_path / "x"), "username": "root"},
+                          content=b"x", headers={"content-type": "application/octet-stream", header[0]: header[1]})
+    assert r.status_code == 400 and r.json()["message"].startswith("invalid metadata: "), r.text
+    assert not (tmp_path / "x").exists()
+
+
+async def test_a_poll_right_after_an_upload_has_its_create_chmod_and_write(
+        client: httpx.AsyncClient, tmp_path: Path) -> None:
+    """The synchronous SDK's files.write then get_new_events, with no pause between them: envd's answer
+    holds the write's events (create, chmod for the owner, write), in that order."""
+    (tmp_path / "f.txt").write_text("old")
+    r = await _unary(client, "filesystem.Filesystem/CreateWatcher", {"path": str(tmp_path), "includeEntry": True})
+    wid = r.json()["watcherId"]
+    try:
+        up = {"username": "root", "path": str(tmp_path / "new.txt")}
+        assert (await client.post(f"/internal/e2b/{SBX}/files", params=up, content=b"n",
+                                  headers={"content-type": "application/octet-stream"})).status_code == 200
+        r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        assert [(e["name"], e["type"]) for e in r.json().get("events", [])] == [
+            ("new.txt", "EVENT_TYPE_CREATE"), ("new.txt", "EVENT_TYPE_CHMOD"), ("new.txt", "EVENT_TYPE_WRITE")]
+        up["path"] = str(tmp_path / "f.txt")
+        assert (await client.post(f"/internal/e2b/{SBX}/files", params=up, content=b"changed",
+                                  headers={"content-type": "application/octet-stream"})).status_code == 200
+        r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        events = r.json().get("events", [])
+        write = next(e for e in events if e["type"] == "EVENT_TYPE_WRITE")
+        assert write["name"] == "f.txt" and write["entry"]["path"] == str(tmp_path / "f.txt")
+        # Nothing changed through envd since: the poll answers at once, empty.
+        r = await _unary(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        assert r.json().get("events", []) == []
+    finally:
+        await _unary(client, "filesystem.Filesystem/RemoveWatcher", {"watcherId": wid})

@@ -10,8 +10,8 @@ import pytest
 from connectrpc.code import Code
 from podbay.contracts.channel import FileStat, WatchEvent
 from podbay.errors import Conflict, GuestError, InvalidRequest, NotFound, StaleGeneration, Timeout, Unavailable
-from podbay_api.e2b import envd_access_token
-from podbay_api.e2b_envd import parse_host
+from podbay_api.e2b.sandboxes import envd_access_token
+from podbay_api.edge.envd import parse_host
 from podbay_nodeagent.envd.filesystem import home_of, resolve_path
 from podbay_nodeagent.envd.proto.filesystem import filesystem_pb as fs_pb
 from podbay_nodeagent.envd.translate import (
@@ -102,6 +102,10 @@ def test_parse_host_needs_the_configured_domain() -> None:
     assert parse_host("49983-sbx_abc.other.com", "sandbox.example.com") is None
     assert parse_host("api.sandbox.example.com", "sandbox.example.com") is None
     assert parse_host("49983-sbx_abc.sandbox.example.com", None) is None
+    # The dev stack's domain carries its TLS edge's port: compared by its name, with or without the port.
+    assert parse_host("49983-sbx_abc.e2b.localhost:8443", "e2b.localhost:8443") == (49983, "sbx_abc")
+    assert parse_host("49983-sbx_abc.e2b.localhost", "e2b.localhost:8443") == (49983, "sbx_abc")
+    assert parse_host("49983-sbx_abc.other.localhost:8443", "e2b.localhost:8443") is None
 
 
 def test_envd_access_token_is_per_sandbox_and_per_secret() -> None:
@@ -113,7 +117,7 @@ def test_envd_access_token_is_per_sandbox_and_per_secret() -> None:
 def test_parse_metrics_line() -> None:
     from datetime import UTC, datetime
 
-    from podbay_api.e2b import parse_metrics
+    from podbay_api.e2b.sandboxes import parse_metrics
 
     now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     m = parse_metrics("1 25 100 262144 131072 1024 1000 4000\n", now)
@@ -127,7 +131,7 @@ def test_parse_metrics_line() -> None:
 async def _route(headers: dict[str, str], path: str = "/process.Process/Start",
                  domain: str | None = "sbx.example") -> tuple[str | None, int | None]:
     """(path the app saw, or None) and the status answered by the middleware itself (or None)."""
-    from podbay_api.e2b_envd import EnvdRouting
+    from podbay_api.edge.envd import EnvdRouting
 
     seen: list[str] = []
     sent: list[int] = []

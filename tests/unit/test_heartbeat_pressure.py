@@ -1,4 +1,4 @@
-"""The node's heartbeat carries its CPU pressure and says when it is saturated (services/nodeagent/heartbeat.py)."""
+"""The node's heartbeat carries its CPU pressure and says when it is saturated (services/nodeagent/ops/heartbeat.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from podbay.config import Settings
 from podbay.contracts.messages import NodeHeartbeat
 from podbay.telemetry import CPU_PRESSURE
-from podbay_nodeagent import heartbeat
+from podbay_nodeagent.ops import heartbeat
 
 
 class FakeKv:

@@ -14,11 +14,11 @@ from podbay.config import ConfigError, Settings
 from podbay.contracts.egress import NetBinding
 from podbay.devstack.stack import guest_ca_for
 from podbay.sandbox_ca import new_sandbox_ca
-from podbay_nodeagent.network import SandboxNetwork
-from podbay_nodeagent.sandboxes import SandboxManager
-from podbay_nodeagent.store import NodeStore
-from podbay_nodeagent.vmdriver import VmDriver
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.net.network import SandboxNetwork
+from podbay_nodeagent.ops.sandboxes import SandboxManager
+from podbay_nodeagent.storage.store import NodeStore
+from podbay_nodeagent.vm.vmdriver import VmDriver
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 PUBLIC = Path(certifi.where()).read_bytes()
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import podbay_nodeagent.image as image
-from podbay_nodeagent.image import ImageSpec
+import podbay_nodeagent.build.image as image
+from podbay_nodeagent.build.image import ImageSpec
 
 
 @pytest.fixture

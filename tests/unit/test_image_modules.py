@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from podbay_nodeagent.image import apt_mirror, parse_modules_dep, resolve_module_order
+from podbay_nodeagent.build.image import apt_mirror, parse_modules_dep, resolve_module_order
 
 MODULES_DEP = """\
 kernel/drivers/virtio/virtio_ring.ko:

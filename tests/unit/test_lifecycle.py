@@ -21,7 +21,7 @@ S = SandboxState
 #: a change of a sandbox's state, generation or node belongs in podbay.lifecycle.
 ALLOWED_SITES: dict[str, tuple[int, str]] = {
     "libs/podbay/outbox.py": (1, "the event sequence number, bumped with every sandbox event; not a state"),
-    "services/api/network.py": (1, "the sandbox's egress policy; not a state"),
+    "services/api/services/network.py": (1, "the sandbox's egress policy; not a state"),
 }
 
 #: Files that may still write ``INSERT INTO sandboxes`` themselves, with how many statements and why. Empty:

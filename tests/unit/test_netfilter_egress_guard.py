@@ -1,4 +1,4 @@
-"""The node's nftables egress guard (services/nodeagent/netfilter.py): a guest's packets to an always-denied
+"""The node's nftables egress guard (services/nodeagent/net/netfilter.py): a guest's packets to an always-denied
 address are rejected and counted before the redirect to the gateway; DNS and replies to the host's own
 connections pass; the operator's allow-list passes on to the redirect; the stack's node bridges and sandbox
 network are never opened."""
@@ -9,7 +9,7 @@ import ipaddress
 import re
 
 from podbay.egress_ranges import DENIED_RANGES, parse_cidrs
-from podbay_nodeagent.netfilter import REFUSED_COUNTER, render_ruleset
+from podbay_nodeagent.net.netfilter import REFUSED_COUNTER, render_ruleset
 
 
 def _set(text: str, name: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""A create no node has room for: the API's 503 ``no_capacity`` with ``Retry-After`` (services/api/errors.py,
+"""A create no node has room for: the API's 503 ``no_capacity`` with ``Retry-After`` (services/api/core/errors.py,
 the E2B route's shape too), the SDK's typed ``NoCapacity`` and the CLI's one error line."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from test_sdk_fake import API_KEY, FakeApi, _served, clean_env, fake_api  # noqa
 
 from podbay.errors import NoCapacity, Unavailable, error_from_wire
 from podbay.sdk import Client
-from podbay_api.e2b import _E2bRoute
-from podbay_api.errors import install_error_handlers
+from podbay_api.e2b.sandboxes import _E2bRoute
+from podbay_api.core.errors import install_error_handlers
 
 
 def _app() -> FastAPI:

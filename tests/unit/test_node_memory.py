@@ -1,5 +1,5 @@
 """Measured memory (libs/podbay/vmmem.py) and the node's release order under pressure
-(services/nodeagent/memory.py): pure logic, and real files and processes of this machine."""
+(services/nodeagent/ops/memory.py): pure logic, and real files and processes of this machine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from podbay.vmmem import HostMemory, available_for_vms, file_cached_bytes, host_memory, vm_memory
-from podbay_nodeagent.memory import Candidate, NodeMemory, release_order, to_release
+from podbay_nodeagent.ops.memory import Candidate, NodeMemory, release_order, to_release
 
 
 def _c(sid: str, kind: str, since: float, cost: float = 100.0) -> Candidate:
@@ -34,7 +34,7 @@ def test_a_refill_fits_only_above_the_low_water_mark() -> None:
     which pressure releases (so a refill never undoes a release); unknown before the first measurement."""
     from types import SimpleNamespace
 
-    from podbay_nodeagent.memory import MemoryWatch
+    from podbay_nodeagent.ops.memory import MemoryWatch
 
     manager = SimpleNamespace(settings=SimpleNamespace(sandbox_memory_mib=256))
     watch = MemoryWatch(manager)  # type: ignore[arg-type]
@@ -112,7 +112,7 @@ def test_host_memory_reads_meminfo() -> None:
 def test_a_vm_is_measured_when_it_appears_then_a_share_of_them_each_tick() -> None:
     from types import SimpleNamespace
 
-    from podbay_nodeagent.memory import VM_REMEASURE_S, MemoryWatch
+    from podbay_nodeagent.ops.memory import VM_REMEASURE_S, MemoryWatch
 
     watch = MemoryWatch(SimpleNamespace(settings=SimpleNamespace(node_heartbeat_s=VM_REMEASURE_S / 4)))  # type: ignore[arg-type]
     me = os.getpid()
@@ -125,3 +125,27 @@ def test_a_vm_is_measured_when_it_appears_then_a_share_of_them_each_tick() -> No
     assert sorted(t for _, t, _ in watch._vm_cache.values()) == [0.0, VM_REMEASURE_S, VM_REMEASURE_S]
     _, per = watch._take({"c": me}, now=VM_REMEASURE_S + 1)  # gone ones are forgotten
     assert set(per) == {"c"} and set(watch._vm_cache) == {"c"}
+
+
+def test_an_idle_vm_is_read_again_only_once_its_cpu_moved_or_after_the_longest_interval() -> None:
+    from types import SimpleNamespace
+
+    from podbay_nodeagent.ops.memory import _CLK_TCK, VM_REMEASURE_CPU_S, VM_REMEASURE_MAX_S, VM_REMEASURE_S, MemoryWatch
+
+    # A share of two per tick: every VM that is due is read, so what is read is what is due.
+    watch = MemoryWatch(SimpleNamespace(settings=SimpleNamespace(node_heartbeat_s=VM_REMEASURE_S)))
+    me = os.getpid()
+    busy = int(VM_REMEASURE_CPU_S * _CLK_TCK)
+    watch._take({"idle": me, "busy": me}, now=0.0, ticks={"idle": 100, "busy": 100})
+    # Past VM_REMEASURE_S: the QEMU that ran a second of CPU is read again, the idle one (a few ticks) is not.
+    watch._take({"idle": me, "busy": me}, now=VM_REMEASURE_S, ticks={"idle": 103, "busy": 100 + busy})
+    assert watch._vm_cache["busy"][1] == VM_REMEASURE_S and watch._vm_cache["idle"][1] == 0.0
+    # The idle one's ticks add up across the ticks it was skipped: read once they reach the threshold.
+    watch._take({"idle": me, "busy": me}, now=VM_REMEASURE_S + 1, ticks={"idle": 100 + busy, "busy": 100 + busy})
+    assert watch._vm_cache["idle"][1] == VM_REMEASURE_S + 1 and watch._vm_cache["busy"][1] == VM_REMEASURE_S
+    # Without CPU it is read after VM_REMEASURE_MAX_S all the same; without ticks (unknown) as before.
+    t = VM_REMEASURE_S + 1 + VM_REMEASURE_MAX_S
+    watch._take({"idle": me, "busy": me}, now=t, ticks={"idle": 100 + busy, "busy": 100 + busy})
+    assert watch._vm_cache["idle"][1] == t
+    watch._take({"idle": me, "busy": me}, now=t + VM_REMEASURE_S)
+    assert {k: v[1] for k, v in watch._vm_cache.items()} == {"idle": t + VM_REMEASURE_S, "busy": t + VM_REMEASURE_S}

@@ -1,4 +1,4 @@
-"""The masking of an agent's own CDP screenshots after a fill (services/nodeagent/cdp_mask.py), on CDP messages as
+"""The masking of an agent's own CDP screenshots after a fill (services/nodeagent/computer/cdp_mask.py), on CDP messages as
 Chromium and Playwright write them; no browser."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from podbay_nodeagent.cdp_mask import MAX_PENDING, PROBE_ID_BASE, UNMASKABLE, ScreenshotMasker, picture_boxes
-from podbay_nodeagent.computer import PASSWORD_FIELDS
+from podbay_nodeagent.computer.cdp_mask import MAX_PENDING, PROBE_ID_BASE, UNMASKABLE, ScreenshotMasker, picture_boxes
+from podbay_nodeagent.computer.computer import PASSWORD_FIELDS
 
 WHITE = (255, 255, 255)
 BLACK = (0, 0, 0)

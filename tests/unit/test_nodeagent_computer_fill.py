@@ -1,6 +1,6 @@
-"""What credential fill remembers per sandbox (services/nodeagent/computer_fill.py, .fill_memory: the filled
+"""What credential fill remembers per sandbox (services/nodeagent/computer/computer_fill.py, .fill_memory: the filled
 values the CDP redaction replaces, the fields screenshots mask), when the node forgets it (when the sandbox leaves
-the node: services/nodeagent/registry.py ``release_net``; not while it stays, paused or with its RAM released),
+the node: services/nodeagent/ops/registry.py ``release_net``; not while it stays, paused or with its RAM released),
 and that the node serving the sandbox next re-arms it from the durable record (a fake of it here: the SQL over
 the audit rows is tests/integration/test_fill_record.py). Against the node-agent fakes
 (tests/unit/fakes_nodeagent.py); the fill itself on a real browser: tests/e2e."""
@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 from fastapi import FastAPI
-from podbay_nodeagent.computer import Computer
-from podbay_nodeagent.computer_fill import REDACTED, Filler, add_fill_route
+from podbay_nodeagent.computer.computer import Computer
+from podbay_nodeagent.computer.computer_fill import REDACTED, Filler, add_fill_route
 from podbay_nodeagent.build.defaults import ExecDefaults
-from podbay_nodeagent.fill_memory import Filled, FillMemory
-from podbay_nodeagent.suspend import SuspendOps
+from podbay_nodeagent.computer.fill_memory import Filled, FillMemory
+from podbay_nodeagent.ops.suspend import SuspendOps
 
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, PromoteCmd, Resources, SandboxOpCmd
 

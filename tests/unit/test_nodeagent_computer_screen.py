@@ -1,4 +1,4 @@
-"""services/nodeagent/computer_screen.py: the X screen read over a VNC WebSocket (a small RFB 3.8 server on
+"""services/nodeagent/computer/computer_screen.py: the X screen read over a VNC WebSocket (a small RFB 3.8 server on
 loopback speaking as x11vnc behind websockify does) and masks painted on a picture."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 from PIL import Image
-from podbay_nodeagent.computer_screen import MASK_RGB, from_png, paint_masks, read_display, to_png
+from podbay_nodeagent.computer.computer_screen import MASK_RGB, from_png, paint_masks, read_display, to_png
 from websockets.asyncio.server import ServerConnection, serve
 
 from podbay.errors import GuestError

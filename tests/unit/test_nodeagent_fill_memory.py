@@ -1,4 +1,4 @@
-"""services/nodeagent/fill_memory.py: a sandbox's filled set is loaded from the durable record once per stay on
+"""services/nodeagent/computer/fill_memory.py: a sandbox's filled set is loaded from the durable record once per stay on
 the node (concurrent callers share the load), merged with fills made meanwhile, not kept when the sandbox left
 during the load, and not armed when the record cannot be read (the next call tries again)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from podbay_nodeagent.fill_memory import Filled, FillMemory
+from podbay_nodeagent.computer.fill_memory import Filled, FillMemory
 
 from podbay.errors import Unavailable
 

@@ -1,4 +1,4 @@
-"""E2B's filesystem-only auto-pause on the node (services/nodeagent/snapshots.py ``filesystem_pause_point``,
+"""E2B's filesystem-only auto-pause on the node (services/nodeagent/storage/snapshots.py ``filesystem_pause_point``,
 sandboxes.py ``lease_expired``) against the node fakes: the guest's filesystems stay frozen from the disk
 snapshot until the pause (E2B #1104: no write acknowledged in between, then missing from the snapshot the
 sandbox comes back from), and are thawed when the pause does not happen. On real VMs: tests/e2e/test_e2b.py."""
@@ -6,7 +6,7 @@ sandbox comes back from), and are thawed when the pause does not happen. On real
 from __future__ import annotations
 
 from podbay.contracts.messages import CreateSandboxCmd, Resources, SandboxOpCmd
-from podbay_nodeagent.vmm import VmTimeout
+from podbay_nodeagent.vm.vmm import VmTimeout
 
 from fakes_nodeagent import DIGEST, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
 

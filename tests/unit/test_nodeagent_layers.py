@@ -1,6 +1,6 @@
 """The node agent's layers (docs/ARCHITECTURE.md, "Node agent"): the operation modules are written against
-the registry's interface (vmhost.py) and the VMM's, and import no other operation module, nor the registry's
-implementation, nor the module that wires them (sandboxes.py), counting imports inside functions and under
+the registry's interface (vm/vmhost.py) and the VMM's, and import no other operation module, nor the registry's
+implementation, nor the module that wires them (ops/sandboxes.py), counting imports inside functions and under
 ``TYPE_CHECKING``; none reaches a private member of another object; and the registry imports no operation."""
 
 from __future__ import annotations
@@ -13,22 +13,40 @@ OPERATIONS = ("create", "pause", "delete", "snapshots", "suspend", "migrate", "w
 ABOVE_OPERATIONS = ("registry", "sandboxes")
 
 
+def _path(module: str) -> Path:
+    """The file of the node agent's module ``module`` (its basename, in whichever sub-package it lives)."""
+    found = [p for p in NODEAGENT.rglob(f"{module}.py") if "__pycache__" not in p.parts]
+    assert len(found) == 1, (module, found)
+    return found[0]
+
+
 def _imports(module: str) -> set[str]:
-    """The node agent's modules ``module`` imports (``.x``, ``from . import x``, ``podbay_nodeagent.x``)."""
+    """The node agent's modules ``module`` imports, by basename (relative imports of any level resolved from
+    the module's sub-package, ``from ..pkg import x``, ``podbay_nodeagent.pkg.x``)."""
+    path = _path(module)
+    package = list(path.parent.relative_to(NODEAGENT).parts)
     found: set[str] = set()
-    for node in ast.walk(ast.parse((NODEAGENT / f"{module}.py").read_text())):
+
+    def add(parts: list[str], names: list[str]) -> None:
+        target = NODEAGENT.joinpath(*parts)
+        if target.is_dir():  # a package: its imported names are modules (``from ..vm import confine``)
+            found.update(n for n in names if (target / f"{n}.py").exists() or (target / n).is_dir())
+        elif parts:
+            found.add(parts[-1])
+
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             name = node.module or ""
-            if node.level == 1 and not name:
-                found |= {a.name for a in node.names}
-            elif node.level == 1:
-                found.add(name.split(".")[0])
-            elif name.startswith("podbay_nodeagent."):
-                found.add(name.split(".")[1])
-            elif name == "podbay_nodeagent":
-                found |= {a.name for a in node.names}
+            names = [a.name for a in node.names]
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                add(base + (name.split(".") if name else []), names)
+            elif name == "podbay_nodeagent" or name.startswith("podbay_nodeagent."):
+                add(name.split(".")[1:], names)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("podbay_nodeagent.")}
+            for a in node.names:
+                if a.name.startswith("podbay_nodeagent."):
+                    add(a.name.split(".")[1:], [])
     return found
 
 
@@ -45,7 +63,7 @@ def test_the_registry_imports_no_operation() -> None:
 
 def test_operation_modules_reach_no_private_member_of_another_object() -> None:
     for module in OPERATIONS:
-        tree = ast.parse((NODEAGENT / f"{module}.py").read_text())
+        tree = ast.parse(_path(module).read_text())
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):

@@ -1,11 +1,11 @@
-"""The destination side of a live migration (services/nodeagent/migrate.py): prepare and a source that gives
+"""The destination side of a live migration (services/nodeagent/vm/migrate.py): prepare and a source that gives
 up, against a fake VMM, guest and database (tests/unit/fakes_nodeagent.py). The stream itself is QEMU's: the
 whole migration runs on real VMs in tests/e2e/test_vm_live_migration.py and test_drain.py."""
 
 from __future__ import annotations
 
 from podbay.contracts.messages import MigrateFinish, MigratePrepare, Resources
-from podbay_nodeagent.migrate import MigrationOps
+from podbay_nodeagent.vm.migrate import MigrationOps
 
 from fakes_nodeagent import DIGEST, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
 

@@ -1,4 +1,4 @@
-"""The node agent's create, pause and resume, delete and VM registry (services/nodeagent/create.py, pause.py,
+"""The node agent's create, pause and resume, delete and VM registry (services/nodeagent/ops/create.py, pause.py,
 delete.py and registry.py, through sandboxes.py's ``SandboxManager`` that wires them) against a fake VMM, a fake
 guest and a fake database (tests/unit/fakes_nodeagent.py). The same operations on real VMs:
 tests/e2e/test_sandbox_api.py, test_lease.py, test_vm_death.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from podbay.contracts.subjects import operation_done
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, Resources, SandboxOpCmd
 from podbay.lifecycle import Verb
-from podbay_nodeagent.vmm import VmOperationError
+from podbay_nodeagent.vm.vmm import VmOperationError
 
 from fakes_nodeagent import DIGEST, NODE, TEMPLATE, Node, node, settle  # noqa: F401  # node: a fixture
 

@@ -1,12 +1,12 @@
-"""The node agent's snapshots and rollbacks (services/nodeagent/snapshots.py) against a fake VMM, guest and
+"""The node agent's snapshots and rollbacks (services/nodeagent/storage/snapshots.py) against a fake VMM, guest and
 database (tests/unit/fakes_nodeagent.py). On real VMs: tests/e2e/test_snapshots.py and the fork tests."""
 
 from __future__ import annotations
 
 from podbay.contracts.messages import CreateSandboxCmd, Resources, RestoreCmd, SnapshotCmd
 from podbay.lifecycle import Verb
-from podbay_nodeagent.snapshots import _beyond_retention
-from podbay_nodeagent.vmm import VmTimeout
+from podbay_nodeagent.storage.snapshots import _beyond_retention
+from podbay_nodeagent.vm.vmm import VmTimeout
 
 from fakes_nodeagent import DIGEST, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
 

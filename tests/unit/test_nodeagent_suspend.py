@@ -1,4 +1,4 @@
-"""The node agent's suspend and wake (services/nodeagent/suspend.py) against a fake VMM, guest and database
+"""The node agent's suspend and wake (services/nodeagent/ops/suspend.py) against a fake VMM, guest and database
 (tests/unit/fakes_nodeagent.py); the object store's fetch is replaced by one that writes the snapshot's files
 (or finds them corrupt). On real VMs and a real object store: tests/e2e/test_suspend.py."""
 
@@ -13,8 +13,8 @@ from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, PromoteCmd, Resources, SandboxOpCmd, WakeCmd
 from podbay.errors import SnapshotCorrupt
 from podbay.lifecycle import Verb
-from podbay_nodeagent import suspend as suspend_module
-from podbay_nodeagent.suspend import SuspendOps
+from podbay_nodeagent.ops import suspend as suspend_module
+from podbay_nodeagent.ops.suspend import SuspendOps
 
 from fakes_nodeagent import DIGEST, NODE, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
 

@@ -1,4 +1,4 @@
-"""The node agent's warm slots (services/nodeagent/warm.py): fill, claim, health, against a fake VMM, guest and
+"""The node agent's warm slots (services/nodeagent/ops/warm.py): fill, claim, health, against a fake VMM, guest and
 database (tests/unit/fakes_nodeagent.py). On real VMs: tests/e2e/test_warm_pool.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 from podbay.contracts.messages import WarmClaim
 from podbay.lifecycle import Verb
-from podbay_nodeagent.warm import WarmPool, slot_hostname
+from podbay_nodeagent.ops.warm import WarmPool, slot_hostname
 
 from fakes_nodeagent import NODE, TEMPLATE, Node, node  # noqa: F401  # node: a fixture
 

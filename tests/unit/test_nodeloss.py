@@ -49,7 +49,7 @@ def test_zero_grace_declares_at_the_first_absence() -> None:
 
 
 def test_a_node_agent_copy_is_stale_when_the_row_moved_on() -> None:
-    from podbay_nodeagent.fence import stale
+    from podbay_nodeagent.ops.fence import stale
 
     assert not stale("node-a", 3, "node-a", 3)
     assert stale("node-a", 3, "node-b", 5)  # rescheduled elsewhere

@@ -359,8 +359,10 @@ def test_only_saturated_nodes_is_no_capacity_with_the_reason() -> None:
     nodes = [NodeLoad(_hb("a", cpu_pressure=97.0, cpu_saturated=True), 0, 0),
              NodeLoad(_hb("b", cpu_pressure=93.5, cpu_saturated=True), 0, 0)]
     # The scheduler fails the placement with code no_capacity and this message (services/scheduler/main.py).
-    with pytest.raises(NoCapacity, match=r"under CPU pressure \(the least at 94%"):
+    with pytest.raises(NoCapacity, match=r"under CPU pressure \(the least at 94%") as refused:
         choose_node(nodes, template="base", memory_mib=256, vcpus=1)
+    # The refusal names the setting an operator changes (a fresh user met it on a busy host with no hint).
+    assert "PODBAY_NODE_CPU_PRESSURE_MAX" in str(refused.value)
     # Pressure alone, below the node's own threshold, is no reason to refuse.
     assert choose_node([NodeLoad(_hb("c", cpu_pressure=70.0), 0, 0)], template="base", memory_mib=256,
                        vcpus=1).node_id == "c"

@@ -1,12 +1,12 @@
-"""Port addressing and access logic of the API edge (services/api/ports_access.py) and the node's parser of
-the guest's listening sockets (services/nodeagent/ports.py)."""
+"""Port addressing and access logic of the API edge (services/api/edge/ports_access.py) and the node's parser of
+the guest's listening sockets (services/nodeagent/net/ports.py)."""
 
 from __future__ import annotations
 
 import pytest
-from podbay_api import ports_access as pa
-from podbay_nodeagent.netfilter import render_ruleset
-from podbay_nodeagent.ports import Listener, not_open_message, parse_proc_net_tcp
+from podbay_api.edge import ports_access as pa
+from podbay_nodeagent.net.netfilter import render_ruleset
+from podbay_nodeagent.net.ports import Listener, not_open_message, parse_proc_net_tcp
 
 
 def test_a_sandbox_id_has_a_host_label_without_underscores_and_back() -> None:

@@ -18,7 +18,7 @@ from podbay.naming import ID_RE, UnsafeName, safe_component
 from podbay.outbox import new_id
 from podbay.promotion import snapshot_path
 from podbay.volume_promotion import volume_path
-from podbay_nodeagent.store import NodeStore
+from podbay_nodeagent.storage.store import NodeStore
 
 BAD = ["..", "../x", "a/b", "/abs", "a%2fb", "%2e%2e", "a\x00b", "a\\b", "", "x" * 65, "sbx_1\n", " sbx", "Sbx_1"]
 GOOD = [new_id("sbx"), new_id("snap"), new_id("bld"), new_id("op"), new_id("ten"), "node-1", "n1", "a" * 64, "op_create"]
@@ -28,7 +28,8 @@ _ID_NAMES = ("dest_node", "source_node", "template_digest")
 def _id_fields() -> list[tuple[str, str, Any]]:
     """(model, field, adapter) for every id field of a command message and of NodeBuildRequest."""
     models: list[type[BaseModel]] = [getattr(messages, n) for n in messages.__all__
-                                     if isinstance(getattr(messages, n), type) and n != "Event"]
+                                     if isinstance(getattr(messages, n), type) and issubclass(getattr(messages, n), BaseModel)
+                                     and n != "Event"]
     out = []
     for model in [*models, NodeBuildRequest]:
         for name, fi in model.model_fields.items():

@@ -1,5 +1,5 @@
-"""A create's ``disk_mib`` (issue 17): the API's bounds (services/api/sandbox_service.check_disk_mib), the
-request shape the SDK sends, and the node's growth steps (services/nodeagent/diskgrow.py) against tiny fakes
+"""A create's ``disk_mib`` (issue 17): the API's bounds (services/api/services/sandbox_service.check_disk_mib), the
+request shape the SDK sends, and the node's growth steps (services/nodeagent/storage/diskgrow.py) against tiny fakes
 of the VM handle and guest channel (the real resize runs in tests/e2e/test_sandbox_disk.py)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from podbay.contracts.channel import ExecExit, ExecSpec
 from podbay.errors import Unprocessable
 from podbay.sdk import _calls as calls
 from podbay_api.app import create_app
-from podbay_api.sandbox_service import InvalidDiskSize, check_disk_mib
-from podbay_nodeagent.diskgrow import GROW_SCRIPT, DiskGrowError, grow_root
+from podbay_api.services.sandbox_service import InvalidDiskSize, check_disk_mib
+from podbay_nodeagent.storage.diskgrow import GROW_SCRIPT, DiskGrowError, grow_root
 
 MIB = 1 << 20
 

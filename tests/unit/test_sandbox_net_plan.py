@@ -16,8 +16,8 @@ import pytest
 from podbay.config import Settings
 from podbay.contracts.egress import NetBinding, binding_path
 from podbay.stacknet import SANDBOX_POOL, builder_tap, nft_table, sandbox_cidr, stack_tag, tap_prefix
-from podbay_nodeagent.netfilter import PORTS_MARK, render_ruleset
-from podbay_nodeagent.network import (
+from podbay_nodeagent.net.netfilter import PORTS_MARK, render_ruleset
+from podbay_nodeagent.net.network import (
     IFNAMSIZ,
     NetworkError,
     SandboxNetwork,
@@ -219,7 +219,7 @@ _IN_NODE_NAMESPACE = """
 import subprocess, sys
 from pathlib import Path
 from podbay.config import Settings
-from podbay_nodeagent.network import SandboxNetwork
+from podbay_nodeagent.net.network import SandboxNetwork
 subprocess.run(["ip", "tuntap", "add", "pbnsdev0", "mode", "tap"], check=True)
 net = SandboxNetwork(Settings(data_dir=Path(sys.argv[1]), node_id="node-a"))
 print(net.tap_intact("pbnsdev0"), net.tap_intact("pbnsnone0"))
@@ -237,9 +237,40 @@ def test_a_tap_in_the_node_agents_own_network_namespace_is_seen(tmp_path: Path) 
 
 
 def test_every_tap_of_a_lease_has_the_same_locally_administered_mac() -> None:
-    from podbay_nodeagent.network import tap_mac
+    from podbay_nodeagent.net.network import tap_mac
 
     assert tap_mac("10.130.2.1") == "02:70:62:82:02:01" == tap_mac("10.130.2.1")
     assert tap_mac("10.130.2.5") != tap_mac("10.130.2.1")
     first = int(tap_mac("10.130.2.1").split(":")[0], 16)
     assert first & 0b10 and not first & 0b1  # locally administered, unicast
+
+
+def test_taps_are_checked_from_one_listing_of_the_devices(tmp_path: Path) -> None:
+    net = _net(tmp_path)
+    assert net.taps_intact(["lo", "pbnone0"]) == {"lo": True, "pbnone0": False}
+    net._tap_index["lo"] = 10**6  # as if the device had been deleted and made again under the same name
+    assert net.taps_intact(["lo"]) == {"lo": False}
+    assert net.taps_intact([]) == {}
+
+
+_LISTED_IN_NODE_NAMESPACE = """
+import subprocess, sys
+from pathlib import Path
+from podbay.config import Settings
+from podbay_nodeagent.net.network import SandboxNetwork
+subprocess.run(["ip", "tuntap", "add", "pbnsdev0", "mode", "tap"], check=True)
+net = SandboxNetwork(Settings(data_dir=Path(sys.argv[1]), node_id="node-a"))
+print(net.taps_intact(["pbnsdev0", "pbnsnone0"]))
+subprocess.run(["ip", "link", "del", "pbnsdev0"], check=True)
+print(net.taps_intact(["pbnsdev0"]))
+subprocess.run(["ip", "tuntap", "add", "pbnsdev0", "mode", "tap"], check=True)
+print(net.taps_intact(["pbnsdev0"]))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or os.geteuid() != 0, reason="needs root and unshare(1)")
+def test_the_listing_sees_a_tap_deleted_or_made_again_in_the_node_agents_namespace(tmp_path: Path) -> None:
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", _LISTED_IN_NODE_NAMESPACE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.splitlines() == ["{'pbnsdev0': True, 'pbnsnone0': False}", "{'pbnsdev0': False}",
+                                       "{'pbnsdev0': False}"]  # made again: another device under its name

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from podbay.contracts.states import ALLOWED, SandboxCommand, SandboxState, check_allowed
 from podbay.errors import InvalidState, NotFound, PodbayError, SandboxFailed, Unprocessable, error_from_wire
-from podbay_api.auth import generate_key, hash_key
+from podbay_api.core.auth import generate_key, hash_key
 
 
 @pytest.mark.parametrize("state", list(SandboxState))
@@ -82,7 +82,7 @@ class _FakePool:
 
 async def test_authenticate_caches_verified_keys_only() -> None:
     from podbay.errors import Unauthorized
-    from podbay_api import auth
+    from podbay_api.core import auth
 
     key, _ = generate_key()
     pool = _FakePool(key)
@@ -136,7 +136,7 @@ async def test_a_body_that_is_not_json_reads_as_such_with_where_it_stopped() -> 
     import httpx
     from fastapi import FastAPI
 
-    from podbay_api.errors import install_error_handlers
+    from podbay_api.core.errors import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

@@ -1,4 +1,4 @@
-"""Guest ASLR per template (services/nodeagent/template.py ``guest_aslr``): resolved from the setting and the
+"""Guest ASLR per template (services/nodeagent/build/template.py ``guest_aslr``): resolved from the setting and the
 accelerator, part of the template's key, applied by ``prime_guest`` before the snapshot. On real VMs:
 tests/e2e/test_vmm.py."""
 
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent import template
-from podbay_nodeagent.image import BaseImage
-from podbay_nodeagent.template import ASLR_SYSCTL, guest_aslr, prime_guest, snapshot_key
+from podbay_nodeagent.build import template
+from podbay_nodeagent.build.image import BaseImage
+from podbay_nodeagent.build.template import ASLR_SYSCTL, guest_aslr, prime_guest, snapshot_key
 
 
 @pytest.mark.parametrize(("setting", "accel", "expected"), [
@@ -100,7 +100,7 @@ def test_a_resized_root_layer_keeps_its_parents_aslr_whatever_the_settings(tmp_p
     # with the current setting instead would store a guest state its key does not say.
     from podbay_nodeagent.build import resources
     from podbay_nodeagent.build.layers import LayerCache
-    from podbay_nodeagent.template import MACHINE, TemplateSnapshot
+    from podbay_nodeagent.build.template import MACHINE, TemplateSnapshot
 
     d = tmp_path / "base"
     d.mkdir()

@@ -10,12 +10,12 @@ import pytest
 
 from podbay.config import Settings
 from podbay.errors import NotFound
-from podbay_nodeagent.network import SandboxNetwork
-from podbay_nodeagent.sandboxes import SandboxManager
-from podbay_nodeagent.store import NodeStore
-from podbay_nodeagent.template import MACHINE, TemplateSnapshot
-from podbay_nodeagent.vmdriver import VmDriver
-from podbay_nodeagent.vmm import QemuVmm
+from podbay_nodeagent.net.network import SandboxNetwork
+from podbay_nodeagent.ops.sandboxes import SandboxManager
+from podbay_nodeagent.storage.store import NodeStore
+from podbay_nodeagent.build.template import MACHINE, TemplateSnapshot
+from podbay_nodeagent.vm.vmdriver import VmDriver
+from podbay_nodeagent.vm.vmm import QemuVmm
 
 _FILES = ("state", "ram", "disk.img", "vmlinuz", "initrd.img")
 

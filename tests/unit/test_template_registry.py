@@ -1,4 +1,4 @@
-"""Built templates on a node (services/nodeagent/vmdriver.py, build/builder.py): which builds a starting
+"""Built templates on a node (services/nodeagent/vm/vmdriver.py, build/builder.py): which builds a starting
 agent registers, and which builds it removes from its store."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 from test_template_builds import _manager, _write_build
 
 from podbay_nodeagent.build.builder import TemplateBuilder
-from podbay_nodeagent.template import MACHINE
-from podbay_nodeagent.vmdriver import TemplateImage
+from podbay_nodeagent.build.template import MACHINE
+from podbay_nodeagent.vm.vmdriver import TemplateImage
 
 
 class _Pool:

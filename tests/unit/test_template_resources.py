@@ -14,10 +14,10 @@ from pydantic import ValidationError
 from podbay.contracts.templates import BuildResources, BuildSpec, FromRef
 from podbay.errors import InvalidRequest, Unprocessable
 from podbay.sdk import _calls as calls
-from podbay_api.e2b_templates import check_resources
+from podbay_api.e2b.templates import check_resources
 from podbay_nodeagent.build.layers import layer_key
 from podbay_nodeagent.build.resources import MIB, Resources, grow_disk, leftover_vm_dirs, resize_key, resolve
-from podbay_nodeagent.template import MACHINE, TemplateSnapshot
+from podbay_nodeagent.build.template import MACHINE, TemplateSnapshot
 from podbay.dockerfile import parse_dockerfile
 
 

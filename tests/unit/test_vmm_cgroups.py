@@ -1,5 +1,5 @@
-"""Per-sandbox bounds: the cgroup values of a QEMU (services/nodeagent/cgroups.py) and the tc commands of its tap
-(services/nodeagent/network.py), with the real cgroup v2 mount and a real tap where this host has them."""
+"""Per-sandbox bounds: the cgroup values of a QEMU (services/nodeagent/vm/cgroups.py) and the tc commands of its tap
+(services/nodeagent/net/network.py), with the real cgroup v2 mount and a real tap where this host has them."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent import network
-from podbay_nodeagent.cgroups import SLICE, VmCgroups, cgroup_name, cgroup_values, from_settings
-from podbay_nodeagent.network import SandboxNetwork, create_tap, tc_rate_batches
+from podbay_nodeagent.net import network
+from podbay_nodeagent.vm.cgroups import SLICE, VmCgroups, cgroup_name, cgroup_values, from_settings
+from podbay_nodeagent.net.network import SandboxNetwork, create_tap, tc_rate_batches
 
 MIB = 1024 * 1024
 

@@ -13,9 +13,9 @@ from qemu.qmp.message import Message
 from qemu.qmp.models import ErrorResponse
 
 from podbay.config import DEFAULT_TCG_TB_SIZE_MIB, Settings
-from podbay_nodeagent.accel import parse_tsc_khz
-from podbay_nodeagent.template import TemplateSnapshot
-from podbay_nodeagent.vmm import (
+from podbay_nodeagent.vm.accel import parse_tsc_khz
+from podbay_nodeagent.build.template import TemplateSnapshot
+from podbay_nodeagent.vm.vmm import (
     GUEST_MAC,
     QemuVmm,
     VmConfig,

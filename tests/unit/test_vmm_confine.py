@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from podbay.config import Settings
-from podbay_nodeagent import confine
-from podbay_nodeagent.confine import (
+from podbay_nodeagent.vm import confine
+from podbay_nodeagent.vm.confine import (
     Confinement,
     ConfinementError,
     VmmUser,
@@ -22,7 +22,7 @@ from podbay_nodeagent.confine import (
     read_child_pid,
     strip_pidfile,
 )
-from podbay_nodeagent.vmm import VmConfig, VmPaths, build_qemu_argv
+from podbay_nodeagent.vm.vmm import VmConfig, VmPaths, build_qemu_argv
 
 USER = VmmUser("podbay-vm", 995, 994)
 VM = Path("/data/nodes/n1/store/sandboxes/sb-1")

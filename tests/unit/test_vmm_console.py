@@ -1,4 +1,4 @@
-"""The guest console log (services/nodeagent/console.py): capped, rotated, rate-limited, and read from QEMU's
+"""The guest console log (services/nodeagent/vm/console.py): capped, rotated, rate-limited, and read from QEMU's
 console socket without ever blocking it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from podbay_nodeagent.console import ConsoleLimits, ConsoleLog, pump
-from podbay_nodeagent.vmm import VmConfig, VmPaths, build_qemu_argv
+from podbay_nodeagent.vm.console import ConsoleLimits, ConsoleLog, pump
+from podbay_nodeagent.vm.vmm import VmConfig, VmPaths, build_qemu_argv
 
 KIB = 1024
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-import podbay_nodeagent.template as template
-from podbay_nodeagent.template import GUESTD_CONSOLE_MARKER, wait_guest_ready
-from podbay_nodeagent.vmm import SnapshotResult, VmConfig, VmProcess, Vmm, VmPaths
+import podbay_nodeagent.build.template as template
+from podbay_nodeagent.build.template import GUESTD_CONSOLE_MARKER, wait_guest_ready
+from podbay_nodeagent.vm.vmm import SnapshotResult, VmConfig, VmProcess, Vmm, VmPaths
 
 
 class FakeVmm(Vmm):

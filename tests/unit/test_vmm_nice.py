@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from podbay_nodeagent.vmm import set_nice
+from podbay_nodeagent.vm.vmm import set_nice
 
 
 def _nices(pid: int) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from podbay_nodeagent.vmm import QemuVmm, VmProcess, VmPaths
+from podbay_nodeagent.vm.vmm import QemuVmm, VmProcess, VmPaths
 
 
 async def test_an_exit_waits_for_bwrap_on_a_worker_thread_not_on_the_loop(tmp_path: Path) -> None:

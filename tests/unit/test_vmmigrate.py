@@ -8,8 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from podbay_nodeagent import vmmigrate
-from podbay_nodeagent.vmm import VmConfig, VmProcess, VmPaths
+from podbay_nodeagent.vm import vmmigrate
+from podbay_nodeagent.vm.vmm import VmConfig, VmProcess, VmPaths
 
 MiB = 2**20
 

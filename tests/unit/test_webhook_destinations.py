@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from podbay_api.webhooks import check_destination
+from podbay_api.routes.webhooks import check_destination
 
 from podbay.devstack.stack import Stack, StackPorts
 from podbay.errors import Unprocessable

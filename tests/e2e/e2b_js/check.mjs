@@ -69,6 +69,24 @@ try {
     const deleted = await Sandbox.deleteSnapshot(snap.snapshotId)
     return { snapshotId: snap.snapshotId, stdout: r.stdout, listed: listed.includes(snap.snapshotId), deleted }
   })
+  // Not among the default steps: run with the exports of `podbay env --e2b` (E2B_DOMAIN, NODE_EXTRA_CA_CERTS).
+  await attempt('host', async () => {
+    await sbx.commands.run('mkdir -p /tmp/jsweb && echo js-tls > /tmp/jsweb/index.html && (setsid python3 -m ' +
+      'http.server 8001 --bind 0.0.0.0 --directory /tmp/jsweb >/dev/null 2>&1 </dev/null &)')
+    const host = sbx.getHost(8001)
+    let last = null
+    for (let i = 0; i < 120; i++) {
+      try {
+        const r = await fetch(`https://${host}/index.html`)
+        if (r.ok) return { host, status: r.status, text: await r.text() }
+        last = r.status
+      } catch (err) {
+        last = `${err?.name}: ${err?.cause?.code ?? err?.message}`
+      }
+      await new Promise((resolve) => setTimeout(resolve, 500))
+    }
+    return { host, status: last }
+  })
 } finally {
   for (const s of made) await s.kill().catch(() => {})
 }

@@ -55,6 +55,7 @@ from podbay.egress_placeholders import MalformedPlaceholder, parse
 from podbay.errors import InvalidRequest
 
 from ..services import network as podbay_network
+from ..services.sandbox_lookup import e2b_iam_tokens, store_e2b_network
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep
 from .common import WhoDep, _Body, _E2bRoute, _row
@@ -200,14 +201,8 @@ def network_info(stored: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: stored[k] for k in keep if stored.get(k) is not None}
 
 
-async def store_network(pool: Any, sandbox_id: str, network: dict[str, Any] | None,
-                        tokens: dict[str, dict[str, str]] | None = None) -> None:
-    """Keep E2B's network configuration (and, when given, the ``iam.tokens``) on ``e2b_sandboxes``."""
-    await pool.execute(
-        "INSERT INTO e2b_sandboxes (sandbox_id, network, iam_tokens) VALUES ($1, $2, $3)"
-        " ON CONFLICT (sandbox_id) DO UPDATE SET network = EXCLUDED.network,"
-        " iam_tokens = coalesce(EXCLUDED.iam_tokens, e2b_sandboxes.iam_tokens)",
-        sandbox_id, network, tokens or None)
+#: Keep E2B's network configuration (and, when given, the ``iam.tokens``) on ``e2b_sandboxes``.
+store_network = store_e2b_network
 
 
 def _dns_servers(network: dict[str, Any]) -> list[str]:
@@ -319,7 +314,7 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, ctx: CtxDep, who:
                                "rules": body.rules, "dnsServers": body.dns_servers, "egressProxy": body.egress_proxy}
     policy = egress_policy(body.allow_internet_access, network, at_create=False)
     assert policy is not None
-    tokens = await ctx.pool.fetchval("SELECT iam_tokens FROM e2b_sandboxes WHERE sandbox_id = $1", sandbox_id)
+    tokens = await e2b_iam_tokens(ctx.pool, sandbox_id)
     check_placeholders(policy, dict(tokens or {}))
     await podbay_network.set_sandbox_policy(ctx, who, sandbox_id, policy)
     if body.allow_internet_access is False:

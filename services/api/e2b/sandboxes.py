@@ -33,13 +33,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from podbay.contracts.api import RestoreRequest, SandboxCreate, SnapshotCreate
-from podbay.contracts.states import SandboxCommand
+from podbay.contracts.states import SandboxCommand, SandboxState
 from podbay.errors import Conflict, InvalidRequest, InvalidState, NotFound, Unavailable
 from podbay.grants import GrantKind
 from podbay.naming import e2b_sandbox_id
 
 from .. import nodes_client
-from ..services import sandbox_service, snapshot_service, template_access
+from ..services import sandbox_lookup, sandbox_service, snapshot_service, template_access
 from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep
@@ -180,8 +180,8 @@ async def _create(body: NewSandbox, ctx: ApiContext, who: Principal) -> JSONResp
     # boots afresh from it (services/nodeagent/storage/snapshots.py filesystem_pause_point).
     fs_pause = body.auto_pause and body.auto_pause_memory is False
     if body.env_vars or auto_resume or fs_pause:
-        await ctx.pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem)"
-                               " VALUES ($1, $2, $3, $4)", info.id, body.env_vars or {}, auto_resume, fs_pause)
+        await sandbox_lookup.insert_e2b_settings(ctx.pool, info.id, env_vars=body.env_vars or {},
+                                                 auto_resume=auto_resume, auto_pause_filesystem=fs_pause)
     if body.network or tokens:  # kept for get_info, and the tokens for the gateway (e2b_network.py)
         network = dict(body.network or {})
         if body.allow_internet_access is False:
@@ -237,18 +237,9 @@ async def _list(ctx: ApiContext, who: Principal, flt: ListFilter, limit: int,
                 cursor: tuple[datetime, str] | None) -> tuple[list[dict[str, Any]], str | None]:
     podbay_states = [s for s, e in E2B_STATES.items() if e in flt.states]
     # ``template``: the name the tenant gave (templates.alias); sandboxes.template is the template's key.
-    sql = ("SELECT id, coalesce(template_alias, template) AS template, state, vcpus, memory_mib, metadata, created_at, lease_expires_at"
-           " FROM (SELECT s.*, (SELECT t.alias FROM templates t WHERE t.name = s.template) AS template_alias"
-           " FROM sandboxes s) sandboxes"
-           " WHERE tenant_id = $1 AND state = ANY($2::text[]) AND metadata @> $3::jsonb"
-           " AND ($5::text IS NULL OR template_alias = $5) AND ($6::timestamptz IS NULL OR created_at >= $6)")
-    args: list[Any] = [who.tenant_id, podbay_states, flt.metadata, limit + 1, flt.template, flt.started_after]
-    if cursor is not None:
-        sql += f" AND (created_at, id) {'>' if flt.ascending else '<'} ($7, $8)"
-        args += [cursor[0], cursor[1]]
-    direction = "ASC" if flt.ascending else "DESC"
-    sql += f" ORDER BY created_at {direction}, id {direction} LIMIT $4"
-    rows = await ctx.pool.fetch(sql, *args)
+    rows = await sandbox_lookup.e2b_page(ctx.pool, who.tenant_id, podbay_states, metadata=flt.metadata,
+                                         template=flt.template, started_after=flt.started_after,
+                                         ascending=flt.ascending, limit=limit + 1, cursor=cursor)
     token = None
     if len(rows) > limit:
         last = rows[limit - 1]
@@ -291,8 +282,7 @@ async def get_info(sandbox_id: str, ctx: CtxDep, who: WhoDep) -> JSONResponse:
     detail["envdAccessToken"] = envd_access_token(ctx.settings.internal_token, sandbox_id)
     if ctx.settings.e2b_domain:
         detail["domain"] = ctx.settings.e2b_domain
-    network = network_info(await ctx.pool.fetchval("SELECT network FROM e2b_sandboxes WHERE sandbox_id = $1",
-                                                   sandbox_id))
+    network = network_info(await sandbox_lookup.e2b_network(ctx.pool, sandbox_id))
     if network is not None:
         detail["network"] = network
     return JSONResponse(detail)
@@ -341,10 +331,7 @@ async def pause(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: PauseBody | Non
             raise Unavailable(f"the filesystem snapshot of {sandbox_id} is {snap.state}: {snap.error or 'not ready'}")
         cold = snap.id
     await sandbox_service.pause(ctx, who, sandbox_id, wait=True)
-    await ctx.pool.execute(
-        "INSERT INTO e2b_sandboxes (sandbox_id, cold_resume_snapshot) VALUES ($1, $2)"
-        " ON CONFLICT (sandbox_id) DO UPDATE SET cold_resume_snapshot = EXCLUDED.cold_resume_snapshot",
-        sandbox_id, cold)
+    await sandbox_lookup.set_cold_resume(ctx.pool, sandbox_id, cold)
     return Response(status_code=204)
 
 
@@ -355,10 +342,8 @@ async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str, *, reboot: boo
     now (a suspended one, whose disk is in object storage only, resumes from memory). That snapshot is taken
     from the running guest, resumed for it, so that the freeze writes its page cache back: a paused guest's
     last writes may be in its memory only."""
-    cold = await ctx.pool.fetchval("SELECT cold_resume_snapshot FROM e2b_sandboxes WHERE sandbox_id=$1",
-                                   sandbox_id)
-    if reboot and cold is None and await ctx.pool.fetchval(
-            "SELECT state = 'paused' FROM sandboxes WHERE id=$1", sandbox_id):
+    cold = await sandbox_lookup.cold_resume_snapshot(ctx.pool, sandbox_id)
+    if reboot and cold is None and await sandbox_lookup.sandbox_state(ctx.pool, sandbox_id) == SandboxState.PAUSED:
         await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
         snap, _ = await snapshot_service.take(ctx, who, sandbox_id, SnapshotCreate(kind="disk"), wait=True)
         if snap.state != "ready":
@@ -366,14 +351,14 @@ async def _wake(ctx: ApiContext, who: Principal, sandbox_id: str, *, reboot: boo
                               f"{snap.error or 'not ready'}")
         cold = snap.id
     if cold is not None:
-        await ctx.pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot = NULL WHERE sandbox_id=$1",
-                               sandbox_id)
+        await sandbox_lookup.clear_cold_resume(ctx.pool, sandbox_id)
         try:
             await snapshot_service.restore(ctx, who, sandbox_id, RestoreRequest(snapshot_id=cold), wait=True)
             return
         except (NotFound, InvalidState, Conflict):
             pass  # reclaimed by retention, or a state restore refuses: resume its memory instead
-    if await ctx.pool.fetchval("SELECT state <> 'running' FROM sandboxes WHERE id=$1", sandbox_id):
+    state = await sandbox_lookup.sandbox_state(ctx.pool, sandbox_id)
+    if state is not None and state != SandboxState.RUNNING:
         await sandbox_service.resume(ctx, who, sandbox_id, wait=True)
 
 
@@ -462,20 +447,13 @@ async def metrics(sandbox_id: str, ctx: CtxDep, who: WhoDep, start: int | None =
     it was sampled within the last second; the newest ``METRICS_KEEP`` samples are kept. A paused sandbox
     answers the samples kept so far."""
     row = await _row(ctx, who, sandbox_id)
-    if row["state"] == "running" and not await ctx.pool.fetchval(
-            "SELECT true FROM e2b_metrics WHERE sandbox_id=$1 AND at > now() - interval '1 second'", sandbox_id):
+    if row["state"] == SandboxState.RUNNING and not await sandbox_lookup.sampled_within_a_second(ctx.pool, sandbox_id):
         sample = await _sample(ctx, who, sandbox_id)
-        await ctx.pool.execute(
-            "WITH i AS (INSERT INTO e2b_metrics (sandbox_id, at, sample) VALUES ($1, $2, $3)"
-            " ON CONFLICT DO NOTHING)"
-            " DELETE FROM e2b_metrics WHERE sandbox_id=$1 AND at < (SELECT at FROM e2b_metrics WHERE sandbox_id=$1"
-            " ORDER BY at DESC OFFSET $4 LIMIT 1)",
-            sandbox_id, datetime.fromisoformat(sample["timestamp"].replace("Z", "+00:00")), sample, METRICS_KEEP - 2)
-    rows = await ctx.pool.fetch(
-        "SELECT sample FROM e2b_metrics WHERE sandbox_id=$1 AND ($2::timestamptz IS NULL OR at >= $2)"
-        " AND ($3::timestamptz IS NULL OR at < $3 + interval '1 second') ORDER BY at", sandbox_id,
-        _unix(start), _unix(end))
-    return JSONResponse([r["sample"] for r in rows])
+        # The newest METRICS_KEEP - 1 kept before this one, so METRICS_KEEP with it.
+        await sandbox_lookup.add_metrics_sample(
+            ctx.pool, sandbox_id, datetime.fromisoformat(sample["timestamp"].replace("Z", "+00:00")), sample,
+            keep=METRICS_KEEP - 2)
+    return JSONResponse(await sandbox_lookup.metrics_samples(ctx.pool, sandbox_id, _unix(start), _unix(end)))
 
 
 @fallback_router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])

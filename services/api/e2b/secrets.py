@@ -33,6 +33,7 @@ from podbay.outbox import new_id
 
 from ..core.auth import Principal
 from ..core.context import ApiContext
+from ..services import credentials
 from ..services.credentials import destroy_quietly as _destroy_quietly, store_for
 from ..core.deps import ctx_dep
 from .common import WhoDep, _Body, _E2bRoute, _iso, decode_cursor, encode_cursor
@@ -49,10 +50,6 @@ MAX_METADATA_VALUE_BYTES = 1024
 MAX_METADATA_BYTES = 8192
 MAX_VALUE_CHARS = 64 * 1024
 _NAME = re.compile(CREDENTIAL_NAME_PATTERN)
-# The columns of one secret: its credential row joined with its E2B row.
-_SELECT = ("SELECT c.id, c.name, c.created_at, e.metadata, e.version, e.updated_at, c.backend, c.ciphertext,"
-           " c.secret_ref FROM credentials c JOIN e2b_secrets e ON e.credential_id = c.id"
-           " WHERE c.tenant_id = $1 AND c.deleted_at IS NULL")
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
@@ -109,9 +106,8 @@ def _secret(row: asyncpg.Record) -> dict[str, Any]:
 async def _find(conn: Any, who: Principal, secret: str, *, for_update: bool = False) -> asyncpg.Record:
     """The caller's live secret named by id (``sec_...``) or name; 404 otherwise (another tenant's too)."""
     by_id = secret.startswith("sec_")
-    row = await conn.fetchrow(_SELECT + (" AND c.id = $2" if by_id else " AND c.name = $2")
-                              + (" FOR UPDATE OF c, e" if for_update else ""),
-                              who.tenant_id, secret if by_id else secret.lower())
+    row = await credentials.find_secret(conn, who.tenant_id, secret if by_id else secret.lower(), by_id=by_id,
+                                        for_update=for_update)
     if row is None:
         raise NotFound(f"secret {secret} was not found")
     return row
@@ -122,9 +118,7 @@ async def create_secret(body: NewSecret, ctx: CtxDep, who: WhoDep) -> JSONRespon
     """Store a new secret (version 1) -> 201 ``Secret``; 409 when the tenant has a secret or credential of
     that name (or of the same placeholder); 400 for a bad name or metadata."""
     name = _name(body.name)
-    taken = await ctx.pool.fetchval(
-        "SELECT name FROM credentials WHERE tenant_id=$1 AND deleted_at IS NULL"
-        " AND upper(replace(name, '-', '_')) = upper(replace($2, '-', '_'))", who.tenant_id, name)
+    taken = await credentials.placeholder_taken(ctx.pool, who.tenant_id, name)
     if taken is not None:
         raise Conflict(f"secret {taken} already exists")
     sec_id = new_id("sec")
@@ -133,12 +127,7 @@ async def create_secret(body: NewSecret, ctx: CtxDep, who: WhoDep) -> JSONRespon
     try:
         async with ctx.pool.acquire() as conn, conn.transaction():
             # Scope: no sandbox (an empty array), so neither guest env nor gateway sees it until a rule does.
-            await conn.execute(
-                "INSERT INTO credentials (id, tenant_id, name, hosts, header, format, scope_sandboxes, backend,"
-                " ciphertext, secret_ref) VALUES ($1, $2, $3, '{}', 'Authorization', '{value}', '{}', $4, $5, $6)",
-                sec_id, who.tenant_id, name, sealed.backend, sealed.ciphertext, sealed.secret_ref)
-            await conn.execute("INSERT INTO e2b_secrets (credential_id, tenant_id, metadata) VALUES ($1, $2, $3)",
-                               sec_id, who.tenant_id, json.dumps(body.metadata or {}))
+            await credentials.insert_secret(conn, sec_id, who.tenant_id, name, sealed, body.metadata or {})
             await audit(conn, who, "credential.create", sec_id, detail={"name": name, "backend": sealed.backend,
                                                                         "e2b_secret": True})
             row = await _find(conn, who, sec_id)
@@ -157,11 +146,7 @@ async def list_secrets(ctx: CtxDep, who: WhoDep, limit: int = Query(100, ge=1, l
                        next_token: str | None = Query(None, alias="nextToken")) -> JSONResponse:
     """The caller's secrets, newest first, ``limit`` per page (the next page's token in ``x-next-token``)."""
     cursor = decode_cursor(next_token)
-    sql, args = _SELECT, [who.tenant_id, limit + 1]
-    if cursor is not None:
-        sql += " AND (c.created_at, c.id) < ($3, $4)"
-        args += [cursor[0], cursor[1]]
-    rows = await ctx.pool.fetch(sql + " ORDER BY c.created_at DESC, c.id DESC LIMIT $2", *args)
+    rows = await credentials.secrets_page(ctx.pool, who.tenant_id, limit + 1, cursor)
     headers = None
     if len(rows) > limit:
         rows = rows[:limit]
@@ -186,12 +171,7 @@ async def update_secret(secret: str, body: SecretUpdate, ctx: CtxDep, who: WhoDe
         # Sealed again under the same id: the pg store's ciphertext is replaced in this transaction, an
         # OpenBao secret is written over.
         sealed = await store.seal(row["id"], who.tenant_id, body.value)
-        await conn.execute("UPDATE credentials SET ciphertext=$2, secret_ref=$3 WHERE id=$1",
-                           row["id"], sealed.ciphertext, sealed.secret_ref)
-        await conn.execute(
-            "UPDATE e2b_secrets SET version = version + 1, updated_at = now(),"
-            " metadata = COALESCE($2::jsonb, metadata) WHERE credential_id = $1",
-            row["id"], json.dumps(body.metadata) if body.metadata is not None else None)
+        await credentials.update_secret(conn, row["id"], sealed, body.metadata)
         await audit(conn, who, "credential.update", row["id"], detail={"name": row["name"], "e2b_secret": True})
         row = await _find(conn, who, row["id"])
     ctx.relay.kick()
@@ -209,7 +189,7 @@ async def delete_secret(secret: str, ctx: CtxDep, who: WhoDep) -> Response:
             await store_for(ctx, row["backend"]).destroy(row["id"], who.tenant_id, sealed)
         except CredentialUnreadable:
             pass  # already gone from the backend
-        await conn.execute("UPDATE credentials SET deleted_at=now(), ciphertext=NULL WHERE id=$1", row["id"])
+        await credentials.mark_deleted(conn, row["id"])
         await audit(conn, who, "credential.delete", row["id"], detail={"name": row["name"], "e2b_secret": True})
     ctx.relay.kick()
     return Response(status_code=204)

@@ -35,15 +35,15 @@ from podbay.contracts import subjects
 from podbay.contracts.api import ForkRequest, SnapshotCreate
 from podbay.contracts.messages import PromoteCmd
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError
+from podbay.contracts.states import PromotionState, SandboxState
 from podbay import lifecycle
-from podbay.contracts.states import SandboxState
 from podbay.lifecycle import SandboxEvent, copy_lease_action, expire_lease
 from podbay.outbox import new_id
 from podbay.naming import sandbox_id_from_e2b
 from podbay import snapshot_state
 
 from . import template_admin as e2b_template_admin
-from ..services import sandbox_service, snapshot_service
+from ..services import sandbox_lookup, sandbox_service, snapshot_service
 from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep
@@ -57,10 +57,6 @@ __all__ = ["router", "is_snapshot_id", "resolve_snapshot", "create_from_snapshot
 FORK_DEFAULT_TIMEOUT_S = 15
 MAX_FORK_COUNT = 20  # E2B's SDK refuses more
 PROMOTION_POLL_S = 0.25
-# A snapshot E2B can use: ready, and its source still there (local files) or it pinned and in object storage.
-_USABLE = ("n.state='ready' AND (s.state IN ('running', 'paused')"
-           " OR (s.state NOT IN ('deleting', 'deleted') AND n.promotion='promoted')"
-           " OR (n.pinned AND n.promotion='promoted'))")
 
 router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False)
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
@@ -92,8 +88,7 @@ async def resolve_snapshot(ctx: ApiContext, who: Principal, template_id: str) ->
     ref = template_id.split(":", 1)[0]
     if is_snapshot_id(ref):
         return ref
-    return await ctx.pool.fetchval(  # type: ignore[no-any-return]  # asyncpg is untyped: fetchval returns Any
-        "SELECT snapshot_id FROM e2b_snapshot_names WHERE tenant_id=$1 AND name=$2", who.tenant_id, ref)
+    return await snapshot_service.snapshot_of_name(ctx.pool, who.tenant_id, ref)
 
 
 async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> None:
@@ -101,12 +96,7 @@ async def _copy_e2b_row(ctx: ApiContext, parent: str, children: list[str]) -> No
     does, the network configuration and workload identity tokens its rules name: a child's tokens name the
     child)."""
     await copy_lease_action(ctx.pool, parent, children)
-    await ctx.pool.execute(
-        "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem, network, iam_tokens)"
-        " SELECT c, e.env_vars, e.auto_resume, e.auto_pause_filesystem, e.network, e.iam_tokens"
-        " FROM e2b_sandboxes e, unnest($2::text[]) AS c"
-        " WHERE e.sandbox_id=$1"
-        " ON CONFLICT DO NOTHING", parent, children)
+    await sandbox_lookup.copy_e2b_settings(ctx.pool, parent, children)
 
 
 async def _fork(ctx: ApiContext, who: Principal, row: Any, count: int, timeout: int,
@@ -141,10 +131,7 @@ async def fork(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: ForkBody | None 
 
 async def _snapshot_row(ctx: ApiContext, who: Principal, snapshot_id: str) -> Any:
     resolved = await resolve_snapshot(ctx, who, snapshot_id)
-    row = await ctx.pool.fetchrow(
-        "SELECT n.id, n.sandbox_id, n.kind, n.promotion, s.state AS source_state FROM snapshots n"
-        f" JOIN sandboxes s ON s.id = n.sandbox_id WHERE n.id=$1 AND n.tenant_id=$2 AND {_USABLE}",
-        resolved, who.tenant_id) if resolved else None
+    row = await snapshot_service.usable_snapshot(ctx.pool, who.tenant_id, resolved) if resolved else None
     if row is None:
         raise NotFound(f"snapshot {snapshot_id} was not found")
     return row
@@ -159,11 +146,11 @@ async def create_from_snapshot(template_id: str, timeout: int | None, ctx: ApiCo
     that fails)."""
     snap = await _snapshot_row(ctx, who, template_id)
     lease = timeout if timeout is not None else ctx.settings.lease_s
-    if snap["kind"] == "disk" and snap["promotion"] != "promoted":
+    if snap["kind"] == "disk" and snap["promotion"] != PromotionState.PROMOTED:
         error = await _pin_and_promote(ctx, snap["id"], snap["sandbox_id"])
         if error is not None:
             return error_body(500, f"cannot start a sandbox from snapshot {snap['id']}: {error}")
-    if snap["kind"] == "disk" or snap["source_state"] not in ("running", "paused"):
+    if snap["kind"] == "disk" or snap["source_state"] not in (SandboxState.RUNNING, SandboxState.PAUSED):
         return await _wake_from_stored(ctx, who, snap, lease)
     row = await _row(ctx, who, snap["sandbox_id"])
     [result] = await _fork(ctx, who, row, 1, lease, snap["id"])
@@ -183,8 +170,8 @@ async def _wake_from_stored(ctx: ApiContext, who: Principal, snap: Any, lease: i
     cid = new_id("sbx")
     async with ctx.pool.acquire() as conn, conn.transaction():
         # The name the tenant gave the template (sandboxes.template is its key).
-        template = await conn.fetchval("SELECT coalesce(t.alias, s.template) FROM sandboxes s LEFT JOIN templates t"
-                                       " ON t.name = s.template WHERE s.id=$1", src)
+        template = await sandbox_lookup.template_name_of(conn, src)
+        assert template is not None  # src is the source of a usable snapshot: its row is there (rows stay)
         await lifecycle.insert(
             conn, SandboxState.SUSPENDED,
             {"id": cid, "tenant_id": who.tenant_id, "parent_sandbox_id": src, "source_snapshot_id": snap["id"]},
@@ -227,10 +214,11 @@ async def _pin_and_promote(ctx: ApiContext, snapshot_id: str, sandbox_id: str) -
     deadline = time.monotonic() + ctx.settings.suspend_timeout_s
     error = f"it was not stored in object storage within {ctx.settings.suspend_timeout_s:.0f} s"
     while time.monotonic() < deadline:
-        r = await ctx.pool.fetchrow("SELECT promotion, promotion_error FROM snapshots WHERE id=$1", snapshot_id)
-        if r["promotion"] == "promoted":
+        r = await snapshot_service.promotion_of(ctx.pool, snapshot_id)
+        assert r is not None  # pinned above: its row is there
+        if r["promotion"] == PromotionState.PROMOTED:
             return None
-        if r["promotion"] == "failed":
+        if r["promotion"] == PromotionState.FAILED:
             error = f"storing it in object storage failed: {r['promotion_error']}"
             break
         await asyncio.sleep(PROMOTION_POLL_S)
@@ -256,10 +244,7 @@ async def create_snapshot(sandbox_id: str, ctx: CtxDep, who: WhoDep, body: Snaps
     if name:
         if is_snapshot_id(name):
             raise InvalidRequest("a snapshot name must not start with snap_ (podbay's snapshot ids do)")
-        await ctx.pool.execute(
-            "INSERT INTO e2b_snapshot_names (tenant_id, name, snapshot_id) VALUES ($1, $2, $3)"
-            " ON CONFLICT (tenant_id, name) DO UPDATE SET snapshot_id = EXCLUDED.snapshot_id",
-            who.tenant_id, name, info.id)
+        await snapshot_service.name_snapshot(ctx.pool, who.tenant_id, name, info.id)
     return JSONResponse(_snapshot_info(info.id, name), status_code=201)
 
 
@@ -275,18 +260,10 @@ async def list_snapshots(ctx: CtxDep, who: WhoDep, sandbox_id: str | None = Quer
     cursor = decode_cursor(next_token)
     # E2B's names are ``[slug/]name[:tag]``; podbay keeps one name per snapshot, without slug or tag.
     wanted = name.split(":", 1)[0].rsplit("/", 1)[-1] if name else None
-    sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
-           " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
-           f" WHERE n.tenant_id=$1 AND {_USABLE} AND ($2::text IS NULL OR n.sandbox_id = $2)"
-           " AND ($4::text IS NULL OR n.id = $4 OR EXISTS (SELECT 1 FROM e2b_snapshot_names m"
-           " WHERE m.snapshot_id = n.id AND m.tenant_id = $1 AND m.name = $4))")
     # sandboxID in either spelling (podbay.naming.e2b_sandbox_id).
-    args: list[Any] = [who.tenant_id, sandbox_id and (sandbox_id_from_e2b(sandbox_id) or sandbox_id), limit + 1,
-                       wanted]
-    if cursor is not None:
-        sql += " AND (n.created_at, n.id) < ($5, $6)"
-        args += [cursor[0], cursor[1]]
-    rows = await ctx.pool.fetch(sql + " ORDER BY n.created_at DESC, n.id DESC LIMIT $3", *args)
+    rows = await snapshot_service.usable_page(
+        ctx.pool, who.tenant_id, sandbox_id=sandbox_id and (sandbox_id_from_e2b(sandbox_id) or sandbox_id),
+        name=wanted, limit=limit + 1, cursor=cursor)
     token = None
     if len(rows) > limit:
         last = rows[limit - 1]
@@ -305,11 +282,7 @@ async def delete_snapshot(template_id: str, ctx: CtxDep, who: WhoDep) -> Respons
         await e2b_template_admin.delete_template(ctx, who, template_id)
         return Response(status_code=204)
     snap = await _snapshot_row(ctx, who, template_id)
-    in_use = await ctx.pool.fetchval(
-        "SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ('pending', 'starting', 'resuming')", snap["id"])
-    if in_use:
+    if await snapshot_service.starting_from(ctx.pool, snap["id"]):
         raise Conflict(f"snapshot {snap['id']} is being used to start a sandbox; retry shortly")
-    async with ctx.pool.acquire() as conn, conn.transaction():
-        await snapshot_state.delete(conn, [snap["id"]])
-        await conn.execute("DELETE FROM e2b_snapshot_names WHERE snapshot_id=$1", snap["id"])
+    await snapshot_service.delete_named(ctx.pool, snap["id"])
     return Response(status_code=204)

@@ -39,6 +39,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from podbay.contracts.templates import BuildState
 from podbay.errors import InvalidRequest, NotFound
 
 from ..core.auth import Principal
@@ -46,8 +47,7 @@ from ..core.context import ApiContext
 from ..core.deps import ctx_dep
 from .common import ENVD_VERSION, WhoDep, _Body, _E2bRoute, _iso
 from ..services import template_access
-from ..services.template_access import VISIBLE_SQL
-from ..services.templates import BUILTIN, remove_template
+from ..services.templates import BUILTIN, builds_page, e2b_templates, remove_template
 
 __all__ = ["router", "delete_template", "DEFAULT_TAGS"]
 
@@ -58,26 +58,8 @@ router = APIRouter(prefix="/e2b", route_class=_E2bRoute, include_in_schema=False
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 
 # E2B's statuses of a build, by podbay's template_builds.state.
-_BUILD_STATUS = {"running": "building", "succeeded": "ready", "failed": "error"}
+_BUILD_STATUS = {BuildState.RUNNING: "building", BuildState.SUCCEEDED: "ready", BuildState.FAILED: "error"}
 _MIB = 1 << 20
-# Every template the caller may see (shared ones and its own: services/api/services/template_access.py) with the
-# caller's use of it, by the names their owners gave (``alias``; ``t.name`` is the key, which sandboxes, builds
-# and pools use); a shared template the caller has a name of its own for is not listed. $1 tenant, $2 one
-# name (or NULL: all), $3 names after this one (or NULL), $4 at most this many.
-_SQL = ("SELECT t.alias AS name, t.digest, t.vcpus, t.memory_mib, t.size_bytes, t.created_at, t.updated_at,"
-        " (SELECT count(*) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS spawns,"
-        " (SELECT max(s.created_at) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS last,"
-        " (SELECT count(*) FROM template_builds b WHERE b.name = t.name AND b.state = 'succeeded'"
-        "  AND b.owner_tenant IS NOT DISTINCT FROM t.owner_tenant) AS builds,"
-        " (SELECT b.id FROM template_builds b WHERE b.name = t.name AND b.digest = t.digest"
-        "  AND b.state = 'succeeded' ORDER BY b.finished_at DESC LIMIT 1) AS build_id"
-        " FROM templates t WHERE t.deleted_at IS NULL AND ($2::text IS NULL OR t.alias = $2)"
-        " AND " + VISIBLE_SQL.format(tenant="$1") +
-        " AND NOT (t.owner_tenant IS NULL AND EXISTS (SELECT 1 FROM templates o WHERE o.alias = t.alias"
-        " AND o.owner_tenant = $1 AND o.deleted_at IS NULL))"
-        " AND ($3::text IS NULL OR t.alias > $3) ORDER BY t.alias LIMIT $4")
-
-
 def _uuid(ident: str) -> str:
     """A stable UUID for a podbay build id (or, for a built-in template, which has no build row, its digest):
     E2B's SDK parses the build ids of a template's builds as UUIDs."""
@@ -85,7 +67,7 @@ def _uuid(ident: str) -> str:
 
 
 def _template(row: Any) -> dict[str, Any]:
-    """E2B's ``Template`` of a ``templates`` row read with :data:`_SQL`."""
+    """E2B's ``Template`` of a row of :func:`~podbay_api.services.templates.e2b_templates`."""
     return {"templateID": row["name"], "buildID": _uuid(row["build_id"] or row["digest"]), "cpuCount": row["vcpus"],
             "memoryMB": row["memory_mib"], "diskSizeMB": (row["size_bytes"] or 0) // _MIB, "public": False,
             "aliases": [row["name"]], "names": [row["name"]], "createdAt": _iso(row["created_at"]),
@@ -97,7 +79,7 @@ def _template(row: Any) -> dict[str, Any]:
 
 
 async def _templates(ctx: ApiContext, who: Principal, name: str | None, after: str | None, limit: int) -> list[Any]:
-    return await ctx.pool.fetch(_SQL, who.tenant_id, name, after, limit)  # type: ignore[no-any-return]  # asyncpg is untyped: fetch returns Any
+    return await e2b_templates(ctx.pool, who.tenant_id, name, after, limit)
 
 
 @router.get("/templates")
@@ -131,10 +113,7 @@ async def get_template(template_id: str, ctx: CtxDep, who: WhoDep, limit: int = 
         skip = int(next_token or 0)
     except ValueError as exc:
         raise InvalidRequest("nextToken was not issued by this server") from exc
-    builds = await ctx.pool.fetch(
-        "SELECT b.id, b.state, b.digest, b.created_at, b.finished_at FROM template_builds b"
-        " WHERE b.alias = $1 AND b.tenant_id = $2 ORDER BY b.created_at DESC, b.id OFFSET $3 LIMIT $4",
-        name, who.tenant_id, skip, limit + 1)
+    builds = await builds_page(ctx.pool, who.tenant_id, name, skip, limit + 1)
     tpl = rows[0]
     out = _template(tpl)
     out["builds"] = [

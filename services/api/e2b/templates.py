@@ -56,14 +56,16 @@ from podbay.contracts.templates import (
     VCPUS_MIN,
     BuildEvent,
     BuildResources,
+    BuildState,
     ImageConfig,
 )
+from podbay.contracts.states import E2BBuildState
 from podbay.e2b_build import E2bBuildError, E2bBuildStart, Translation, files_dir, render, translate
 from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unauthorized, Unavailable
 from podbay.objstore import StorageError, open_store
 from podbay.outbox import new_id
 
-from ..services import template_access
+from ..services import template_access, templates as template_service
 from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep
@@ -139,8 +141,7 @@ def _template_name(raw: str | None, tags: list[str] | None) -> str:
 async def _log(ctx: ApiContext, build_id: str, entries: list[tuple[str, str, str | None]]) -> None:
     """Append ``(level, message, step)`` entries to a build's log."""
     if entries:
-        await ctx.pool.executemany("INSERT INTO e2b_template_build_logs (build_id, level, message, step)"
-                                   " VALUES ($1, $2, $3, $4)", [(build_id, *e) for e in entries])
+        await template_service.append_e2b_build_log(ctx.pool, build_id, entries)
 
 
 @router.post("/v3/templates")
@@ -267,8 +268,7 @@ async def _context(ctx: ApiContext, tenant_id: str, hashes: list[str]) -> tuple[
 
 
 async def _row(ctx: ApiContext, tenant_id: str, template_id: str, build_id: str) -> Any:
-    row = await ctx.pool.fetchrow("SELECT * FROM e2b_template_builds WHERE id=$1 AND tenant_id=$2 AND template=$3",
-                                  build_id, tenant_id, template_id)
+    row = await template_service.e2b_build(ctx.pool, tenant_id, template_id, build_id)
     if row is None:
         raise NotFound(f"build {build_id} of template {template_id} was not found")
     return row
@@ -281,8 +281,7 @@ async def _parent(ctx: ApiContext, who: Principal, first: Translation, raw: E2bB
     row = None
     found = await template_access.lookup(ctx.pool, ctx, who, ref, route="POST /e2b/v2/templates/{id}/builds")
     if found is not None:
-        row = await ctx.pool.fetchrow("SELECT config FROM templates WHERE name=$1 AND deleted_at IS NULL",
-                                      found["name"])
+        row = await template_service.live_config(ctx.pool, found["name"])
     if row is None:
         if first.from_image:
             raise InvalidRequest(f"fromImage {raw.from_image!r} is no podbay template, and podbay reaches no image "
@@ -411,13 +410,12 @@ async def _state(ctx: ApiContext, row: Any) -> tuple[str, dict[str, Any] | None]
     """E2B's status and reason of a build: the row's own, or, for a build whose stream reader is gone (its
     API restarted), podbay's build row once the node has finished it."""
     state, reason = row["state"], row["reason"]
-    if state == "building" and row["podbay_build_id"]:
-        pb = await ctx.pool.fetchrow("SELECT state, error, finished_at FROM template_builds WHERE id=$1",
-                                     row["podbay_build_id"])
+    if state == E2BBuildState.BUILDING and row["podbay_build_id"]:
+        pb = await template_service.build_outcome(ctx.pool, row["podbay_build_id"])
         # The reader writes the outcome within moments of the node; after 10 s it is not coming.
-        if pb is not None and pb["state"] != "running" and pb["finished_at"] is not None and (
+        if pb is not None and pb["state"] != BuildState.RUNNING and pb["finished_at"] is not None and (
                 (datetime.now(UTC) - pb["finished_at"]).total_seconds() > 10):
-            if pb["state"] == "succeeded":
+            if pb["state"] == BuildState.SUCCEEDED:
                 return "ready", None
             err = pb["error"] if isinstance(pb["error"], dict) else json.loads(pb["error"] or "{}")
             return "error", {"message": str(err.get("message") or "the build failed")}
@@ -438,9 +436,7 @@ async def status(template_id: str, build_id: str, ctx: CtxDep, who: WhoDep,
     row = await _row(ctx, who.tenant_id, template_id, build_id)
     state, reason = await _state(ctx, row)
     levels = [lv for lv, n in _LEVELS.items() if n >= _LEVELS[level or "debug"]]
-    rows = await ctx.pool.fetch(
-        "SELECT at, level, message, step FROM e2b_template_build_logs WHERE build_id=$1 AND level = ANY($2::text[])"
-        " ORDER BY id OFFSET $3 LIMIT $4", build_id, levels, logs_offset, limit)
+    rows = await template_service.e2b_build_log(ctx.pool, build_id, levels, logs_offset, limit)
     out: dict[str, Any] = {
         "logs": [], "templateID": template_id, "buildID": build_id, "status": state,
         "logEntries": [{"timestamp": _iso(r["at"]), "level": r["level"], "message": r["message"],

@@ -39,9 +39,8 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, ValidationError
 
 from podbay.contracts.volumes import VolumeCreate, VolumeMount
-from podbay import volume_state
 from podbay.envdpath import SANDBOX_ID
-from podbay.errors import Conflict, InvalidRequest, NotFound, PodbayError, Unavailable
+from podbay.errors import InvalidRequest, NotFound, PodbayError
 from podbay.grants import GrantKind
 
 from .. import nodes_client
@@ -109,9 +108,7 @@ def _volume_and_token(ctx: ApiContext, vol_id: str, name: str) -> dict[str, Any]
 
 async def _name_of(ctx: ApiContext, who: Principal, ref: str) -> str:
     """The name of the caller's volume whose id or name is ``ref``; ``NotFound`` otherwise."""
-    name = await ctx.pool.fetchval(
-        "SELECT name FROM volumes WHERE tenant_id=$1 AND state='available' AND (id=$2 OR name=$2)"
-        " ORDER BY id=$2 DESC LIMIT 1", who.tenant_id, ref)
+    name = await volume_service.name_of(ctx.pool, who.tenant_id, ref)
     if name is None:
         raise NotFound(f"volume {ref} was not found")
     return str(name)
@@ -150,30 +147,6 @@ async def delete(volume_id: str, ctx: CtxDep, who: WhoDep) -> Response:
     return Response(status_code=204)
 
 
-async def _content_node(ctx: ApiContext, volume_id: str) -> tuple[str, str]:
-    """``(tenant, node data-plane URL)`` of the available volume ``volume_id``; an unbound one is bound to a
-    ready node first (the same conditional update a sandbox's first attach makes, so the two agree).
-    NotFound; Conflict while a sandbox that is not deleted has it attached; Unavailable without a node."""
-    row = await ctx.pool.fetchrow("SELECT tenant_id, node_id FROM volumes WHERE id=$1 AND state='available'", volume_id)
-    if row is None:
-        raise NotFound(f"volume {volume_id} was not found")
-    holder = await ctx.pool.fetchval(
-        "SELECT s.id FROM sandbox_volumes sv JOIN sandboxes s ON s.id = sv.sandbox_id"
-        " WHERE sv.volume_id = $1 AND s.state <> 'deleted' LIMIT 1", volume_id)
-    if holder is not None:
-        raise Conflict(f"volume {volume_id} is attached to sandbox {holder}: podbay's volumes are mounted by one "
-                       "sandbox at a time, so use that sandbox's files (or kill it) to reach them")
-    node_id = row["node_id"]
-    if node_id is None:
-        node_id = await volume_state.place_anywhere(ctx.pool, volume_id)
-        node_id = node_id or await ctx.pool.fetchval("SELECT node_id FROM volumes WHERE id=$1", volume_id)
-    url = await ctx.pool.fetchval("SELECT dataplane_url FROM nodes WHERE id=$1 AND state <> 'lost'", node_id) \
-        if node_id else None
-    if not url:
-        raise Unavailable(f"volume {volume_id}'s node is not available; retry shortly", details={"retryable": True})
-    return str(row["tenant_id"]), str(url)
-
-
 def _e2b_error(resp: Response) -> Response:
     """A node's podbay error answer (``{"error": {"code", "message"}}``) in E2B's shape."""
     try:
@@ -197,7 +170,7 @@ async def content(volume_id: str, op: str, request: Request, ctx: CtxDep) -> Res
     if request.method not in methods:  # after the token: nothing about a volume to a caller who cannot open it
         return error_body(405, f"{request.method} is not allowed on /volumecontent/{{volumeID}}/{op}")
     try:
-        tenant, base = await _content_node(ctx, volume_id)
+        tenant, base = await volume_service.content_node(ctx.pool, volume_id)
         url = str(httpx.URL(base).copy_with(path=f"/internal/v1/volumes/{volume_id}/content/{op}"))
         params = httpx.QueryParams([(k, v) for k, v in request.query_params.multi_items() if k in _CONTENT_PARAMS])
         upload = request.method in ("PUT", "PATCH")

@@ -21,6 +21,7 @@ from podbay.contracts.schedules import (
     ScheduleRunInfo,
     ScheduleRunList,
 )
+from podbay.contracts.states import SandboxState
 from podbay.errors import InvalidState, LimitExceeded, NotFound
 from podbay.outbox import new_id
 
@@ -28,6 +29,7 @@ from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep, principal_dep
 from ..services.sandbox_lookup import audit, load_sandbox
+from . import queries
 from .cron import first_fire
 
 __all__ = ["router", "run_info"]
@@ -35,11 +37,6 @@ __all__ = ["router", "run_info"]
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/schedules")
 CtxDep = Annotated[ApiContext, Depends(ctx_dep)]
 PrincipalDep = Annotated[Principal, Depends(principal_dep)]
-
-_SCHEDULE_COLS = "id, sandbox_id, cron, tz, at, command, awake_s, overlap, missed, next_fire_at, created_at"
-_RUN_META = ("id, schedule_id, sandbox_id, fire_at, due_at, state, reason, message, prior_state, started_at,"
-             " awake_at, command_started_at, finished_at, exit_code, stdout_bytes, stderr_bytes, output_key")
-_RUN_COLS = _RUN_META + ", stdout_head, stdout_tail, stderr_head, stderr_tail"
 
 
 def run_info(row: asyncpg.Record | dict[str, Any]) -> ScheduleRunInfo:
@@ -58,7 +55,7 @@ def _schedule_info(row: asyncpg.Record, last: asyncpg.Record | None) -> Schedule
 
 async def _live_sandbox(conn: Any, who: Principal, sandbox_id: str, *, for_update: bool = False) -> asyncpg.Record:
     row = await load_sandbox(conn, who.tenant_id, sandbox_id, for_update=for_update)
-    if row["state"] in ("deleting", "deleted"):
+    if row["state"] in (SandboxState.DELETING, SandboxState.DELETED):
         raise InvalidState(f"sandbox {sandbox_id} is {row['state']}", details={"state": row["state"]})
     return row
 
@@ -78,17 +75,16 @@ async def add_schedule(sandbox_id: str, body: ScheduleCreate, ctx: CtxDep, who: 
     limit = ctx.settings.schedules_per_sandbox_max
     async with ctx.pool.acquire() as conn, conn.transaction():
         await _live_sandbox(conn, who, sandbox_id, for_update=True)
-        count = await conn.fetchval("SELECT count(*) FROM schedules WHERE sandbox_id=$1", sandbox_id)
+        count = await queries.count_of(conn, sandbox_id)
         if count >= limit:
             raise LimitExceeded(f"sandbox {sandbox_id} has {count} schedules, the most it may have",
                                 details={"limit": limit, "setting": "PODBAY_SCHEDULES_PER_SANDBOX_MAX"})
-        row = await conn.fetchrow(
-            f"INSERT INTO schedules (id, tenant_id, sandbox_id, cron, tz, at, command, awake_s, overlap, missed,"
-            f" next_fire_at) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11) RETURNING {_SCHEDULE_COLS}",
-            schedule_id, who.tenant_id, sandbox_id, " ".join(body.cron.split()) if body.cron else None, body.tz,
-            next_at if body.at is not None else None,
-            body.command.model_dump(exclude_none=True) if body.command else None, awake_s, body.overlap,
-            body.missed, next_at)
+        row = await queries.insert(
+            conn, schedule_id, tenant_id=who.tenant_id, sandbox_id=sandbox_id,
+            cron=" ".join(body.cron.split()) if body.cron else None, tz=body.tz,
+            at=next_at if body.at is not None else None,
+            command=body.command.model_dump(exclude_none=True) if body.command else None, awake_s=awake_s,
+            overlap=body.overlap, missed=body.missed, next_fire_at=next_at)
         await audit(conn, who, "sandbox.schedule.add", sandbox_id,
                     detail={"schedule_id": schedule_id, "cron": body.cron, "at": next_at.isoformat()
                             if body.at else None, "program": body.command.argv[0][:256] if body.command else None})
@@ -99,19 +95,14 @@ async def add_schedule(sandbox_id: str, body: ScheduleCreate, ctx: CtxDep, who: 
 async def list_schedules(sandbox_id: str, ctx: CtxDep, who: PrincipalDep) -> ScheduleList:
     """The sandbox's schedules, oldest first, each with its next fire time and its newest run."""
     await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
-    rows = await ctx.pool.fetch(
-        f"SELECT {_SCHEDULE_COLS} FROM schedules WHERE sandbox_id=$1 AND tenant_id=$2 ORDER BY created_at, id",
-        sandbox_id, who.tenant_id)
-    lasts = {r["schedule_id"]: r for r in await ctx.pool.fetch(
-        f"SELECT DISTINCT ON (schedule_id) {_RUN_META} FROM schedule_runs WHERE schedule_id = ANY($1::text[])"
-        " ORDER BY schedule_id, fire_at DESC", [r["id"] for r in rows])}
+    rows = await queries.list_of(ctx.pool, who.tenant_id, sandbox_id)
+    lasts = await queries.last_runs(ctx.pool, [r["id"] for r in rows])
     return ScheduleList(schedules=[_schedule_info(r, lasts.get(r["id"])) for r in rows])
 
 
 async def _schedule_row(ctx: ApiContext, who: Principal, sandbox_id: str, schedule_id: str) -> asyncpg.Record:
     await load_sandbox(ctx.pool, who.tenant_id, sandbox_id)
-    row = await ctx.pool.fetchrow(f"SELECT {_SCHEDULE_COLS} FROM schedules WHERE id=$1 AND sandbox_id=$2"
-                                  " AND tenant_id=$3", schedule_id, sandbox_id, who.tenant_id)
+    row = await queries.get(ctx.pool, who.tenant_id, sandbox_id, schedule_id)
     if row is None:
         raise NotFound(f"schedule {schedule_id} of sandbox {sandbox_id} does not exist",
                        details={"schedule_id": schedule_id})
@@ -122,8 +113,7 @@ async def _schedule_row(ctx: ApiContext, who: Principal, sandbox_id: str, schedu
 async def get_schedule(sandbox_id: str, schedule_id: str, ctx: CtxDep, who: PrincipalDep) -> ScheduleInfo:
     """One schedule with its newest run. 404 ``not_found``."""
     row = await _schedule_row(ctx, who, sandbox_id, schedule_id)
-    last = await ctx.pool.fetchrow(f"SELECT {_RUN_META} FROM schedule_runs WHERE schedule_id=$1"
-                                   " ORDER BY fire_at DESC LIMIT 1", schedule_id)
+    last = await queries.last_run(ctx.pool, schedule_id)
     return _schedule_info(row, last)
 
 
@@ -133,9 +123,7 @@ async def remove_schedule(sandbox_id: str, schedule_id: str, ctx: CtxDep, who: P
     further fire happens. 404 ``not_found``."""
     async with ctx.pool.acquire() as conn, conn.transaction():
         await load_sandbox(conn, who.tenant_id, sandbox_id)
-        gone = await conn.fetchval("DELETE FROM schedules WHERE id=$1 AND sandbox_id=$2 AND tenant_id=$3"
-                                   " RETURNING id", schedule_id, sandbox_id, who.tenant_id)
-        if gone is None:
+        if not await queries.delete(conn, who.tenant_id, sandbox_id, schedule_id):
             raise NotFound(f"schedule {schedule_id} of sandbox {sandbox_id} does not exist",
                            details={"schedule_id": schedule_id})
         await audit(conn, who, "sandbox.schedule.remove", sandbox_id, detail={"schedule_id": schedule_id})
@@ -147,6 +135,5 @@ async def list_runs(sandbox_id: str, schedule_id: str, ctx: CtxDep, who: Princip
                     limit: int = Query(20, ge=1, le=1000)) -> ScheduleRunList:
     """The schedule's runs, newest first, with the head and tail of their output. 404 ``not_found``."""
     await _schedule_row(ctx, who, sandbox_id, schedule_id)
-    rows = await ctx.pool.fetch(f"SELECT {_RUN_COLS} FROM schedule_runs WHERE schedule_id=$1"
-                                " ORDER BY fire_at DESC LIMIT $2", schedule_id, limit)
+    rows = await queries.runs(ctx.pool, schedule_id, limit)
     return ScheduleRunList(runs=[run_info(r) for r in rows])

@@ -37,7 +37,7 @@ from podbay import schedule_run_state
 from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..nodes_client import exec_body, lookup
-from ..services import sandbox_service
+from ..services import sandbox_lookup, sandbox_service
 
 __all__ = ["Run", "execute", "recover", "put_back", "split_output", "finish_event"]
 
@@ -84,8 +84,7 @@ def finish_event(run_id: str, schedule_id: str, state: ScheduleRunState, **extra
 
 
 async def _state(ctx: ApiContext, sandbox_id: str) -> str | None:
-    state: str | None = await ctx.pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
-    return state
+    return await sandbox_lookup.sandbox_state(ctx.pool, sandbox_id)
 
 
 async def _settled(ctx: ApiContext, sandbox_id: str, timeout_s: float = SETTLE_TIMEOUT_S) -> str | None:

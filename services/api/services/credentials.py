@@ -1,12 +1,17 @@
 """Credentials as a service (table ``credentials``; docs/DESIGN.md §6, docs/architecture/network.md): the store
 that seals a value (podbay.credentials), and the named queries of a tenant's credentials. ``/v1/credentials``
 (services/api/routes/credentials.py) and E2B's Secrets API (services/api/e2b/secrets.py) call them. A value is
-never read back by any of these: rows carry its sealed form only, and :data:`COLS` leaves that out.
+never read back by any of these: rows carry its sealed form only, and :data:`COLS` leaves that out. E2B's
+secrets are credentials with a row in ``e2b_secrets`` (E2B's metadata and version): the ``*_secret``
+functions below.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -17,7 +22,7 @@ from podbay.errors import StorageError
 from ..core.context import ApiContext
 
 __all__ = ["COLS", "store_for", "destroy_quietly", "placeholder_taken", "insert", "list_live", "get_live",
-           "lock_live", "mark_deleted"]
+           "lock_live", "mark_deleted", "find_secret", "insert_secret", "secrets_page", "update_secret"]
 
 log = logging.getLogger("podbay.api.credentials")
 
@@ -94,3 +99,57 @@ async def lock_live(conn: asyncpg.Connection, tenant_id: str, name: str) -> asyn
 async def mark_deleted(conn: asyncpg.Connection, cred_id: str) -> None:
     """Mark credential ``cred_id`` deleted and drop its sealed value (the row stays for the audit trail)."""
     await conn.execute("UPDATE credentials SET deleted_at=now(), ciphertext=NULL WHERE id=$1", cred_id)
+
+
+# E2B's secrets (services/api/e2b/secrets.py). The columns of one: its credential row joined with its E2B row
+# (the sealed value too, which the caller needs to destroy it and never returns).
+_SECRET_SQL = ("SELECT c.id, c.name, c.created_at, e.metadata, e.version, e.updated_at, c.backend, c.ciphertext,"
+               " c.secret_ref FROM credentials c JOIN e2b_secrets e ON e.credential_id = c.id"
+               " WHERE c.tenant_id = $1 AND c.deleted_at IS NULL")
+
+
+async def find_secret(conn: Any, tenant_id: str, secret: str, *, by_id: bool,
+                      for_update: bool = False) -> asyncpg.Record | None:
+    """The tenant's live E2B secret whose id (``by_id``) or name is ``secret`` (``id, name, created_at,
+    metadata, version, updated_at, backend, ciphertext, secret_ref``), locked ``FOR UPDATE`` to the end of the
+    caller's transaction when asked; None when there is none."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        _SECRET_SQL + (" AND c.id = $2" if by_id else " AND c.name = $2") + (" FOR UPDATE OF c, e" if for_update else ""),
+        tenant_id, secret)
+    return row
+
+
+async def insert_secret(conn: asyncpg.Connection, sec_id: str, tenant_id: str, name: str, sealed: Sealed,
+                        metadata: dict[str, str]) -> None:
+    """Write E2B secret ``sec_id``: a credential scoped to no sandbox (an empty array, so neither guest env nor
+    gateway sees it until a rule names it) with its ``sealed`` value, and its E2B row (version 1). Call it
+    in a transaction; ``asyncpg.UniqueViolationError`` when the tenant has a live credential of that name."""
+    await conn.execute(
+        "INSERT INTO credentials (id, tenant_id, name, hosts, header, format, scope_sandboxes, backend,"
+        " ciphertext, secret_ref) VALUES ($1, $2, $3, '{}', 'Authorization', '{value}', '{}', $4, $5, $6)",
+        sec_id, tenant_id, name, sealed.backend, sealed.ciphertext, sealed.secret_ref)
+    await conn.execute("INSERT INTO e2b_secrets (credential_id, tenant_id, metadata) VALUES ($1, $2, $3)",
+                       sec_id, tenant_id, json.dumps(metadata))
+
+
+async def secrets_page(pool: asyncpg.Pool, tenant_id: str, limit: int,
+                       cursor: tuple[datetime, str] | None) -> list[asyncpg.Record]:
+    """Up to ``limit`` of the tenant's live E2B secrets (the columns of :func:`find_secret`), newest first,
+    after ``cursor`` ((created_at, id) of the previous page's last row; None: from the newest)."""
+    sql = _SECRET_SQL
+    args: list[Any] = [tenant_id, limit]
+    if cursor is not None:
+        sql += " AND (c.created_at, c.id) < ($3, $4)"
+        args += [cursor[0], cursor[1]]
+    return list(await pool.fetch(sql + " ORDER BY c.created_at DESC, c.id DESC LIMIT $2", *args))
+
+
+async def update_secret(conn: asyncpg.Connection, cred_id: str, sealed: Sealed,
+                        metadata: dict[str, str] | None) -> None:
+    """E2B secret ``cred_id``'s new ``sealed`` value: its next version, and its ``metadata`` when given."""
+    await conn.execute("UPDATE credentials SET ciphertext=$2, secret_ref=$3 WHERE id=$1",
+                       cred_id, sealed.ciphertext, sealed.secret_ref)
+    await conn.execute(
+        "UPDATE e2b_secrets SET version = version + 1, updated_at = now(),"
+        " metadata = COALESCE($2::jsonb, metadata) WHERE credential_id = $1",
+        cred_id, json.dumps(metadata) if metadata is not None else None)

@@ -1,7 +1,9 @@
 """What every sandbox route and service of the API shares: the ``sandboxes`` row's columns and API shape
 (:func:`sandbox_info`), the tenant's row (:func:`load_sandbox`), the audit record of a state-changing call
 (:func:`audit`), the bounded waits for an operation's outcome (:func:`await_operation`, :func:`finish`) and
-the credential placeholder env of a new sandbox (:data:`GUEST_ENV_SQL`).
+the credential placeholder env of a new sandbox (:data:`GUEST_ENV_SQL`); and the named queries of E2B's
+protocol over a sandbox (``e2b_sandboxes``: its create settings, network configuration and cold-resume
+snapshot; ``e2b_metrics``: its metrics samples; E2B's listing), which services/api/e2b/ calls.
 
 It imports no route module and no FastAPI type, so every route module (services/api/routes/, e2b/) and the
 service layer (services/api/services/sandbox_service.py, warm.py, ...) import it without an import cycle.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -25,7 +29,10 @@ from podbay.telemetry import LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 from ..core.auth import Principal
 from ..core.context import ApiContext
 
-__all__ = ["SANDBOX_COLS", "GUEST_ENV_SQL", "sandbox_info", "load_sandbox", "list_sandboxes_of", "load_operation", "audit", "await_operation", "finish"]
+__all__ = ["SANDBOX_COLS", "GUEST_ENV_SQL", "sandbox_info", "load_sandbox", "list_sandboxes_of", "load_operation", "audit",
+           "await_operation", "finish", "sandbox_state", "template_name_of", "e2b_page", "insert_e2b_settings",
+           "copy_e2b_settings", "store_e2b_network", "e2b_network", "e2b_iam_tokens", "cold_resume_snapshot",
+           "set_cold_resume", "clear_cold_resume", "sampled_within_a_second", "add_metrics_sample", "metrics_samples"]
 
 #: The columns :func:`sandbox_info` reads (``FROM sandboxes``): ``template`` is the template's key,
 #: ``template_alias`` the name its owner gave it, which the API shows (services/api/services/template_access.py).
@@ -163,3 +170,136 @@ async def audit(conn: Any, who: Principal, action: str, target: str | None, *,
         sandbox_id = target
     await record(conn, tenant_id=who.tenant_id, actor=who.key_id, action=action, target=target,
                  sandbox_id=sandbox_id, detail=detail)
+
+
+async def sandbox_state(pool: Any, sandbox_id: str) -> str | None:
+    """The sandbox's ``state`` (any tenant's: the caller checked the tenant), or None when there is no row."""
+    state: str | None = await pool.fetchval("SELECT state FROM sandboxes WHERE id=$1", sandbox_id)
+    return state
+
+
+async def template_name_of(conn: Any, sandbox_id: str) -> str | None:
+    """The name the tenant gave the sandbox's template (``templates.alias``; ``sandboxes.template`` is its key,
+    shown when the template row has no alias), or None when there is no such sandbox."""
+    name: str | None = await conn.fetchval(
+        "SELECT coalesce(t.alias, s.template) FROM sandboxes s LEFT JOIN templates t ON t.name = s.template"
+        " WHERE s.id=$1", sandbox_id)
+    return name
+
+
+# E2B's protocol over a sandbox (services/api/e2b/). ``e2b_sandboxes`` holds one row per sandbox created with
+# E2B's settings (migrations: env_vars, auto_resume, auto_pause_filesystem, network, iam_tokens,
+# cold_resume_snapshot, and the port edge's allow_public_traffic, mask_request_host); ``e2b_metrics`` the
+# metrics samples of its metrics route.
+
+async def e2b_page(pool: Any, tenant_id: str, states: Sequence[str], *, metadata: Mapping[str, str],
+                   template: str | None, started_after: datetime | None, ascending: bool, limit: int,
+                   cursor: tuple[datetime, str] | None) -> list[asyncpg.Record]:
+    """Up to ``limit`` of the tenant's sandboxes in ``states`` (podbay's states) whose metadata holds
+    ``metadata``, of template ``template`` (the name its owner gave; None: any), created at or after
+    ``started_after`` (None: any), after ``cursor`` ((created_at, id) of the previous page's last row; None:
+    from the start), ordered by creation (``ascending`` or newest first). Rows: ``id``, ``template`` (the
+    name the tenant gave, else the key), ``state``, ``vcpus``, ``memory_mib``, ``metadata``, ``created_at``,
+    ``lease_expires_at``."""
+    sql = ("SELECT id, coalesce(template_alias, template) AS template, state, vcpus, memory_mib, metadata, created_at, lease_expires_at"
+           " FROM (SELECT s.*, (SELECT t.alias FROM templates t WHERE t.name = s.template) AS template_alias"
+           " FROM sandboxes s) sandboxes"
+           " WHERE tenant_id = $1 AND state = ANY($2::text[]) AND metadata @> $3::jsonb"
+           " AND ($5::text IS NULL OR template_alias = $5) AND ($6::timestamptz IS NULL OR created_at >= $6)")
+    args: list[Any] = [tenant_id, list(states), dict(metadata), limit, template, started_after]
+    if cursor is not None:
+        sql += f" AND (created_at, id) {'>' if ascending else '<'} ($7, $8)"
+        args += [cursor[0], cursor[1]]
+    direction = "ASC" if ascending else "DESC"
+    sql += f" ORDER BY created_at {direction}, id {direction} LIMIT $4"
+    return list(await pool.fetch(sql, *args))
+
+
+async def insert_e2b_settings(pool: Any, sandbox_id: str, *, env_vars: Mapping[str, str], auto_resume: bool,
+                              auto_pause_filesystem: bool) -> None:
+    """Keep a new sandbox's E2B create settings: the default environment of its envd commands, whether
+    traffic resumes it, whether the pause at its timeout drops memory (read by the node)."""
+    await pool.execute("INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem)"
+                       " VALUES ($1, $2, $3, $4)", sandbox_id, dict(env_vars), auto_resume, auto_pause_filesystem)
+
+
+async def copy_e2b_settings(pool: Any, parent: str, children: Sequence[str]) -> None:
+    """Give ``children`` the parent's E2B create settings (environment, auto-resume, filesystem-only pause,
+    network configuration, workload identity tokens); a child that has a row already keeps it."""
+    await pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, env_vars, auto_resume, auto_pause_filesystem, network, iam_tokens)"
+        " SELECT c, e.env_vars, e.auto_resume, e.auto_pause_filesystem, e.network, e.iam_tokens"
+        " FROM e2b_sandboxes e, unnest($2::text[]) AS c"
+        " WHERE e.sandbox_id=$1"
+        " ON CONFLICT DO NOTHING", parent, list(children))
+
+
+async def store_e2b_network(pool: Any, sandbox_id: str, network: dict[str, Any] | None,
+                            tokens: dict[str, dict[str, str]] | None = None) -> None:
+    """Keep E2B's network configuration (and, when given, the ``iam.tokens``) on ``e2b_sandboxes``."""
+    await pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, network, iam_tokens) VALUES ($1, $2, $3)"
+        " ON CONFLICT (sandbox_id) DO UPDATE SET network = EXCLUDED.network,"
+        " iam_tokens = coalesce(EXCLUDED.iam_tokens, e2b_sandboxes.iam_tokens)",
+        sandbox_id, network, tokens or None)
+
+
+async def e2b_network(pool: Any, sandbox_id: str) -> dict[str, Any] | None:
+    """E2B's network configuration kept for the sandbox (:func:`store_e2b_network`), or None."""
+    network: dict[str, Any] | None = await pool.fetchval(
+        "SELECT network FROM e2b_sandboxes WHERE sandbox_id = $1", sandbox_id)
+    return network
+
+
+async def e2b_iam_tokens(pool: Any, sandbox_id: str) -> dict[str, dict[str, str]] | None:
+    """The sandbox's workload identity tokens (``{name: {"audience", "tokenType"}}``), or None."""
+    tokens: dict[str, dict[str, str]] | None = await pool.fetchval(
+        "SELECT iam_tokens FROM e2b_sandboxes WHERE sandbox_id = $1", sandbox_id)
+    return tokens
+
+
+async def cold_resume_snapshot(pool: Any, sandbox_id: str) -> str | None:
+    """The disk snapshot the sandbox's next resume boots afresh from (after a filesystem-only pause), or None."""
+    snapshot_id: str | None = await pool.fetchval(
+        "SELECT cold_resume_snapshot FROM e2b_sandboxes WHERE sandbox_id=$1", sandbox_id)
+    return snapshot_id
+
+
+async def set_cold_resume(pool: Any, sandbox_id: str, snapshot_id: str | None) -> None:
+    """The sandbox's next resume boots afresh from disk snapshot ``snapshot_id`` (None: resumes its memory)."""
+    await pool.execute(
+        "INSERT INTO e2b_sandboxes (sandbox_id, cold_resume_snapshot) VALUES ($1, $2)"
+        " ON CONFLICT (sandbox_id) DO UPDATE SET cold_resume_snapshot = EXCLUDED.cold_resume_snapshot",
+        sandbox_id, snapshot_id)
+
+
+async def clear_cold_resume(pool: Any, sandbox_id: str) -> None:
+    """Forget the sandbox's cold-resume snapshot (it is being used), if it has a row."""
+    await pool.execute("UPDATE e2b_sandboxes SET cold_resume_snapshot = NULL WHERE sandbox_id=$1", sandbox_id)
+
+
+async def sampled_within_a_second(pool: Any, sandbox_id: str) -> bool:
+    """Whether a metrics sample of the sandbox was taken within the last second."""
+    return bool(await pool.fetchval(
+        "SELECT true FROM e2b_metrics WHERE sandbox_id=$1 AND at > now() - interval '1 second'", sandbox_id))
+
+
+async def add_metrics_sample(pool: Any, sandbox_id: str, at: datetime, sample: dict[str, Any], keep: int) -> None:
+    """Store a metrics sample taken at ``at`` (one per instant: a second one is dropped) and, in the same
+    statement, drop the samples older than the ``keep`` + 1 newest before it (``keep`` >= 0)."""
+    await pool.execute(
+        "WITH i AS (INSERT INTO e2b_metrics (sandbox_id, at, sample) VALUES ($1, $2, $3)"
+        " ON CONFLICT DO NOTHING)"
+        " DELETE FROM e2b_metrics WHERE sandbox_id=$1 AND at < (SELECT at FROM e2b_metrics WHERE sandbox_id=$1"
+        " ORDER BY at DESC OFFSET $4 LIMIT 1)",
+        sandbox_id, at, sample, keep)
+
+
+async def metrics_samples(pool: Any, sandbox_id: str, start: datetime | None,
+                          end: datetime | None) -> list[dict[str, Any]]:
+    """The sandbox's metrics samples taken from ``start`` to ``end`` (both inclusive, to the second; None:
+    unbounded), oldest first."""
+    rows = await pool.fetch(
+        "SELECT sample FROM e2b_metrics WHERE sandbox_id=$1 AND ($2::timestamptz IS NULL OR at >= $2)"
+        " AND ($3::timestamptz IS NULL OR at < $3 + interval '1 second') ORDER BY at", sandbox_id, start, end)
+    return [r["sample"] for r in rows]

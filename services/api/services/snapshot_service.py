@@ -1,5 +1,6 @@
 """The snapshot service layer: take a snapshot, roll a sandbox back to one, fork it, and the lookups of
-snapshot rows.
+snapshot rows (with those of E2B's protocol over snapshots: the usable ones, their names in
+``e2b_snapshot_names``, their listing and delete, which services/api/e2b/snapshots.py calls).
 
 No FastAPI types: podbay's routes (services/api/routes/snapshots.py) and E2B's (services/api/e2b/sandboxes.py) call it. Each
 call records an operation and waits (bounded by ``create_timeout_s``) for the node's ``podbay.ops.<id>``
@@ -8,6 +9,9 @@ and the caller answers 202 with ``operation_id``.
 """
 
 from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -23,7 +27,7 @@ from podbay.contracts.api import (
     SnapshotInfo,
 )
 from podbay.contracts.messages import ForkChild, ForkCmd, RestoreCmd, SnapshotCmd
-from podbay.contracts.states import SandboxCommand, SandboxState, SnapshotState, check_allowed
+from podbay.contracts.states import PromotionState, SandboxCommand, SandboxState, SnapshotState, check_allowed
 from podbay import lifecycle
 from podbay.errors import Conflict, InvalidRequest, NotFound
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
@@ -40,7 +44,9 @@ from .sandbox_lookup import GUEST_ENV_SQL, audit, await_operation, load_sandbox,
 from ..schedules.fork import copy_schedules
 from .volume_service import fork_volumes, refuse_with_volumes
 
-__all__ = ["SNAPSHOT_COLS", "snapshot_info", "ready_snapshots", "snapshot_nodes", "latest_ready", "ready_snapshot", "take", "restore", "fork"]
+__all__ = ["SNAPSHOT_COLS", "snapshot_info", "ready_snapshots", "snapshot_nodes", "latest_ready", "ready_snapshot", "take", "restore", "fork",
+           "USABLE_SQL", "snapshot_of_name", "name_snapshot", "usable_snapshot", "promotion_of", "usable_page",
+           "starting_from", "delete_named"]
 
 #: The columns :func:`snapshot_info` reads.
 SNAPSHOT_COLS = ("id, sandbox_id, kind, state, parent_id, size_bytes, paused_ms, error, created_at, ready_at,"
@@ -202,3 +208,78 @@ async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, body: ForkReque
     return ForkResult(snapshot_id=snap_id, operation_id=op_id, children=[
         ForkChildResult(sandbox_id=c, state=rows[c]["state"], failure_reason=rows[c]["failure_reason"])
         for c in children]), finished
+
+
+# E2B's protocol over snapshots (services/api/e2b/snapshots.py).
+
+#: A snapshot E2B can use (``n``: the snapshot, ``s``: its sandbox): ready, and its source still there (local
+#: files) or it pinned and in object storage.
+USABLE_SQL = (f"n.state='{SnapshotState.READY}' AND (s.state IN ('{SandboxState.RUNNING}', '{SandboxState.PAUSED}')"
+              f" OR (s.state NOT IN ('{SandboxState.DELETING}', '{SandboxState.DELETED}')"
+              f" AND n.promotion='{PromotionState.PROMOTED}')"
+              f" OR (n.pinned AND n.promotion='{PromotionState.PROMOTED}'))")
+#: The sandbox states of a start from a snapshot that has not finished (an SQL list).
+_STARTING = ", ".join(f"'{s}'" for s in (SandboxState.PENDING, SandboxState.STARTING, SandboxState.RESUMING))
+
+
+async def snapshot_of_name(pool: Any, tenant_id: str, name: str) -> str | None:
+    """The id of the tenant's snapshot named ``name`` (``e2b_snapshot_names``), or None."""
+    snapshot_id: str | None = await pool.fetchval(
+        "SELECT snapshot_id FROM e2b_snapshot_names WHERE tenant_id=$1 AND name=$2", tenant_id, name)
+    return snapshot_id
+
+
+async def name_snapshot(pool: Any, tenant_id: str, name: str, snapshot_id: str) -> None:
+    """Snapshot ``snapshot_id`` takes the tenant's name ``name`` (from another snapshot that had it)."""
+    await pool.execute(
+        "INSERT INTO e2b_snapshot_names (tenant_id, name, snapshot_id) VALUES ($1, $2, $3)"
+        " ON CONFLICT (tenant_id, name) DO UPDATE SET snapshot_id = EXCLUDED.snapshot_id",
+        tenant_id, name, snapshot_id)
+
+
+async def usable_snapshot(pool: Any, tenant_id: str, snapshot_id: str) -> asyncpg.Record | None:
+    """The tenant's snapshot ``snapshot_id`` if E2B can use it (:data:`USABLE_SQL`): ``id``, ``sandbox_id``,
+    ``kind``, ``promotion``, ``source_state`` (its sandbox's state); None otherwise."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT n.id, n.sandbox_id, n.kind, n.promotion, s.state AS source_state FROM snapshots n"
+        f" JOIN sandboxes s ON s.id = n.sandbox_id WHERE n.id=$1 AND n.tenant_id=$2 AND {USABLE_SQL}",
+        snapshot_id, tenant_id)
+    return row
+
+
+async def promotion_of(pool: Any, snapshot_id: str) -> asyncpg.Record | None:
+    """The snapshot's ``promotion`` and ``promotion_error``, or None when there is no such row."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT promotion, promotion_error FROM snapshots WHERE id=$1", snapshot_id)
+    return row
+
+
+async def usable_page(pool: Any, tenant_id: str, *, sandbox_id: str | None, name: str | None, limit: int,
+                      cursor: tuple[datetime, str] | None) -> list[asyncpg.Record]:
+    """Up to ``limit`` of the tenant's usable snapshots (:data:`USABLE_SQL`), newest first, after ``cursor``
+    ((created_at, id) of the previous page's last row; None: from the newest); ``sandbox_id`` keeps those of
+    one sandbox, ``name`` the one whose id or E2B name it is. Rows: ``id``, ``created_at``, ``name`` (its
+    first E2B name, or None)."""
+    sql = ("SELECT n.id, n.created_at, (SELECT m.name FROM e2b_snapshot_names m WHERE m.snapshot_id = n.id"
+           " ORDER BY m.name LIMIT 1) AS name FROM snapshots n JOIN sandboxes s ON s.id = n.sandbox_id"
+           f" WHERE n.tenant_id=$1 AND {USABLE_SQL} AND ($2::text IS NULL OR n.sandbox_id = $2)"
+           " AND ($4::text IS NULL OR n.id = $4 OR EXISTS (SELECT 1 FROM e2b_snapshot_names m"
+           " WHERE m.snapshot_id = n.id AND m.tenant_id = $1 AND m.name = $4))")
+    args: list[Any] = [tenant_id, sandbox_id, limit, name]
+    if cursor is not None:
+        sql += " AND (n.created_at, n.id) < ($5, $6)"
+        args += [cursor[0], cursor[1]]
+    return list(await pool.fetch(sql + " ORDER BY n.created_at DESC, n.id DESC LIMIT $3", *args))
+
+
+async def starting_from(pool: Any, snapshot_id: str) -> bool:
+    """Whether a sandbox is being started from the snapshot (its start has not finished)."""
+    return bool(await pool.fetchval(
+        f"SELECT true FROM sandboxes WHERE source_snapshot_id=$1 AND state IN ({_STARTING})", snapshot_id))
+
+
+async def delete_named(pool: asyncpg.Pool, snapshot_id: str) -> None:
+    """Delete the snapshot (:func:`podbay.snapshot_state.delete`) and its E2B names, in one transaction."""
+    async with pool.acquire() as conn, conn.transaction():
+        await snapshot_state.delete(conn, [snapshot_id])
+        await conn.execute("DELETE FROM e2b_snapshot_names WHERE snapshot_id=$1", snapshot_id)

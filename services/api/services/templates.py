@@ -1,14 +1,16 @@
 """The template service (no FastAPI types): start a build on a node that holds its FROM template, fail a build
 row its node no longer runs, and remove a template. ``POST``/``DELETE /v1/templates`` (services/api/routes/
 templates.py) and E2B's template build and admin APIs (services/api/e2b/templates.py, e2b/template_admin.py) call
-it. What a build is, who owns a template and what removing one means: services/api/routes/templates.py's
-docstring and services/api/services/template_access.py.
+it, and the named queries of E2B's protocol over templates (its listing, builds and build logs). What a
+build is, who owns a template and what removing one means: services/api/routes/templates.py's docstring and
+services/api/services/template_access.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
@@ -18,7 +20,7 @@ from pydantic import ValidationError
 from podbay import build_state
 
 from podbay.contracts.egress import EgressPolicy
-from podbay.contracts.templates import BuildSpec, NodeBuildRequest
+from podbay.contracts.templates import BuildSpec, BuildState, NodeBuildRequest
 from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
 from podbay.grants import BUILD_ID_HEADER, GrantKind
 from podbay.outbox import new_id
@@ -28,7 +30,9 @@ from ..core.context import ApiContext
 from . import quotas, template_access
 from .sandbox_lookup import audit
 
-__all__ = ["BUILTIN", "STALE_BUILD_GRACE_S", "visible", "builds_of", "start_build", "fail_stale_build", "remove_template"]
+__all__ = ["BUILTIN", "STALE_BUILD_GRACE_S", "visible", "builds_of", "start_build", "fail_stale_build", "remove_template",
+           "e2b_templates", "builds_page", "live_config", "build_outcome", "e2b_build", "append_e2b_build_log",
+           "e2b_build_log"]
 
 log = logging.getLogger("podbay.api.templates")
 
@@ -238,3 +242,81 @@ async def remove_template(ctx: ApiContext, who: Principal, name: str, *,
         await conn.execute("DELETE FROM template_tags WHERE name=$1", name)  # a later build starts untagged
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
         await audit(conn, who, "template.delete", alias, detail={"key": name})
+
+
+# E2B's protocol over templates (services/api/e2b/templates.py, e2b/template_admin.py).
+
+# Every template the caller may see (shared ones and its own: services/api/services/template_access.py) with the
+# caller's use of it, by the names their owners gave (``alias``; ``t.name`` is the key, which sandboxes, builds
+# and pools use); a shared template the caller has a name of its own for is not listed. $1 tenant, $2 one
+# name (or NULL: all), $3 names after this one (or NULL), $4 at most this many.
+_E2B_TEMPLATES_SQL = (
+    "SELECT t.alias AS name, t.digest, t.vcpus, t.memory_mib, t.size_bytes, t.created_at, t.updated_at,"
+    " (SELECT count(*) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS spawns,"
+    " (SELECT max(s.created_at) FROM sandboxes s WHERE s.template = t.name AND s.tenant_id = $1) AS last,"
+    f" (SELECT count(*) FROM template_builds b WHERE b.name = t.name AND b.state = '{BuildState.SUCCEEDED}'"
+    "  AND b.owner_tenant IS NOT DISTINCT FROM t.owner_tenant) AS builds,"
+    " (SELECT b.id FROM template_builds b WHERE b.name = t.name AND b.digest = t.digest"
+    f"  AND b.state = '{BuildState.SUCCEEDED}' ORDER BY b.finished_at DESC LIMIT 1) AS build_id"
+    " FROM templates t WHERE t.deleted_at IS NULL AND ($2::text IS NULL OR t.alias = $2)"
+    " AND " + template_access.VISIBLE_SQL.format(tenant="$1") +
+    " AND NOT (t.owner_tenant IS NULL AND EXISTS (SELECT 1 FROM templates o WHERE o.alias = t.alias"
+    " AND o.owner_tenant = $1 AND o.deleted_at IS NULL))"
+    " AND ($3::text IS NULL OR t.alias > $3) ORDER BY t.alias LIMIT $4")
+
+
+async def e2b_templates(pool: Any, tenant_id: str, name: str | None, after: str | None,
+                        limit: int) -> list[asyncpg.Record]:
+    """Up to ``limit`` of the templates the tenant sees, by name (the name the owner gave), after name
+    ``after`` (None: from the first); ``name`` keeps the one of that name. Rows: ``name``, ``digest``,
+    ``vcpus``, ``memory_mib``, ``size_bytes``, ``created_at``, ``updated_at``, ``spawns`` and ``last`` (the
+    tenant's sandboxes of it: how many, the newest's creation), ``builds`` (its owner's succeeded builds),
+    ``build_id`` (the build of its current digest, or None for a built-in template)."""
+    return list(await pool.fetch(_E2B_TEMPLATES_SQL, tenant_id, name, after, limit))
+
+
+async def builds_page(pool: Any, tenant_id: str, alias: str, offset: int, limit: int) -> list[asyncpg.Record]:
+    """The tenant's builds of template ``alias`` (``id``, ``state``, ``digest``, ``created_at``,
+    ``finished_at``), newest first, from the ``offset``-th, at most ``limit``."""
+    return list(await pool.fetch(
+        "SELECT b.id, b.state, b.digest, b.created_at, b.finished_at FROM template_builds b"
+        " WHERE b.alias = $1 AND b.tenant_id = $2 ORDER BY b.created_at DESC, b.id OFFSET $3 LIMIT $4",
+        alias, tenant_id, offset, limit))
+
+
+async def live_config(pool: Any, name: str) -> asyncpg.Record | None:
+    """The ``config`` (its image config, JSON or None) of the live template of key ``name``, as a row; None
+    when there is no such template."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT config FROM templates WHERE name=$1 AND deleted_at IS NULL", name)
+    return row
+
+
+async def build_outcome(pool: Any, build_id: str) -> asyncpg.Record | None:
+    """The podbay build's ``state``, ``error`` and ``finished_at``, or None when there is no such build."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT state, error, finished_at FROM template_builds WHERE id=$1", build_id)
+    return row
+
+
+async def e2b_build(pool: Any, tenant_id: str, template: str, build_id: str) -> asyncpg.Record | None:
+    """The tenant's E2B build ``build_id`` of template ``template`` (its ``e2b_template_builds`` row), or None."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT * FROM e2b_template_builds WHERE id=$1 AND tenant_id=$2 AND template=$3",
+        build_id, tenant_id, template)
+    return row
+
+
+async def append_e2b_build_log(pool: Any, build_id: str, entries: Sequence[tuple[str, str, str | None]]) -> None:
+    """Append ``(level, message, step)`` entries to an E2B build's log."""
+    await pool.executemany("INSERT INTO e2b_template_build_logs (build_id, level, message, step)"
+                           " VALUES ($1, $2, $3, $4)", [(build_id, *e) for e in entries])
+
+
+async def e2b_build_log(pool: Any, build_id: str, levels: Sequence[str], offset: int,
+                        limit: int) -> list[asyncpg.Record]:
+    """An E2B build's log entries (``at``, ``level``, ``message``, ``step``) of ``levels``, in order, from
+    the ``offset``-th, at most ``limit``."""
+    return list(await pool.fetch(
+        "SELECT at, level, message, step FROM e2b_template_build_logs WHERE build_id=$1 AND level = ANY($2::text[])"
+        " ORDER BY id OFFSET $3 LIMIT $4", build_id, list(levels), offset, limit))

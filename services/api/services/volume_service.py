@@ -35,7 +35,7 @@ import asyncpg
 from podbay import volume_state
 from podbay.audit import record
 from podbay.config import Settings
-from podbay.contracts.states import VolumeState
+from podbay.contracts.states import SandboxState, VolumeState
 from podbay.contracts.volumes import (
     VolumeAttachment,
     VolumeCreate,
@@ -53,6 +53,7 @@ from podbay.errors import (
     InvalidState,
     InvalidVolumePath,
     NotFound,
+    Unavailable,
     VolumeInUse,
     VolumeTooLarge,
 )
@@ -62,11 +63,12 @@ from ..core.auth import Principal
 from ..core.context import ApiContext
 
 __all__ = ["create_volume", "list_volumes", "get_volume", "list_volume_snapshots", "restore_volume", "delete_volume",
-           "attach_volumes", "check_volume_size", "refuse_with_volumes", "refuse_drain_with_volumes", "fork_volumes"]
+           "attach_volumes", "check_volume_size", "refuse_with_volumes", "refuse_drain_with_volumes", "fork_volumes",
+           "name_of", "content_node"]
 
 #: Sandbox states whose attachments still hold a volume: every one but deleted (a failed sandbox can be
 #: restored, and would then mount its volumes again).
-_HOLDING = "s.state <> 'deleted'"
+_HOLDING = f"s.state <> '{SandboxState.DELETED}'"
 
 
 def check_volume_size(size_bytes: int, settings: Settings) -> None:
@@ -298,3 +300,39 @@ async def refuse_drain_with_volumes(conn: Any, node_id: str) -> None:
         raise VolumeInUse(f"node {node_id} has sandboxes with read-only volumes ({', '.join(ids)}); a drain "
                           "cannot move them (a read-only volume stays on its node): delete them first",
                           details={"sandbox_ids": ids})
+
+
+# E2B's protocol over volumes (services/api/e2b/volumes.py).
+
+async def name_of(pool: Any, tenant_id: str, ref: str) -> str | None:
+    """The name of the tenant's available volume whose id or name is ``ref`` (an id wins), or None."""
+    name: str | None = await pool.fetchval(
+        f"SELECT name FROM volumes WHERE tenant_id=$1 AND state='{VolumeState.AVAILABLE}' AND (id=$2 OR name=$2)"
+        " ORDER BY id=$2 DESC LIMIT 1", tenant_id, ref)
+    return name
+
+
+async def content_node(pool: Any, volume_id: str) -> tuple[str, str]:
+    """``(tenant, node data-plane URL)`` of the available volume ``volume_id``, for E2B's volume content API;
+    an unbound one is bound to a ready node first (the same conditional update a sandbox's first attach makes,
+    so the two agree). NotFound; Conflict while a sandbox that is not deleted has it attached; Unavailable
+    without a node (or with a lost one)."""
+    row = await pool.fetchrow(
+        f"SELECT tenant_id, node_id FROM volumes WHERE id=$1 AND state='{VolumeState.AVAILABLE}'", volume_id)
+    if row is None:
+        raise NotFound(f"volume {volume_id} was not found")
+    holder = await pool.fetchval(
+        "SELECT s.id FROM sandbox_volumes sv JOIN sandboxes s ON s.id = sv.sandbox_id"
+        f" WHERE sv.volume_id = $1 AND {_HOLDING} LIMIT 1", volume_id)
+    if holder is not None:
+        raise Conflict(f"volume {volume_id} is attached to sandbox {holder}: podbay's volumes are mounted by one "
+                       "sandbox at a time, so use that sandbox's files (or kill it) to reach them")
+    node_id = row["node_id"]
+    if node_id is None:
+        node_id = await volume_state.place_anywhere(pool, volume_id)
+        node_id = node_id or await pool.fetchval("SELECT node_id FROM volumes WHERE id=$1", volume_id)
+    url = await pool.fetchval("SELECT dataplane_url FROM nodes WHERE id=$1 AND state <> 'lost'", node_id) \
+        if node_id else None
+    if not url:
+        raise Unavailable(f"volume {volume_id}'s node is not available; retry shortly", details={"retryable": True})
+    return str(row["tenant_id"]), str(url)

@@ -1,6 +1,7 @@
 """The API's layout by mechanism (services/api/: ``routes/``, ``services/``, ``e2b/``, ``edge/``, ``core/``, one
 node client): few entries at the top, route modules that never import one another, and no SQL in a route
-module (docs/architecture/modules.md). Read from the source with ``ast``, so imports inside functions count.
+module, in E2B's adapter (``e2b/``) or in the schedules' routes (docs/architecture/modules.md). Read from the
+source with ``ast``, so imports inside functions count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import pytest
 
 API = Path(__file__).resolve().parents[2] / "services" / "api"
 ROUTES = API / "routes"
+#: E2B's protocol, one adapter over the same services as ``routes/``: it holds no SQL either.
+E2B = API / "e2b"
 
 #: asyncpg's calls that run SQL (on a connection or a pool).
 SQL_CALLS = frozenset({"fetch", "fetchrow", "fetchval", "execute", "executemany", "copy_records_to_table"})
@@ -23,6 +26,12 @@ SQL_TEXT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH)\s+(?!/)")
 
 def _route_modules() -> list[Path]:
     return sorted(p for p in ROUTES.glob("*.py") if p.name != "__init__.py")
+
+
+def _adapter_modules(api: Path = API) -> list[Path]:
+    """The modules outside ``routes/`` that answer HTTP and so hold no SQL: E2B's adapter and the schedules'
+    routes (their queries are in ``services/`` and ``schedules/queries.py``)."""
+    return [*sorted(p for p in (api / "e2b").glob("*.py") if p.name != "__init__.py"), api / "schedules" / "routes.py"]
 
 
 def _imported_modules(source: str, package: tuple[str, ...]) -> set[str]:
@@ -93,3 +102,16 @@ def test_the_sql_counter_sees_calls_and_statements(tmp_path: Path) -> None:
 def test_a_route_module_holds_no_sql(path: Path) -> None:
     assert _sql_count(path) == 0, (f"{path.name} holds SQL: put it in a named query function of its aggregate "
                                    "(services/ or libs/podbay/) and call that")
+
+
+def test_the_adapter_modules_are_found() -> None:
+    # A check over an empty list passes whatever the code holds.
+    names = {p.relative_to(API).as_posix() for p in _adapter_modules()}
+    assert {"e2b/sandboxes.py", "e2b/snapshots.py", "e2b/secrets.py", "schedules/routes.py"} <= names, names
+    assert all(p.is_file() for p in _adapter_modules())
+
+
+@pytest.mark.parametrize("path", _adapter_modules(), ids=lambda p: p.relative_to(API).as_posix())
+def test_an_adapter_module_holds_no_sql(path: Path) -> None:
+    assert _sql_count(path) == 0, (f"{path.relative_to(API)} holds SQL: put it in a named query function of its "
+                                   "aggregate (services/, schedules/queries.py or libs/podbay/) and call that")

@@ -96,31 +96,19 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Declare the command and event streams and the node KV bucket; idempotent."""
-        await self._ensure_stream(
-            StreamConfig(
-                name=subjects.CMD_STREAM,
-                subjects=["podbay.cmd.>"],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.FILE,
-                duplicate_window=120.0,
-                num_replicas=self.replicas,
-            )
-        )
-        await self._ensure_stream(
-            StreamConfig(
-                name=subjects.EVT_STREAM,
-                subjects=["podbay.evt.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_age=7 * 24 * 3600.0,
-                max_bytes=1 << 30,
-                duplicate_window=120.0,
-                num_replicas=self.replicas,
-            )
-        )
+        await self._ensure_stream(subjects.CMD_STREAM, "podbay.cmd.>", RetentionPolicy.WORK_QUEUE)
+        await self._ensure_stream(subjects.EVT_STREAM, "podbay.evt.>", RetentionPolicy.LIMITS,
+                                  max_age=7 * 24 * 3600.0, max_bytes=1 << 30)
         await self.nodes_kv()
 
-    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+    async def _ensure_stream(self, name: str, subject: str, retention: RetentionPolicy, *,
+                             max_age: float | None = None, max_bytes: int | None = None) -> None:
+        """Declare stream ``name`` over ``subject``: stored in files, a 120 s duplicate window (a publish
+        retried with its Nats-Msg-Id is dropped), ``self.replicas``; ``max_age`` seconds and ``max_bytes``
+        bound a LIMITS stream (None: unbounded)."""
+        cfg = StreamConfig(name=name, subjects=[subject], retention=retention, storage=StorageType.FILE,
+                           max_age=max_age, max_bytes=max_bytes, duplicate_window=120.0,
+                           num_replicas=self.replicas)
         try:
             await self.js.add_stream(cfg)
         except BadRequestError:

@@ -39,12 +39,13 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import retry_if_exception_type
 
 from podbay.contracts import subjects
 from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
 from podbay.nodewatch import NodeWatch
+from podbay.retrying import while_starting
 
 __all__ = ["Bus", "connect_bus", "consume", "MAX_DELIVER", "nats_servers", "stream_replicas", "PING_INTERVAL_S",
            "PUBLISH_RETRY_S"]
@@ -222,12 +223,7 @@ async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, tim
         log.debug("NATS error: %s", exc)
 
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(timeout_s),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type(Exception),
-            reraise=True,
-        ):
+        async for attempt in while_starting(timeout_s, retry_if_exception_type(Exception)):
             with attempt:
                 nc = await nats.connect(
                     servers=servers,

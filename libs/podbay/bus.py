@@ -39,12 +39,13 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import retry_if_exception_type
 
 from podbay.contracts import subjects
 from podbay.contracts.messages import NodeHeartbeat
 from podbay.errors import Unavailable
 from podbay.nodewatch import NodeWatch
+from podbay.retrying import while_starting
 
 __all__ = ["Bus", "connect_bus", "consume", "MAX_DELIVER", "nats_servers", "stream_replicas", "PING_INTERVAL_S",
            "PUBLISH_RETRY_S"]
@@ -96,31 +97,19 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Declare the command and event streams and the node KV bucket; idempotent."""
-        await self._ensure_stream(
-            StreamConfig(
-                name=subjects.CMD_STREAM,
-                subjects=["podbay.cmd.>"],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.FILE,
-                duplicate_window=120.0,
-                num_replicas=self.replicas,
-            )
-        )
-        await self._ensure_stream(
-            StreamConfig(
-                name=subjects.EVT_STREAM,
-                subjects=["podbay.evt.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_age=7 * 24 * 3600.0,
-                max_bytes=1 << 30,
-                duplicate_window=120.0,
-                num_replicas=self.replicas,
-            )
-        )
+        await self._ensure_stream(subjects.CMD_STREAM, "podbay.cmd.>", RetentionPolicy.WORK_QUEUE)
+        await self._ensure_stream(subjects.EVT_STREAM, "podbay.evt.>", RetentionPolicy.LIMITS,
+                                  max_age=7 * 24 * 3600.0, max_bytes=1 << 30)
         await self.nodes_kv()
 
-    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+    async def _ensure_stream(self, name: str, subject: str, retention: RetentionPolicy, *,
+                             max_age: float | None = None, max_bytes: int | None = None) -> None:
+        """Declare stream ``name`` over ``subject``: stored in files, a 120 s duplicate window (a publish
+        retried with its Nats-Msg-Id is dropped), ``self.replicas``; ``max_age`` seconds and ``max_bytes``
+        bound a LIMITS stream (None: unbounded)."""
+        cfg = StreamConfig(name=name, subjects=[subject], retention=retention, storage=StorageType.FILE,
+                           max_age=max_age, max_bytes=max_bytes, duplicate_window=120.0,
+                           num_replicas=self.replicas)
         try:
             await self.js.add_stream(cfg)
         except BadRequestError:
@@ -234,12 +223,7 @@ async def connect_bus(url: str, *, name: str, heartbeat_ttl_s: float = 10.0, tim
         log.debug("NATS error: %s", exc)
 
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(timeout_s),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type(Exception),
-            reraise=True,
-        ):
+        async for attempt in while_starting(timeout_s, retry_if_exception_type(Exception)):
             with attempt:
                 nc = await nats.connect(
                     servers=servers,

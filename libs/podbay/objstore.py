@@ -30,6 +30,14 @@ __all__ = ["ObjectStore", "ObjectInfo", "RateLimiter", "open_store"]
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 
 
+def _raise_unless_missing(exc: Exception, what: str) -> None:
+    """Return when ``exc`` (a botocore or OS error) says the object does not exist; otherwise raise
+    ``StorageError("<what> failed: <exc>")`` from it."""
+    if isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in _MISSING:
+        return
+    raise StorageError(f"{what} failed: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -121,12 +129,9 @@ class ObjectStore:
                 r = await self.client.get_object(Bucket=self.bucket, Key=key)
                 async with r["Body"] as body:
                     data: bytes = await body.read()
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code")) in _MISSING:
-                    return None
-                raise StorageError(f"download of {key} failed: {exc}") from exc
-            except (BotoCoreError, OSError) as exc:
-                raise StorageError(f"download of {key} failed: {exc}") from exc
+            except (ClientError, BotoCoreError, OSError) as exc:
+                _raise_unless_missing(exc, f"download of {key}")
+                return None
         await self.limiter.take(len(data))
         return data
 
@@ -136,12 +141,9 @@ class ObjectStore:
             try:
                 r = await self.client.head_object(Bucket=self.bucket, Key=key)
                 return int(r["ContentLength"])
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code")) in _MISSING:
-                    return None
-                raise StorageError(f"head of {key} failed: {exc}") from exc
-            except (BotoCoreError, OSError) as exc:
-                raise StorageError(f"head of {key} failed: {exc}") from exc
+            except (ClientError, BotoCoreError, OSError) as exc:
+                _raise_unless_missing(exc, f"head of {key}")
+                return None
 
     async def delete(self, keys: list[str]) -> None:
         """Delete ``keys`` (missing ones are fine), up to 1,000 per request. ``StorageError``."""

@@ -27,7 +27,7 @@ from podbay.health import Check, readiness_response
 from podbay.metricsauth import metrics_response, token_matches, unauthorized_response
 from podbay.telemetry import setup_logging
 
-__all__ = ["run_service", "serve_http", "health_app", "readyz_route", "wait_stop"]
+__all__ = ["run_service", "serve_http", "health_app", "readyz_route", "wait_stop", "run_every"]
 
 log = logging.getLogger("podbay.service")
 
@@ -38,6 +38,19 @@ async def wait_stop(stop: asyncio.Event, seconds: float) -> bool:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), timeout=seconds)
     return stop.is_set()
+
+
+async def run_every(stop: asyncio.Event, seconds: float, step: Callable[[], Awaitable[object]],
+                    logger: logging.Logger, failed: str) -> None:
+    """A service's periodic loop: ``await step()`` now and then every ``seconds`` until ``stop`` is set. A
+    step that raises is logged on ``logger`` with its traceback (message ``failed``) and the loop goes on, so
+    one bad pass never ends the service."""
+    while not stop.is_set():
+        try:
+            await step()
+        except Exception:
+            logger.exception(failed)
+        await wait_stop(stop, seconds)
 
 
 def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]], *, log_level: str | None = None,

@@ -48,7 +48,7 @@ from podbay import lifecycle
 from podbay.contracts.states import OperationState
 from podbay.lifecycle import NewOperation, OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay, emit, new_id
-from podbay.service import wait_stop
+from podbay.service import run_every
 from podbay import operation_state
 from podbay import warm_slot_state
 from podbay import volume_state
@@ -236,9 +236,4 @@ class NodeLossWatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         """:meth:`check` every ``interval_s`` until ``stop``; a failed pass is logged and retried."""
-        while not stop.is_set():
-            try:
-                await self.check()
-            except Exception:
-                log.exception("node loss check failed; retrying")
-            await wait_stop(stop, self.interval_s)
+        await run_every(stop, self.interval_s, self.check, log, "node loss check failed; retrying")

@@ -15,7 +15,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 import typer.core
@@ -44,11 +44,25 @@ __all__ = [
     "print_json",
     "print_record",
     "print_table",
+    "print_one",
+    "print_rows",
+    "print_accepted",
     "parse_pairs",
+    "JsonFlag",
+    "IdArg",
+    "NoWaitFlag",
 ]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# The parameters most commands share, declared once (typer copies the Annotated info for each command).
+#: ``--json``: print the answer as JSON instead of a table, a record or a line.
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+#: The id of the sandbox (or operation, webhook) a command acts on, shown as ``ID``.
+IdArg = Annotated[str, typer.Argument(metavar="ID")]
+#: ``--no-wait``: return once the API accepted the operation (see :func:`print_accepted`).
+NoWaitFlag = Annotated[bool, typer.Option("--no-wait", help="Return at once; the operation id goes to stderr.")]
 
 
 @dataclass
@@ -232,6 +246,33 @@ def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     for row in rows:
         table.add_row(*("-" if v is None else str(v) for v in row))
     console().print(table)
+
+
+def print_one(model: BaseModel, as_json: bool, shown: Mapping[str, str] | None = None) -> None:
+    """Print one model as JSON (``--json``) or as a record (see :func:`print_record` for ``shown``)."""
+    if as_json:
+        print_json(model)
+    else:
+        print_record(model, shown)
+
+
+def print_rows(value: Any, as_json: bool, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Print ``value`` (a list of models) as JSON with ``--json``, else ``rows`` under ``columns``.
+
+    ``rows`` is read only for the table: a generator over ``value`` is not run when JSON is asked for.
+    """
+    if as_json:
+        print_json(value)
+    else:
+        print_table(columns, rows)
+
+
+def print_accepted(info: Any, no_wait: bool) -> None:
+    """Print ``info.id`` on stdout and, with ``--no-wait``, ``operation <info.operation_id>`` on stderr (the
+    operation to follow with ``podbay operation get``), so that ``ID=$(podbay ...)`` still works."""
+    print(info.id)
+    if no_wait and info.operation_id:
+        print(f"operation {info.operation_id}", file=sys.stderr)
 
 
 def with_progress(what: str, fn: Callable[[], R]) -> R:

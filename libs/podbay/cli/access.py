@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from podbay.cli._common import client, handle_errors, print_json, print_table
+from podbay.cli._common import IdArg, JsonFlag, client, handle_errors, print_json, print_rows
 from podbay.contracts.access import CREDENTIAL_VALUE_MAX, NetworkInfo
 from podbay.contracts.egress import EgressPolicy, EgressRule
 from podbay.errors import InvalidRequest, validation_message
@@ -65,7 +65,7 @@ def credential_add(
     rate_limit: int | None = typer.Option(None, "--rate-limit", min=1, help="Injections per minute."),
     sandboxes: list[str] = typer.Option([], "--sandbox", help="Only this sandbox; repeatable."),
     templates: list[str] = typer.Option([], "--template", help="Only sandboxes of this template; repeatable."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Store credential NAME for --host destinations. The value is never shown again by anything."""
     info = client(ctx).credentials.create(
@@ -80,16 +80,13 @@ def credential_add(
 
 @credential_app.command("list")
 @handle_errors
-def credential_list(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def credential_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """The tenant's credentials (never their values)."""
     creds = client(ctx).credentials.list()
-    if as_json:
-        print_json(creds)
-        return
-    print_table(["name", "hosts", "header", "expires", "rate/min", "backend"],
-                ((c.name, ",".join(c.hosts), c.header,
-                  c.expires_at.isoformat(timespec="seconds") if c.expires_at else "-",
-                  c.rate_limit_per_min or "-", c.backend) for c in creds))
+    print_rows(creds, as_json, ["name", "hosts", "header", "expires", "rate/min", "backend"],
+               ((c.name, ",".join(c.hosts), c.header,
+                 c.expires_at.isoformat(timespec="seconds") if c.expires_at else "-",
+                 c.rate_limit_per_min or "-", c.backend) for c in creds))
 
 
 @credential_app.command("rm")
@@ -103,7 +100,7 @@ def credential_rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="N
 @key_app.command("create")
 @handle_errors
 def key_create(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME"),
-               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+               as_json: JsonFlag = False) -> None:
     """Create an API key and print it: it is shown this once."""
     k = client(ctx).keys.create(name)
     if as_json:
@@ -116,15 +113,12 @@ def key_create(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME
 @key_app.command("list")
 @handle_errors
 def key_list(ctx: typer.Context, all_: bool = typer.Option(False, "--all", help="Include revoked keys."),
-             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+             as_json: JsonFlag = False) -> None:
     """The tenant's keys: id, name and prefix (never the key)."""
     keys = client(ctx).keys.list(all=all_)
-    if as_json:
-        print_json(keys)
-        return
-    print_table(["id", "name", "prefix", "created", "revoked"],
-                ((k.id, k.name, k.prefix, k.created_at.isoformat(timespec="seconds"),
-                  k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "-") for k in keys))
+    print_rows(keys, as_json, ["id", "name", "prefix", "created", "revoked"],
+               ((k.id, k.name, k.prefix, k.created_at.isoformat(timespec="seconds"),
+                 k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "-") for k in keys))
 
 
 @key_app.command("revoke")
@@ -142,16 +136,13 @@ def audit(
     sandbox_id: str | None = typer.Option(None, "--sandbox", help="Only rows about this sandbox."),
     since: datetime | None = typer.Option(None, "--since", help="Only rows at or after this ISO 8601 time."),
     limit: int = typer.Option(50, "--limit", min=1, max=1000),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """The tenant's audit log, newest first: API changes and the gateway's decisions."""
     page = client(ctx).audit(action=action, sandbox_id=sandbox_id, since=since, limit=limit)
-    if as_json:
-        print_json(page)
-        return
-    print_table(["id", "at", "actor", "action", "target", "decision"],
-                ((e.id, e.at.isoformat(timespec="seconds"), e.actor, e.action, e.target or "-", e.decision or "-")
-                 for e in page.entries))
+    print_rows(page, as_json, ["id", "at", "actor", "action", "target", "decision"],
+               ((e.id, e.at.isoformat(timespec="seconds"), e.actor, e.action, e.target or "-", e.decision or "-")
+                for e in page.entries))
 
 
 def parse_rule(value: str, *, cidr: bool | None = None) -> EgressRule:
@@ -199,8 +190,8 @@ def _print_network(info: NetworkInfo, as_json: bool) -> None:
 
 @network_app.command("get")
 @handle_errors
-def network_get(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID"),
-                as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def network_get(ctx: typer.Context, sandbox_id: IdArg,
+                as_json: JsonFlag = False) -> None:
     """The sandbox's effective egress policy and where it comes from."""
     _print_network(client(ctx).get_network(sandbox_id), as_json)
 
@@ -209,12 +200,12 @@ def network_get(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metava
 @handle_errors
 def network_set(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     allow: list[str] = typer.Option([], "--allow", help="DOMAIN[:PORT] (or *.domain) to allow; repeatable."),
     allow_cidr: list[str] = typer.Option([], "--allow-cidr", help="CIDR[:PORT] to allow; repeatable."),
     deny: list[str] = typer.Option([], "--deny", help="DOMAIN[:PORT] or CIDR[:PORT] to deny; repeatable."),
     deny_cidr: list[str] = typer.Option([], "--deny-cidr", help="CIDR[:PORT] to deny; repeatable."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Replace the sandbox's egress policy (no option: no egress). Applies from its next connection."""
     policy = EgressPolicy(

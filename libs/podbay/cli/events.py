@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_table
+from podbay.cli._common import IdArg, JsonFlag, client, handle_errors, print_json, print_rows
 from podbay.clientconfig import config_path
 from podbay.contracts.events import EVENT_TYPE_PATTERN, EVENT_TYPES, EventOut
 from podbay.errors import InvalidRequest
@@ -99,7 +99,7 @@ def webhook_add(
     ctx: typer.Context,
     url: str = typer.Argument(..., metavar="URL"),
     types: list[str] = typer.Option([], "--type", help="Only this event type; repeatable (default: all)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Add a webhook; prints its id and signing secret (shown only now)."""
     note_unknown_types(types)
@@ -113,20 +113,17 @@ def webhook_add(
 
 @webhook_app.command("list")
 @handle_errors
-def webhook_list(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def webhook_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Your webhooks and how their last delivery went."""
     hooks = client(ctx).webhooks.list()
-    if as_json:
-        print_json(hooks)
-        return
-    print_table(["id", "url", "types", "delivered", "failed", "last_status", "attempts", "last_error"],
-                ((h.id, h.url, ",".join(h.types) or "*", h.deliveries, h.failures, h.last_status, h.last_attempts,
-                  h.last_error) for h in hooks))
+    print_rows(hooks, as_json, ["id", "url", "types", "delivered", "failed", "last_status", "attempts", "last_error"],
+               ((h.id, h.url, ",".join(h.types) or "*", h.deliveries, h.failures, h.last_status, h.last_attempts,
+                 h.last_error) for h in hooks))
 
 
 @webhook_app.command("rm")
 @handle_errors
-def webhook_rm(ctx: typer.Context, webhook_id: str = typer.Argument(..., metavar="ID")) -> None:
+def webhook_rm(ctx: typer.Context, webhook_id: IdArg) -> None:
     """Delete a webhook."""
     client(ctx).webhooks.delete(webhook_id)
     print(webhook_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+from podbay.cli._common import JsonFlag, client, handle_errors, print_one, print_rows
 from podbay.errors import InvalidRequest
 
 __all__ = ["app", "parse_mode"]
@@ -18,7 +18,6 @@ app = typer.Typer(help="Read and write files inside a sandbox.", no_args_is_help
 
 _ID = typer.Argument(..., metavar="ID", help="Sandbox id.")
 _REMOTE = typer.Argument(..., metavar="REMOTE", help="Absolute path inside the sandbox.")
-_JSON = typer.Option(False, "--json", help="Print JSON.")
 
 
 def parse_mode(text: str) -> int:
@@ -103,28 +102,22 @@ def _mode(mode: int) -> str:
 @app.command("ls")
 @handle_errors
 def ls(
-    ctx: typer.Context, sandbox_id: str = _ID, remote: str = typer.Argument("/", metavar="PATH"), as_json: bool = _JSON
+    ctx: typer.Context, sandbox_id: str = _ID, remote: str = typer.Argument("/", metavar="PATH"), as_json: JsonFlag = False
 ) -> None:
     """List a directory: mode, size in bytes, modification time (UTC), type and name."""
     entries = client(ctx).list_files(sandbox_id, remote)
-    if as_json:
-        print_json(entries)
-        return
-    print_table(
-        ["mode", "size", "mtime", "type", "name"],
+    print_rows(
+        entries, as_json, ["mode", "size", "mtime", "type", "name"],
         ((_mode(e.mode), e.size, _mtime(e.mtime), e.type, e.name) for e in entries),
     )
 
 
 @app.command("stat")
 @handle_errors
-def stat(ctx: typer.Context, sandbox_id: str = _ID, remote: str = _REMOTE, as_json: bool = _JSON) -> None:
+def stat(ctx: typer.Context, sandbox_id: str = _ID, remote: str = _REMOTE, as_json: JsonFlag = False) -> None:
     """Show one path's type, size in bytes, mode (octal) and modification time (ISO-8601 UTC)."""
     info = client(ctx).stat_file(sandbox_id, remote)
-    if as_json:
-        print_json(info)
-    else:
-        print_record(info, {"mode": _mode(info.mode), "mtime": _mtime(info.mtime)})
+    print_one(info, as_json, {"mode": _mode(info.mode), "mtime": _mtime(info.mtime)})
 
 
 @app.command("rm")

@@ -8,7 +8,7 @@ import time
 
 import typer
 
-from podbay.cli._common import client, fail, handle_errors, print_json, print_table
+from podbay.cli._common import JsonFlag, client, fail, handle_errors, print_json, print_rows
 
 __all__ = ["app"]
 
@@ -21,22 +21,16 @@ def _age(seconds: float | None) -> str:
 
 @app.command("list")
 @handle_errors
-def list_(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Every node: state (ready, draining, drained, lost), whether new sandboxes go there, heartbeat age,
     vCPUs and nominal memory (used/capacity, free), the measured room for new sandboxes (MiB, what admission
     uses; "-" when the node is not live), running and paused sandboxes, ready warm slots."""
     nodes = client(ctx).list_nodes()
-    if as_json:
-        print_json(nodes)
-        return
-    rows = [(n.id, n.state, "yes" if n.schedulable else "no", _age(n.heartbeat_age_s), n.accel,
+    rows = ((n.id, n.state, "yes" if n.schedulable else "no", _age(n.heartbeat_age_s), n.accel,
              f"{n.used.vcpus}/{n.capacity.vcpus}", f"{n.used.memory_mib}/{n.capacity.memory_mib}",
              n.free.memory_mib, n.memory.room_mib if n.memory else "-", n.running, n.paused, n.warm_slots)
-            for n in nodes]
-    print_table(["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY MIB", "FREE MIB", "ROOM MIB",
+            for n in nodes)
+    print_rows(nodes, as_json, ["NODE", "STATE", "SCHEDULABLE", "HEARTBEAT", "ACCEL", "VCPUS", "MEMORY MIB", "FREE MIB", "ROOM MIB",
                  "RUNNING", "PAUSED", "WARM"], rows)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_table
+from podbay.cli._common import JsonFlag, client, handle_errors, print_rows
 
 __all__ = ["app"]
 
@@ -30,15 +30,9 @@ def set_(
 
 @app.command("list")
 @handle_errors
-def list_(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Every pool, one line per node: target, ready, preparing, claimed and failing (recent window)."""
     pools = client(ctx).list_pools()
-    if as_json:
-        print_json(pools)
-        return
     rows = []
     for p in pools:
         for n in p.nodes or []:
@@ -46,4 +40,4 @@ def list_(
                          n.failing))
         if not p.nodes:
             rows.append((p.template, f"{p.size}-{p.max_size}", "-", 0, 0, 0, 0, 0))
-    print_table(["TEMPLATE", "SIZE", "NODE", "TARGET", "READY", "PREPARING", "CLAIMED", "FAILING"], rows)
+    print_rows(pools, as_json, ["TEMPLATE", "SIZE", "NODE", "TARGET", "READY", "PREPARING", "CLAIMED", "FAILING"], rows)

@@ -7,12 +7,16 @@ import sys
 import typer
 
 from podbay.cli._common import (
+    IdArg,
+    JsonFlag,
+    NoWaitFlag,
     client,
     handle_errors,
     parse_pairs,
+    print_accepted,
     print_json,
-    print_record,
-    print_table,
+    print_one,
+    print_rows,
     with_progress,
 )
 
@@ -34,67 +38,43 @@ def create(
     metadata: list[str] = typer.Option([], "--metadata", "-m", help="KEY=VALUE label; repeatable."),
     volume: list[str] = typer.Option([], "--volume", "-v", help="NAME:/PATH[:ro] mounts volume NAME (podbay "
                                      "volume create) at PATH; repeatable, up to 4."),
-    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
+    no_wait: NoWaitFlag = False,
 ) -> None:
     """Create a sandbox and print its id alone on stdout, so that ID=$(podbay sandbox create) works."""
     info = client(ctx).create_sandbox(
         template, memory_mib=memory_mib, vcpus=vcpus, disk_mib=disk_mib, metadata=parse_pairs(metadata, "--metadata"),
         wait=not no_wait, volumes=volume or None,
     )
-    print(info.id)
-    if no_wait and info.operation_id:
-        print(f"operation {info.operation_id}", file=sys.stderr)
+    print_accepted(info, no_wait)
 
 
 @app.command("list")
 @handle_errors
-def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """List the sandboxes as a table (or JSON)."""
     boxes = client(ctx).list_sandboxes()
-    if as_json:
-        print_json(boxes)
-        return
-    print_table(
-        ["id", "template", "state", "node", "memory_mib", "vcpus", "created"],
-        (
-            (b.id, b.template, b.state, b.node_id, b.memory_mib, b.vcpus, b.created_at.isoformat(timespec="seconds"))
-            for b in boxes
-        ),
-    )
+    print_rows(boxes, as_json, ["id", "template", "state", "node", "memory_mib", "vcpus", "created"], (
+        (b.id, b.template, b.state, b.node_id, b.memory_mib, b.vcpus, b.created_at.isoformat(timespec="seconds"))
+        for b in boxes))
 
 
 @app.command("get")
 @handle_errors
-def get(
-    ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def get(ctx: typer.Context, sandbox_id: IdArg, as_json: JsonFlag = False) -> None:
     """Show one sandbox."""
-    info = client(ctx).get_sandbox(sandbox_id)
-    if as_json:
-        print_json(info)
-    else:
-        print_record(info)
+    print_one(client(ctx).get_sandbox(sandbox_id), as_json)
 
 
 @app.command("rm")
 @handle_errors
-def rm(
-    ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
-    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
-) -> None:
+def rm(ctx: typer.Context, sandbox_id: IdArg, no_wait: NoWaitFlag = False) -> None:
     """Delete a sandbox; prints its id when done (or accepted, with --no-wait)."""
-    info = client(ctx).delete_sandbox(sandbox_id, wait=not no_wait)
-    print(info.id)
-    if no_wait and info.operation_id:
-        print(f"operation {info.operation_id}", file=sys.stderr)
+    print_accepted(client(ctx).delete_sandbox(sandbox_id, wait=not no_wait), no_wait)
 
 
 @app.command("pause")
 @handle_errors
-def pause(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
+def pause(ctx: typer.Context, sandbox_id: IdArg) -> None:
     """Pause a running sandbox in memory; prints its id when paused."""
     print(client(ctx).pause_sandbox(sandbox_id).id)
 
@@ -103,7 +83,7 @@ def pause(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID"
 @handle_errors
 def resume(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     fallback: bool = typer.Option(False, "--fallback", help="Suspended only: if its snapshot is corrupt, restore "
                                   "the newest older intact one."),
 ) -> None:
@@ -116,16 +96,13 @@ def resume(
 @handle_errors
 def suspend(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
-    no_wait: bool = typer.Option(False, "--no-wait", help="Return at once; the operation id goes to stderr."),
+    sandbox_id: IdArg,
+    no_wait: NoWaitFlag = False,
 ) -> None:
     """Suspend to object storage (full snapshot, promoted, then the VM is freed); prints its id when suspended."""
     c = client(ctx)
     if no_wait:
-        info = c.suspend_sandbox(sandbox_id, wait=False)
-        print(info.id)
-        if info.operation_id:
-            print(f"operation {info.operation_id}", file=sys.stderr)
+        print_accepted(c.suspend_sandbox(sandbox_id, wait=False), no_wait)
         return
     print(with_progress(f"suspending {sandbox_id}", lambda: c.suspend_sandbox(sandbox_id)).id)
 
@@ -134,7 +111,7 @@ def suspend(
 @handle_errors
 def restore(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT"),
     volumes: bool = typer.Option(False, "--volumes", help="Roll the read-write volumes back too, to their "
                                  "copies in the full snapshot (they are not rolled back otherwise)."),
@@ -147,13 +124,13 @@ def restore(
 @handle_errors
 def fork(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     count: int = typer.Option(1, "--count", "-n", min=1, max=100, help="Children to start (1..100)."),
     snapshot_id: str | None = typer.Option(None, "--snapshot", help="Fork from this full snapshot."),
     schedules: bool = typer.Option(False, "--schedules", help="Copy the sandbox's schedules to each child."),
     copy_volumes: bool = typer.Option(False, "--copy-volumes", help="Give each child its own read-write copy "
                                       "of the sandbox's read-write volumes (default: a read-only view)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Start children of a sandbox; prints each child's id, exit 1 if any failed (named on stderr with its
     reason). A child the API answered for while it was still starting (the fork's wait ran out, e.g. while a
@@ -182,7 +159,7 @@ def fork(
 @handle_errors
 def timeout(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     seconds: int = typer.Argument(..., metavar="SECONDS", help="New lease, from now (10 .. 2592000)."),
     on_expiry: str | None = typer.Option(None, "--on-expiry", help="pause (default) or delete."),
 ) -> None:
@@ -195,15 +172,12 @@ def timeout(
 @handle_errors
 def ports(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    sandbox_id: IdArg,
+    as_json: JsonFlag = False,
 ) -> None:
     """List the guest's listening TCP ports (and ports made public), as a table or JSON."""
     listed = client(ctx).list_ports(sandbox_id).ports
-    if as_json:
-        print_json(listed)
-        return
-    print_table(["port", "listening", "addresses", "reachable", "access"],
+    print_rows(listed, as_json, ["port", "listening", "addresses", "reachable", "access"],
                 ((p.port, "yes" if p.listening else "no", ",".join(p.addresses) or None,
                   "yes" if p.reachable else "no (loopback only)" if p.listening else None,
                   "public" if p.public else "private") for p in listed))
@@ -213,9 +187,9 @@ def ports(
 @handle_errors
 def url(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     port: int = typer.Argument(..., metavar="PORT", min=1, max=65535),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Print where guest PORT answers through the API (host form, then path form) and its access token."""
     info = client(ctx).port_url(sandbox_id, port)
@@ -231,7 +205,7 @@ def url(
 @handle_errors
 def expose(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     port: int = typer.Argument(..., metavar="PORT", min=1, max=65535),
     private: bool = typer.Option(False, "--private", help="Make the port private again (the default)."),
 ) -> None:

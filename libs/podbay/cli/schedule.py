@@ -13,7 +13,7 @@ from datetime import datetime
 
 import typer
 
-from podbay.cli._common import client, handle_errors, parse_pairs, print_json, print_table
+from podbay.cli._common import IdArg, JsonFlag, client, handle_errors, parse_pairs, print_json, print_rows, print_table
 from podbay.contracts.schedules import ScheduleRunInfo
 from podbay.errors import InvalidRequest
 
@@ -48,7 +48,7 @@ def add(
     overlap: str = typer.Option("skip", "--overlap", help="A fire while the last run goes: skip or queue."),
     missed: str = typer.Option("catch_up_once", "--missed", help="Fire times passed while podbay was down: "
                                "catch_up_once or skip."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Add a schedule; prints its id and next fire time."""
     if (cron is None) == (at is None):
@@ -70,33 +70,26 @@ def add(
 
 @app.command("list")
 @handle_errors
-def list_(
-    ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def list_(ctx: typer.Context, sandbox_id: IdArg, as_json: JsonFlag = False) -> None:
     """The sandbox's schedules: when, command, next fire time, last run and its exit code."""
     found = client(ctx).schedules.list(sandbox_id)
-    if as_json:
-        print_json(found)
-        return
-    print_table(["ID", "WHEN", "COMMAND", "NEXT", "LAST_RUN", "STATE", "EXIT"], [
+    print_rows(found, as_json, ["ID", "WHEN", "COMMAND", "NEXT", "LAST_RUN", "STATE", "EXIT"], (
         (s.id, f"{s.cron} {s.tz}" if s.cron else f"at {_when(s.at)}",
          " ".join(s.command.argv) if s.command else "(wake only)", _when(s.next_fire_at),
          _when(s.last_run.fire_at) if s.last_run else "-", s.last_run.state.value if s.last_run else "-",
          "-" if s.last_run is None or s.last_run.exit_code is None else str(s.last_run.exit_code))
-        for s in found])
+        for s in found))
 
 
 @app.command("runs")
 @handle_errors
 def runs(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     schedule_id: str = typer.Argument(..., metavar="SCHEDULE"),
     limit: int = typer.Option(20, "--limit", help="Newest runs to show."),
     output: bool = typer.Option(False, "--output", help="Print each run's output (head and tail)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    as_json: JsonFlag = False,
 ) -> None:
     """Run history, newest first: fire time, start, duration, state, exit code, and output (truncated)."""
     found = client(ctx).schedules.runs(sandbox_id, schedule_id, limit)
@@ -120,7 +113,7 @@ def runs(
 @handle_errors
 def rm(
     ctx: typer.Context,
-    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    sandbox_id: IdArg,
     schedule_id: str = typer.Argument(..., metavar="SCHEDULE"),
 ) -> None:
     """Remove a schedule and its run history; prints its id, as ``sandbox rm`` does."""

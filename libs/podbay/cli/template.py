@@ -12,7 +12,7 @@ import typer
 import sys
 from pathlib import Path
 
-from podbay.cli._common import client, fail, handle_errors, print_json, print_record, print_table
+from podbay.cli._common import IdArg, JsonFlag, client, fail, handle_errors, print_one, print_rows
 from podbay.contracts.templates import BuildEvent, TemplateDetail
 from podbay.sdk._templates import TemplateBuildFailed
 
@@ -24,14 +24,11 @@ operation_app = typer.Typer(help="Follow operations started with --no-wait.", no
 
 @template_app.command("list")
 @handle_errors
-def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """List the templates the API knows."""
     templates = client(ctx).list_templates()
-    if as_json:
-        print_json(templates)
-        return
-    print_table(
-        ["name", "digest", "tags", "parent", "size_mib", "memory_mib", "vcpus", "state", "created"],
+    print_rows(
+        templates, as_json, ["name", "digest", "tags", "parent", "size_mib", "memory_mib", "vcpus", "state", "created"],
         ((t.name, t.digest[:19], _tags(t), t.parent or "-", round(t.size_bytes / 2**20) if t.size_bytes else "-",
           t.memory_mib, t.vcpus, t.state, t.created_at.isoformat(timespec="seconds")) for t in templates),
     )
@@ -90,10 +87,7 @@ def build_via_api(ctx: typer.Context, name: str, dockerfile: Path | None, contex
         # The request was accepted and the build ran; a step of it failed (docs/cli.md: exit 1, as for a
         # failure that is not the caller's request; 2 stays for the refusals of bad input).
         fail(exc.message, exc.code, 1)
-    if as_json:
-        print_json(tpl)
-    else:
-        print_record(tpl)
+    print_one(tpl, as_json)
 
 
 @template_app.command("build")
@@ -134,14 +128,6 @@ def rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME[:TAG]")
 
 @operation_app.command("get")
 @handle_errors
-def get(
-    ctx: typer.Context,
-    operation_id: str = typer.Argument(..., metavar="ID"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def get(ctx: typer.Context, operation_id: IdArg, as_json: JsonFlag = False) -> None:
     """Show an operation's state (pending, running, succeeded, failed) and error."""
-    op = client(ctx).get_operation(operation_id)
-    if as_json:
-        print_json(op)
-    else:
-        print_record(op)
+    print_one(client(ctx).get_operation(operation_id), as_json)

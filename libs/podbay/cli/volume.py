@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from podbay.cli._common import client, handle_errors, print_json, print_record, print_table
+from podbay.cli._common import JsonFlag, client, handle_errors, print_one, print_rows
 
 __all__ = ["app"]
 
 app = typer.Typer(help="Create, list, inspect and delete volumes.", no_args_is_help=True)
+
+NameArg = Annotated[str, typer.Argument(metavar="NAME")]
 
 
 def _gib(n: int) -> str:
@@ -19,7 +23,7 @@ def _gib(n: int) -> str:
 @handle_errors
 def create(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME"),
+    name: NameArg,
     size: str = typer.Option(..., "--size", "-s", help="Capacity, e.g. 10GiB or 512MiB."),
 ) -> None:
     """Create a volume and print its name; its file is made on the node of the first sandbox that mounts it."""
@@ -29,14 +33,11 @@ def create(
 
 @app.command("list")
 @handle_errors
-def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def list_(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """List the volumes as a table (or JSON): size, node, and the sandboxes that have each attached."""
     vols = client(ctx).volumes.list()
-    if as_json:
-        print_json(vols)
-        return
-    print_table(
-        ["name", "size_gib", "node", "attached", "created"],
+    print_rows(
+        vols, as_json, ["name", "size_gib", "node", "attached", "created"],
         ((v.name, _gib(v.size_bytes), v.node_id or "-",
           ",".join(f"{a.sandbox_id}{':ro' if a.readonly else ''}" for a in v.attachments) or "-",
           v.created_at.isoformat(timespec="seconds")) for v in vols),
@@ -45,34 +46,23 @@ def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 @app.command("get")
 @handle_errors
-def get(
-    ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
+def get(ctx: typer.Context, name: NameArg, as_json: JsonFlag = False) -> None:
     """Show one volume."""
-    info = client(ctx).volumes.get(name)
-    if as_json:
-        print_json(info)
-    else:
-        print_record(info)
+    print_one(client(ctx).volumes.get(name), as_json)
 
 
 @app.command("snapshots")
 @handle_errors
 def snapshots(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    name: NameArg,
+    as_json: JsonFlag = False,
 ) -> None:
     """List the volume's own snapshots promoted to object storage, newest first (* marks the one a node
     without the volume's file fetches)."""
     snaps = client(ctx).volumes.snapshots(name)
-    if as_json:
-        print_json(snaps)
-        return
-    print_table(
-        ["id", "reason", "state", "taken", "uploaded_mib", "current"],
+    print_rows(
+        snaps, as_json, ["id", "reason", "state", "taken", "uploaded_mib", "current"],
         ((s.id, s.reason, s.state, s.taken_at.isoformat(timespec="seconds"),
           f"{(s.uploaded_bytes or 0) / (1 << 20):.1f}", "*" if s.current else "") for s in snaps),
     )
@@ -82,7 +72,7 @@ def snapshots(
 @handle_errors
 def restore(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME"),
+    name: NameArg,
     snapshot_id: str = typer.Argument(..., metavar="SNAPSHOT_ID", help="From `podbay volume snapshots NAME`."),
 ) -> None:
     """Put a volume back to one of its snapshots (refused while a sandbox has it attached); the next sandbox
@@ -93,7 +83,7 @@ def restore(
 
 @app.command("rm")
 @handle_errors
-def rm(ctx: typer.Context, name: str = typer.Argument(..., metavar="NAME")) -> None:
+def rm(ctx: typer.Context, name: NameArg) -> None:
     """Delete a volume and its data (refused while a sandbox has it attached); prints the name."""
     client(ctx).volumes.delete(name)
     print(name)

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from podbay.contracts.api import FileInfo
+
 __all__ = [
     "PROTOCOL_VERSION",
     "Op",
@@ -162,16 +164,12 @@ class ExecExit(_Lenient):
     output_truncated: bool = False
 
 
-class FileStat(_Lenient):
+class FileStat(FileInfo, _Lenient):
     """A file's metadata (``lstat``: symlinks are not followed). ``mode`` holds the permission bits,
     ``mtime`` is seconds since the epoch, ``size`` bytes."""
 
-    path: str
-    name: str
-    type: Literal["file", "dir", "symlink", "other"]
-    size: int
-    mode: int
-    mtime: float
+    # The API's FileInfo fields first (path, name, type, size, mode, mtime), then owner and xattrs.
+
     uid: int = 0
     gid: int = 0
     xattrs: dict[str, str] | None = Field(None, description="Extended attributes, when asked for by prefix.")

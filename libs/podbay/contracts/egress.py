@@ -49,6 +49,16 @@ _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
 _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # an HTTP token (RFC 9110)
 
+
+def _host_pattern(v: str) -> str:
+    """``v`` as a rule's ``domain``: trimmed, lower case, without a trailing dot; ``ValueError`` when it is not a
+    host name or a ``*.`` wildcard."""
+    v = v.strip().lower().rstrip(".")
+    if not _DOMAIN_RE.match(v):
+        raise ValueError("domain must be a host name such as api.example.com or *.example.com")
+    return v
+
+
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -64,12 +74,7 @@ class EgressRule(BaseModel):
     @field_validator("domain")
     @classmethod
     def _domain(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        v = v.strip().lower().rstrip(".")
-        if not _DOMAIN_RE.match(v):
-            raise ValueError("domain must be a host name such as api.example.com or *.example.com")
-        return v
+        return None if v is None else _host_pattern(v)
 
     @field_validator("cidr")
     @classmethod
@@ -100,10 +105,7 @@ class HeaderTransform(BaseModel):
     @field_validator("domain")
     @classmethod
     def _domain(cls, v: str) -> str:
-        v = v.strip().lower().rstrip(".")
-        if not _DOMAIN_RE.match(v):
-            raise ValueError("domain must be a host name such as api.example.com or *.example.com")
-        return v
+        return _host_pattern(v)
 
     @field_validator("headers")
     @classmethod

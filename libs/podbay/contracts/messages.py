@@ -103,24 +103,26 @@ class SandboxOpCmd(_Msg):
     generation: int = Field(ge=1)
 
 
-class SnapshotCmd(_Msg):
-    """``podbay.cmd.node.<node>.snapshot``: take snapshot ``snapshot_id`` (its row exists, ``creating``)."""
+class _SnapshotOp(_Msg):
+    """What a command about one snapshot of a sandbox carries first: the operation, the sandbox at
+    ``generation``, the snapshot."""
 
     operation_id: SafeId
     sandbox_id: SafeId
     generation: int = Field(ge=1)
     snapshot_id: SafeId
+
+
+class SnapshotCmd(_SnapshotOp):
+    """``podbay.cmd.node.<node>.snapshot``: take snapshot ``snapshot_id`` (its row exists, ``creating``)."""
+
     kind: Literal["disk", "full"]
 
 
-class RestoreCmd(_Msg):
+class RestoreCmd(_SnapshotOp):
     """``podbay.cmd.node.<node>.restore``: roll the sandbox back to ``snapshot_id`` at the new ``generation``;
     with ``volumes`` its read-write volumes too, to their copies in that full snapshot."""
 
-    operation_id: SafeId
-    sandbox_id: SafeId
-    generation: int = Field(ge=1)
-    snapshot_id: SafeId
     volumes: bool = False
 
 
@@ -129,14 +131,10 @@ class ForkChild(_Msg):
     hostname: str
 
 
-class ForkCmd(_Msg):
+class ForkCmd(_SnapshotOp):
     """``podbay.cmd.node.<node>.fork``: take ``snapshot_id`` first when ``take_snapshot``, then start each child
     from it (each child row exists, ``starting``, generation 1)."""
 
-    operation_id: SafeId
-    sandbox_id: SafeId
-    generation: int = Field(ge=1)
-    snapshot_id: SafeId
     take_snapshot: bool
     children: list[ForkChild] = Field(min_length=1, max_length=100)
 
@@ -151,14 +149,10 @@ class PromoteCmd(_Msg):
     reason: Literal["suspend", "cadence", "request"] = "request"
 
 
-class WakeCmd(_Msg):
+class WakeCmd(_SnapshotOp):
     """``podbay.cmd.node.<node>.wake``: fetch promoted ``snapshot_id`` and restore the ``resuming`` sandbox
     from it at ``generation``; with ``fallback``, an older intact promoted full snapshot when it is corrupt."""
 
-    operation_id: SafeId
-    sandbox_id: SafeId
-    generation: int = Field(ge=1)
-    snapshot_id: SafeId
     fallback: bool = False
 
 

@@ -18,9 +18,10 @@ from importlib import resources
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import retry_if_exception
 
 from podbay.errors import PodbayError, Unavailable
+from podbay.retrying import while_starting
 
 __all__ = ["connect_pool", "DatabaseRefused", "migrate", "MIGRATION_LOCK_ID", "transaction"]
 
@@ -72,12 +73,7 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, timeo
     server starts (connection refused, starting up); ``Unavailable`` after ``timeout_s``. ``DatabaseRefused`` at
     the first refused login (wrong password, no such role or database), which no retry would cure."""
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(timeout_s),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception(_worth_retrying),
-            reraise=True,
-        ):
+        async for attempt in while_starting(timeout_s, retry_if_exception(_worth_retrying)):
             with attempt:
                 pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_conn,
                                                  reset=_keep_session)

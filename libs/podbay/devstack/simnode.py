@@ -81,12 +81,7 @@ def start_control_plane(stack: Stack) -> None:
             for i in range(1, counts.get(spec.name, 1) + 1):
                 # The stack's own recipe, for a subset of its services.
                 groups[0 if spec.name == "api" else 1].append(stack._service(spec, i))  # noqa: SLF001
-    for group in groups:
-        for svc in group:
-            stack.services[svc.name] = svc
-            svc.start()
-        for svc in group:
-            svc.wait_healthy(stack.start_timeout_s)
+    stack.start_groups(groups)
 
 
 @dataclass(frozen=True)

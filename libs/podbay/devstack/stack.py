@@ -692,6 +692,13 @@ class Stack(NodeOps):
             else:
                 procs = [self._service(spec, i) for i in range(1, counts.get(spec.name, 1) + 1)]
             groups[0 if spec.name == "api" else 1] += procs
+        self.start_groups(groups, on_ready)
+
+    def start_groups(self, groups: list[list[ServiceProcess]],
+                     on_ready: Callable[[str], None] | None = None) -> None:
+        """Start ``groups`` in order: a group's services all at once, then wait for each one's ``/healthz``
+        (``on_ready(name)`` after each) before the next group starts. ``StackError`` when one is not healthy
+        within ``start_timeout_s``."""
         for group in groups:
             for svc in group:
                 self.services[svc.name] = svc

@@ -141,6 +141,17 @@ class AsyncCaller(Protocol):
     def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
 
 
+def ndjson_line(cls: type[M], line: str | bytes, malformed: Callable[[ValidationError], str]) -> M | None:
+    """One line of an NDJSON stream (without its newline) as a ``cls``; None for a blank (keep-alive) line.
+    A line that is not a ``cls`` raises ``PodbayError(malformed(the validation error))``."""
+    if not line.strip():
+        return None
+    try:
+        return cls.model_validate_json(line)
+    except ValidationError as exc:
+        raise PodbayError(malformed(exc)) from exc
+
+
 def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
     def parse(resp: httpx.Response) -> M:
         try:

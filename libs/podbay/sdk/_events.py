@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
 from podbay.contracts.events import EventOut, WebhookCreated, WebhookInfo, WebhookList
-from podbay.errors import PodbayError
-from podbay.sdk._calls import Call, _model, check_id
+from podbay.sdk._calls import Call, _model, check_id, ndjson_line
 
 __all__ = [
     "RECONNECT_S",
@@ -55,12 +53,7 @@ class _Pairs(dict[str, Any]):
 
 def parse_event_line(line: str, url: str) -> EventOut | None:
     """One NDJSON line -> its ``EventOut``; ``None`` for a blank (keep-alive) line."""
-    if not line.strip():
-        return None
-    try:
-        return EventOut.model_validate_json(line)
-    except ValidationError as exc:
-        raise PodbayError(f"malformed event from {url}: {line[:200]!r}") from exc
+    return ndjson_line(EventOut, line, lambda exc: f"malformed event from {url}: {line[:200]!r}")
 
 
 def _webhook_path(webhook_id: str) -> str:

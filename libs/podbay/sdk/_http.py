@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
 from podbay.clientconfig import load_client_config
 from podbay.contracts.api import ExecEvent
@@ -35,7 +34,7 @@ from podbay.errors import (
     Unprocessable,
     error_from_wire,
 )
-from podbay.sdk._calls import Call
+from podbay.sdk._calls import Call, ndjson_line
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -191,12 +190,9 @@ class EventReader:
 
     def feed(self, line: str) -> ExecEvent | None:
         """One line (without its newline) -> its event, or ``None`` for a blank line."""
-        if not line.strip():
+        event = ndjson_line(ExecEvent, line, lambda exc: f"malformed exec event from {self._url}: {line[:200]!r}")
+        if event is None:
             return None
-        try:
-            event = ExecEvent.model_validate_json(line)
-        except ValidationError as exc:
-            raise PodbayError(f"malformed exec event from {self._url}: {line[:200]!r}") from exc
         if event.type == "error":
             err = event.error or {}
             raise error_from_wire({"error": {"code": "internal", "message": "exec failed", **err}}, 500)

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 
 from podbay.buildcontext import pack_context
 from podbay.contracts.templates import BuildEvent, BuildInfo, TemplateDetail
@@ -61,12 +60,8 @@ def build_call(name: str, dockerfile: str | Path, context: str | Path | None,
 
 def parse_line(line: str | bytes) -> BuildEvent | None:
     """One NDJSON line as a :class:`BuildEvent` (None for a blank line)."""
-    if not line.strip():
-        return None
-    try:
-        return BuildEvent.model_validate_json(line)
-    except ValidationError as exc:
-        raise PodbayError(f"malformed build event from the server: {exc.error_count()} errors") from exc
+    return calls.ndjson_line(BuildEvent, line,
+                             lambda exc: f"malformed build event from the server: {exc.error_count()} errors")
 
 
 @functools.cache

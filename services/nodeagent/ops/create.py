@@ -13,18 +13,15 @@ import logging
 from podbay.contracts.events import EventType
 from podbay.contracts.messages import CreateSandboxCmd
 
-from ..vm.vmhost import VmHost
+from ..vm.vmhost import HostOps
 
 __all__ = ["CreateOps"]
 
 log = logging.getLogger("podbay.nodeagent.create")
 
 
-class CreateOps:
+class CreateOps(HostOps):
     """Create handlers bound to one node's VMs (a ``VmHost``)."""
-
-    def __init__(self, host: VmHost) -> None:
-        self.m = host
 
     async def create(self, cmd: CreateSandboxCmd) -> None:
         """Restore the template snapshot as sandbox ``cmd.sandbox_id`` and mark it running."""

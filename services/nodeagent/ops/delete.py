@@ -18,18 +18,15 @@ from podbay.contracts.states import OperationState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.telemetry import LIFECYCLE_OPERATIONS
 
-from ..vm.vmhost import VmHost
+from ..vm.vmhost import HostOps
 
 __all__ = ["DeleteOps"]
 
 log = logging.getLogger("podbay.nodeagent.delete")
 
 
-class DeleteOps:
+class DeleteOps(HostOps):
     """Delete handlers bound to one node's VMs (a ``VmHost``)."""
-
-    def __init__(self, host: VmHost) -> None:
-        self.m = host
 
     async def delete(self, cmd: DeleteSandboxCmd) -> None:
         """Stop and remove the sandbox's VM, then mark it deleted (idempotent)."""

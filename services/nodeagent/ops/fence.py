@@ -16,6 +16,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from podbay.service import run_every
+
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
 
@@ -76,13 +78,9 @@ async def rejoin(mgr: SandboxManager) -> bool:
 
 async def fence_loop(mgr: SandboxManager, stop: asyncio.Event) -> None:
     """:func:`fence_sweep` and :func:`rejoin` every ``node_fence_check_s`` until ``stop``."""
-    while not stop.is_set():
-        try:
-            await fence_sweep(mgr)
-            await rejoin(mgr)
-        except Exception:
-            log.exception("fence sweep failed; retrying")
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=mgr.settings.node_fence_check_s)
-        except TimeoutError:
-            pass
+
+    async def step() -> None:
+        await fence_sweep(mgr)
+        await rejoin(mgr)
+
+    await run_every(stop, mgr.settings.node_fence_check_s, step, log, "fence sweep failed; retrying")

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import Counter, Gauge
 
+from podbay.service import run_every
 from podbay.vmmem import HostMemory, VmMemory, available_for_vms, host_memory, vm_memory
 
 from .lease import cpu_percent, cpu_ticks
@@ -165,15 +166,7 @@ class MemoryWatch:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Measure, publish, and release under pressure until ``stop``; errors are logged and it goes on."""
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("memory measurement failed")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.m.settings.node_heartbeat_s)
-            except TimeoutError:
-                pass
+        await run_every(stop, self.m.settings.node_heartbeat_s, self.tick, log, "memory measurement failed")
 
     def expected_cost_mib(self, m: NodeMemory) -> float:
         """What one more fresh sandbox (or warm slot) is expected to cost here, MiB."""

@@ -33,7 +33,10 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from pydantic import BaseModel
 
 from podbay.contracts.events import EventType
 from podbay.channel.client import GuestChannel
@@ -110,25 +113,27 @@ class MigrationOps:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _on_prepare(self, msg: Any) -> None:
+    def _answer(self, msg: Any, reply_to: Callable[[bytes], Awaitable[BaseModel]],
+                malformed: Callable[[str], BaseModel]) -> None:
+        """Answer the request ``msg`` in a task of its own with ``await reply_to(msg.data)`` (a reply model);
+        a ``ValueError`` (a body that does not parse) is answered with ``malformed("malformed request: ...")``.
+        A reply that cannot be sent is dropped: the requester's timeout tells it."""
         async def answer() -> None:
             try:
-                reply = await self.prepare(MigratePrepare.model_validate_json(msg.data))
+                reply = await reply_to(msg.data)
             except ValueError as exc:
-                reply = MigratePrepareReply(ok=False, error=f"malformed request: {exc}")
+                reply = malformed(f"malformed request: {exc}")
             with contextlib.suppress(Exception):
                 await msg.respond(reply.model_dump_json().encode())
         self._spawn(answer())
 
+    async def _on_prepare(self, msg: Any) -> None:
+        self._answer(msg, lambda data: self.prepare(MigratePrepare.model_validate_json(data)),
+                     lambda error: MigratePrepareReply(ok=False, error=error))
+
     async def _on_finish(self, msg: Any) -> None:
-        async def answer() -> None:
-            try:
-                reply = await self.finish(MigrateFinish.model_validate_json(msg.data))
-            except ValueError as exc:
-                reply = MigrateFinishReply(committed=False, error=f"malformed request: {exc}")
-            with contextlib.suppress(Exception):
-                await msg.respond(reply.model_dump_json().encode())
-        self._spawn(answer())
+        self._answer(msg, lambda data: self.finish(MigrateFinish.model_validate_json(data)),
+                     lambda error: MigrateFinishReply(committed=False, error=error))
 
     async def prepare(self, req: MigratePrepare) -> MigratePrepareReply:
         """Start a QEMU waiting for ``req``'s stream and a listening socket; see the module docstring."""

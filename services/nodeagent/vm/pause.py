@@ -26,18 +26,15 @@ from podbay.errors import PodbayError
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.telemetry import HOP_SECONDS, LIFECYCLE_OPERATION_SECONDS, LIFECYCLE_OPERATIONS
 
-from .vmhost import HibernatedVm, RunningVm, VmHost
+from .vmhost import HibernatedVm, HostOps, RunningVm
 
 __all__ = ["PauseOps"]
 
 log = logging.getLogger("podbay.nodeagent.pause")
 
 
-class PauseOps:
+class PauseOps(HostOps):
     """Pause, resume, hibernate and renew handlers bound to one node's VMs (a ``VmHost``)."""
-
-    def __init__(self, host: VmHost) -> None:
-        self.m = host
 
     async def pause(self, cmd: SandboxOpCmd) -> None:
         """Pause the sandbox's vCPUs (QMP ``stop``) and record ``paused``; idempotent and fenced."""

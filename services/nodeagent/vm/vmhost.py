@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .vmdriver import TemplateImage, VmDriver, VmHandle
     from ..storage.volumes import VolumeStore
 
-__all__ = ["RunningVm", "HibernatedVm", "Snapshots", "VmHost"]
+__all__ = ["RunningVm", "HibernatedVm", "Snapshots", "VmHost", "HostOps"]
 
 
 @dataclass
@@ -166,3 +166,10 @@ class VmHost(Protocol):
     async def notify_op(self, operation_id: str, error: str | None) -> None:
         """Send an operation's notice (the row is already written)."""
         ...
+
+
+class HostOps:
+    """The base of an operation module's handlers: ``self.m`` is the node's :class:`VmHost` they act on."""
+
+    def __init__(self, host: VmHost) -> None:
+        self.m = host

@@ -25,7 +25,7 @@ from ..core.context import ApiContext
 from .sandbox_lookup import audit
 from .volume_service import refuse_drain_with_volumes
 
-__all__ = ["is_operator_tenant", "overview", "drain", "undrain"]
+__all__ = ["tenant_name", "is_operator_tenant", "overview", "drain", "undrain"]
 
 S, W = SandboxState, WarmSlotState
 
@@ -42,9 +42,15 @@ _LOAD = (  # S, W: the sandbox and warm slot states
     ") l GROUP BY node_id")
 
 
+async def tenant_name(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> str | None:
+    """The name of tenant ``tenant_id``, or None when there is no such tenant."""
+    name: str | None = await conn.fetchval("SELECT name FROM tenants WHERE id=$1", tenant_id)
+    return name
+
+
 async def is_operator_tenant(conn: asyncpg.Connection | asyncpg.Pool, settings: Settings, tenant_id: str) -> bool:
     """Whether tenant ``tenant_id`` is the operator tenant (``PODBAY_OPERATOR_TENANT``, by name)."""
-    return bool(await conn.fetchval("SELECT name FROM tenants WHERE id=$1", tenant_id) == settings.operator_tenant)
+    return bool(await tenant_name(conn, tenant_id) == settings.operator_tenant)
 
 
 async def overview(conn: asyncpg.Connection) -> tuple[list[asyncpg.Record], dict[str, Any], dict[str, str]]:

@@ -17,7 +17,7 @@ import asyncpg
 import httpx
 from pydantic import ValidationError
 
-from podbay import build_state
+from podbay import build_state, template_state
 
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.states import NodeState
@@ -240,7 +240,7 @@ async def remove_template(ctx: ApiContext, who: Principal, name: str, *,
             raise Conflict(f"template {alias!r} is in use by {why}",
                            details={"template": alias, "sandboxes": users, "pool": bool(pool),
                                     "children": [r["name"] for r in children], "building": building})
-        await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
+        await template_state.mark_deleted(conn, name)
         await conn.execute("DELETE FROM template_tags WHERE name=$1", name)  # a later build starts untagged
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
         await audit(conn, who, "template.delete", alias, detail={"key": name})

@@ -25,7 +25,7 @@ from typing import Final
 
 import asyncpg
 
-from podbay.contracts.states import VolumeState
+from podbay.contracts.states import NodeState, VolumeState
 from podbay.transitions import Conn, TransitionTable
 
 __all__ = ["VolumeVerb", "TRANSITIONS", "BIRTH_STATES", "next_state", "insert", "mark_deleting",
@@ -123,8 +123,8 @@ async def place_anywhere(conn: Conn, volume_id: str) -> str | None:
     """Place an unplaced volume on a ready node chosen at random. Returns that node, or None when the volume
     was placed already (or no node is ready)."""
     node: str | None = await conn.fetchval(
-        "UPDATE volumes SET node_id = (SELECT id FROM nodes WHERE state = 'ready' ORDER BY random() LIMIT 1)"
-        " WHERE id = $1 AND node_id IS NULL RETURNING node_id", volume_id)
+        "UPDATE volumes SET node_id = (SELECT id FROM nodes WHERE state = $2 ORDER BY random() LIMIT 1)"
+        " WHERE id = $1 AND node_id IS NULL RETURNING node_id", volume_id, NodeState.READY)
     return node
 
 

@@ -41,7 +41,7 @@ from podbay import lifecycle
 from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import DrainNodeCmd, MigrateOutCmd, NodeHeartbeat, PlaceSandbox, Resources, SandboxOpCmd
-from podbay.contracts.states import OperationState, SandboxState
+from podbay.contracts.states import NodeState, OperationState, SandboxState
 from podbay.errors import Conflict
 from podbay.lifecycle import AuditRecord, NewOperation, SandboxEvent, Verb
 from podbay.outbox import new_id
@@ -126,7 +126,8 @@ async def drain_node(pool: asyncpg.Pool, bus: Bus, cmd: DrainNodeCmd, *, migrate
         await _save(pool, op_id, prog)
     async with pool.acquire() as conn, conn.transaction():
         if prog.complete:
-            await conn.execute("UPDATE nodes SET state='drained' WHERE id=$1 AND state='draining'", cmd.node_id)
+            await conn.execute("UPDATE nodes SET state=$2 WHERE id=$1 AND state=$3", cmd.node_id, NodeState.DRAINED,
+                               NodeState.DRAINING)
             await operation_state.succeed(conn, op_id)
         else:
             msg = (f"{len(prog.failed)} of {prog.total} sandboxes could not move and still run on "

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import asyncpg
 
 from podbay.contracts.messages import NodeHeartbeat
+from podbay.contracts.states import NodeState
 
 from .placement import NodeLoad
 
@@ -109,7 +110,8 @@ async def candidate_loads(conn: asyncpg.Connection, nodes: list[NodeHeartbeat], 
         ask = chunk + [hb for hb in todo if hb.node_id not in in_chunk]
         todo = []
         ready = {row["id"] for row in await conn.fetch(
-            "SELECT id FROM nodes WHERE id = ANY($1::text[]) AND state = 'ready'", [hb.node_id for hb in ask])}
+            "SELECT id FROM nodes WHERE id = ANY($1::text[]) AND state = $2", [hb.node_id for hb in ask],
+            NodeState.READY)}
         loads = {n.node_id: n for n in await node_loads(conn, [hb for hb in ask if hb.node_id in ready],
                                                          tenant_id=tenant_id, template=template, digest=digest,
                                                          snapshot_id=snapshot_id)}

@@ -45,7 +45,7 @@ from podbay.bus import Bus
 from podbay.contracts import subjects
 from podbay.contracts.messages import Event, PlaceSandbox, Resources
 from podbay import lifecycle
-from podbay.contracts.states import OperationState
+from podbay.contracts.states import NodeState, OperationState
 from podbay.lifecycle import NewOperation, OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay, emit, new_id
 from podbay.service import run_every
@@ -58,7 +58,7 @@ __all__ = ["WATCHED_STATES", "lost_nodes", "LossReport", "declare_lost", "NodeLo
 log = logging.getLogger("podbay.scheduler.nodeloss")
 
 #: Node states whose silence means loss (a drained node holds nothing; a lost one is already handled).
-WATCHED_STATES = frozenset({"ready", "draining"})
+WATCHED_STATES = frozenset({NodeState.READY, NodeState.DRAINING})
 
 
 def lost_nodes(now: float, live: set[str], states: dict[str, str], absent_since: dict[str, float],
@@ -116,8 +116,8 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
     transaction. Returns what was done; the caller publishes ``report.placements`` after the commit."""
     report = LossReport(node_id)
     won = await conn.fetchval(
-        "UPDATE nodes SET state='lost', lost_at=now(), state_changed_at=now() WHERE id=$1"
-        " AND state IN ('ready', 'draining') RETURNING id", node_id)
+        "UPDATE nodes SET state=$2, lost_at=now(), state_changed_at=now() WHERE id=$1"
+        " AND state IN ($3, $4) RETURNING id", node_id, NodeState.LOST, NodeState.READY, NodeState.DRAINING)
     if won is None:
         return report
     report.acted = True
@@ -125,7 +125,7 @@ async def declare_lost(conn: asyncpg.Connection, node_id: str) -> LossReport:
         await _move(conn, node_id, r, report)
     await volume_state.release_of_lost_node(conn, node_id)
     await warm_slot_state.fail_on_lost_node(conn, node_id, f"node {node_id} was lost")
-    event = Event(id=new_id("evt"), type="lost", node_id=node_id, state="lost", at=datetime.now(UTC),
+    event = Event(id=new_id("evt"), type="lost", node_id=node_id, state=NodeState.LOST, at=datetime.now(UTC),
                   reason="heartbeat absent beyond the grace period",
                   data={"rescheduled": report.rescheduled, "replaced": report.replaced, "failed": report.failed,
                         "deleted": report.deleted, "suspended": report.suspended})

@@ -43,6 +43,7 @@ import random
 from dataclasses import dataclass
 
 from podbay.contracts.messages import NodeHeartbeat
+from podbay.contracts.states import NodeState
 
 __all__ = ["NodeLoad", "Request", "choose_node", "score", "fits", "fits_memory", "expected_cost", "room_mib",
            "measured", "NoCapacity", "ready_nodes", "with_volumes", "W_FREE", "W_SNAPSHOT", "W_TEMPLATE", "W_WARM", "W_TENANT",
@@ -98,7 +99,7 @@ def unready_reason(live: list[NodeHeartbeat], states: dict[str, str]) -> str | N
     sandboxes: node-1 is draining"``), else None. A node left ``draining`` by a failed drain, or ``drained``,
     takes placements again after ``POST /v1/nodes/{id}/undrain``."""
     held = sorted(f"{hb.node_id} is {states.get(hb.node_id, 'unknown')}" for hb in live
-                  if states.get(hb.node_id) != "ready")
+                  if states.get(hb.node_id) != NodeState.READY)
     if not held or len(held) < len(live):
         return None
     return f"no live node takes new sandboxes: {', '.join(held)} (podbay node undrain NODE makes one ready again)"
@@ -107,7 +108,7 @@ def unready_reason(live: list[NodeHeartbeat], states: dict[str, str]) -> str | N
 def ready_nodes(live: list[NodeHeartbeat], states: dict[str, str]) -> list[NodeHeartbeat]:
     """The live nodes that take placements: those whose ``nodes.state`` is ``ready`` (not ``draining``,
     ``drained`` or ``lost``; a heartbeat without a row is not placed on either)."""
-    return [hb for hb in live if states.get(hb.node_id) == "ready"]
+    return [hb for hb in live if states.get(hb.node_id) == NodeState.READY]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The API's layout by mechanism (services/api/: ``routes/``, ``services/``, ``e2b/``, ``edge/``, ``core/``, one
 node client): few entries at the top, route modules that never import one another, and no SQL in a route
-module, in E2B's adapter (``e2b/``) or in the schedules' routes (docs/architecture/modules.md). Read from the
-source with ``ast``, so imports inside functions count.
+module, in E2B's adapter (``e2b/``), in the edge (``edge/``), in the console's routes or in the schedules' routes
+(docs/architecture/modules.md). Read from the source with ``ast``, so imports inside functions count.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ def _route_modules() -> list[Path]:
 
 
 def _adapter_modules(api: Path = API) -> list[Path]:
-    """The modules outside ``routes/`` that answer HTTP and so hold no SQL: E2B's adapter and the schedules'
-    routes (their queries are in ``services/`` and ``schedules/queries.py``)."""
-    return [*sorted(p for p in (api / "e2b").glob("*.py") if p.name != "__init__.py"), api / "schedules" / "routes.py"]
+    """The modules outside ``routes/`` that answer HTTP and so hold no SQL: E2B's adapter, the edge (guest ports,
+    envd, TLS), the console's routes and the schedules' routes (their queries are in ``services/`` and
+    ``schedules/queries.py``)."""
+    return [*sorted(p for p in (api / "e2b").glob("*.py") if p.name != "__init__.py"),
+            *sorted(p for p in (api / "edge").glob("*.py") if p.name != "__init__.py"),
+            api / "console" / "routes.py", api / "schedules" / "routes.py"]
 
 
 def _imported_modules(source: str, package: tuple[str, ...]) -> set[str]:
@@ -107,7 +110,8 @@ def test_a_route_module_holds_no_sql(path: Path) -> None:
 def test_the_adapter_modules_are_found() -> None:
     # A check over an empty list passes whatever the code holds.
     names = {p.relative_to(API).as_posix() for p in _adapter_modules()}
-    assert {"e2b/sandboxes.py", "e2b/snapshots.py", "e2b/secrets.py", "schedules/routes.py"} <= names, names
+    assert {"e2b/sandboxes.py", "e2b/snapshots.py", "e2b/secrets.py", "edge/envd.py", "edge/ports.py",
+            "console/routes.py", "schedules/routes.py"} <= names, names
     assert all(p.is_file() for p in _adapter_modules())
 
 

@@ -11,7 +11,7 @@ from podbay.errors import InvalidState
 
 __all__ = ["SandboxState", "SandboxCommand", "ALLOWED", "TERMINAL", "check_allowed", "OperationState",
            "SnapshotState", "PromotionState",
-           "WarmSlotState", "VolumeState", "E2BBuildState"]
+           "WarmSlotState", "VolumeState", "E2BBuildState", "NodeState"]
 
 
 class SandboxState(StrEnum):
@@ -91,6 +91,16 @@ class E2BBuildState(StrEnum):
     BUILDING = "building"
     READY = "ready"
     ERROR = "error"
+
+
+class NodeState(StrEnum):
+    """A node's ``state`` (the nodes table's CHECK, libs/podbay/db/migrations/0010_nodes.sql; served as they are
+    by ``GET /v1/nodes``: podbay.contracts.api's ``NodeState``)."""
+
+    READY = "ready"          # placements allowed
+    DRAINING = "draining"    # an operator empties it (services/scheduler/drain.py); no new placements
+    DRAINED = "drained"      # its drain ended; no new placements until undrained
+    LOST = "lost"            # its heartbeat stayed absent past the grace (services/scheduler/nodeloss.py)
 
 
 TERMINAL: frozenset[SandboxState] = frozenset({SandboxState.DELETED})

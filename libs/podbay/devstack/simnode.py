@@ -53,7 +53,7 @@ from podbay import lifecycle
 from podbay.bus import MAX_DELIVER, Bus, consume
 from podbay.contracts import subjects
 from podbay.contracts.messages import CreateSandboxCmd, DeleteSandboxCmd, NodeHeartbeat
-from podbay.contracts.states import OperationState
+from podbay.contracts.states import NodeState, OperationState
 from podbay.lifecycle import OperationOutcome, SandboxEvent, Verb
 from podbay.outbox import Relay
 
@@ -170,9 +170,9 @@ class SimFleet:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(
                 "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state, started_at, seen_at)"
-                " SELECT id, 'http://127.0.0.1:9', $2, $3, 'sim', 'ready', now(), now() FROM unnest($1::text[]) id"
+                " SELECT id, 'http://127.0.0.1:9', $2, $3, 'sim', $4, now(), now() FROM unnest($1::text[]) id"
                 " ON CONFLICT (id) DO UPDATE SET memory_mib=$2, vcpus=$3, started_at=now(), seen_at=now()",
-                ids, any_node.memory_mib, any_node.vcpus)
+                ids, any_node.memory_mib, any_node.vcpus, NodeState.READY)
             await conn.execute("DELETE FROM node_templates WHERE node_id = ANY($1::text[])", ids)
             for name, digest in self.templates.items():
                 await conn.execute("INSERT INTO node_templates (node_id, template, digest)"
@@ -276,8 +276,8 @@ class SimFleet:
                 node.running.pop(sid, None)
                 dropped.append(sid)
         self.fenced += dropped
-        await self.pool.execute("UPDATE nodes SET state='ready', lost_at=NULL, state_changed_at=now()"
-                                " WHERE id=$1 AND state='lost'", node_id)
+        await self.pool.execute("UPDATE nodes SET state=$2, lost_at=NULL, state_changed_at=now()"
+                                " WHERE id=$1 AND state=$3", node_id, NodeState.READY, NodeState.LOST)
         kv = await self.bus.nodes_kv()
         await kv.put(node_id, node.heartbeat(sorted(self.templates)).model_dump_json().encode())
         ev = self._links.pop(node_id, None)

@@ -37,6 +37,7 @@ from ..e2b import sandboxes as e2b
 from ..core.auth import Principal, authenticate
 from ..core.context import ApiContext
 from ..core.deps import ctx_dep, principal_dep
+from ..services.nodes import tenant_name
 from . import session
 
 __all__ = ["router", "STATIC", "SessionInfo", "SignIn"]
@@ -75,7 +76,7 @@ class SessionInfo(BaseModel):
 
 
 async def _info(ctx: ApiContext, s: session.ConsoleSession) -> SessionInfo:
-    name = await ctx.pool.fetchval("SELECT name FROM tenants WHERE id=$1", s.principal.tenant_id)
+    name = await tenant_name(ctx.pool, s.principal.tenant_id)
     return SessionInfo(tenant_id=s.principal.tenant_id, tenant=str(name), key_id=s.principal.key_id,
                        operator=name == ctx.settings.operator_tenant, csrf_token=s.csrf, expires_at=s.expires_at)
 

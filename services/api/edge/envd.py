@@ -57,6 +57,7 @@ from .. import nodes_client
 from ..core.auth import Principal
 from ..core.context import ApiContext
 from ..e2b.common import envd_access_token, error_body
+from ..services.sandbox_lookup import e2b_envd_row
 from ..services.sandbox_service import auto_resume
 
 __all__ = ["router", "EnvdRouting", "file_signature", "check_file_signature", "ENVD_PORT", "PREFIX", "ENV_HEADER", "parse_host",
@@ -240,9 +241,7 @@ async def _envd(sandbox_id: str, request: Request) -> Response:
             dict(request.query_params), "read" if request.method == "GET" else "write", expected, time.time())
         if refused:
             return error_body(401, refused)
-    row = await ctx.pool.fetchrow(
-        "SELECT s.tenant_id, s.state, e.env_vars, COALESCE(e.auto_resume, false) AS auto_resume FROM sandboxes s"
-        " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id WHERE s.id = $1", sandbox_id)
+    row = await e2b_envd_row(ctx.pool, sandbox_id)
     if row is None:
         return error_body(502, f"The sandbox {sandbox_id} was not found")
     tenant = row["tenant_id"]

@@ -6,7 +6,8 @@ request passes to the app untouched:
 
 1. ``?podbay_token=`` on a GET: a good token is exchanged for an HttpOnly cookie and a redirect to the same
    address without it (so a link opens in a browser); a bad one is 403.
-2. The sandbox's row, its node and the port's setting, in one query. No such sandbox: 404.
+2. The sandbox's row, its node and the port's setting, in one query
+   (``services/api/services/ports.py``: ``edge_row``). No such sandbox: 404.
 3. Access (:mod:`.ports_access`): a public port passes its rate limit, shared by every API replica through
    PostgreSQL (:class:`podbay.ratelimit.SharedRateLimiter`; 429 past it); a private one needs the
    traffic token, the cookie, or an API key of the sandbox's tenant (401 without a credential, 403 with a
@@ -52,6 +53,7 @@ from ..console.session import COOKIE as CONSOLE_COOKIE
 from ..core.context import ApiContext
 from .envd import HostRefused
 from .envd import parse_host as parse_e2b_host
+from ..services.ports import edge_row
 from ..services.sandbox_service import auto_resume
 
 __all__ = ["PortsEdge", "LEASE_RENEW_EVERY_S", "E2B_ENVD_PORT"]
@@ -62,14 +64,6 @@ LEASE_RENEW_EVERY_S = 5.0
 #: E2B's envd port: its host-form requests belong to the envd proxy (services/api/edge/envd.py), not here.
 E2B_ENVD_PORT = 49983
 _WAKE_STATES = ("paused", "suspended")
-_ROW_SQL = (
-    "SELECT s.tenant_id, s.state, s.generation, n.dataplane_url, COALESCE(p.public, false) AS public,"
-    " COALESCE(e.allow_public_traffic, false) AS e2b_public, COALESCE(e.auto_resume, false) AS e2b_auto_resume,"
-    " e.mask_request_host, e.env_vars"
-    " FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
-    " LEFT JOIN sandbox_ports p ON p.sandbox_id = s.id AND p.port = $2"
-    " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
-    " WHERE s.id = $1")
 _CREDENTIAL_HEADERS = frozenset({pa.TOKEN_HEADER, pa.E2B_TOKEN_HEADER})
 #: The code interpreter's port (templates/code-interpreter/server.py): its requests carry the sandbox's
 #: create-time environment (E2B's ``envs``, kept in ``e2b_sandboxes.env_vars``) in :data:`SANDBOX_ENV_HEADER`
@@ -214,7 +208,7 @@ class PortsEdge:
             if query_token is not None and scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
                 raise self._exchange(route, query, query_token,
                                      secure=headers.get("x-forwarded-proto", scope.get("scheme", "")) == "https")
-            row = await ctx.pool.fetchrow(_ROW_SQL, route.sandbox_id, route.port)
+            row = await edge_row(ctx.pool, route.sandbox_id, route.port)
             if row is None:
                 raise _Stop(404, "not_found", f"sandbox {route.sandbox_id} does not exist")
             labels = (route.mode, str(route.port))  # never the sandbox id (ports_access: metric labels)
@@ -319,7 +313,7 @@ class PortsEdge:
         wake = self.settings.ports_wake and (route.mode != "e2b" or row["e2b_auto_resume"])
         if row["state"] in _WAKE_STATES and wake:
             await auto_resume(ctx, Principal(tenant_id=row["tenant_id"], key_id="ports-edge"), route.sandbox_id)
-            row = await ctx.pool.fetchrow(_ROW_SQL, route.sandbox_id, route.port)
+            row = await edge_row(ctx.pool, route.sandbox_id, route.port)
         if row is None or row["state"] != "running" or not row["dataplane_url"]:
             state = row["state"] if row is not None else "deleted"
             raise _Stop(409, "invalid_state", f"sandbox {route.sandbox_id} is {state}"

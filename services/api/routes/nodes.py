@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends
 
 from podbay.contracts.api import NodeInfo, NodeList, NodeMemory, NodeResources
 from podbay.contracts.messages import NodeHeartbeat
+from podbay.contracts.states import NodeState
 from podbay.errors import Forbidden
 
 from ..core.auth import Principal
@@ -59,7 +60,7 @@ async def list_nodes(ctx: CtxDep, who: PrincipalDep) -> NodeList:
         live = hb is not None
         nodes.append(NodeInfo(
             id=r["id"], state=r["state"], live=live,
-            schedulable=live and r["state"] == "ready" and bool(hb and hb.schedulable),
+            schedulable=live and r["state"] == NodeState.READY and bool(hb and hb.schedulable),
             accel=r["accel"], dataplane_url=r["dataplane_url"],
             capacity=NodeResources(memory_mib=r["memory_mib"], vcpus=r["vcpus"]),
             used=NodeResources(memory_mib=mem_used, vcpus=cpu_used),

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from podbay import template_state
 from podbay.contracts.access import NetworkInfo
 from podbay.contracts.egress import EgressPolicy
 from podbay.contracts.states import SandboxState
@@ -74,4 +75,4 @@ async def template_policy(conn: Any, name: str, *, for_update: bool = False) -> 
 async def set_template_policy(conn: asyncpg.Connection, name: str, policy: Any) -> None:
     """Replace template key ``name``'s default policy (JSON), its row locked first. NotFound when absent."""
     await template_policy(conn, name, for_update=True)
-    await conn.execute("UPDATE templates SET egress_policy=$2 WHERE name=$1", name, policy)
+    await template_state.set_egress_policy(conn, name, policy)

@@ -15,7 +15,7 @@ from podbay.config import Settings
 from podbay.contracts import subjects
 from podbay.contracts.api import DrainStarted, NodeUndrained
 from podbay.contracts.messages import DrainNodeCmd
-from podbay.contracts.states import OperationState, SandboxState, WarmSlotState
+from podbay.contracts.states import NodeState, OperationState, SandboxState, WarmSlotState
 from podbay.errors import Forbidden, InvalidState, NotFound
 from podbay.outbox import new_id
 from podbay import operation_state
@@ -25,7 +25,7 @@ from ..core.context import ApiContext
 from .sandbox_lookup import audit
 from .volume_service import refuse_drain_with_volumes
 
-__all__ = ["is_operator_tenant", "overview", "drain", "undrain"]
+__all__ = ["tenant_name", "is_operator_tenant", "overview", "drain", "undrain"]
 
 S, W = SandboxState, WarmSlotState
 
@@ -42,9 +42,15 @@ _LOAD = (  # S, W: the sandbox and warm slot states
     ") l GROUP BY node_id")
 
 
+async def tenant_name(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> str | None:
+    """The name of tenant ``tenant_id``, or None when there is no such tenant."""
+    name: str | None = await conn.fetchval("SELECT name FROM tenants WHERE id=$1", tenant_id)
+    return name
+
+
 async def is_operator_tenant(conn: asyncpg.Connection | asyncpg.Pool, settings: Settings, tenant_id: str) -> bool:
     """Whether tenant ``tenant_id`` is the operator tenant (``PODBAY_OPERATOR_TENANT``, by name)."""
-    return bool(await conn.fetchval("SELECT name FROM tenants WHERE id=$1", tenant_id) == settings.operator_tenant)
+    return bool(await tenant_name(conn, tenant_id) == settings.operator_tenant)
 
 
 async def overview(conn: asyncpg.Connection) -> tuple[list[asyncpg.Record], dict[str, Any], dict[str, str]]:
@@ -59,7 +65,7 @@ async def overview(conn: asyncpg.Connection) -> tuple[list[asyncpg.Record], dict
     return rows, loads, drains
 
 
-_DRAINABLE = ("ready", "draining", "drained")
+_DRAINABLE = (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED)
 _RUNNING_DRAIN = ("SELECT id FROM operations WHERE kind='drain' AND node_id=$1"
                   f" AND state IN ('{OperationState.PENDING}','{OperationState.RUNNING}')"
                   " ORDER BY created_at DESC LIMIT 1")
@@ -88,7 +94,7 @@ async def drain(ctx: ApiContext, who: Principal, node_id: str) -> DrainStarted:
         await refuse_drain_with_volumes(conn, node_id)
         op_id = new_id("op")
         await operation_state.insert(conn, op_id, tenant_id=who.tenant_id, kind="drain", node_id=node_id)
-        await conn.execute("UPDATE nodes SET state='draining' WHERE id=$1", node_id)
+        await conn.execute("UPDATE nodes SET state=$2 WHERE id=$1", node_id, NodeState.DRAINING)
         await audit(conn, who, "node.drain", node_id, detail={"operation_id": op_id})
     await ctx.bus.publish_command(subjects.SCHEDULER_DRAIN, DrainNodeCmd(operation_id=op_id, node_id=node_id),
                                   msg_id=op_id)
@@ -103,15 +109,15 @@ async def undrain(ctx: ApiContext, who: Principal, node_id: str) -> NodeUndraine
         state = await conn.fetchval("SELECT state FROM nodes WHERE id=$1 FOR UPDATE", node_id)
         if state is None:
             raise NotFound(f"node {node_id} does not exist")
-        if state == "ready":
+        if state == NodeState.READY:
             return NodeUndrained(node_id=node_id, state="ready", previous="ready")
-        if state not in ("draining", "drained"):
+        if state not in (NodeState.DRAINING, NodeState.DRAINED):
             raise InvalidState(f"node {node_id} is {state}; a lost node becomes ready when its node agent "
                                "returns and is fenced", details={"state": state})
         running = await conn.fetchval(_RUNNING_DRAIN, node_id)
         if running is not None:
             raise InvalidState(f"the drain of node {node_id} still runs (operation {running}); undrain it "
                                "once the drain has ended", details={"state": state, "operation_id": running})
-        await conn.execute("UPDATE nodes SET state='ready' WHERE id=$1", node_id)
+        await conn.execute("UPDATE nodes SET state=$2 WHERE id=$1", node_id, NodeState.READY)
         await audit(conn, who, "node.undrain", node_id, detail={"previous": state})
     return NodeUndrained(node_id=node_id, state="ready", previous=state)

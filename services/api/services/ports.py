@@ -15,7 +15,27 @@ from ..core.context import ApiContext
 from ..edge import ports_access as pa
 from .sandbox_lookup import audit, load_sandbox
 
-__all__ = ["settings_of", "is_public", "set_public", "e2b_traffic"]
+__all__ = ["settings_of", "is_public", "set_public", "e2b_traffic", "edge_row"]
+
+
+_EDGE_ROW = (
+    "SELECT s.tenant_id, s.state, s.generation, n.dataplane_url, COALESCE(p.public, false) AS public,"
+    " COALESCE(e.allow_public_traffic, false) AS e2b_public, COALESCE(e.auto_resume, false) AS e2b_auto_resume,"
+    " e.mask_request_host, e.env_vars"
+    " FROM sandboxes s LEFT JOIN nodes n ON n.id = s.node_id"
+    " LEFT JOIN sandbox_ports p ON p.sandbox_id = s.id AND p.port = $2"
+    " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id"
+    " WHERE s.id = $1")
+
+
+async def edge_row(pool: asyncpg.Pool, sandbox_id: str, port: int) -> asyncpg.Record | None:
+    """What the port edge (services/api/edge/ports.py) decides a request on, in one query, or None when there is
+    no such sandbox (any tenant's: the edge checks the credential): ``tenant_id``, ``state``, ``generation``,
+    ``dataplane_url`` (its node's; None without a node), ``public`` (the guest ``port``'s setting, false
+    without one), and E2B's traffic options: ``e2b_public``, ``e2b_auto_resume`` (false without an
+    ``e2b_sandboxes`` row), ``mask_request_host``, ``env_vars`` (None without one)."""
+    row: asyncpg.Record | None = await pool.fetchrow(_EDGE_ROW, sandbox_id, port)
+    return row
 
 
 async def settings_of(pool: asyncpg.Pool, sandbox_id: str) -> dict[int, bool]:

@@ -31,8 +31,9 @@ from ..core.context import ApiContext
 
 __all__ = ["SANDBOX_COLS", "GUEST_ENV_SQL", "sandbox_info", "load_sandbox", "list_sandboxes_of", "load_operation", "audit",
            "await_operation", "finish", "sandbox_state", "template_name_of", "e2b_page", "insert_e2b_settings",
-           "copy_e2b_settings", "store_e2b_network", "e2b_network", "e2b_iam_tokens", "cold_resume_snapshot",
-           "set_cold_resume", "clear_cold_resume", "sampled_within_a_second", "add_metrics_sample", "metrics_samples"]
+           "copy_e2b_settings", "store_e2b_network", "e2b_network", "e2b_envd_row", "e2b_iam_tokens",
+           "cold_resume_snapshot", "set_cold_resume", "clear_cold_resume", "sampled_within_a_second",
+           "add_metrics_sample", "metrics_samples"]
 
 #: The columns :func:`sandbox_info` reads (``FROM sandboxes``): ``template`` is the template's key,
 #: ``template_alias`` the name its owner gave it, which the API shows (services/api/services/template_access.py).
@@ -249,6 +250,16 @@ async def e2b_network(pool: Any, sandbox_id: str) -> dict[str, Any] | None:
     network: dict[str, Any] | None = await pool.fetchval(
         "SELECT network FROM e2b_sandboxes WHERE sandbox_id = $1", sandbox_id)
     return network
+
+
+async def e2b_envd_row(pool: Any, sandbox_id: str) -> asyncpg.Record | None:
+    """What E2B's envd proxy (services/api/edge/envd.py) decides a request on, or None when there is no such
+    sandbox (any tenant's: the proxy checked the envd token): ``tenant_id``, ``state``, ``env_vars`` (E2B's
+    create-time ``envVars``; None without an ``e2b_sandboxes`` row) and ``auto_resume`` (false without one)."""
+    row: asyncpg.Record | None = await pool.fetchrow(
+        "SELECT s.tenant_id, s.state, e.env_vars, COALESCE(e.auto_resume, false) AS auto_resume FROM sandboxes s"
+        " LEFT JOIN e2b_sandboxes e ON e.sandbox_id = s.id WHERE s.id = $1", sandbox_id)
+    return row
 
 
 async def e2b_iam_tokens(pool: Any, sandbox_id: str) -> dict[str, dict[str, str]] | None:

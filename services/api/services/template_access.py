@@ -31,7 +31,7 @@ from typing import Any
 
 import asyncpg
 
-from podbay import build_state
+from podbay import build_state, template_state
 from podbay.audit import record
 from podbay.errors import Conflict, Forbidden
 
@@ -186,5 +186,5 @@ async def share_operator_templates(pool: asyncpg.Pool, operator_tenant: str) -> 
         if tid is None:
             return 0
         await build_state.disown_builds(conn, tid)
-        status = await conn.execute("UPDATE templates SET owner_tenant=NULL WHERE owner_tenant=$1", tid)
+        status = await template_state.disown(conn, tid)
     return int(status.split()[-1])

@@ -17,9 +17,10 @@ import asyncpg
 import httpx
 from pydantic import ValidationError
 
-from podbay import build_state
+from podbay import build_state, template_state
 
 from podbay.contracts.egress import EgressPolicy
+from podbay.contracts.states import NodeState
 from podbay.contracts.templates import BuildSpec, BuildState, NodeBuildRequest
 from podbay.errors import Conflict, NotFound, Unavailable, Unprocessable
 from podbay.grants import BUILD_ID_HEADER, GrantKind
@@ -101,7 +102,8 @@ async def start_build(ctx: ApiContext, who: Principal, name: str, spec: BuildSpe
     node = await ctx.pool.fetchrow(
         "SELECT n.id, n.dataplane_url FROM templates t JOIN node_templates nt ON nt.template = t.name"
         " AND nt.digest = t.digest JOIN nodes n ON n.id = nt.node_id"
-        " WHERE t.name = $1 AND t.deleted_at IS NULL AND n.state = 'ready' ORDER BY n.seen_at DESC LIMIT 1", parent)
+        " WHERE t.name = $1 AND t.deleted_at IS NULL AND n.state = $2 ORDER BY n.seen_at DESC LIMIT 1", parent,
+        NodeState.READY)
     if node is None:
         if await ctx.pool.fetchval("SELECT 1 FROM templates WHERE name=$1 AND deleted_at IS NULL", parent) is None:
             raise NotFound(f"FROM names template {parent_row['alias']!r}, which does not exist",
@@ -189,7 +191,7 @@ async def fail_stale_build(pool: asyncpg.Pool, http: httpx.AsyncClient, node_hea
         " AND b.created_at < now() - make_interval(secs => $2)", name, STALE_BUILD_GRACE_S)
     if row is None:
         return False
-    if row["node_state"] == "ready":
+    if row["node_state"] == NodeState.READY:
         try:
             resp = await http.get(f"{row['dataplane_url']}/internal/v1/templates/building/{name}",
                                   headers=node_headers, timeout=10.0)
@@ -238,7 +240,7 @@ async def remove_template(ctx: ApiContext, who: Principal, name: str, *,
             raise Conflict(f"template {alias!r} is in use by {why}",
                            details={"template": alias, "sandboxes": users, "pool": bool(pool),
                                     "children": [r["name"] for r in children], "building": building})
-        await conn.execute("UPDATE templates SET deleted_at=now(), updated_at=now() WHERE name=$1", name)
+        await template_state.mark_deleted(conn, name)
         await conn.execute("DELETE FROM template_tags WHERE name=$1", name)  # a later build starts untagged
         await conn.execute("DELETE FROM node_templates WHERE template=$1", name)
         await audit(conn, who, "template.delete", alias, detail={"key": name})

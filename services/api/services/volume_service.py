@@ -35,7 +35,7 @@ import asyncpg
 from podbay import volume_state
 from podbay.audit import record
 from podbay.config import Settings
-from podbay.contracts.states import SandboxState, VolumeState
+from podbay.contracts.states import NodeState, SandboxState, VolumeState
 from podbay.contracts.volumes import (
     VolumeAttachment,
     VolumeCreate,
@@ -331,8 +331,8 @@ async def content_node(pool: Any, volume_id: str) -> tuple[str, str]:
     if node_id is None:
         node_id = await volume_state.place_anywhere(pool, volume_id)
         node_id = node_id or await pool.fetchval("SELECT node_id FROM volumes WHERE id=$1", volume_id)
-    url = await pool.fetchval("SELECT dataplane_url FROM nodes WHERE id=$1 AND state <> 'lost'", node_id) \
-        if node_id else None
+    url = await pool.fetchval("SELECT dataplane_url FROM nodes WHERE id=$1 AND state <> $2", node_id,
+                              NodeState.LOST) if node_id else None
     if not url:
         raise Unavailable(f"volume {volume_id}'s node is not available; retry shortly", details={"retryable": True})
     return str(row["tenant_id"]), str(url)

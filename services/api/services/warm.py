@@ -26,7 +26,7 @@ from podbay.contracts import subjects
 from podbay.contracts.api import SandboxCreate, SandboxInfo
 from podbay.contracts.messages import Event, PlaceSandbox, Resources, WarmClaim, WarmClaimReply
 from podbay import lifecycle
-from podbay.contracts.states import OperationState, SandboxState
+from podbay.contracts.states import NodeState, OperationState, SandboxState
 from podbay.errors import SandboxFailed
 from podbay.lifecycle import OperationOutcome, Verb
 from podbay.logs import bind_log_context
@@ -73,7 +73,7 @@ CLAIM_SQL = (
     " c AS (SELECT w.id FROM warm_slots w JOIN t ON w.template=t.name AND w.template_digest=t.digest"
     " WHERE w.state='ready'"
     # Only on nodes that take placements (not draining, drained or lost).
-    " AND w.node_id IN (SELECT id FROM nodes WHERE state='ready')"
+    f" AND w.node_id IN (SELECT id FROM nodes WHERE state='{NodeState.READY}')"
     " ORDER BY w.created_at LIMIT 1 FOR UPDATE OF w SKIP LOCKED),"
     " slot AS (UPDATE warm_slots w SET state='claimed', claimed_at=now() FROM c WHERE w.id=c.id"
     " RETURNING w.id, w.node_id),"

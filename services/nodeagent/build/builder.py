@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from podbay import build_state
+from podbay import build_state, template_state
 from podbay.buildcontext import MissingSource, sources_digest
 from podbay.channel.client import GuestChannel
 from podbay.contracts.channel import ExecSpec
@@ -642,18 +642,8 @@ class TemplateBuilder:
         size = (snap.dir / "disk.img").stat().st_size
         cfg = snap.config.model_dump(mode="json") if snap.config is not None else None  # the pool encodes jsonb
         async with self.m.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(
-                "INSERT INTO templates (name, digest, memory_mib, vcpus, parent, config, size_bytes, owner_tenant,"
-                " alias) VALUES ($1,$2,$3,$4,$5,$6::jsonb,$7,(SELECT owner_tenant FROM template_builds WHERE id=$8),"
-                " (SELECT alias FROM template_builds WHERE id=$8))"
-                " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3,"
-                " vcpus=$4, parent=$5, config=$6::jsonb, size_bytes=$7, deleted_at=NULL, updated_at=now(),"
-                " owner_tenant=CASE WHEN $8::text IS NULL THEN templates.owner_tenant ELSE EXCLUDED.owner_tenant END"
-                " WHERE $8::text IS NULL OR templates.deleted_at IS NOT NULL"
-                " OR templates.owner_tenant IS NOT DISTINCT FROM EXCLUDED.owner_tenant"
-                " RETURNING created_at, updated_at, alias,"
-                " coalesce((SELECT p.alias FROM templates p WHERE p.name = $5), $5) AS parent_alias",
-                img.name, img.digest, snap.memory_mib, snap.vcpus, parent, cfg, size, build_id)
+            row = await template_state.register_build(conn, img.name, img.digest, snap.memory_mib, snap.vcpus,
+                                                      parent, cfg, size, build_id)
             if row is None:
                 raise TemplateNameTaken(f"the template name {img.name!r} was taken while this build ran; "
                                         "build under another name", details={"template": img.name})

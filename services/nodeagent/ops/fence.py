@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from podbay.contracts.states import NodeState
 from podbay.service import run_every
 
 if TYPE_CHECKING:
@@ -65,12 +66,12 @@ async def fence_sweep(mgr: SandboxManager) -> list[str]:
 async def rejoin(mgr: SandboxManager) -> bool:
     """If this node is ``lost``: sweep (:func:`fence_sweep`), then mark it ``ready``; returns True when it did."""
     state = await mgr.pool.fetchval("SELECT state FROM nodes WHERE id=$1", mgr.node_id)
-    if state != "lost":
+    if state != NodeState.LOST:
         return False
     await fence_sweep(mgr)
     done = await mgr.pool.fetchval(
-        "UPDATE nodes SET state='ready', lost_at=NULL, state_changed_at=now() WHERE id=$1 AND state='lost'"
-        " RETURNING id", mgr.node_id)
+        "UPDATE nodes SET state=$2, lost_at=NULL, state_changed_at=now() WHERE id=$1 AND state=$3"
+        " RETURNING id", mgr.node_id, NodeState.READY, NodeState.LOST)
     if done:
         log.warning("node %s was declared lost; its stale VMs are gone and it is ready again", mgr.node_id)
     return bool(done)

@@ -20,6 +20,7 @@ import asyncpg
 from podbay.bus import Bus
 from podbay.config import Settings
 from podbay.contracts.messages import NodeHeartbeat
+from podbay.contracts.states import NodeState
 from podbay.pressure import cpu_pressure, cpu_saturated
 from podbay.telemetry import CPU_PRESSURE, NODE_CAPACITY, NODE_HEARTBEATS, NODE_SANDBOXES, NODE_USED
 
@@ -46,9 +47,9 @@ async def register_node(pool: asyncpg.Pool, settings: Settings, dataplane_url: s
     mem, cpus = node_capacity(settings)
     await pool.execute(
         "INSERT INTO nodes (id, dataplane_url, memory_mib, vcpus, accel, state, started_at, seen_at)"
-        " VALUES ($1,$2,$3,$4,$5,'ready',now(),now()) ON CONFLICT (id) DO UPDATE SET dataplane_url=$2,"
+        " VALUES ($1,$2,$3,$4,$5,$6,now(),now()) ON CONFLICT (id) DO UPDATE SET dataplane_url=$2,"
         " memory_mib=$3, vcpus=$4, accel=$5, started_at=now(), seen_at=now()",
-        settings.node_id, dataplane_url, mem, cpus, accel)
+        settings.node_id, dataplane_url, mem, cpus, accel, NodeState.READY)
 
 
 async def heartbeat_loop(bus: Bus, settings: Settings, dataplane_url: str, accel: str,

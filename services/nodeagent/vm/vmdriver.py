@@ -20,6 +20,7 @@ from pathlib import Path
 
 import asyncpg
 
+from podbay import template_state
 from podbay.config import Settings
 
 from . import confine
@@ -270,7 +271,4 @@ async def register_cached_template_in(conn: asyncpg.Connection, name: str, diges
     violation (a second node of a fresh stack failed its start so). A lock per name, held to the end of the
     transaction, lets one registration at a time in; the next sees the committed row and updates it."""
     await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", TEMPLATE_REGISTER_LOCK_NS, name)
-    await conn.execute(
-        "INSERT INTO templates (name, digest, memory_mib, vcpus, size_bytes) VALUES ($1,$2,$3,$4,$5)"
-        " ON CONFLICT (name) DO UPDATE SET digest=$2, memory_mib=$3, vcpus=$4, size_bytes=$5, updated_at=now()",
-        name, digest, memory_mib, vcpus, size_bytes)
+    await template_state.register_cached(conn, name, digest, memory_mib, vcpus, size_bytes)

@@ -8,6 +8,7 @@ import subprocess
 from typing import Any
 
 import httpx
+import pytest
 
 from podbay.devstack.netns import NodeNetwork
 from podbay.devstack.procs import run_sync
@@ -60,6 +61,28 @@ def test_a_cut_link_makes_the_node_unreachable_until_restored(multinode_stack: A
     finally:
         st.restore_link("node-b")
     assert _reachable(url)
+
+
+#: A name the host's own resolver answers when the machine has its way out (the package mirror the template
+#: builds use): each node namespace must resolve it too, through the host's uplink.
+_OUTSIDE_NAME = "deb.debian.org"
+
+
+def _resolves(prefix: list[str], name: str) -> bool:
+    done = subprocess.run([*prefix, "getent", "hosts", name], capture_output=True, text=True, timeout=30,
+                          check=False)
+    return done.returncode == 0 and bool(done.stdout.strip())
+
+
+def test_each_node_reaches_the_outside_as_a_host_would_also_after_a_cut(multinode_stack: Any) -> None:
+    """A node's gateway resolves names with the host's resolver and proxies a sandbox's allowed egress, so
+    each namespace needs the host's way out (forwarding and masquerade, podbay.devstack.netns): without it a
+    template build's ``apt-get`` on a namespaced node failed with "Temporary failure resolving". Runs after
+    the cut-link test, so node-b's link has been down and up."""
+    if not _resolves([], _OUTSIDE_NAME):
+        pytest.skip(f"this host does not resolve {_OUTSIDE_NAME} itself")
+    for link in multinode_stack.network.nodes:
+        assert _resolves(link.nsenter(), _OUTSIDE_NAME), f"{link.node_id} cannot resolve {_OUTSIDE_NAME}"
 
 
 def test_the_operator_lists_the_nodes_and_other_tenants_may_not(multinode_stack: Any) -> None:

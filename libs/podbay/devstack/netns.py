@@ -7,7 +7,13 @@ two node agents of one stack on one host clash unless each runs in its own netwo
   networks, :data:`podbay.stacknet.SANDBOX_POOL`; ``<k>`` is chosen so that no host address is already inside it);
 - per node ``i`` (0-based): a namespace ``pb-<tag>-<node id>`` with loopback up, a veth pair whose host end
   ``pbv-<tag>-<i>`` is a bridge port and whose namespace end is ``eth0`` with ``10.77.<k>.<i+2>/24``, and a
-  default route through the bridge address.
+  default route through the bridge address;
+- the uplink, so that a node reaches the outside as a real host would (its gateway resolves names with the
+  host's resolver and proxies a sandbox's allowed egress): IPv4 forwarding on, and ``table inet
+  podbay_<tag>_hosts`` in the host namespace, which masquerades the bridge's /24 towards every other
+  interface and accepts forwarding from the bridge (and the replies back to it). Without it a build step's
+  ``apt-get`` on a namespaced node found no DNS. Sandboxes gain nothing: each node's own table rejects
+  everything a tap would forward (services/nodeagent/net/netfilter.py), whatever ``ip_forward`` says.
 
 ``<tag>`` is the stack's tag (:func:`podbay.stacknet.stack_tag`, from its data directory), so two stacks on
 one host do not collide. The plan is
@@ -38,9 +44,10 @@ from podbay.stacknet import (
 )
 
 __all__ = ["node_ids_for", "NetnsError", "NodeLink", "NodeNetwork", "plan_network", "purge_networks", "STATE_FILE",
-           "sweep_orphans"]
+           "sweep_orphans", "uplink_table"]
 
 STATE_FILE = "netns.json"
+_IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 #: Second octet of the /24 networks tried for the bridge: 10.77.<k>.0/24.
 _BASE = ipaddress.ip_network("10.77.0.0/16")
 
@@ -110,21 +117,57 @@ class NodeNetwork:
             _ip("-n", link.netns, "addr", "replace", f"{link.address}/{prefix}", "dev", "eth0")
             _ip("-n", link.netns, "link", "set", "eth0", "up")
             _ip("-n", link.netns, "route", "replace", "default", "via", self.host_address)
+        self._uplink()
+
+    def _uplink(self) -> None:
+        """Forwarding and masquerading from the bridge to the host's other interfaces (module docstring).
+        The table is replaced as a whole in one ``nft -f`` transaction. Raises :class:`NetnsError`."""
+        try:
+            if _IP_FORWARD.read_text().strip() != "1":
+                _IP_FORWARD.write_text("1\n")
+        except OSError as e:
+            raise NetnsError(f"cannot turn on IPv4 forwarding for the node namespaces: {e}",
+                             details={"path": str(_IP_FORWARD), "stderr": str(e)}) from e
+        table = uplink_table(self.tag)
+        ruleset = (
+            f"table inet {table} {{}}\n"
+            f"delete table inet {table}\n"
+            f"table inet {table} {{\n"
+            f"  chain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n"
+            # Only what leaves the machine: the host's own packets to the bridge address (source in the /24,
+            # out on lo) must keep their source, or PostgreSQL sees them come from the uplink's address.
+            f"    ip saddr {self.cidr} ip daddr != {self.cidr} oifname != {{ \"{self.bridge}\", \"lo\" }}"
+            f" masquerade; }}\n"
+            f"  chain forward {{ type filter hook forward priority filter; policy accept;\n"
+            f"    iifname \"{self.bridge}\" accept;\n"
+            f"    oifname \"{self.bridge}\" ct state established,related accept; }}\n"
+            f"}}\n")
+        done = subprocess.run(["nft", "-f", "-"], input=ruleset, capture_output=True, text=True, timeout=30,
+                              check=False)
+        if done.returncode != 0:
+            raise NetnsError(f"nft refused the node namespaces' uplink table: {done.stderr.strip()}",
+                             details={"argv": ["nft", "-f", "-"], "stderr": done.stderr.strip()})
 
     def destroy(self) -> None:
-        """Remove the namespaces, veths and bridge; idempotent, never raises for what is already gone."""
+        """Remove the namespaces, veths, bridge and uplink table; idempotent, never raises for what is already
+        gone. IPv4 forwarding stays on (another stack may rely on it; the module docstring says why it is
+        harmless)."""
         for link in self.nodes:
             _ip("link", "del", link.veth, check=False)  # deletes the peer inside the namespace too
             _ip("netns", "del", link.netns, check=False)
         _ip("link", "del", self.bridge, check=False)
+        delete_nft_table(uplink_table(self.tag))
 
     def cut(self, node_id: str) -> None:
         """Take ``node_id``'s host-side veth down: the node can reach nothing and nothing reaches it."""
         _ip("link", "set", self.node(node_id).veth, "down")
 
     def restore(self, node_id: str) -> None:
-        """Bring ``node_id``'s link back up (undoes :meth:`cut`)."""
-        _ip("link", "set", self.node(node_id).veth, "up")
+        """Bring ``node_id``'s link back up (undoes :meth:`cut`), with its default route as :meth:`create` set
+        it (the kernel may have dropped it while the link was down)."""
+        link = self.node(node_id)
+        _ip("link", "set", link.veth, "up")
+        _ip("-n", link.netns, "route", "replace", "default", "via", self.host_address, check=False)
 
     def save(self, data_dir: Path) -> None:
         """Write the plan to ``DATA_DIR/netns.json`` (for :func:`purge_networks`)."""
@@ -139,6 +182,12 @@ class NodeNetwork:
         except (OSError, ValueError):
             return None
         return cls(**{**raw, "nodes": [NodeLink(**n) for n in raw.get("nodes", [])]})
+
+
+def uplink_table(tag: str) -> str:
+    """The host namespace's nftables table (``inet``) that gives the node namespaces of stack ``tag`` their
+    way out (module docstring)."""
+    return f"{nft_table_of(tag)}_hosts"
 
 
 def node_ids_for(count: int) -> list[str]:
@@ -208,6 +257,7 @@ def sweep_orphans(*, registry: Path = STACKS_DIR) -> list[str]:
     swept = []
     for tag in orphaned_stacks(registry=registry):
         delete_nft_table(nft_table_of(tag))
+        delete_nft_table(uplink_table(tag))
         for ns in _ip("netns", "list", check=False).stdout.split():
             if ns.startswith(f"pb-{tag}-"):
                 _ip("netns", "del", ns, check=False)

@@ -190,6 +190,11 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(stack: Any) -> None:
         sid = c.post("/v1/sandboxes", json={"template": "base"}).json()["id"]
         r = c.get(f"/v1/sandboxes/{sid}/files", params={"path": "/no/such/file"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        # Neither a directory nor a file without an end (a device would stream until the client gave out).
+        for path in ("/tmp", "/dev/zero", "/dev/urandom"):
+            with c.stream("GET", f"/v1/sandboxes/{sid}/files", params={"path": path}, timeout=60) as r:
+                assert r.status_code == 400, (path, r.status_code)  # before any body: a device's has no end
+                assert json.loads(r.read())["error"]["code"] == "invalid_request", path
         r = c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": []})
         assert r.status_code == 422
 

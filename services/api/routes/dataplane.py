@@ -73,7 +73,9 @@ PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolut
 
 @router.get("/files", responses={200: {"content": {"application/octet-stream": {}}}})
 async def read_file(sandbox_id: str, path: PathQ, request: Request, ctx: CtxDep, who: PrincipalDep) -> Response:
-    """The file's bytes, streamed. 404 ``not_found`` when it does not exist."""
+    """The file's bytes, streamed. 404 ``not_found`` when it does not exist; 400 ``invalid_request`` for a
+    directory, device, FIFO or socket (a device such as ``/dev/zero`` has no end); a symlink is read as its
+    target."""
     base, gen = await target(ctx, who, sandbox_id, SandboxCommand.FILES)
     return await proxy(ctx, request, node_url(base, sandbox_id, "/files"), gen, method="GET",
                        tenant=who.tenant_id, subject=sandbox_id, kind=GrantKind.FILES,

@@ -172,6 +172,13 @@ def create_dataplane_app(manager: SandboxManager) -> FastAPI:
             from podbay.errors import InvalidRequest
 
             raise InvalidRequest(f"{path} is a directory", details={"path": path})
+        if st.type == "other":
+            # A device, FIFO or socket has no end (/dev/zero, /dev/urandom): its read would stream until the
+            # client ran out of memory. A symlink is read as its target, which the guest opens.
+            from podbay.errors import InvalidRequest
+
+            raise InvalidRequest(f"{path} is not a regular file (a device, FIFO or socket): only files are read",
+                                 details={"path": path})
         chunks = ch.read_file(path).__aiter__()
         # Read the first chunk before answering so that a missing file is a 404, not a broken 200.
         try:

@@ -246,7 +246,12 @@ class _SharedMultinode:
             base_env={**os.environ,
                       "PODBAY_NODE_HEARTBEAT_S": os.environ.get("PODBAY_NODE_HEARTBEAT_S", "1"),
                       "PODBAY_NODE_HEARTBEAT_TTL_S": os.environ.get("PODBAY_NODE_HEARTBEAT_TTL_S", "4"),
-                      "PODBAY_NODE_LOST_GRACE_S": os.environ.get("PODBAY_NODE_LOST_GRACE_S", "3")},
+                      "PODBAY_NODE_LOST_GRACE_S": os.environ.get("PODBAY_NODE_LOST_GRACE_S", "3"),
+                      # As the single-node stack's (see ``stack``): the same operator allow-list, so that a
+                      # build on either node meets the same egress rules (a cold machine builds the desktop
+                      # template here first, with apt-get reaching the package mirror).
+                      "PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS": os.environ.get("PODBAY_EGRESS_OPERATOR_ALLOW_CIDRS",
+                                                                           TEST_PEER_NETS)},
         )
         self.stack = running
         running.start()

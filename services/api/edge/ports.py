@@ -224,7 +224,7 @@ class PortsEdge:
             if route.mode == "e2b" and row["mask_request_host"]:  # E2B's network.maskRequestHost
                 extra["x-podbay-port-host"] = row["mask_request_host"].replace("${PORT}", str(route.port))
             if route.port == CODE_INTERPRETER_PORT and row["env_vars"]:
-                extra[SANDBOX_ENV_HEADER] = json.dumps(row["env_vars"])  # ASCII: \\uXXXX escapes, no newline
+                extra[SANDBOX_ENV_HEADER] = json.dumps(row["env_vars"])  # ensure_ascii (the default) keeps a header value ASCII, one line
             url = f"{row['dataplane_url']}/internal/ports/{route.sandbox_id}/{route.port}"
             PortsGauge.inc(labels)
             try:
